@@ -1,0 +1,341 @@
+"""PyTorch backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with autograd.
+
+Gradients accumulate into one flat buffer (each parameter's ``.grad`` is a view of it), so a
+distributed reduction is a single call on one tensor and zeroing is one ``zero_()``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import ElasticFlowError
+from ..optim import SGD, Adam, AdamW, OptimizerSpec
+
+NAME = "torch"
+_training = True  # read by dropout; the Engine flips it around evaluation
+
+
+def setup(threads: Optional[int], seed: int) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+
+
+def is_native(obj: Any) -> bool:
+    """A model object this backend trains as-is (forward() receives it instead of a params dict)."""
+    return isinstance(obj, torch.nn.Module)
+
+
+def native_kind(obj: Any) -> Optional[str]:
+    """A description of ``obj`` when it is a framework-native model this backend cannot train."""
+    return None if isinstance(obj, torch.nn.Module) else _foreign_kind(obj)
+
+
+def _foreign_kind(obj: Any) -> Optional[str]:
+    for cls in type(obj).__mro__:
+        if cls.__module__.split(".")[0] in ("keras", "tf_keras", "tensorflow"):
+            return f"a TensorFlow model ({type(obj).__module__}.{type(obj).__name__})"
+    return None
+
+
+# ---------------------------------------------------------------- ops
+matmul = torch.matmul
+relu = torch.relu
+tanh = torch.tanh
+sigmoid = torch.sigmoid
+exp = torch.exp
+log = torch.log
+sqrt = torch.sqrt
+square = torch.square
+abs = torch.abs  # noqa: A001
+maximum = torch.maximum
+stop_gradient = torch.Tensor.detach
+
+
+def gelu(x):
+    return F.gelu(x)
+
+
+def _dims(axis):
+    return tuple(axis) if isinstance(axis, (tuple, list)) else axis
+
+
+def mean(x, axis=None, keepdims=False):
+    return torch.mean(x) if axis is None and not keepdims else torch.mean(x, dim=_dims(axis), keepdim=keepdims)
+
+
+def sum(x, axis=None, keepdims=False):  # noqa: A001
+    return torch.sum(x) if axis is None and not keepdims else torch.sum(x, dim=_dims(axis), keepdim=keepdims)
+
+
+def reshape(x, shape):
+    return torch.reshape(x, shape)
+
+
+def transpose(x, perm=None):
+    return x.permute(*(perm if perm is not None else range(x.dim() - 1, -1, -1)))
+
+
+def concat(xs, axis=0):
+    return torch.cat(xs, dim=axis)
+
+
+def softmax(x, axis=-1):
+    return torch.softmax(x, dim=axis)
+
+
+def log_softmax(x, axis=-1):
+    return torch.log_softmax(x, dim=axis)
+
+
+def one_hot(ids, num_classes):
+    return F.one_hot(ids.long(), num_classes).to(torch.float32)
+
+
+def cross_entropy(logits, labels):
+    return F.cross_entropy(logits, labels.long())
+
+
+def mse(pred, target):
+    return F.mse_loss(pred, target)
+
+
+def accuracy(logits, labels):
+    with torch.no_grad():
+        return (logits.argmax(dim=-1) == labels.long()).to(torch.float32).mean()
+
+
+def argmax(x, axis=-1):
+    return torch.argmax(x, dim=axis)
+
+
+def conv2d(x, w, b, stride, padding):
+    return F.conv2d(x, w, b, stride=stride, padding=padding)
+
+
+def max_pool2d(x, size, stride):
+    return F.max_pool2d(x, size, stride)
+
+
+def layer_norm(x, gamma, beta, eps):
+    return F.layer_norm(x, x.shape[-1:], gamma, beta, eps)
+
+
+def embedding(table, ids):
+    return F.embedding(ids.long(), table)
+
+
+def dropout(x, rate):
+    return F.dropout(x, rate, training=_training) if rate else x
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+
+
+def cast(x, dtype):
+    return x.to(_DTYPES[dtype])
+
+
+# ---------------------------------------------------------------- data
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    """float64 becomes float32 (the framework's parameter dtype); other dtypes keep theirs."""
+    array = np.asarray(array)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    elif not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array).copy()
+    return torch.from_numpy(array)
+
+
+def resident(arrays: Sequence[np.ndarray]) -> Tuple[torch.Tensor, ...]:
+    """The whole dataset as tensors, converted once; batches are then gathered by index."""
+    return tuple(to_tensor(a) for a in arrays)
+
+
+def index(positions: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(positions)
+
+
+def gather(tensors: Tuple[torch.Tensor, ...], idx: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    return tuple(t.index_select(0, idx) for t in tensors)
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+# ---------------------------------------------------------------- engine
+def _check_loss(out: Any, where: str):
+    """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
+    metrics: Dict[str, Any] = {}
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise ElasticFlowError(f"forward() returned a dict without a 'loss' key (keys: {sorted(out)})",
+                                   "return {'loss': loss, 'accuracy': acc, ...}")
+        metrics = {k: v for k, v in out.items() if k != "loss"}
+        out = out["loss"]
+    if not isinstance(out, torch.Tensor):
+        raise ElasticFlowError(f"forward() returned a {type(out).__name__} as the loss {where}",
+                               "compute the loss from params with elasticflow.ops (or torch) so gradients flow")
+    if out.numel() != 1:
+        raise ElasticFlowError(f"forward() returned a non-scalar loss of shape {tuple(out.shape)} {where}",
+                               "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
+    for k, v in metrics.items():
+        if not isinstance(v, (torch.Tensor, float, int)) or (isinstance(v, torch.Tensor) and v.numel() != 1):
+            raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
+                                   "every value in forward()'s dict must be a single number")
+    return out.reshape(()), metrics
+
+
+def _flatten(tree: Dict[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
+    items: List[Tuple[str, Any]] = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            items.extend(_flatten(value, name + "/"))
+        else:
+            items.append((name, value))
+    return items
+
+
+def _rebuild(tree: Dict[str, Any], leaves: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    return {k: _rebuild(v, leaves, f"{prefix}{k}/") if isinstance(v, dict) else leaves[f"{prefix}{k}"]
+            for k, v in tree.items()}
+
+
+class Engine:
+    """Parameters, autograd, the flat gradient buffer and the optimizer of one worker.
+
+    Args:
+        model: what ``model(cfg)`` returned, without the "optimizer" key: a (nested) dict of
+            arrays/tensors, or a ``torch.nn.Module``.
+        forward: the user's ``forward(*batch, params)``.
+        spec: the optimizer spec.
+    """
+
+    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True):
+        self.forward = forward
+        self.spec = spec
+        self.module: Optional[torch.nn.Module] = None
+        if isinstance(model, torch.nn.Module):
+            self.module = model
+            self.params = dict(model.named_parameters())
+            self.buffers = dict(model.named_buffers())
+            self.view = model
+        else:
+            leaves: Dict[str, torch.Tensor] = {}
+            self.params, self.buffers = {}, {}
+            for name, value in _flatten(model):
+                t = value.detach().clone() if isinstance(value, torch.Tensor) else to_tensor(np.array(value))
+                if t.is_floating_point():
+                    t = t.to(torch.float32).requires_grad_(True)
+                    self.params[name] = t
+                else:
+                    self.buffers[name] = t
+                leaves[name] = t
+            self.view = _rebuild(model, leaves)
+        if not self.params:
+            raise ElasticFlowError("model() returned no floating-point parameters to train",
+                                   "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
+        plist = list(self.params.values())
+        self.num_params = int(np.sum([p.numel() for p in plist]))
+        self.flat_grad = torch.zeros(self.num_params, dtype=torch.float32)
+        offset = 0
+        for p in plist:
+            n = p.numel()
+            p.grad = self.flat_grad[offset:offset + n].view_as(p)
+            offset += n
+        self.optimizer = _make_optimizer(spec, plist)
+        self._checked = False
+
+    # -- one step
+    def train_mode(self, training: bool) -> None:
+        global _training
+        _training = training
+        if self.module is not None:
+            self.module.train(training)
+
+    def zero_grad(self) -> None:
+        self.flat_grad.zero_()
+
+    def accumulate(self, batch: Tuple[torch.Tensor, ...], weight: float):
+        """Backprop ``weight * loss`` of one micro-batch into the flat buffer; returns weighted (loss, metrics)."""
+        loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
+        (loss * weight).backward()
+        if not self._checked:
+            self._check_grad_views()
+        return loss.detach() * weight, {k: (v.detach() if isinstance(v, torch.Tensor) else v) * weight
+                                        for k, v in metrics.items()}
+
+    def _check_grad_views(self) -> None:
+        # Autograd accumulates in place into an existing .grad; verify once that it kept our views.
+        base = self.flat_grad.data_ptr()
+        end = base + self.flat_grad.numel() * 4
+        for name, p in self.params.items():
+            if p.grad is None or not (base <= p.grad.data_ptr() < end):
+                raise RuntimeError(f"gradient of {name!r} left the flat buffer; do not replace .grad in forward()")
+        self._checked = True
+
+    def grad_norm(self) -> float:
+        return float(torch.linalg.vector_norm(self.flat_grad))
+
+    def scale_grad(self, factor: float) -> None:
+        self.flat_grad.mul_(factor)
+
+    def grad_finite(self) -> bool:
+        return bool(torch.isfinite(self.flat_grad).all())
+
+    def apply(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def evaluate(self, batch: Tuple[torch.Tensor, ...]) -> Dict[str, float]:
+        loss, metrics = _check_loss(self.forward(*batch, params=self.view), "in evaluation")
+        return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
+
+    # -- state, by name, as numpy (backend-neutral checkpoints)
+    def state(self) -> Dict[str, np.ndarray]:
+        out = {n: to_numpy(p).copy() for n, p in self.params.items()}
+        out.update({n: to_numpy(b).copy() for n, b in self.buffers.items()})
+        for n, p in self.params.items():
+            slots = self.optimizer.state.get(p, {})
+            for slot in self.spec.slots():
+                if slot in slots and slots[slot] is not None:
+                    out[f"optimizer/{n}/{slot}"] = to_numpy(slots[slot]).copy()
+        return out
+
+    @torch.no_grad()
+    def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
+        for n, t in list(self.params.items()) + list(self.buffers.items()):
+            t.copy_(torch.from_numpy(np.asarray(state[n])).to(t.dtype).reshape(t.shape))
+        for n, p in self.params.items():
+            slots = {s: torch.from_numpy(np.array(state[f"optimizer/{n}/{s}"], dtype=np.float32)).reshape(p.shape)
+                     for s in self.spec.slots() if f"optimizer/{n}/{s}" in state}
+            if isinstance(self.spec, Adam) and slots:
+                slots["step"] = torch.tensor(float(optimizer_steps), dtype=torch.float32)
+            if slots:
+                self.optimizer.state[p] = slots
+
+    def state_names(self) -> List[str]:
+        names = list(self.params) + list(self.buffers)
+        return names + [f"optimizer/{n}/{s}" for n in self.params for s in self.spec.slots()]
+
+    def rng_state(self) -> Dict[str, np.ndarray]:
+        return {"rng/torch": torch.get_rng_state().numpy().copy()}
+
+    def set_rng_state(self, state: Dict[str, np.ndarray]) -> None:
+        if "rng/torch" in state:
+            torch.set_rng_state(torch.from_numpy(np.array(state["rng/torch"], dtype=np.uint8)))
+
+
+def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor]) -> torch.optim.Optimizer:
+    if isinstance(spec, SGD):
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov,
+                               weight_decay=spec.weight_decay)
+    cls = torch.optim.AdamW if isinstance(spec, AdamW) else torch.optim.Adam
+    return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)

@@ -1,0 +1,131 @@
+"""`elasticflow train|inspect`: parse, hand over to Hydra or the checkpoint reader, nothing else."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import List, Optional
+
+USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
+       elasticflow inspect CHECKPOINT_DIR
+       elasticflow --version
+
+Train the model file's model(), forward() and data(); any config key can be overridden, e.g.
+  elasticflow train models/digits_mlp.py optimizer=adam trainer.global_batch_size=128
+`elasticflow train --help` lists every config key and group."""
+
+
+def _fail(message: str, hint: str = "", code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    raise SystemExit(code)
+
+
+def _report(exc: BaseException, debug: bool) -> None:
+    """One line for the user (plus a hint); the traceback only with --debug."""
+    from .errors import ElasticFlowError, TrainingInterrupted
+
+    if debug:
+        traceback.print_exc()
+    if isinstance(exc, TrainingInterrupted):
+        print("interrupted: checkpoint written; resume with the same command (resume=auto)", file=sys.stderr)
+        raise SystemExit(130)
+    if isinstance(exc, KeyboardInterrupt):
+        print("aborted by a second Ctrl-C: no checkpoint written for this step", file=sys.stderr)
+        raise SystemExit(130)
+    if isinstance(exc, ElasticFlowError):
+        _fail(exc.message, exc.hint, exc.exit_code)
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "elasticflow/" not in frame.filename.replace(os.sep, "/") or "/models/" in frame.filename:
+            where = f" at {frame.filename}:{frame.lineno}"
+            break
+    _fail(f"{type(exc).__name__}: {exc}{where}", "run with --debug for the full traceback", 1)
+
+
+def _train_task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from .launchers import run
+
+    debug = os.environ.get("ELASTICFLOW_DEBUG") == "1"
+    try:
+        summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes one reported line
+        if isinstance(exc, SystemExit):
+            raise
+        _report(exc, debug)
+        return
+    shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+    print(f"done: {shown}", flush=True)
+
+
+def train(args: List[str], debug: bool) -> None:
+    import hydra
+
+    from .config import register
+    from .paths import conf_dir
+
+    positional = [a for a in args if not a.startswith("-") and "=" not in a]
+    wants_help = any(a in ("--help", "-h", "--hydra-help") for a in args)
+    overrides = list(args)
+    if positional:
+        model = positional[0]
+        overrides.remove(model)
+        if len(positional) > 1:
+            _fail(f"unexpected argument {positional[1]!r} after the model file",
+                  "config overrides take the form key=value, e.g. trainer.max_steps=100")
+        path = Path(model).expanduser()
+        if not path.is_file():
+            _fail(f"model file '{model}' {'is a directory' if path.is_dir() else 'not found'}",
+                  "pass the path to a Python file that defines model(), forward() and data()")
+        overrides.insert(0, f"model={path.resolve()}")
+    elif not wants_help:
+        _fail("no model file given", "usage: elasticflow train MODEL.py [key=value ...], e.g. models/digits_mlp.py")
+    if debug:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+    register()
+    sys.argv = ["elasticflow train", *overrides]
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_train_task)()
+
+
+def inspect_checkpoint(args: List[str]) -> None:
+    from .checkpoint.inspect import render
+
+    if len(args) != 1:
+        _fail("inspect takes one checkpoint directory", "e.g. elasticflow inspect outputs/.../checkpoints/step_100")
+    print(render(Path(args[0])))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    if debug:
+        os.environ["ELASTICFLOW_DEBUG"] = "1"
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(f"elasticflow {__version__}")
+        return
+    command, rest = argv[0], argv[1:]
+    commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest)}
+    if command not in commands:
+        _fail(f"unknown command {command!r}", f"use one of: {', '.join(commands)} (elasticflow --help)")
+    try:
+        commands[command]()
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        _report(exc, debug)
+
+
+if __name__ == "__main__":
+    main()

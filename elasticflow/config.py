@@ -1,0 +1,170 @@
+"""Structured-config schema of conf/: every key a user can set, typed and validated once.
+
+Hydra merges conf/config.yaml and the chosen group files into :class:`Config`; an unknown key
+or a value of the wrong type fails with Hydra's own message before anything runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+
+from .errors import ElasticFlowError
+
+
+@dataclass
+class BackendConfig:
+    name: str = "torch"            # torch | tensorflow
+    jit: bool = True               # tensorflow: compile the step with tf.function (false to debug eagerly)
+    threads: Optional[int] = None  # intra-op threads per worker; null = cores // local workers
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    workers: int = 1
+    min_workers: int = 1
+    max_workers: Optional[int] = None
+    restart_failed: bool = False
+    max_restarts: int = 3
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "sgd"              # sgd | adam | adamw
+    lr: float = 0.1
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    schedule: str = "constant"     # constant | linear | cosine | step
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None  # linear/cosine: steps to reach min_lr (null = all training steps)
+    min_lr: float = 0.0
+    step_size: int = 1000          # schedule=step: multiply by gamma every step_size steps
+    gamma: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    global_batch_size: int = 64
+    micro_batch_size: Optional[int] = None  # null = the whole per-worker share in one micro-batch
+    max_steps: Optional[int] = None          # stop after this many optimizer steps
+    epochs: Optional[int] = None             # stop after this many epochs (null with max_steps null = 1)
+    log_every: int = 10
+    eval_every: Optional[int] = None         # steps; null = evaluate once at the end (if eval_data exists)
+    grad_clip: Optional[float] = None        # clip the global gradient norm to this value
+    on_nonfinite: str = "stop"               # stop | skip
+    drop_last: bool = False                  # true: skip an epoch's last, smaller global batch
+    progress: Optional[bool] = None          # progress bar; null = only on a terminal
+
+
+@dataclass
+class IntervalConfig:
+    steps: Optional[int] = None
+    epochs: Optional[int] = None
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None      # null = RUN_DIR/checkpoints
+    interval: IntervalConfig = field(default_factory=IntervalConfig)
+    keep: Optional[int] = 3        # newest complete checkpoints kept (null = all)
+
+
+@dataclass
+class Config:
+    model: str = MISSING           # path to the model file (set by `elasticflow train PATH`)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    seed: int = 0
+    resume: str = "auto"           # auto | none | PATH to a checkpoint directory
+    # Free-form section for the model file's own settings (model(cfg) / data(cfg) read cfg.model_args).
+    model_args: Any = field(default_factory=dict)
+
+
+BACKENDS = ("torch", "tensorflow")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "linear", "cosine", "step")
+
+
+def register() -> None:
+    """Put the schema in Hydra's ConfigStore as ``base_config`` (conf/config.yaml extends it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def _positive_int(value: Any, key: str, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ElasticFlowError(f"{key} must be a positive integer, got {value!r}", hint)
+
+
+def validate(cfg: Any) -> None:
+    """Check the values Hydra's types cannot: ranges and string choices. Raises ElasticFlowError."""
+    t = cfg.trainer
+    _positive_int(t.global_batch_size, "trainer.global_batch_size", "set e.g. trainer.global_batch_size=64")
+    if t.micro_batch_size is not None:
+        _positive_int(t.micro_batch_size, "trainer.micro_batch_size",
+                      "set a positive micro-batch size, or null to use each worker's whole share")
+    for key in ("max_steps", "epochs", "eval_every"):
+        if t[key] is not None:
+            _positive_int(t[key], f"trainer.{key}", f"set trainer.{key} to a positive integer or null")
+    _positive_int(t.log_every, "trainer.log_every", "set trainer.log_every=1 to log every step")
+    if t.grad_clip is not None and not (t.grad_clip > 0 and math.isfinite(t.grad_clip)):
+        raise ElasticFlowError(f"trainer.grad_clip must be a positive number, got {t.grad_clip!r}",
+                               "set trainer.grad_clip=1.0, or null to disable clipping")
+    if t.on_nonfinite not in ("stop", "skip"):
+        raise ElasticFlowError(f"trainer.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}",
+                               "set trainer.on_nonfinite=skip to skip steps whose loss is NaN or inf")
+    if cfg.backend.name not in BACKENDS:
+        raise ElasticFlowError(f"unknown backend {cfg.backend.name!r}; expected one of {', '.join(BACKENDS)}",
+                               "pass backend=torch or backend=tensorflow")
+    o = cfg.optimizer
+    if o.name not in OPTIMIZERS:
+        raise ElasticFlowError(f"unknown optimizer {o.name!r}; expected one of {', '.join(OPTIMIZERS)}",
+                               "pass optimizer=sgd, optimizer=adam or optimizer=adamw")
+    if o.schedule not in SCHEDULES:
+        raise ElasticFlowError(f"unknown optimizer.schedule {o.schedule!r}; expected one of {', '.join(SCHEDULES)}",
+                               "pass e.g. optimizer.schedule=cosine")
+    if not o.lr > 0:
+        raise ElasticFlowError(f"optimizer.lr must be positive, got {o.lr!r}", "pass e.g. optimizer.lr=0.01")
+    lc = cfg.launcher
+    _positive_int(lc.workers, "launcher.workers", "pass launcher.workers=1 for a single worker")
+    _positive_int(lc.min_workers, "launcher.min_workers", "pass launcher.min_workers=1")
+    if lc.min_workers > lc.workers:
+        raise ElasticFlowError(f"launcher.min_workers={lc.min_workers} is more than launcher.workers={lc.workers}",
+                               "lower launcher.min_workers or raise launcher.workers")
+    iv = cfg.checkpoint.interval
+    if iv.steps is not None and iv.epochs is not None:
+        raise ElasticFlowError("checkpoint.interval.steps and checkpoint.interval.epochs are both set",
+                               "set only one of them (the other to null)")
+    if cfg.checkpoint.keep is not None:
+        _positive_int(cfg.checkpoint.keep, "checkpoint.keep", "set checkpoint.keep to keep the newest K, or null for all")
+
+
+def compose(model: str, overrides: Optional[List[str]] = None) -> Any:
+    """Build a validated config without the CLI, e.g. for ``ElasticTrainer`` in your own loop.
+
+    Example:
+        >>> cfg = compose("models/digits_mlp.py", ["trainer.global_batch_size=32", "optimizer=adam"])
+    """
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from .paths import conf_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=[f"model={model}", *(overrides or [])])
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(cfg)

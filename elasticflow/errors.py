@@ -1,0 +1,22 @@
+"""The one exception type users see: what happened, and how to fix it."""
+
+
+class ElasticFlowError(Exception):
+    """A mistake in the user's input or a condition that stops training.
+
+    The CLI prints ``error: <message>`` and ``hint: <hint>`` and exits with ``exit_code``;
+    the traceback is shown only with ``--debug``.
+    """
+
+    def __init__(self, message: str, hint: str = "", exit_code: int = 2):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return f"{self.message} (hint: {self.hint})" if self.hint else self.message
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C: the current step finished and a checkpoint was written; the CLI exits 130."""

@@ -1,0 +1,83 @@
+"""Load the user's model file and check its contract: model(), forward(*batch, params), data().
+
+Every mistake becomes one ElasticFlowError naming the file, what was expected and how to fix it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .errors import ElasticFlowError
+
+CONTRACT_HINT = "a model file defines model(cfg), forward(*batch, params) and data(cfg); see models/linear.py"
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    model: Callable[..., Any]
+    forward: Callable[..., Any]
+    data: Callable[..., Any]
+    eval_data: Optional[Callable[..., Any]]
+
+    def call(self, name: str, cfg: Any) -> Any:
+        """Call model/data/eval_data with cfg when the function takes an argument, else without."""
+        fn = getattr(self, name)
+        try:
+            takes_cfg = len(inspect.signature(fn).parameters) > 0
+        except (TypeError, ValueError):
+            takes_cfg = True
+        return fn(cfg) if takes_cfg else fn()
+
+
+def load(path: str) -> ModelFile:
+    """Import ``path`` as a module (under a private name) and check the three functions."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        where = "a directory" if file.is_dir() else "not found"
+        raise ElasticFlowError(f"model file '{path}' is {where}",
+                               "pass the path to a Python file, e.g. elasticflow train models/digits_mlp.py")
+    if file.suffix != ".py":
+        raise ElasticFlowError(f"model file '{path}' is not a .py file", CONTRACT_HINT)
+    file = file.resolve()
+    module_name = f"elasticflow_user_model_{abs(hash(str(file)))}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(spec)
+    # The model file may import helpers that sit beside it.
+    sys.path.insert(0, str(file.parent))
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise ElasticFlowError(f"model file '{path}' has a syntax error at line {exc.lineno}: {exc.msg}",
+                               "fix the file; `python -m py_compile FILE` shows the same error") from exc
+    except ImportError as exc:
+        raise ElasticFlowError(f"model file '{path}' failed to import: {exc}",
+                               "install the missing package into .venv or fix the import") from exc
+    finally:
+        sys.path.remove(str(file.parent))
+
+    functions = {}
+    for name in ("model", "forward", "data"):
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise ElasticFlowError(f"model file '{path}' has no {name}() function", CONTRACT_HINT)
+        if not callable(fn):
+            raise ElasticFlowError(f"'{name}' in model file '{path}' is a {type(fn).__name__}, not a function",
+                                   CONTRACT_HINT)
+        functions[name] = fn
+    eval_fn = getattr(module, "eval_data", None)
+    if eval_fn is not None and not callable(eval_fn):
+        raise ElasticFlowError(f"'eval_data' in model file '{path}' is not a function", CONTRACT_HINT)
+    try:
+        params = inspect.signature(functions["forward"]).parameters
+        if "params" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise ElasticFlowError(f"forward() in '{path}' has no 'params' argument",
+                                   "declare it as def forward(x, y, params): the framework passes params by name")
+    except (TypeError, ValueError):
+        pass
+    return ModelFile(path=file, eval_data=eval_fn, **functions)

@@ -1,0 +1,87 @@
+"""What the user sees and what tests read: metrics.jsonl, the progress bar, the banner, log lines."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+log = logging.getLogger("elasticflow")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the line parseable
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl (appends across resumes)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+
+    def write(self, record: Dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Progress:
+    """A tqdm bar over optimizer steps (step, loss, samples/s); silent when disabled."""
+
+    def __init__(self, enabled: Optional[bool], total: Optional[int], initial: int):
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    @property
+    def active(self) -> bool:
+        return self.bar is not None
+
+    def update(self, loss: float, samples_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{samples_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def accumulation_steps(global_batch: int, world: int, micro: Optional[int]) -> int:
+    share = math.ceil(global_batch / world)
+    return math.ceil(share / micro) if micro else 1
+
+
+def banner(*, backend: str, world: int, global_batch: int, micro: Optional[int], optimizer: str,
+           samples: int, steps_per_epoch: int, total_steps: Optional[int], run_dir: Path, resumed: Optional[str]) -> str:
+    share = math.ceil(global_batch / world)
+    micro_eff = min(micro or share, share)
+    accum = accumulation_steps(global_batch, world, micro)
+    lines = [
+        f"elasticflow | backend {backend} | workers {world} | "
+        f"global batch {global_batch} = micro {micro_eff} x accumulation {accum} x workers {world}",
+        f"  optimizer {optimizer} | {samples} samples, {steps_per_epoch} steps/epoch"
+        + (f", {total_steps} steps in all" if total_steps else ""),
+        f"  run dir {run_dir}" + (f" | resumed from {resumed}" if resumed else ""),
+    ]
+    return "\n".join(lines)
+
+
+def step_line(record: Dict[str, Any]) -> str:
+    extra = " ".join(f"{k}={v:.4g}" for k, v in record.items()
+                     if k not in ("step", "epoch", "loss", "lr", "samples_seen", "world_size", "generation",
+                                  "step_time_s", "micro_step") and isinstance(v, float))
+    return (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.5g} lr {record['lr']:.3g} "
+            f"samples {record['samples_seen']} {record['step_time_s'] * 1e3:.1f} ms {extra}").rstrip()

@@ -1,0 +1,421 @@
+"""ElasticTrainer: the train loop, one step function, gradient accumulation, logging, checkpoints.
+
+Counters, never mixed: ``step`` counts optimizer steps, ``micro_step`` counts micro-batches,
+``cursor.samples_seen`` counts samples consumed, ``generation`` counts membership changes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from . import data, ops, optim
+from .config import compose, validate
+from .errors import ElasticFlowError, TrainingInterrupted
+from .modelfile import ModelFile, load as load_model_file
+from .reporting import MetricsWriter, Progress, banner, step_line
+
+log = logging.getLogger("elasticflow")
+
+
+class CheckpointInterval:
+    """When to save: every ``steps`` optimizer steps or every ``epochs`` epochs (not both).
+
+    Example:
+        >>> CheckpointInterval(steps=100).should_save(current_step=200)
+        True
+    """
+
+    def __init__(self, steps: Optional[int] = None, epochs: Optional[int] = None):
+        if steps and epochs:
+            raise ValueError("Only one of 'steps' or 'epochs' should be set.")
+        self.steps = steps
+        self.epochs = epochs
+
+    def should_save(self, current_step: Optional[int] = None, current_epoch: Optional[int] = None) -> bool:
+        if self.steps and current_step and current_step % self.steps == 0:
+            return True
+        if self.epochs and current_epoch and current_epoch % self.epochs == 0:
+            return True
+        return False
+
+
+@dataclass
+class GlobalBatch:
+    """Positions [start, end) of one global batch in the epoch's permutation."""
+    epoch: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+class ElasticTrainer:
+    """Trains the model file's ``model()`` with ``forward()`` on ``data()``.
+
+    Args:
+        model: path to the model file (or a loaded ``ModelFile``).
+        cfg: a config from ``elasticflow.config.compose`` (or Hydra); None composes the defaults.
+        checkpoint_interval: overrides ``checkpoint.interval`` from the config.
+        run_dir: where metrics.jsonl and checkpoints go (default: the current directory).
+
+    Example (your own loop; ``fit()`` is exactly this plus the progress bar):
+        >>> trainer = ElasticTrainer("models/digits_mlp.py", compose("models/digits_mlp.py", ["trainer.max_steps=50"]),
+        ...                          checkpoint_interval=CheckpointInterval(steps=10), run_dir="runs/a")
+        >>> trainer.prepare()
+        >>> for epoch in trainer.epoch_range():
+        ...     with trainer.epoch(epoch):
+        ...         for batch in trainer.batches():
+        ...             with trainer.step():
+        ...                 metrics = trainer.train_step(batch)
+        >>> trainer.finish()
+    """
+
+    def __init__(self, model: Any, cfg: Any = None, checkpoint_interval: Optional[CheckpointInterval] = None,
+                 run_dir: Optional[str] = None):
+        self.model_file = model if isinstance(model, ModelFile) else None
+        self.cfg = cfg if cfg is not None else compose(str(model))
+        validate(self.cfg)
+        iv = self.cfg.checkpoint.interval
+        self.interval = checkpoint_interval or CheckpointInterval(steps=iv.steps, epochs=iv.epochs)
+        self.run_dir = Path(run_dir or ".").resolve()
+        self.ckpt_dir = Path(self.cfg.checkpoint.dir).expanduser() if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.rank, self.world, self.generation = 0, 1, 0
+        self.step_count = 0          # optimizer steps completed
+        self.micro_step = 0          # micro-batches processed
+        self.skipped_steps = 0       # steps dropped by trainer.on_nonfinite=skip
+        self.epochs_completed = 0
+        self.cursor = data.Cursor()
+        self.last_metrics: Dict[str, Any] = {}
+        self.last_eval: Dict[str, float] = {}
+        self.last_saved_step: Optional[int] = None
+        self.resumed_from: Optional[str] = None
+        self._interrupt_requested = False
+        self._prepared = False
+
+    # ------------------------------------------------------------------ setup
+    def prepare(self) -> "ElasticTrainer":
+        """Resolve the backend, build parameters and optimizer, load data, resume if a checkpoint exists."""
+        cfg = self.cfg
+        t = cfg.trainer
+        # The backend is resolved once, before anything imports a framework.
+        ops.use(cfg.backend.name)
+        self.backend = ops._impl
+        threads = cfg.backend.threads or max(1, (os.cpu_count() or 1) // max(1, self.local_workers()))
+        self.backend.setup(threads, cfg.seed)
+        np.random.seed(cfg.seed)
+        if self.model_file is None:
+            self.model_file = load_model_file(cfg.model)
+        mf = self.model_file
+
+        built = mf.call("model", cfg)
+        spec = optim.from_config(cfg.optimizer)
+        self.optimizer_from_model = False
+        if isinstance(built, dict) and "optimizer" in built:
+            built = dict(built)
+            spec = built.pop("optimizer")
+            if not isinstance(spec, optim.OptimizerSpec):
+                raise ElasticFlowError(f"model()['optimizer'] is a {type(spec).__name__}, not an optimizer spec",
+                                       "use elasticflow.optim.SGD(lr), Adam(lr) or AdamW(lr)")
+            self.optimizer_from_model = True
+        foreign = self.backend.native_kind(built)
+        if foreign:
+            raise ElasticFlowError(f"model() returned {foreign}, which backend={self.backend.NAME} cannot train",
+                                   "run it with the backend it was written for, or return a dict of arrays "
+                                   "to run on every backend")
+        if not isinstance(built, dict) and not self.backend.is_native(built):
+            raise ElasticFlowError(f"model() returned a {type(built).__name__}; expected a dict of named parameters "
+                                   f"or a native {self.backend.NAME} model", "return e.g. {'W': np.zeros((4, 2))}")
+        self.spec = spec
+        self.engine = self.backend.Engine(built, mf.forward, spec, jit=cfg.backend.jit)
+
+        self.dataset = data.Dataset(mf.call("data", cfg), "data()")
+        data.check_size(len(self.dataset), t.global_batch_size)
+        self.resident = self.backend.resident(self.dataset.arrays) if self.dataset.arrays is not None else None
+        self.eval_dataset = None
+        if mf.eval_data is not None:
+            self.eval_dataset = data.Dataset(mf.call("eval_data", cfg), "eval_data()")
+        self.steps_per_epoch = data.steps_per_epoch(len(self.dataset), t.global_batch_size, t.drop_last)
+        self.max_epochs = t.epochs if t.epochs is not None else (None if t.max_steps else 1)
+        horizon = [x for x in (t.max_steps, self.max_epochs and self.max_epochs * self.steps_per_epoch) if x]
+        self.total_steps: Optional[int] = min(horizon) if horizon else None
+
+        self._resume()
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self._order_epoch = -1
+        self._prepared = True
+        if self.rank == 0:
+            log.info(banner(backend=self.backend.NAME, world=self.world, global_batch=t.global_batch_size,
+                            micro=t.micro_batch_size, optimizer=optim.describe(spec)
+                            + (" (from the model file)" if self.optimizer_from_model else ""),
+                            samples=len(self.dataset), steps_per_epoch=self.steps_per_epoch,
+                            total_steps=self.total_steps, run_dir=self.run_dir, resumed=self.resumed_from))
+        return self
+
+    def local_workers(self) -> int:
+        return int(os.environ.get("ELASTICFLOW_LOCAL_WORKERS", "1"))
+
+    def _resume(self) -> None:
+        mode = str(self.cfg.resume)
+        if mode == "none":
+            return
+        if mode == "auto":
+            candidates = list(reversed(ckpt.complete_checkpoints(self.ckpt_dir)))
+            for path in candidates:
+                try:
+                    self.load_checkpoint(path)
+                    return
+                except ElasticFlowError as exc:
+                    if "does not match this model" in exc.message:
+                        raise
+                    log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
+            return
+        self.load_checkpoint(Path(mode).expanduser())
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> Dict[str, Any]:
+        """Prepare (if needed), train to the configured end, evaluate, write the final checkpoint."""
+        if not self._prepared:
+            self.prepare()
+        restore = self._install_sigint()
+        self.progress = Progress(self.cfg.trainer.progress if self.rank == 0 else False,
+                                 self.total_steps, self.step_count)
+        try:
+            for epoch in self.epoch_range():
+                with self.epoch(epoch):
+                    for batch in self.batches():
+                        with self.step():
+                            self.train_step(batch)
+        finally:
+            self.progress.close()
+            restore()
+        return self.finish()
+
+    def epoch_range(self) -> Iterator[int]:
+        """Epochs still to train, starting at the data cursor's epoch."""
+        epoch = self.cursor.epoch
+        while not self.done and (self.max_epochs is None or epoch < self.max_epochs):
+            yield epoch
+            epoch = self.cursor.epoch
+
+    @property
+    def done(self) -> bool:
+        t = self.cfg.trainer
+        if t.max_steps is not None and self.step_count >= t.max_steps:
+            return True
+        return self.max_epochs is not None and self.cursor.epoch >= self.max_epochs
+
+    @contextmanager
+    def epoch(self, epoch: int):
+        """Before: fix the epoch's global sample order. After: advance the cursor, maybe checkpoint."""
+        if epoch != self.cursor.epoch:
+            raise ValueError(f"epoch({epoch}) called while the data cursor is at epoch {self.cursor.epoch}")
+        self._order = data.permutation(len(self.dataset), self.cfg.seed, epoch)
+        self._order_epoch = epoch
+        yield
+        if self.cursor.samples_in_epoch >= self._epoch_samples():
+            self.cursor.epoch += 1
+            self.cursor.samples_in_epoch = 0
+            self.epochs_completed = self.cursor.epoch
+            if self.interval.should_save(current_epoch=self.epochs_completed):
+                self.save_checkpoint(f"epoch_{self.epochs_completed}")
+
+    def _epoch_samples(self) -> int:
+        n, b = len(self.dataset), self.cfg.trainer.global_batch_size
+        return (n // b) * b if self.cfg.trainer.drop_last else n
+
+    def batches(self) -> Iterator[GlobalBatch]:
+        """The epoch's remaining global batches, from the data cursor; stops at max_steps."""
+        b = self.cfg.trainer.global_batch_size
+        end_of_epoch = self._epoch_samples()
+        while self.cursor.samples_in_epoch < end_of_epoch and not self.done and not self._interrupt_requested:
+            start = self.cursor.samples_in_epoch
+            yield GlobalBatch(self.cursor.epoch, start, min(start + b, end_of_epoch))
+
+    @contextmanager
+    def step(self):
+        """Around one train_step: time it, then log, checkpoint on the interval, honour Ctrl-C."""
+        started = time.perf_counter()
+        yield
+        elapsed = time.perf_counter() - started
+        m = self.last_metrics
+        m["step_time_s"] = elapsed
+        if self.rank == 0:
+            if self.step_count % self.cfg.trainer.log_every == 0 or self.step_count == self.total_steps:
+                self.metrics.write(m)
+                if not getattr(self, "progress", None) or not self.progress.active:
+                    log.info(step_line(m))
+            if getattr(self, "progress", None):
+                self.progress.update(m["loss"], m["global_batch"] / max(elapsed, 1e-9))
+        ev = self.cfg.trainer.eval_every
+        if ev and self.eval_dataset is not None and self.step_count % ev == 0 and not m.get("skipped"):
+            self.evaluate()
+        if self.interval.should_save(current_step=self.step_count) and not m.get("skipped"):
+            self.save_checkpoint(f"step_{self.step_count}")
+        if self._interrupt_requested:
+            self.save_checkpoint(f"step_{self.step_count}")
+            raise TrainingInterrupted()
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, batch: GlobalBatch) -> Dict[str, Any]:
+        """Forward and backward over this worker's micro-batches, reduce, clip, apply once."""
+        t = self.cfg.trainer
+        if batch.epoch != self._order_epoch:
+            raise ValueError("train_step() must run inside `with trainer.epoch(epoch)` for the batch's epoch")
+        engine = self.engine
+        lo, hi = data.worker_share((batch.start, batch.end), self.rank, self.world)
+        engine.train_mode(True)
+        engine.zero_grad()
+        loss_sum, metric_sums = 0.0, {}
+        for a, b in data.micro_batches(lo, hi, t.micro_batch_size):
+            loss_w, metrics_w = engine.accumulate(self._fetch(a, b), (b - a) / batch.size)
+            loss_sum = loss_sum + loss_w
+            for k, v in metrics_w.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v
+            self.micro_step += 1
+        loss = float(loss_sum)  # a sync point on accelerators; needed for the non-finite check anyway
+        record: Dict[str, Any] = {"epoch": batch.epoch}
+        finite = math.isfinite(loss)
+        grad_norm = None
+        if finite and t.grad_clip is not None:
+            grad_norm = engine.grad_norm()
+            finite = math.isfinite(grad_norm)
+            if finite and grad_norm > t.grad_clip:
+                engine.scale_grad(t.grad_clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+        lr = optim.lr_at(self.spec, self.step_count, self.total_steps)
+        if not finite:
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+            if t.on_nonfinite == "stop":
+                raise ElasticFlowError(
+                    f"{what} at step {self.step_count + 1} (epoch {batch.epoch}); training stopped, "
+                    f"no update applied", "lower optimizer.lr, set trainer.grad_clip, or pass "
+                    "trainer.on_nonfinite=skip to skip such steps", exit_code=1)
+            self.skipped_steps += 1
+            log.warning("%s at step %d; skipping the update (trainer.on_nonfinite=skip)", what, self.step_count + 1)
+            record["skipped"] = True
+        else:
+            engine.apply(lr)
+            self.step_count += 1
+        self.cursor.samples_in_epoch = batch.end
+        self.cursor.samples_seen += batch.size
+        record.update(step=self.step_count, loss=loss, lr=lr, samples_seen=self.cursor.samples_seen,
+                      world_size=self.world, generation=self.generation, micro_step=self.micro_step,
+                      global_batch=batch.size)
+        record.update({k: float(v) for k, v in metric_sums.items()})
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        self.last_metrics = record
+        return record
+
+    def _fetch(self, a: int, b: int):
+        positions = self._order[a:b]
+        if self.resident is not None:
+            return self.backend.gather(self.resident, self.backend.index(positions))
+        return tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions))
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> Dict[str, float]:
+        """Mean loss and metrics over eval_data(), weighted by chunk size; logged as eval_<name>."""
+        if self.eval_dataset is None:
+            return {}
+        engine, ds = self.engine, self.eval_dataset
+        chunk = self.cfg.trainer.micro_batch_size or self.cfg.trainer.global_batch_size
+        resident = self.backend.resident(ds.arrays) if ds.arrays is not None else None
+        totals: Dict[str, float] = {}
+        engine.train_mode(False)
+        try:
+            for lo in range(0, len(ds), chunk):
+                positions = np.arange(lo, min(lo + chunk, len(ds)))
+                batch = (self.backend.gather(resident, self.backend.index(positions)) if resident is not None
+                         else tuple(self.backend.to_tensor(x) for x in ds.fetch(positions)))
+                for k, v in engine.evaluate(batch).items():
+                    totals[k] = totals.get(k, 0.0) + v * len(positions)
+        finally:
+            engine.train_mode(True)
+        self.last_eval = {f"eval_{k}": v / len(ds) for k, v in totals.items()}
+        if self.rank == 0:
+            self.metrics.write({"step": self.step_count, "epoch": self.cursor.epoch, **self.last_eval})
+            log.info("eval at step %d: %s", self.step_count,
+                     " ".join(f"{k}={v:.4g}" for k, v in self.last_eval.items()))
+        return self.last_eval
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, name: str) -> Optional[Path]:
+        if self.rank != 0:
+            return None
+        state = self.engine.state()
+        state.update(self.engine.rng_state())
+        info = {"step": self.step_count, "epoch": self.cursor.epoch, "micro_step": self.micro_step,
+                "skipped_steps": self.skipped_steps, "cursor": self.cursor.as_dict(), "world_size": self.world,
+                "backend": self.backend.NAME, "optimizer": self.spec.name, "seed": self.cfg.seed,
+                "global_batch_size": self.cfg.trainer.global_batch_size, "saved_at": time.time()}
+        path = ckpt.save(self.ckpt_dir, name, state, info, keep=self.cfg.checkpoint.keep)
+        self.last_saved_step = self.step_count
+        log.info("checkpoint %s written", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        state, meta = ckpt.load_with_metadata(path)
+        expected = {n: v.shape for n, v in self.engine.state().items()}
+        model_names = {n: s for n, s in expected.items() if not n.startswith("optimizer/")}
+        found = {n: tuple(v.shape) for n, v in state.items() if not n.startswith(("optimizer/", "rng/"))}
+        diffs = list(ckpt.compare_names(model_names, found))
+        if diffs:
+            shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            raise ElasticFlowError(f"checkpoint '{path}' does not match this model: {shown}",
+                                   "resume with the model file that wrote it, or pass resume=none to start fresh")
+        if meta.get("optimizer") != self.spec.name and any(n.startswith("optimizer/") for n in state):
+            raise ElasticFlowError(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
+                                   f"{self.spec.name}", "resume with the same optimizer, or pass resume=none")
+        self.engine.load_state(state, int(meta["step"]))
+        self.engine.set_rng_state(state)
+        self.step_count = int(meta["step"])
+        self.micro_step = int(meta.get("micro_step", 0))
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.cursor = data.Cursor(**meta["cursor"])
+        self.epochs_completed = self.cursor.epoch
+        self.last_saved_step = self.step_count
+        self.resumed_from = str(path)
+
+    # ------------------------------------------------------------------ end
+    def finish(self) -> Dict[str, Any]:
+        """Evaluate (if eval_data exists and the last step was not just evaluated) and write the final checkpoint."""
+        if self.eval_dataset is not None and not (self.last_eval and self.cfg.trainer.eval_every
+                                                  and self.step_count % self.cfg.trainer.eval_every == 0):
+            self.evaluate()
+        final = None
+        if self.last_saved_step != self.step_count:
+            final = self.save_checkpoint(f"step_{self.step_count}")
+        if self.metrics:
+            self.metrics.close()
+        summary = {"step": self.step_count, "epochs_completed": self.epochs_completed,
+                   "samples_seen": self.cursor.samples_seen, "loss": self.last_metrics.get("loss"),
+                   **self.last_eval, "checkpoint": str(final or ckpt.latest(self.ckpt_dir) or "")}
+        return summary
+
+    def _install_sigint(self):
+        """First Ctrl-C: finish the step, checkpoint, exit 130. Second: stop at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum, frame):
+            if self._interrupt_requested:
+                raise KeyboardInterrupt
+            self._interrupt_requested = True
+            log.warning("Ctrl-C: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)")
+
+        previous = signal.signal(signal.SIGINT, handler)
+        return lambda: signal.signal(signal.SIGINT, previous)
+
