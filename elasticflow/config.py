@@ -76,6 +76,12 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    timeout_s: float = 30.0        # a collective (and a group rendezvous) fails after this long
+    wait_s: float = 60.0           # below launcher.min_workers, wait this long for workers, then stop
+
+
+@dataclass
 class Config:
     model: str = MISSING           # path to the model file (set by `elasticflow train PATH`)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -83,6 +89,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     seed: int = 0
     resume: str = "auto"           # auto | none | PATH to a checkpoint directory
     # Free-form section for the model file's own settings (model(cfg) / data(cfg) read cfg.model_args).
@@ -141,6 +148,12 @@ def validate(cfg: Any) -> None:
     if lc.min_workers > lc.workers:
         raise ElasticFlowError(f"launcher.min_workers={lc.min_workers} is more than launcher.workers={lc.workers}",
                                "lower launcher.min_workers or raise launcher.workers")
+    el = cfg.elastic
+    if not (el.timeout_s > 0 and math.isfinite(el.timeout_s)):
+        raise ElasticFlowError(f"elastic.timeout_s must be a positive number of seconds, got {el.timeout_s!r}",
+                               "pass e.g. elastic.timeout_s=30 (never leave collectives without a timeout)")
+    if not el.wait_s >= 0:
+        raise ElasticFlowError(f"elastic.wait_s must be >= 0, got {el.wait_s!r}", "pass e.g. elastic.wait_s=60")
     iv = cfg.checkpoint.interval
     if iv.steps is not None and iv.epochs is not None:
         raise ElasticFlowError("checkpoint.interval.steps and checkpoint.interval.epochs are both set",

@@ -36,6 +36,18 @@ def backend_name() -> str:
     return _b().NAME
 
 
+def training() -> bool:
+    """True while training, False in evaluation (the flag dropout reads).
+
+    Native models take it as their training argument, so BatchNorm and dropout layers switch
+    with the trainer's evaluation:
+
+        >>> def forward(x, y, params):          # params is the keras model model() returned
+        ...     return ops.cross_entropy(params(x, training=ops.training()), y)
+    """
+    return _b().training()
+
+
 def matmul(a, b):
     return _b().matmul(a, b)
 

@@ -17,6 +17,24 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def last_logged_step(path: Path) -> int:
+    """The highest training step already in metrics.jsonl (-1 if none); a torn last line is ignored."""
+    if not path.is_file():
+        return -1
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - 65536))
+        tail = f.read().decode(errors="replace").splitlines()
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record and "step" in record:
+            return int(record["step"])
+    return -1
+
+
 class MetricsWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl (appends across resumes)."""
 
@@ -24,6 +42,11 @@ class MetricsWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = open(path, "a", buffering=1)
+        if path.stat().st_size:  # a writer killed mid-line must not glue its torn line to ours
+            with open(path, "rb") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    self._file.write("\n")
 
     def write(self, record: Dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
@@ -82,6 +105,6 @@ def banner(*, backend: str, world: int, global_batch: int, micro: Optional[int],
 def step_line(record: Dict[str, Any]) -> str:
     extra = " ".join(f"{k}={v:.4g}" for k, v in record.items()
                      if k not in ("step", "epoch", "loss", "lr", "samples_seen", "world_size", "generation",
-                                  "step_time_s", "micro_step") and isinstance(v, float))
+                                  "step_time_s", "micro_step", "time", "global_batch") and isinstance(v, float))
     return (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.5g} lr {record['lr']:.3g} "
             f"samples {record['samples_seen']} {record['step_time_s'] * 1e3:.1f} ms {extra}").rstrip()

@@ -20,12 +20,36 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from . import data, ops, optim
+from . import replica
 from .config import compose, validate
+from .distributed import protocol
+from .distributed.protocol import CommError
 from .errors import ElasticFlowError, TrainingInterrupted
 from .modelfile import ModelFile, load as load_model_file
-from .reporting import MetricsWriter, Progress, banner, step_line
+from .reporting import MetricsWriter, Progress, banner, last_logged_step, step_line
 
 log = logging.getLogger("elasticflow")
+
+
+@dataclass
+class Context:
+    """Where training is right now, for data sources and logging hooks (``elasticflow.context()``).
+
+    ``step`` is the optimizer step being computed (completed steps + 1 inside a train step).
+    """
+    rank: int = 0
+    world_size: int = 1
+    generation: int = 0
+    step: int = 0
+    epoch: int = 0
+
+
+_context = Context()
+
+
+def context() -> Context:
+    """The calling process's current rank, world size, generation, step and epoch."""
+    return _context
 
 
 class CheckpointInterval:
@@ -70,6 +94,7 @@ class ElasticTrainer:
         cfg: a config from ``elasticflow.config.compose`` (or Hydra); None composes the defaults.
         checkpoint_interval: overrides ``checkpoint.interval`` from the config.
         run_dir: where metrics.jsonl and checkpoints go (default: the current directory).
+        membership: set by the worker process of a multi-worker job (``distributed.membership``).
 
     Example (your own loop; ``fit()`` is exactly this plus the progress bar):
         >>> trainer = ElasticTrainer("models/digits_mlp.py", compose("models/digits_mlp.py", ["trainer.max_steps=50"]),
@@ -84,7 +109,7 @@ class ElasticTrainer:
     """
 
     def __init__(self, model: Any, cfg: Any = None, checkpoint_interval: Optional[CheckpointInterval] = None,
-                 run_dir: Optional[str] = None):
+                 run_dir: Optional[str] = None, membership: Any = None):
         self.model_file = model if isinstance(model, ModelFile) else None
         self.cfg = cfg if cfg is not None else compose(str(model))
         validate(self.cfg)
@@ -92,7 +117,12 @@ class ElasticTrainer:
         self.interval = checkpoint_interval or CheckpointInterval(steps=iv.steps, epochs=iv.epochs)
         self.run_dir = Path(run_dir or ".").resolve()
         self.ckpt_dir = Path(self.cfg.checkpoint.dir).expanduser() if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.membership = membership
         self.rank, self.world, self.generation = 0, 1, 0
+        self.metric_names: list = []
+        self._pending: Dict[str, bool] = {}
+        self._writer: Optional[MetricsWriter] = None
+        self._written_step = -1
         self.step_count = 0          # optimizer steps completed
         self.micro_step = 0          # micro-batches processed
         self.skipped_steps = 0       # steps dropped by trainer.on_nonfinite=skip
@@ -153,7 +183,11 @@ class ElasticTrainer:
         self.total_steps: Optional[int] = min(horizon) if horizon else None
 
         self._resume()
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self.metric_names = self._probe_metric_names()
+        if self.membership is not None:
+            self.membership.join()
+            self._adopt_membership()
+            self._sync_state()
         self._order_epoch = -1
         self._prepared = True
         if self.rank == 0:
@@ -166,6 +200,43 @@ class ElasticTrainer:
 
     def local_workers(self) -> int:
         return int(os.environ.get("ELASTICFLOW_LOCAL_WORKERS", "1"))
+
+    def _probe_metric_names(self) -> list:
+        """forward() on two samples, once: checks its output early and fixes the metric order
+        every worker reduces in (a worker with an empty share still sends zeros for each)."""
+        positions = np.arange(min(2, len(self.dataset)))
+        batch = (self.backend.gather(self.resident, self.backend.index(positions)) if self.resident is not None
+                 else tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions)))
+        self.engine.train_mode(False)
+        try:
+            return sorted(k for k in self.engine.evaluate(batch) if k != "loss")
+        finally:
+            self.engine.train_mode(True)
+
+    @property
+    def metrics(self) -> Optional[MetricsWriter]:
+        """RUN_DIR/metrics.jsonl, written by whichever worker is rank 0 now."""
+        if self.rank != 0:
+            return None
+        if self._writer is None:
+            path = self.run_dir / "metrics.jsonl"
+            self._written_step = last_logged_step(path)
+            self._writer = MetricsWriter(path)
+        return self._writer
+
+    def event(self, kind: str, **fields) -> None:
+        """Append a membership event to RUN_DIR/events.jsonl (the agent writes there too)."""
+        import json
+
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "event": kind, "source": "worker", **fields}) + "\n")
+
+    def _log_record(self, record: Dict[str, Any]) -> None:
+        writer = self.metrics
+        if writer is None or record.get("step", -1) <= self._written_step:
+            return
+        writer.write(record)
+        self._written_step = record["step"]
 
     def _resume(self) -> None:
         mode = str(self.cfg.resume)
@@ -225,7 +296,8 @@ class ElasticTrainer:
         self._order = data.permutation(len(self.dataset), self.cfg.seed, epoch)
         self._order_epoch = epoch
         yield
-        if self.cursor.samples_in_epoch >= self._epoch_samples():
+        # A recovery may have rolled this worker forward into the next epoch already.
+        if self.cursor.epoch == epoch and self.cursor.samples_in_epoch >= self._epoch_samples():
             self.cursor.epoch += 1
             self.cursor.samples_in_epoch = 0
             self.epochs_completed = self.cursor.epoch
@@ -240,7 +312,8 @@ class ElasticTrainer:
         """The epoch's remaining global batches, from the data cursor; stops at max_steps."""
         b = self.cfg.trainer.global_batch_size
         end_of_epoch = self._epoch_samples()
-        while self.cursor.samples_in_epoch < end_of_epoch and not self.done and not self._interrupt_requested:
+        epoch = self.cursor.epoch
+        while self.cursor.epoch == epoch and self.cursor.samples_in_epoch < end_of_epoch and not self.done:
             start = self.cursor.samples_in_epoch
             yield GlobalBatch(self.cursor.epoch, start, min(start + b, end_of_epoch))
 
@@ -253,8 +326,8 @@ class ElasticTrainer:
         m = self.last_metrics
         m["step_time_s"] = elapsed
         if self.rank == 0:
-            if self.step_count % self.cfg.trainer.log_every == 0 or self.step_count == self.total_steps:
-                self.metrics.write(m)
+            if self._should_log(m):
+                self._log_record(m)
                 if not getattr(self, "progress", None) or not self.progress.active:
                     log.info(step_line(m))
             if getattr(self, "progress", None):
@@ -264,17 +337,48 @@ class ElasticTrainer:
             self.evaluate()
         if self.interval.should_save(current_step=self.step_count) and not m.get("skipped"):
             self.save_checkpoint(f"step_{self.step_count}")
-        if self._interrupt_requested:
+        self._act_on_agreed_flags()
+
+    def _should_log(self, record: Dict[str, Any]) -> bool:
+        return record["step"] % self.cfg.trainer.log_every == 0 or record["step"] == self.total_steps
+
+    def _act_on_agreed_flags(self) -> None:
+        """Act, at this step boundary, on what every member agreed on in the step's reduction."""
+        pending, self._pending = self._pending, {}
+        if self.membership is None:
+            pending["interrupt"] = self._interrupt_requested
+        if pending.get("interrupt"):
             self.save_checkpoint(f"step_{self.step_count}")
             raise TrainingInterrupted()
+        if pending.get("agent_lost"):
+            self.save_checkpoint(f"step_{self.step_count}")
+            raise ElasticFlowError("the agent (job master) is gone; checkpoint written, worker exiting",
+                                   "rerun the same command: resume=auto continues from the checkpoint",
+                                   exit_code=protocol.EXIT_AGENT_LOST)
+        if pending.get("membership"):
+            self._recover("membership change at a step boundary", planned=True)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, batch: GlobalBatch) -> Dict[str, Any]:
-        """Forward and backward over this worker's micro-batches, reduce, clip, apply once."""
+        """Forward and backward over this worker's micro-batches, reduce, clip, apply once.
+
+        When a peer fails mid-step the partial step is discarded, the group rebuilt and the same
+        global batch re-split over the survivors -- unless a survivor had already committed it, in
+        which case its state is adopted (``replica.sync_state``) and nothing is redone.
+        """
+        while True:
+            try:
+                return self._attempt(batch)
+            except CommError as exc:
+                self._recover(str(exc))
+                c = self.cursor
+                if c.epoch > batch.epoch or c.samples_in_epoch >= batch.end:
+                    return self.last_metrics
+
+    def _attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         t = self.cfg.trainer
-        if batch.epoch != self._order_epoch:
-            raise ValueError("train_step() must run inside `with trainer.epoch(epoch)` for the batch's epoch")
         engine = self.engine
+        _context.step, _context.epoch = self.step_count + 1, batch.epoch
         lo, hi = data.worker_share((batch.start, batch.end), self.rank, self.world)
         engine.train_mode(True)
         engine.zero_grad()
@@ -285,7 +389,11 @@ class ElasticTrainer:
             for k, v in metrics_w.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
             self.micro_step += 1
-        loss = float(loss_sum)  # a sync point on accelerators; needed for the non-finite check anyway
+        # float(): a sync point on accelerators; the non-finite check needs it anyway.
+        scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
+        scalars, agreed = replica.reduce_step(self, scalars)
+        loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
+
         record: Dict[str, Any] = {"epoch": batch.epoch}
         finite = math.isfinite(loss)
         grad_norm = None
@@ -308,12 +416,14 @@ class ElasticTrainer:
         else:
             engine.apply(lr)
             self.step_count += 1
+        # Committed: from here on this worker's state includes the step.
+        self._pending = agreed
         self.cursor.samples_in_epoch = batch.end
         self.cursor.samples_seen += batch.size
         record.update(step=self.step_count, loss=loss, lr=lr, samples_seen=self.cursor.samples_seen,
                       world_size=self.world, generation=self.generation, micro_step=self.micro_step,
-                      global_batch=batch.size)
-        record.update({k: float(v) for k, v in metric_sums.items()})
+                      global_batch=batch.size, time=time.time())
+        record.update(metric_values)
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
         self.last_metrics = record
@@ -325,26 +435,51 @@ class ElasticTrainer:
             return self.backend.gather(self.resident, self.backend.index(positions))
         return tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions))
 
+    # ------------------------------------------------------------------ membership
+    def _adopt_membership(self) -> None:
+        m = self.membership
+        self.rank, self.world, self.generation = m.rank, m.world, m.generation
+        _context.rank, _context.world_size, _context.generation = m.rank, m.world, m.generation
+
+    def _sync_state(self) -> None:
+        replica.sync_state(self)
+
+    def _recover(self, reason: str, planned: bool = False) -> None:
+        replica.recover(self, reason, planned)
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> Dict[str, float]:
-        """Mean loss and metrics over eval_data(), weighted by chunk size; logged as eval_<name>."""
+        """Mean loss and metrics over eval_data(), logged as eval_<name>; each worker evaluates a share."""
         if self.eval_dataset is None:
             return {}
+        while True:
+            try:
+                return self._evaluate_once()
+            except CommError as exc:
+                self._recover(str(exc))
+
+    def _evaluate_once(self) -> Dict[str, float]:
         engine, ds = self.engine, self.eval_dataset
         chunk = self.cfg.trainer.micro_batch_size or self.cfg.trainer.global_batch_size
-        resident = self.backend.resident(ds.arrays) if ds.arrays is not None else None
-        totals: Dict[str, float] = {}
+        if not hasattr(self, "_eval_resident"):
+            self._eval_resident = self.backend.resident(ds.arrays) if ds.arrays is not None else None
+        resident = self._eval_resident
+        names = ["loss", *self.metric_names]
+        totals = [0.0] * len(names)
+        lo, hi = data.worker_share((0, len(ds)), self.rank, self.world)
         engine.train_mode(False)
         try:
-            for lo in range(0, len(ds), chunk):
-                positions = np.arange(lo, min(lo + chunk, len(ds)))
+            for a in range(lo, hi, chunk):
+                positions = np.arange(a, min(a + chunk, hi))
                 batch = (self.backend.gather(resident, self.backend.index(positions)) if resident is not None
                          else tuple(self.backend.to_tensor(x) for x in ds.fetch(positions)))
-                for k, v in engine.evaluate(batch).items():
-                    totals[k] = totals.get(k, 0.0) + v * len(positions)
+                values = engine.evaluate(batch)
+                for i, k in enumerate(names):
+                    totals[i] += values.get(k, 0.0) * len(positions)
         finally:
             engine.train_mode(True)
-        self.last_eval = {f"eval_{k}": v / len(ds) for k, v in totals.items()}
+        totals = replica.reduce_sum(self, totals)
+        self.last_eval = {f"eval_{k}": v / len(ds) for k, v in zip(names, totals)}
         if self.rank == 0:
             self.metrics.write({"step": self.step_count, "epoch": self.cursor.epoch, **self.last_eval})
             log.info("eval at step %d: %s", self.step_count,
@@ -398,8 +533,9 @@ class ElasticTrainer:
         final = None
         if self.last_saved_step != self.step_count:
             final = self.save_checkpoint(f"step_{self.step_count}")
-        if self.metrics:
-            self.metrics.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         summary = {"step": self.step_count, "epochs_completed": self.epochs_completed,
                    "samples_seen": self.cursor.samples_seen, "loss": self.last_metrics.get("loss"),
                    **self.last_eval, "checkpoint": str(final or ckpt.latest(self.ckpt_dir) or "")}

@@ -34,6 +34,10 @@ def native_kind(obj: Any) -> Optional[str]:
     return None if isinstance(obj, torch.nn.Module) else _foreign_kind(obj)
 
 
+def training() -> bool:
+    return _training
+
+
 def _foreign_kind(obj: Any) -> Optional[str]:
     for cls in type(obj).__mro__:
         if cls.__module__.split(".")[0] in ("keras", "tf_keras", "tensorflow"):
@@ -278,6 +282,10 @@ class Engine:
             if p.grad is None or not (base <= p.grad.data_ptr() < end):
                 raise RuntimeError(f"gradient of {name!r} left the flat buffer; do not replace .grad in forward()")
         self._checked = True
+
+    def grad_view(self) -> torch.Tensor:
+        """The accumulated flat gradient (1-D float32); in-place edits (an allreduce) are what apply() uses."""
+        return self.flat_grad
 
     def grad_norm(self) -> float:
         return float(torch.linalg.vector_norm(self.flat_grad))

@@ -1,18 +1,22 @@
-"""The local launcher: one worker trains in this process (elastic multi-worker runs come with the agent)."""
+"""The local launcher: one worker trains in this process; several are run by an agent.
+
+With ``launcher.workers=1`` (and no room to grow) there is nothing to be elastic about, so the
+worker trains in the CLI process itself and skips the store and the process spawn.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict
 
 from ..config import validate
-from ..errors import ElasticFlowError
 
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
-    from ..trainer import ElasticTrainer
-
     validate(cfg)
-    if cfg.launcher.workers != 1:
-        raise ElasticFlowError(f"launcher.workers={cfg.launcher.workers}: multi-worker training is not available "
-                               "in this version", "run with launcher.workers=1")
-    return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
+    if cfg.launcher.workers == 1 and not cfg.launcher.max_workers:
+        from ..trainer import ElasticTrainer
+
+        return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
+    from ..distributed.agent import Agent
+
+    return Agent(cfg, run_dir).run()

@@ -1,0 +1,546 @@
+"""TensorFlow backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with GradientTape.
+
+The same names, semantics and layouts as ``backends/torch.py``, so one model file and its
+checkpoints move between backends: images are NCHW and conv weights OIHW at the API (TF's CPU
+convolution only takes NHWC, so conv2d and max_pool2d transpose inside), and SGD, Adam and AdamW
+are written out here with torch.optim's formulas, slot names and float32 rounding of the scalars.
+
+Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
+one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
+per-micro-batch gradient step and the update are ``tf.function``s; ``backend.jit=false`` runs
+them eagerly for debugging.
+"""
+from __future__ import annotations
+
+import builtins
+import logging
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from ..errors import ElasticFlowError
+from ..optim import SGD, Adam, AdamW, OptimizerSpec
+
+NAME = "tensorflow"
+_training = True  # read by dropout and ops.training(); the Engine flips it around evaluation
+_rng: Optional[tf.random.Generator] = None  # dropout's randomness; its state is checkpointed
+_log = logging.getLogger("elasticflow")
+
+
+def setup(threads: Optional[int], seed: int) -> None:
+    if threads:
+        # inter-op 1: on a few cores, running independent graph ops side by side only
+        # oversubscribes the intra-op pool that each matmul/conv already fills.
+        for setter, want in ((tf.config.threading.set_intra_op_parallelism_threads, threads),
+                             (tf.config.threading.set_inter_op_parallelism_threads, 1)):
+            try:
+                setter(want)
+            except RuntimeError:
+                # TF fixes its thread pools when it runs its first op; a second trainer in the
+                # same process keeps the first one's pools.
+                _log.debug("tensorflow already initialised; thread settings unchanged")
+    tf.random.set_seed(seed)
+    _generator().reset_from_seed(seed)
+
+
+def _generator() -> tf.random.Generator:
+    # Created once, eagerly: a tf.function may not create variables after its first trace,
+    # and compiled steps keep a reference to this object (so reseed it, never replace it).
+    global _rng
+    if _rng is None:
+        _rng = tf.random.Generator.from_seed(0, alg="philox")
+    return _rng
+
+
+def _is_keras(obj: Any) -> bool:
+    keras = sys.modules.get("keras")  # a keras model means keras is imported already
+    return keras is not None and isinstance(obj, keras.Layer)
+
+
+def is_native(obj: Any) -> bool:
+    """A model object this backend trains as-is (forward() receives it instead of a params dict)."""
+    return isinstance(obj, tf.Module) or _is_keras(obj)
+
+
+def native_kind(obj: Any) -> Optional[str]:
+    """A description of ``obj`` when it is a framework-native model this backend cannot train.
+
+    Checks class module names only: describing a torch model must not import torch.
+    """
+    if is_native(obj):
+        return None
+    for cls in type(obj).__mro__:
+        if cls.__module__.split(".")[0] == "torch":
+            return f"a PyTorch model (torch.nn.Module subclass {type(obj).__qualname__!r})"
+    return None
+
+
+def training() -> bool:
+    return _training
+
+
+# ---------------------------------------------------------------- ops
+relu = tf.nn.relu
+tanh = tf.math.tanh
+sigmoid = tf.math.sigmoid
+exp = tf.math.exp
+log = tf.math.log
+sqrt = tf.math.sqrt
+square = tf.math.square
+abs = tf.math.abs  # noqa: A001
+stop_gradient = tf.stop_gradient
+
+
+def matmul(a, b):
+    """torch.matmul's rules: batch dims broadcast, a 1-D operand is a row (a) or column (b) vector."""
+    a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+    row, col = a.shape.rank == 1, b.shape.rank == 1
+    out = tf.linalg.matmul(a[None, :] if row else a, b[:, None] if col else b)
+    if col:
+        out = out[..., 0]
+    if row:
+        out = out[..., 0] if col else tf.squeeze(out, -2)
+    return out
+
+
+@tf.custom_gradient
+def _maximum(a, b):
+    out = tf.math.maximum(a, b)
+
+    def grad(g):
+        # torch's rule: a tie splits the gradient in half (TF's own gives it all to `a`).
+        tie = tf.cast(tf.equal(a, b), g.dtype)
+        ga = g * (tf.cast(a > b, g.dtype) + 0.5 * tie)
+        gb = g * (tf.cast(b > a, g.dtype) + 0.5 * tie)
+        ra, rb = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(a), s1=tf.shape(b))
+        return (tf.reshape(tf.reduce_sum(ga, ra), tf.shape(a)), tf.reshape(tf.reduce_sum(gb, rb), tf.shape(b)))
+
+    return out, grad
+
+
+def maximum(a, b):
+    a = tf.convert_to_tensor(a)
+    return _maximum(a, tf.convert_to_tensor(b, dtype=a.dtype))
+
+
+def gelu(x):
+    return tf.nn.gelu(x, approximate=False)
+
+
+def _axes(axis):
+    return list(axis) if isinstance(axis, (tuple, list)) else axis
+
+
+def mean(x, axis=None, keepdims=False):
+    return tf.math.reduce_mean(x, axis=_axes(axis), keepdims=keepdims)
+
+
+def sum(x, axis=None, keepdims=False):  # noqa: A001
+    return tf.math.reduce_sum(x, axis=_axes(axis), keepdims=keepdims)
+
+
+def reshape(x, shape):
+    return tf.reshape(x, shape)
+
+
+def transpose(x, perm=None):
+    return tf.transpose(x, perm)
+
+
+def concat(xs, axis=0):
+    return tf.concat(xs, axis)
+
+
+def softmax(x, axis=-1):
+    return tf.nn.softmax(x, axis=axis)
+
+
+def log_softmax(x, axis=-1):
+    return tf.nn.log_softmax(x, axis=axis)
+
+
+def one_hot(ids, num_classes):
+    return tf.one_hot(tf.cast(ids, tf.int64), num_classes, dtype=tf.float32)
+
+
+def cross_entropy(logits, labels):
+    return tf.math.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int64), logits=logits))
+
+
+def mse(pred, target):
+    return tf.math.reduce_mean(tf.math.square(pred - target))
+
+
+def accuracy(logits, labels):
+    hit = tf.equal(tf.argmax(tf.stop_gradient(logits), axis=-1), tf.cast(labels, tf.int64))
+    return tf.math.reduce_mean(tf.cast(hit, tf.float32))
+
+
+def argmax(x, axis=-1):
+    return tf.argmax(x, axis=axis)
+
+
+_NCHW_TO_NHWC, _NHWC_TO_NCHW = (0, 2, 3, 1), (0, 3, 1, 2)
+
+
+def conv2d(x, w, b, stride, padding):
+    if padding == "valid" or padding == 0:
+        pad: Any = "VALID"
+    elif padding == "same":
+        if stride != 1:  # torch refuses it too: 'same' is only symmetric-by-definition at stride 1
+            raise ValueError("padding='same' is not supported for strided convolutions")
+        pad = "SAME"  # (k-1)//2 before, the rest after: torch's split for even kernels as well
+    elif isinstance(padding, int) and not isinstance(padding, bool) and padding > 0:
+        pad = [[0, 0], [padding, padding], [padding, padding], [0, 0]]
+    else:
+        raise ValueError(f"conv2d padding must be 'valid', 'same' or a non-negative int, got {padding!r}")
+    # A transpose each way (a copy each): TF's CPU Conv2D kernel only takes NHWC.
+    y = tf.nn.conv2d(tf.transpose(x, _NCHW_TO_NHWC), tf.transpose(w, (2, 3, 1, 0)), strides=stride, padding=pad)
+    if b is not None:
+        y = y + b
+    return tf.transpose(y, _NHWC_TO_NCHW)
+
+
+def max_pool2d(x, size, stride):
+    y = tf.nn.max_pool2d(tf.transpose(x, _NCHW_TO_NHWC), ksize=size, strides=stride, padding="VALID")
+    return tf.transpose(y, _NHWC_TO_NCHW)
+
+
+def layer_norm(x, gamma, beta, eps):
+    mu = tf.math.reduce_mean(x, axis=-1, keepdims=True)
+    centred = x - mu
+    var = tf.math.reduce_mean(tf.math.square(centred), axis=-1, keepdims=True)  # biased, as torch
+    y = centred * tf.math.rsqrt(var + eps)
+    if gamma is not None:
+        y = y * gamma
+    if beta is not None:
+        y = y + beta
+    return y
+
+
+def embedding(table, ids):
+    return tf.gather(table, tf.cast(ids, tf.int64))
+
+
+def dropout(x, rate):
+    if not rate or not _training:
+        return x
+    x = tf.convert_to_tensor(x)
+    if rate >= 1:
+        return tf.zeros_like(x)
+    keep = tf.cast(_generator().uniform(tf.shape(x)) >= rate, x.dtype)
+    return x * (keep / tf.constant(1.0 - rate, x.dtype))  # torch scales the mask, then multiplies
+
+
+_DTYPES = {"float32": tf.float32, "float64": tf.float64, "int32": tf.int32, "int64": tf.int64}
+
+
+def cast(x, dtype):
+    return tf.cast(x, _DTYPES[dtype])
+
+
+# ---------------------------------------------------------------- data
+def to_tensor(array: np.ndarray) -> tf.Tensor:
+    """float64 becomes float32 (the framework's parameter dtype); other dtypes keep theirs."""
+    array = np.asarray(array)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    return tf.constant(array)
+
+
+def resident(arrays: Sequence[np.ndarray]) -> Tuple[tf.Tensor, ...]:
+    """The whole dataset as tensors, converted once; batches are then gathered by index."""
+    return tuple(to_tensor(a) for a in arrays)
+
+
+def index(positions: np.ndarray) -> tf.Tensor:
+    return tf.constant(np.asarray(positions, dtype=np.int64))
+
+
+def gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+    return tuple(tf.gather(t, idx) for t in tensors)
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    return np.asarray(t.numpy()) if hasattr(t, "numpy") else np.asarray(t)
+
+
+# ---------------------------------------------------------------- engine
+def _check_loss(out: Any, where: str):
+    """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
+    metrics: Dict[str, Any] = {}
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise ElasticFlowError(f"forward() returned a dict without a 'loss' key (keys: {sorted(out)})",
+                                   "return {'loss': loss, 'accuracy': acc, ...}")
+        metrics = {k: v for k, v in out.items() if k != "loss"}
+        out = out["loss"]
+    if not tf.is_tensor(out):
+        raise ElasticFlowError(f"forward() returned a {type(out).__name__} as the loss {where}",
+                               "compute the loss from params with elasticflow.ops (or tensorflow) so gradients flow")
+    if out.shape.num_elements() != 1:
+        raise ElasticFlowError(f"forward() returned a non-scalar loss of shape {tuple(out.shape)} {where}",
+                               "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
+    for k, v in metrics.items():
+        if not (isinstance(v, (float, int)) or (tf.is_tensor(v) and v.shape.num_elements() == 1)):
+            raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
+                                   "every value in forward()'s dict must be a single number")
+    return tf.reshape(out, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
+
+
+def _flatten(tree: Dict[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
+    items: List[Tuple[str, Any]] = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            items.extend(_flatten(value, name + "/"))
+        else:
+            items.append((name, value))
+    return items
+
+
+def _rebuild(tree: Dict[str, Any], leaves: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    return {k: _rebuild(v, leaves, f"{prefix}{k}/") if isinstance(v, dict) else leaves[f"{prefix}{k}"]
+            for k, v in tree.items()}
+
+
+def _native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(trainable, non-trainable) variables of a keras model or tf.Module, by stable unique name.
+
+    Keras: the variable path without the model's own name ("dense/kernel",
+    "batch_normalization/moving_mean"). tf.Module: the attribute path ("layers/0/w").
+    Note: keras numbers auto-named layers process-wide (dense, dense_1, ...); a model file that
+    builds other models first, or a keras model named by hand differently, changes the names a
+    checkpoint holds. Name layers explicitly (``Dense(10, name="out")``) for names that never move.
+    """
+    if _is_keras(model):
+        prefix = model.name + "/"
+        found = [(v.path[len(prefix):] if v.path.startswith(prefix) else v.path, v, v.trainable)
+                 for v in model.trainable_variables + model.non_trainable_variables]
+    else:
+        found = [("/".join(map(str, path)), v, v.trainable)
+                 for path, v in model._flatten(with_path=True, predicate=lambda x: isinstance(x, tf.Variable))]
+    params: Dict[str, Any] = {}
+    buffers: Dict[str, Any] = {}
+    seen, taken = set(), set()
+    for name, var, trainable in found:
+        if id(var) in seen:  # a shared layer's variable reached twice
+            continue
+        seen.add(id(var))
+        unique, n = name, 1
+        while unique in taken:
+            unique, n = f"{name}_{n}", n + 1
+        taken.add(unique)
+        (params if trainable else buffers)[unique] = var
+    return params, buffers
+
+
+def _np_dtype(var: Any) -> np.dtype:
+    return np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype))  # tf.DType, or keras's dtype string
+
+
+class Engine:
+    """Variables, GradientTape, the flat gradient buffer and the optimizer of one worker.
+
+    Args:
+        model: what ``model(cfg)`` returned, without the "optimizer" key: a (nested) dict of
+            arrays, or a keras model / ``tf.Module`` (its forward() calls
+            ``params(x, training=ops.training())``).
+        forward: the user's ``forward(*batch, params)``.
+        spec: the optimizer spec.
+        jit: compile the gradient step and the update with ``tf.function`` (one trace per
+            distinct batch shape and training flag).
+
+    Note: under jit, forward() is traced, not run, each call: Python control flow on tensor
+    values and Python side effects need ``backend.jit=false``.
+    """
+
+    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True):
+        self.forward = forward
+        self.spec = spec
+        self.jit = jit
+        _generator()
+        self.native = model if is_native(model) else None
+        if self.native is not None:
+            self.params, self.buffers = _native_variables(model)
+            self.view = model
+        else:
+            leaves: Dict[str, Any] = {}
+            self.params, self.buffers = {}, {}
+            for name, value in _flatten(model):
+                array = to_numpy(value)
+                if np.issubdtype(array.dtype, np.floating):
+                    var = tf.Variable(array.astype(np.float32), trainable=True)
+                    self.params[name] = var
+                else:
+                    var = tf.Variable(array, trainable=False)
+                    self.buffers[name] = var
+                leaves[name] = var
+            self.view = _rebuild(model, leaves)
+        if not self.params:
+            hint = ("build the keras model before returning it (start it with keras.Input(shape) or call "
+                    "model.build(shape))" if self.native is not None
+                    else "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
+            raise ElasticFlowError("model() returned no floating-point parameters to train", hint)
+        self._vars = list(self.params.values())
+        self._shapes = [tuple(int(d) for d in v.shape) for v in self._vars]
+        self._sizes = [int(np.prod(s, dtype=np.int64)) for s in self._shapes]
+        self.num_params = int(builtins.sum(self._sizes))
+        self.flat_grad = tf.Variable(tf.zeros([self.num_params], tf.float32), trainable=False)
+        self._slots = {slot: [tf.Variable(tf.zeros(s, tf.float32), trainable=False) for s in self._shapes]
+                       for slot in spec.slots()}
+        self._slots_live = False   # torch creates optimizer state at the first update
+        self._updates = 0          # updates applied since the optimizer state was fresh (bias correction)
+        self._grad_fns: Dict[bool, Any] = {}  # training flag -> compiled step: the flag is baked in at trace time
+        self._eval_fns: Dict[bool, Any] = {}
+        self._apply_fn = self._compile(self._apply_step)
+
+    def _compile(self, fn):
+        # Exact shapes (no input signature): a model file may read x.shape[0]; the cost is one
+        # trace per distinct micro-batch shape (typically two: full and the epoch's last).
+        # autograph off: forward() keeps plain Python semantics and errors keep their type.
+        return tf.function(fn, autograph=False) if self.jit else fn
+
+    # -- one step
+    def train_mode(self, training: bool) -> None:
+        global _training
+        _training = training
+
+    def zero_grad(self) -> None:
+        # A fresh zeros tensor, not a kept constant: the variable would alias the constant and
+        # every accumulate would copy on write.
+        self.flat_grad.assign(tf.zeros([self.num_params], tf.float32))
+
+    def accumulate(self, batch: Tuple[tf.Tensor, ...], weight: float):
+        """Add the gradient of ``weight * loss`` of one micro-batch to the flat buffer; returns weighted (loss, metrics)."""
+        fn = self._grad_fns.get(_training)
+        if fn is None:
+            fn = self._grad_fns[_training] = self._compile(self._grad_step)
+        return fn(tuple(batch), tf.constant(weight, tf.float32))
+
+    def _grad_step(self, batch, weight):
+        with tf.GradientTape() as tape:
+            loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
+            weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
+        grads = tape.gradient(weighted, self._vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # convert_to_tensor: an embedding's gradient arrives as IndexedSlices.
+        self.flat_grad.assign_add(tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0))
+        return weighted, {k: v * weight for k, v in metrics.items()}
+
+    def grad_norm(self) -> float:
+        return float(tf.norm(self.flat_grad))
+
+    def scale_grad(self, factor: float) -> None:
+        self.flat_grad.assign(self.flat_grad * tf.constant(factor, tf.float32))
+
+    def grad_finite(self) -> bool:
+        return bool(tf.reduce_all(tf.math.is_finite(self.flat_grad)))
+
+    def grad_view(self):
+        """The accumulated flat gradient as a 1-D float32 ``torch.Tensor`` sharing its memory (DLPack).
+
+        Call it after the micro-batches and before ``apply()``: an in-place edit (an allreduce)
+        is what ``apply()`` then uses.
+
+        Note: the view is valid for this step only. TF copies a variable on its next write while
+        another reference to its buffer lives, so after zero_grad(), accumulate() or
+        scale_grad() the old view no longer aliases the gradient; take a new one each step.
+        """
+        import torch  # only the distributed path pays for torch under backend=tensorflow
+
+        return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(self.flat_grad.value()))
+
+    def apply(self, lr: float) -> None:
+        """One optimizer update from the flat gradient, with torch.optim's formulas.
+
+        The scalars (lr, bias corrections, ...) are computed in Python doubles and rounded to
+        float32 once, as torch does with its Python-number arguments.
+        """
+        s = self.spec
+        step = self._updates + 1
+        if isinstance(s, SGD):
+            scalars = [lr, s.weight_decay, s.momentum]
+        else:
+            b1, b2 = s.betas
+            bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+            scalars = [lr / bc1, bc2 ** 0.5, s.eps, 1 - b1, b2, 1 - b2, s.weight_decay, 1 - lr * s.weight_decay]
+        self._apply_fn(tf.constant(np.array(scalars, np.float32)), not self._slots_live)
+        self._updates = step
+        self._slots_live = True
+
+    def _apply_step(self, k, first: bool):
+        s = self.spec
+        grads = tf.split(tf.convert_to_tensor(self.flat_grad), self._sizes)
+        for i, (p, g) in enumerate(zip(self._vars, grads)):
+            g = tf.reshape(g, self._shapes[i])
+            w = tf.convert_to_tensor(p)
+            if isinstance(s, SGD):
+                if s.weight_decay:
+                    g = g + k[1] * w
+                if s.momentum:
+                    buf = self._slots["momentum_buffer"][i]
+                    new = g if first else tf.convert_to_tensor(buf) * k[2] + g  # torch: the first buffer is a copy of the gradient
+                    buf.assign(new)
+                    g = g + k[2] * new if s.nesterov else new
+                p.assign(w - k[0] * g)
+            else:
+                if s.weight_decay:
+                    if isinstance(s, AdamW):
+                        w = w * k[7]  # decoupled: param *= 1 - lr * weight_decay
+                    else:
+                        g = g + k[6] * w
+                m_var, v_var = self._slots["exp_avg"][i], self._slots["exp_avg_sq"][i]
+                m, v = tf.convert_to_tensor(m_var), tf.convert_to_tensor(v_var)
+                m_new = m + k[3] * (g - m)                 # torch: exp_avg.lerp_(grad, 1 - beta1)
+                v_new = v * k[4] + k[5] * g * g            # torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+                m_var.assign(m_new)
+                v_var.assign(v_new)
+                denom = tf.math.sqrt(v_new) / k[1] + k[2]  # sqrt(v) / sqrt(bias_correction2) + eps
+                p.assign(w - k[0] * (m_new / denom))       # step_size = lr / bias_correction1
+
+    def evaluate(self, batch: Tuple[tf.Tensor, ...]) -> Dict[str, float]:
+        fn = self._eval_fns.get(_training)
+        if fn is None:
+            fn = self._eval_fns[_training] = self._compile(self._eval_step)
+        loss, metrics = fn(tuple(batch))
+        return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
+
+    def _eval_step(self, batch):
+        return _check_loss(self.forward(*batch, params=self.view), "in evaluation")
+
+    # -- state, by name, as numpy (backend-neutral checkpoints)
+    def state(self) -> Dict[str, np.ndarray]:
+        out = {n: to_numpy(v).copy() for n, v in list(self.params.items()) + list(self.buffers.items())}
+        if self._slots_live:
+            for i, n in enumerate(self.params):
+                for slot, variables in self._slots.items():
+                    out[f"optimizer/{n}/{slot}"] = to_numpy(variables[i]).copy()
+        return out
+
+    def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
+        for n, v in list(self.params.items()) + list(self.buffers.items()):
+            v.assign(np.asarray(state[n]).astype(_np_dtype(v)).reshape(v.shape))
+        names = [f"optimizer/{n}/{slot}" for n in self.params for slot in self._slots]
+        # All or nothing: torch starts a parameter without saved slots afresh (a momentum buffer
+        # copied from the next gradient); one flag for all keeps the update a single compiled function.
+        self._slots_live = bool(names) and all(n in state for n in names)
+        for i, n in enumerate(self.params):
+            for slot, variables in self._slots.items():
+                value = state.get(f"optimizer/{n}/{slot}") if self._slots_live else None
+                variables[i].assign(np.zeros(self._shapes[i], np.float32) if value is None
+                                    else np.asarray(value, np.float32).reshape(self._shapes[i]))
+        self._updates = optimizer_steps if self._slots_live else 0
+
+    def state_names(self) -> List[str]:
+        names = list(self.params) + list(self.buffers)
+        return names + [f"optimizer/{n}/{s}" for n in self.params for s in self.spec.slots()]
+
+    def rng_state(self) -> Dict[str, np.ndarray]:
+        return {"rng/tensorflow": _generator().state.numpy().copy()}
+
+    def set_rng_state(self, state: Dict[str, np.ndarray]) -> None:
+        if "rng/tensorflow" in state:
+            _generator().reset(np.asarray(state["rng/tensorflow"], np.int64))

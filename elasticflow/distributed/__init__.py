@@ -1,0 +1,1 @@
+"""Elastic data parallelism: agent.py (job master), membership.py (worker side), comm.py (collectives)."""

@@ -1,0 +1,90 @@
+"""A worker process: `python -m elasticflow.distributed.worker`, started by the agent.
+
+Reads the run's config from RUN_DIR/.elasticflow/config.yaml, joins the membership and trains.
+Errors go to RUN_DIR/.elasticflow/error-<id>.json for the agent to report as one line.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from . import protocol
+
+
+class _RankFilter(logging.Filter):
+    """Console: info from whoever is rank 0 now; warnings from every worker."""
+
+    def __init__(self, trainer_ref):
+        super().__init__()
+        self.trainer_ref = trainer_ref
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        trainer = self.trainer_ref()
+        return record.levelno >= logging.WARNING or (trainer is not None and trainer.rank == 0)
+
+
+def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    console.addFilter(_RankFilter(trainer_ref))
+    file = logging.FileHandler(logs / f"worker-{worker_id}.log")
+    file.setFormatter(logging.Formatter(f"[%(asctime)s][worker {worker_id}][%(levelname)s] %(message)s"))
+    root.addHandler(console)
+    root.addHandler(file)
+
+
+def main() -> None:
+    from omegaconf import OmegaConf
+
+    from ..config import Config
+    from ..errors import ElasticFlowError, TrainingInterrupted
+    from ..trainer import ElasticTrainer
+    from .membership import Membership
+
+    run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
+    worker_id = int(os.environ[protocol.ENV_WORKER_ID])
+    holder = {"trainer": None}
+    _setup_logging(run_dir, worker_id, lambda: holder["trainer"])
+    code = protocol.EXIT_OK
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
+        membership = Membership(os.environ[protocol.ENV_STORE], worker_id, cfg.elastic.timeout_s, cfg.elastic.wait_s)
+        trainer = ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir), membership=membership)
+        holder["trainer"] = trainer
+        summary = trainer.fit()
+        if trainer.rank == 0:
+            tmp = run_dir / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary))
+            os.replace(tmp, run_dir / "summary.json")
+    except TrainingInterrupted:
+        code = protocol.EXIT_INTERRUPTED
+    except ElasticFlowError as exc:
+        code = exc.exit_code
+        if code not in (protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST, protocol.EXIT_REMOVED):
+            (run_dir / ".elasticflow" / f"error-{worker_id}.json").write_text(
+                json.dumps({"message": exc.message, "hint": exc.hint}))
+        logging.getLogger("elasticflow").warning("worker %d: %s", worker_id, exc.message)
+    except BaseException as exc:  # noqa: BLE001 - report any failure to the agent as one line
+        import traceback
+
+        logging.getLogger("elasticflow").error("worker %d failed:\n%s", worker_id, traceback.format_exc())
+        (run_dir / ".elasticflow" / f"error-{worker_id}.json").write_text(
+            json.dumps({"message": f"worker {worker_id}: {type(exc).__name__}: {exc}",
+                        "hint": f"see {run_dir}/logs/worker-{worker_id}.log for the traceback"}))
+        code = 1
+    # A process whose gloo group failed can abort in its exit handlers: flush, then leave at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
