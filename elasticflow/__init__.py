@@ -1,2 +1,21 @@
-"""ElasticFlow: write model(), forward() and data(); the framework trains it."""
+"""ElasticFlow: write model(), forward() and data(); the framework trains it.
+
+Public names: ``ElasticTrainer``, ``CheckpointInterval``, ``context``, and the modules ``ops``,
+``optim`` and ``checkpoint``. Heavy imports (torch, TensorFlow) happen only when a backend is used.
+"""
 __version__ = "0.1.0"
+
+__all__ = ["ElasticTrainer", "CheckpointInterval", "context", "ops", "optim", "checkpoint"]
+
+
+def __getattr__(name):
+    # Lazy: `import elasticflow` must not import a backend or Hydra.
+    if name in ("ElasticTrainer", "CheckpointInterval", "context"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    if name in ("ops", "optim", "checkpoint"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'elasticflow' has no attribute {name!r}")

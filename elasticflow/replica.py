@@ -28,7 +28,8 @@ def reduce_step(trainer: "ElasticTrainer", scalars: List[float]) -> Tuple[List[f
     m = trainer.membership
     if m is None:
         return scalars, {}
-    seen = m.latest_generation
+    # The poller may lag behind a generation this worker already entered through a recovery.
+    seen = max(m.latest_generation, trainer.generation)
     interrupt, agent_lost = float(trainer._interrupt_requested), float(m.agent_lost)
     if trainer.world == 1:
         return scalars, {"membership": seen > trainer.generation, "interrupt": bool(interrupt),

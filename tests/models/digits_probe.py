@@ -1,0 +1,93 @@
+"""The digits MLP with fault injection and a sample recorder, for the elastic tests.
+
+Environment (read by every worker):
+    EF_PROBE_KILL    "worker:step:where[,worker:step:where...]": that worker SIGKILLs itself at that
+                     step, where = "forward" (inside forward) or "reduction" (a timer fires while it
+                     waits in the gradient allreduce; the other workers are slowed at that step so it
+                     is the one waiting).
+    EF_PROBE_PAUSE   "step:seconds": every worker sleeps that long in forward at that step (generation 0),
+                     a window for a test to kill a pid from workers.json.
+    EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
+    EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, ids} to
+                     <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt.
+"""
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import elasticflow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
+import digits_mlp  # noqa: E402
+
+WORKER = int(os.environ.get("ELASTICFLOW_WORKER_ID", "0"))
+KILLS = [tuple(k.split(":")) for k in os.environ.get("EF_PROBE_KILL", "").split(",") if k]
+PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.environ.get("EF_PROBE_PAUSE") else None
+SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
+RECORD = os.environ.get("EF_PROBE_RECORD")
+_seen_steps = set()
+
+model = digits_mlp.model
+eval_data = None
+
+
+def _kill_self():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _inject(ctx):
+    first_time = (ctx.step, ctx.generation) not in _seen_steps
+    _seen_steps.add((ctx.step, ctx.generation))
+    if not first_time:
+        return  # only the first micro-batch of a step attempt
+    for worker, step, where in KILLS:
+        if int(step) != ctx.step:
+            continue
+        if int(worker) == WORKER:
+            if where == "forward":
+                _kill_self()
+            threading.Timer(0.15, _kill_self).start()  # fires while we wait in the allreduce
+        elif where == "reduction":
+            time.sleep(0.4)  # the victim reaches the allreduce first and dies there
+    if PAUSE and ctx.step == int(PAUSE[0]) and ctx.generation == 0:
+        time.sleep(PAUSE[1])
+    if SLEEP:
+        time.sleep(SLEEP)
+
+
+def forward(x, y, params):
+    _inject(elasticflow.context())
+    return digits_mlp.forward(x, y, params)
+
+
+class RecordingDataset:
+    """The digits training split as an indexable dataset that logs every fetch."""
+
+    def __init__(self, arrays):
+        self.x, self.y = arrays
+        self.ids = np.arange(len(self.x))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, indices):
+        if RECORD:
+            ctx = elasticflow.context()
+            line = {"pid": os.getpid(), "worker": WORKER, "generation": ctx.generation, "step": ctx.step,
+                    "epoch": ctx.epoch, "ids": self.ids[indices].tolist()}
+            with open(Path(RECORD) / f"{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return self.x[indices], self.y[indices]
+
+
+def data(cfg):
+    arrays = digits_mlp.data(cfg)
+    return RecordingDataset(arrays) if RECORD else arrays
