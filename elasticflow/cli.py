@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import List, Optional
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
+       elasticflow scale RUN_DIR --workers N
+       elasticflow status RUN_DIR
        elasticflow inspect CHECKPOINT_DIR
        elasticflow --version
 
@@ -101,6 +103,29 @@ def inspect_checkpoint(args: List[str]) -> None:
     print(render(Path(args[0])))
 
 
+def scale_command(args: List[str]) -> None:
+    import argparse
+
+    from .distributed.control import scale
+
+    parser = argparse.ArgumentParser(prog="elasticflow scale", description="grow or shrink a running job")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the new membership")
+    ns = parser.parse_args(args)
+    if ns.workers < 1:
+        _fail(f"--workers must be a positive integer, got {ns.workers}", "e.g. elasticflow scale RUN_DIR --workers 4")
+    print(scale(ns.run_dir, ns.workers, ns.wait))
+
+
+def status_command(args: List[str]) -> None:
+    from .distributed.control import status
+
+    if len(args) != 1:
+        _fail("status takes one run directory", "e.g. elasticflow status outputs/2026-11-22/10-00-00")
+    print(status(Path(args[0])))
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -116,7 +141,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"elasticflow {__version__}")
         return
     command, rest = argv[0], argv[1:]
-    commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest)}
+    commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest),
+                "scale": lambda: scale_command(rest), "status": lambda: status_command(rest)}
     if command not in commands:
         _fail(f"unknown command {command!r}", f"use one of: {', '.join(commands)} (elasticflow --help)")
     try:

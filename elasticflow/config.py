@@ -73,10 +73,37 @@ class CheckpointConfig:
     dir: Optional[str] = None      # null = RUN_DIR/checkpoints
     interval: IntervalConfig = field(default_factory=IntervalConfig)
     keep: Optional[int] = 3        # newest complete checkpoints kept (null = all)
+    job_name: Optional[str] = None  # checkpoint.dir/<job_name>_<timestamp>/; null = the model file's stem
+
+
+def _add_keyword_field(cls: type, name: str, kind: type, default: Any) -> None:
+    """Add field ``name`` to dataclass ``cls`` although it is a Python keyword (``async``): the
+    dataclass decorator cannot declare it, but OmegaConf and Hydra read it like any other field."""
+    import dataclasses
+
+    f = field(default=default)
+    f.name, f.type, f._field_type = name, kind, dataclasses._FIELD  # what @dataclass sets on a field
+    cls.__dataclass_fields__[name] = f
+    cls.__annotations__[name] = kind
+    setattr(cls, name, default)
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        value = kwargs.pop(name, default)
+        init(self, *args, **kwargs)
+        setattr(self, name, value)
+
+    cls.__init__ = __init__
+
+
+# checkpoint.async: write checkpoints in a background thread; training stalls only for an in-memory
+# snapshot of this worker's slice (false: each save returns once written and committed).
+_add_keyword_field(CheckpointConfig, "async", bool, True)
 
 
 @dataclass
 class ElasticConfig:
+    heartbeat_timeout_s: float = 10.0  # a worker silent this long (stopped, hung) is killed by the agent
     timeout_s: float = 30.0        # a collective (and a group rendezvous) fails after this long
     wait_s: float = 60.0           # below launcher.min_workers, wait this long for workers, then stop
 
@@ -145,6 +172,11 @@ def validate(cfg: Any) -> None:
     lc = cfg.launcher
     _positive_int(lc.workers, "launcher.workers", "pass launcher.workers=1 for a single worker")
     _positive_int(lc.min_workers, "launcher.min_workers", "pass launcher.min_workers=1")
+    if lc.max_workers is not None and lc.max_workers < lc.workers:
+        raise ElasticFlowError(f"launcher.max_workers={lc.max_workers} is less than launcher.workers={lc.workers}",
+                               "raise launcher.max_workers, or leave it null for no limit")
+    if lc.max_restarts < 0:
+        raise ElasticFlowError(f"launcher.max_restarts must be >= 0, got {lc.max_restarts}", "pass e.g. launcher.max_restarts=3")
     if lc.min_workers > lc.workers:
         raise ElasticFlowError(f"launcher.min_workers={lc.min_workers} is more than launcher.workers={lc.workers}",
                                "lower launcher.min_workers or raise launcher.workers")
@@ -152,6 +184,12 @@ def validate(cfg: Any) -> None:
     if not (el.timeout_s > 0 and math.isfinite(el.timeout_s)):
         raise ElasticFlowError(f"elastic.timeout_s must be a positive number of seconds, got {el.timeout_s!r}",
                                "pass e.g. elastic.timeout_s=30 (never leave collectives without a timeout)")
+    if not (0 < el.heartbeat_timeout_s < el.timeout_s):
+        raise ElasticFlowError(
+            f"elastic.heartbeat_timeout_s={el.heartbeat_timeout_s:g} must be positive and shorter than "
+            f"elastic.timeout_s={el.timeout_s:g}",
+            "the agent must cut a hung worker out before its peers' collectives time out, e.g. "
+            "elastic.heartbeat_timeout_s=10 elastic.timeout_s=30")
     if not el.wait_s >= 0:
         raise ElasticFlowError(f"elastic.wait_s must be >= 0, got {el.wait_s!r}", "pass e.g. elastic.wait_s=60")
     iv = cfg.checkpoint.interval

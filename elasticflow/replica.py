@@ -114,6 +114,7 @@ def recover(trainer: "ElasticTrainer", reason: str, planned: bool = False) -> No
     old_generation, old_world = trainer.generation, trainer.world
     if not planned:
         log.warning("worker step %d: %s; rebuilding", trainer.step_count + 1, reason)
+        trainer.membership.report_failure()
     stop_reason = None
     while True:
         try:
@@ -126,6 +127,7 @@ def recover(trainer: "ElasticTrainer", reason: str, planned: bool = False) -> No
             break
         except protocol.CommError as exc:
             log.warning("recovery in generation %d failed (%s); waiting for the next", trainer.generation, exc)
+            trainer.membership.report_failure()
             stop_reason = None
         except AgentLost as exc:
             trainer.save_checkpoint(f"step_{trainer.step_count}")
@@ -133,7 +135,9 @@ def recover(trainer: "ElasticTrainer", reason: str, planned: bool = False) -> No
                                    "rerun the same command: resume=auto continues from the newest checkpoint",
                                    exit_code=protocol.EXIT_AGENT_LOST) from exc
         except Removed as exc:
-            raise ElasticFlowError(str(exc), "", exit_code=protocol.EXIT_REMOVED) from exc
+            log.info("worker %s retired by the agent (%s)", trainer.membership.worker_id, exc)
+            raise ElasticFlowError(f"worker {trainer.membership.worker_id} retired: {exc}", "",
+                                   exit_code=protocol.EXIT_REMOVED) from exc
     resumed_at = time.time()
     if trainer.rank == 0:
         trainer.event("recovered" if not planned else "regrouped", generation=trainer.generation,

@@ -182,6 +182,7 @@ class ElasticTrainer:
         horizon = [x for x in (t.max_steps, self.max_epochs and self.max_epochs * self.steps_per_epoch) if x]
         self.total_steps: Optional[int] = min(horizon) if horizon else None
 
+        self.checkpointer = ckpt.Checkpointer.for_run(self.ckpt_dir, cfg, self.run_dir, self.membership)
         self._resume()
         self.metric_names = self._probe_metric_names()
         if self.membership is not None:
@@ -242,8 +243,8 @@ class ElasticTrainer:
         mode = str(self.cfg.resume)
         if mode == "none":
             return
-        if mode == "auto":
-            candidates = list(reversed(ckpt.complete_checkpoints(self.ckpt_dir)))
+        if mode == "auto":  # this job's checkpoints, newest first
+            candidates = list(reversed(ckpt.complete_checkpoints(self.checkpointer.job_dir)))
             for path in candidates:
                 try:
                     self.load_checkpoint(path)
@@ -253,7 +254,8 @@ class ElasticTrainer:
                         raise
                     log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
             return
-        self.load_checkpoint(Path(mode).expanduser())
+        # resume=PATH: a checkpoint, or a job dir / checkpoint.dir (its newest complete checkpoint)
+        self.load_checkpoint(ckpt.resolve(Path(mode).expanduser()))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
@@ -488,17 +490,32 @@ class ElasticTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, name: str) -> Optional[Path]:
-        if self.rank != 0:
-            return None
+        """Every member writes its 1/W slice of the state; rank 0 commits once all W are on disk.
+
+        An interval save returns after an in-memory snapshot (``checkpoint.async``); any other save
+        (final, Ctrl-C, stop, agent lost) returns once written, since the process may exit next.
+        Returns the checkpoint's path on rank 0.
+        """
+        rank, world, m = self.rank, self.world, self.membership
+        if m is not None and world > 1 and (m.agent_lost or not ckpt.store_alive(m.store)):
+            # No store, no coordinated save: the state is replicated, so rank 0 writes all of it.
+            if rank != 0:
+                return None
+            rank, world = 0, 1
         state = self.engine.state()
         state.update(self.engine.rng_state())
         info = {"step": self.step_count, "epoch": self.cursor.epoch, "micro_step": self.micro_step,
                 "skipped_steps": self.skipped_steps, "cursor": self.cursor.as_dict(), "world_size": self.world,
                 "backend": self.backend.NAME, "optimizer": self.spec.name, "seed": self.cfg.seed,
-                "global_batch_size": self.cfg.trainer.global_batch_size, "saved_at": time.time()}
-        path = ckpt.save(self.ckpt_dir, name, state, info, keep=self.cfg.checkpoint.keep)
+                "global_batch_size": self.cfg.trainer.global_batch_size, "saved_at": time.time(),
+                "generation": self.generation, "config_hash": ckpt.config_hash(self.cfg)}
+        routine = ((name == f"step_{self.step_count}" and self.interval.should_save(current_step=self.step_count))
+                   or (name == f"epoch_{self.epochs_completed}"
+                       and self.interval.should_save(current_epoch=self.epochs_completed)))
+        # copy=False: engine.state() is a private copy already, the writer keeps views of it.
+        path = self.checkpointer.save(name, state, info, rank=rank, world=world, generation=self.generation,
+                                      wait=not routine, copy=False)
         self.last_saved_step = self.step_count
-        log.info("checkpoint %s written", path)
         return path
 
     def load_checkpoint(self, path: Path) -> None:
@@ -533,12 +550,14 @@ class ElasticTrainer:
         final = None
         if self.last_saved_step != self.step_count:
             final = self.save_checkpoint(f"step_{self.step_count}")
+        # An interval save may still be in flight; a failed background write is raised here.
+        final = self.checkpointer.close() or final
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         summary = {"step": self.step_count, "epochs_completed": self.epochs_completed,
                    "samples_seen": self.cursor.samples_seen, "loss": self.last_metrics.get("loss"),
-                   **self.last_eval, "checkpoint": str(final or ckpt.latest(self.ckpt_dir) or "")}
+                   **self.last_eval, "checkpoint": str(final or ckpt.latest(self.checkpointer.job_dir) or "")}
         return summary
 
     def _install_sigint(self):

@@ -23,7 +23,7 @@ from conftest import ELASTICFLOW, REPO, losses, metrics
 PROBE = Path(__file__).parent / "models" / "digits_probe.py"
 STEPS = 60
 COMMON = ["trainer.global_batch_size=64", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
-          "trainer.progress=false", "elastic.timeout_s=10", "elastic.wait_s=5", "optimizer.lr=0.1"]
+          "trainer.progress=false", "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5", "elastic.wait_s=30", "optimizer.lr=0.1"]
 RTOL, ATOL = 1e-4, 1e-6
 
 
@@ -174,7 +174,7 @@ def test_below_min_workers_checkpoints_and_exits_nonzero(tmp_path):
 
 def test_agent_death_makes_workers_exit(tmp_path):
     run = tmp_path / "run"
-    proc = start(run, "launcher.workers=2", "elastic.timeout_s=3", env={"EF_PROBE_SLEEP": "0.05"})
+    proc = start(run, "launcher.workers=2", "elastic.timeout_s=3", "elastic.heartbeat_timeout_s=2", env={"EF_PROBE_SLEEP": "0.05"})
     wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
     pids = [m["pid"] for m in members(run)]
     proc.kill()  # SIGKILL the agent

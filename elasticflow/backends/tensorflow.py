@@ -394,6 +394,8 @@ class Engine:
                        for slot in spec.slots()}
         self._slots_live = False   # torch creates optimizer state at the first update
         self._updates = 0          # updates applied since the optimizer state was fresh (bias correction)
+        self._zero_pending = False  # zero_grad() is folded into the next accumulate (one op fewer per step)
+        self._weights: Dict[float, tf.Tensor] = {}  # micro-batch weight -> constant (a handful of values per run)
         self._grad_fns: Dict[bool, Any] = {}  # training flag -> compiled step: the flag is baked in at trace time
         self._eval_fns: Dict[bool, Any] = {}
         self._apply_fn = self._compile(self._apply_step)
@@ -410,33 +412,53 @@ class Engine:
         _training = training
 
     def zero_grad(self) -> None:
-        # A fresh zeros tensor, not a kept constant: the variable would alias the constant and
-        # every accumulate would copy on write.
-        self.flat_grad.assign(tf.zeros([self.num_params], tf.float32))
+        # Deferred: the next accumulate() assigns instead of adding. Whatever reads the buffer
+        # first (_settle) zeroes it if no micro-batch came (a worker with an empty share).
+        self._zero_pending = True
+
+    def _settle(self) -> None:
+        if self._zero_pending:
+            # A fresh zeros tensor, not a kept constant: the variable would alias the constant
+            # and the next write would copy on write.
+            self.flat_grad.assign(tf.zeros([self.num_params], tf.float32))
+            self._zero_pending = False
 
     def accumulate(self, batch: Tuple[tf.Tensor, ...], weight: float):
         """Add the gradient of ``weight * loss`` of one micro-batch to the flat buffer; returns weighted (loss, metrics)."""
         fn = self._grad_fns.get(_training)
         if fn is None:
             fn = self._grad_fns[_training] = self._compile(self._grad_step)
-        return fn(tuple(batch), tf.constant(weight, tf.float32))
+        w = self._weights.get(weight)
+        if w is None:
+            w = self._weights.setdefault(weight, tf.constant(weight, tf.float32)) if len(self._weights) < 64 \
+                else tf.constant(weight, tf.float32)
+        fresh, self._zero_pending = self._zero_pending, False
+        return fn(tuple(batch), w, fresh)
 
-    def _grad_step(self, batch, weight):
+    def _grad_step(self, batch, weight, fresh: bool):
         with tf.GradientTape() as tape:
             loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
         grads = tape.gradient(weighted, self._vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         # convert_to_tensor: an embedding's gradient arrives as IndexedSlices.
-        self.flat_grad.assign_add(tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0))
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
+        # fresh (a Python bool: one trace each way): the step's first micro-batch overwrites.
+        if fresh:
+            self.flat_grad.assign(flat)
+        else:
+            self.flat_grad.assign_add(flat)
         return weighted, {k: v * weight for k, v in metrics.items()}
 
     def grad_norm(self) -> float:
+        self._settle()
         return float(tf.norm(self.flat_grad))
 
     def scale_grad(self, factor: float) -> None:
+        self._settle()
         self.flat_grad.assign(self.flat_grad * tf.constant(factor, tf.float32))
 
     def grad_finite(self) -> bool:
+        self._settle()
         return bool(tf.reduce_all(tf.math.is_finite(self.flat_grad)))
 
     def grad_view(self):
@@ -451,6 +473,7 @@ class Engine:
         """
         import torch  # only the distributed path pays for torch under backend=tensorflow
 
+        self._settle()
         return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(self.flat_grad.value()))
 
     def apply(self, lr: float) -> None:
@@ -459,6 +482,7 @@ class Engine:
         The scalars (lr, bias corrections, ...) are computed in Python doubles and rounded to
         float32 once, as torch does with its Python-number arguments.
         """
+        self._settle()
         s = self.spec
         step = self._updates + 1
         if isinstance(s, SGD):

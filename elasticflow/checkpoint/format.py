@@ -1,41 +1,204 @@
-"""Checkpoint layout, metadata and checksums. No pickle anywhere: tensors are safetensors, the rest JSON.
+"""Checkpoint layout, the flat-state plan, shard files, metadata and checksums. No pickle anywhere.
 
-    CHECKPOINT_DIR/step_<N>/            (or epoch_<N>/)
-        shard-00000-of-00001.safetensors
-        metadata.json                   tensors (dtype, shape, which file holds which range),
-                                        step, epoch, data cursor, world size, backend, checksums
-        COMMIT                          written last; a directory without it is never loaded
+    CHECKPOINT_DIR/                         checkpoint.dir (default RUN_DIR/checkpoints)
+        <job_name>_<YYYYmmdd-HHMMSS>/       one directory per job (kept across restarts of a run)
+            step_<N>/   (or epoch_<N>/)
+                shard-00000-of-00004.safetensors    rank r's contiguous 1/W of the flat state
+                ...
+                metadata.json               tensors (dtype, shape, which file holds which element
+                                            range), step, epoch, data cursor, world size, backend,
+                                            config hash, crc32 + byte size of every file
+                COMMIT                      written last; a directory without it is never loaded
+            .step_<N>.tmp-...               a save in flight (or one that died): never loaded
+
+The flat state: every tensor in sorted-name order, flattened and laid end to end. Rank r of W
+writes the elements whose first byte falls in [r*B/W, (r+1)*B/W) of the B bytes, so the split is
+balanced by bytes and a tensor crossing a boundary is split between two files. Each shard file is
+a plain safetensors file whose entries are the 1-D pieces (``safe_open`` reads it).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import struct
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..errors import ElasticFlowError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA = "metadata.json"
 COMMIT = "COMMIT"
 NAME_RE = re.compile(r"^(step|epoch)_(\d+)$")
+JOB_RE = re.compile(r"^(?P<job>.+)_(?P<stamp>\d{8}-\d{6})(?:\.(?P<n>\d+))?$")
+TMP_RE = re.compile(r"^\.(?P<name>(?:step|epoch)_\d+)\.tmp-s(?P<step>\d+)-(?P<token>[0-9a-f]+)-")
+
+# safetensors dtype codes (numpy has no bfloat16; the backends hand over numpy arrays)
+DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
+          "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
+          "bool": "BOOL"}
+NUMPY_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 def shard_name(rank: int, world: int) -> str:
     return f"shard-{rank:05d}-of-{world:05d}.safetensors"
 
 
-def file_digest(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+# ---------------------------------------------------------------- the plan: who writes which elements
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, end) of tensor ``name``, held by shard ``rank``."""
+    name: str
+    rank: int
+    start: int
+    end: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.end - self.start) * self.itemsize
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def specs_of(state: Dict[str, np.ndarray]) -> List[TensorSpec]:
+    out = []
+    for name in sorted(state):
+        dtype = np.asarray(state[name]).dtype
+        if dtype.name not in DTYPES:
+            raise ElasticFlowError(f"state entry {name!r} has dtype {dtype}, which a checkpoint cannot hold",
+                                   f"use one of {', '.join(DTYPES)}")
+        out.append(TensorSpec(name, dtype.name, tuple(int(d) for d in np.shape(state[name]))))
+    return out
+
+
+def plan(specs: Sequence[TensorSpec], world: int) -> List[List[Piece]]:
+    """The pieces each of ``world`` ranks writes, in file order (sorted name, then element)."""
+    total = sum(s.size * np.dtype(s.dtype).itemsize for s in specs)
+    bounds = [r * total // world for r in range(world + 1)]
+    out: List[List[Piece]] = [[] for _ in range(world)]
+    offset = 0
+    for s in specs:
+        item = np.dtype(s.dtype).itemsize
+        nbytes = s.size * item
+        # The first rank whose byte range reaches into this tensor; walk forward from there.
+        for r in range(world):
+            if bounds[r + 1] <= offset:
+                continue
+            if bounds[r] >= offset + nbytes and nbytes:
+                break
+            lo = max(0, -(-(bounds[r] - offset) // item))
+            hi = min(s.size, -(-(bounds[r + 1] - offset) // item))
+            if hi > lo:
+                out[r].append(Piece(s.name, r, lo, hi, item))
+        offset += nbytes
+    return out
+
+
+def plan_digest(specs: Sequence[TensorSpec], world: int) -> str:
+    """Every rank computes the plan from its own replica; rank 0 checks they all agree."""
+    text = json.dumps([world, [[s.name, s.dtype, list(s.shape)] for s in specs]])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- safetensors shard files
+def shard_header(pieces: Sequence[Piece], specs: Dict[str, TensorSpec], rank: int, world: int) -> bytes:
+    """The 8-byte length plus JSON header of a shard file holding ``pieces`` end to end."""
+    header: Dict[str, Any] = {"__metadata__": {"format": "elasticflow", "rank": str(rank), "world": str(world)}}
+    at = 0
+    for p in pieces:
+        header[p.name] = {"dtype": DTYPES[specs[p.name].dtype], "shape": [p.end - p.start],
+                          "data_offsets": [at, at + p.nbytes]}
+        at += p.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_shard_header(path: Path) -> Tuple[Dict[str, Any], int, bytes]:
+    """(entries, offset of the data region, the raw header bytes) of a shard file."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+            if not 0 < n < 100_000_000:
+                raise ValueError("bad header length")
+            raw = f.read(n)
+        header = json.loads(raw)
+    except (OSError, ValueError, struct.error) as exc:
+        raise ElasticFlowError(f"checkpoint shard '{path}' is corrupt (unreadable header: {exc})",
+                               "resume from an earlier checkpoint (resume=auto falls back by itself)") from exc
+    header.pop("__metadata__", None)
+    return header, 8 + n, prefix + raw
+
+
+# ---------------------------------------------------------------- checksums
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _zero_operators() -> List[List[int]]:
+    """_OPS[k]: the GF(2) operator that appends 2**k zero bytes to a CRC-32 (zlib's crc32_combine)."""
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3):                                # 2, 4, 8 bits = one byte
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    ops = [op]
+    for _ in range(63):
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+        ops.append(op)
+    return ops
+
+
+_OPS = _zero_operators()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(a + b) from crc32(a), crc32(b) and len(b): piece checksums add up to the file's
+    without a second pass over the bytes (Python's zlib module lacks crc32_combine)."""
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+def crc_hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:08x}"
+
+
+def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
+    crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
+# ---------------------------------------------------------------- metadata
 def is_complete(path: Path) -> bool:
-    return (path / COMMIT).is_file() and (path / METADATA).is_file()
+    return (Path(path) / COMMIT).is_file() and (Path(path) / METADATA).is_file()
 
 
 def read_metadata(path: Path) -> Dict[str, Any]:
@@ -44,34 +207,99 @@ def read_metadata(path: Path) -> Dict[str, Any]:
         meta = json.loads(meta_file.read_text())
     except FileNotFoundError as exc:
         raise ElasticFlowError(f"checkpoint '{path}' has no {METADATA}",
-                               "pass a checkpoint directory such as RUN_DIR/checkpoints/step_100") from exc
-    except json.JSONDecodeError as exc:
-        raise ElasticFlowError(f"checkpoint metadata '{meta_file}' is corrupt ({exc.msg} at char {exc.pos})",
+                               "pass a checkpoint directory such as RUN_DIR/checkpoints/<job>/step_100") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" ({exc.msg} at char {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ElasticFlowError(f"checkpoint metadata '{meta_file}' is corrupt or truncated{where}",
                                "resume from an earlier checkpoint (resume=auto falls back by itself)") from exc
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ElasticFlowError(f"checkpoint '{path}' has format version {meta.get('format_version')!r}, "
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise ElasticFlowError(f"checkpoint '{path}' has format version {version!r}, "
                                f"this elasticflow reads {FORMAT_VERSION}", "use the elasticflow that wrote it")
+    for key in ("step", "cursor", "tensors", "files"):
+        if key not in meta:
+            raise ElasticFlowError(f"checkpoint metadata '{meta_file}' has no {key!r} entry",
+                                   "resume from an earlier checkpoint (resume=auto falls back by itself)")
     return meta
 
 
-def complete_checkpoints(directory: Path) -> List[Path]:
-    """Complete checkpoints under ``directory``, oldest first (by step, then epoch count)."""
+def config_hash(cfg: Any) -> str:
+    """A short hash of what shapes training: the model, its arguments, optimizer, batch and seed
+    (not how it runs: workers, checkpoints, max_steps). Recorded for inspection, never enforced."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    keep = {k: c.get(k) for k in ("model_args", "optimizer", "seed")}
+    keep["model"] = Path(str(c.get("model"))).name
+    keep["global_batch_size"] = (c.get("trainer") or {}).get("global_batch_size")
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- finding checkpoints
+def _job_key(path: Path) -> Tuple[str, int]:
+    m = JOB_RE.match(path.name)
+    return (m.group("stamp"), int(m.group("n") or 0)) if m else ("", 0)
+
+
+def job_dirs(directory: str | Path, job_name: Optional[str] = None) -> List[Path]:
+    """The job directories under ``directory`` (checkpoint.dir), oldest first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
+    found = [c for c in directory.iterdir() if c.is_dir() and (m := JOB_RE.match(c.name))
+             and (job_name is None or m.group("job") == job_name)]
+    return sorted(found, key=lambda p: (_job_key(p), p.stat().st_mtime))
+
+
+def _checkpoints_in(directory: Path) -> List[Path]:
     found = []
     for child in directory.iterdir():
         if child.is_dir() and NAME_RE.match(child.name) and is_complete(child):
             try:
                 meta = json.loads((child / METADATA).read_text())
                 key = (int(meta["step"]), int(meta["cursor"]["samples_seen"]))
-            except (ValueError, KeyError, json.JSONDecodeError):
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError):
                 key = (-1, -1)  # unreadable metadata sorts first; load() reports it if it is chosen
             found.append((key, child.stat().st_mtime, child))
     return [p for _, _, p in sorted(found, key=lambda t: (t[0], t[1]))]
 
 
+def complete_checkpoints(directory: str | Path) -> List[Path]:
+    """Complete checkpoints under ``directory``, oldest first.
+
+    ``directory`` is a job directory, or checkpoint.dir: then the job directories one level down
+    are searched, oldest job first (by step, then samples seen, within a job).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    out = _checkpoints_in(directory)
+    for job in job_dirs(directory):
+        out += _checkpoints_in(job)
+    return out
+
+
 def latest(directory: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``directory``, or None."""
+    """The newest complete checkpoint under ``directory`` (a job dir or checkpoint.dir), or None."""
     found = complete_checkpoints(Path(directory))
     return found[-1] if found else None
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory as given, or the newest complete one under a job dir / checkpoint.dir."""
+    path = Path(path)
+    if (path / METADATA).exists() or not path.is_dir():
+        return path
+    return latest(path) or path
+
+
+def temp_dirs(job_dir: Path) -> Iterable[Tuple[Path, int, str]]:
+    """(path, step, run token) of every in-flight or abandoned save under ``job_dir``."""
+    if not job_dir.is_dir():
+        return []
+    out = []
+    for child in job_dir.iterdir():
+        m = TMP_RE.match(child.name)
+        if m and child.is_dir():
+            out.append((child, int(m.group("step")), m.group("token")))
+    return out

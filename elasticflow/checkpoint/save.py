@@ -1,16 +1,51 @@
-"""Write a checkpoint atomically: files under a temporary name, COMMIT last, then one rename."""
+"""Write sharded checkpoints: every rank its slice, in the background; rank 0 commits atomically.
+
+One save, on each of the W ranks:
+  1. training thread: snapshot this rank's slice of the flat state (numpy copies) -- the only stall;
+  2. writer thread: write ``shard-RRRRR-of-WWWWW.safetensors`` into the save's temporary directory,
+     CRC-32 computed alongside the write (a second thread, so it costs no throughput), fsync;
+  3. report (file, bytes, crc32) to rank 0 through the coordinator (the agent's store);
+  4. rank 0 waits for all W reports (bounded by elastic.timeout_s), writes metadata.json and COMMIT,
+     fsyncs and renames the directory to ``step_<N>``; then prunes to ``checkpoint.keep``.
+A crash at any moment leaves the previous complete checkpoints as they were; a member that dies
+mid-save means that save never commits, and its temporary directory is removed by a later commit.
+
+Test hook (tests only, never set it in a real run): ``ELASTICFLOW_TEST_CKPT_KILL="PHASE:STEP[:RANK]"``
+(comma-separated for several) SIGKILLs the writing process at that phase of the save of step STEP
+(on rank RANK only, if given). PHASE is one of before_write, mid_write (half the shard's bytes
+written), after_write (shard fsynced, not yet reported), before_commit (rank 0: metadata written,
+no COMMIT yet), before_rename (rank 0: COMMIT written in the temporary directory).
+"""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import shutil
+import signal
+import sys
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-from safetensors.numpy import save_file
 
-from .format import COMMIT, FORMAT_VERSION, METADATA, complete_checkpoints, file_digest, shard_name
+from ..errors import ElasticFlowError
+from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
+from .format import (COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, crc32_combine, crc_hex,
+                     job_dirs, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
+
+log = logging.getLogger("elasticflow")
+
+KILL_ENV = "ELASTICFLOW_TEST_CKPT_KILL"
+PHASES = ("before_write", "mid_write", "after_write", "before_commit", "before_rename")
+CHUNK = 8 << 20   # bytes per write() call; the CRC of one chunk runs while the next is written
+ALIGN = 64        # snapshot pieces start cache-line aligned in the reused buffer
+JOB_RECORD = "checkpoint_job.json"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -21,39 +56,377 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(directory: str | Path, name: str, tensors: Dict[str, np.ndarray], info: Dict[str, Any],
-         keep: Optional[int] = None) -> Path:
-    """Write ``tensors`` and ``info`` as checkpoint ``directory/name``; returns its path.
+def _write_all(f, data) -> None:
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        view = view[n:]
 
-    A crash at any moment leaves either the previous checkpoints only, or this one complete.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / name
-    tmp = directory / f".{name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    shard = shard_name(0, 1)
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    save_file(arrays, str(tmp / shard))
-    with open(tmp / shard, "rb+") as f:
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, data)
         os.fsync(f.fileno())
-    meta = {
-        "format_version": FORMAT_VERSION,
-        **info,
-        "tensors": {k: {"dtype": str(v.dtype), "shape": list(v.shape),
-                        "shards": [{"file": shard, "start": 0, "end": int(v.size)}]} for k, v in arrays.items()},
-        "files": {shard: {"sha256": file_digest(tmp / shard), "bytes": (tmp / shard).stat().st_size}},
-    }
-    (tmp / METADATA).write_text(json.dumps(meta, indent=1, sort_keys=True))
-    (tmp / COMMIT).write_text("ok\n")
-    _fsync_dir(tmp)
-    if final.exists():  # same step written twice (e.g. a final save right after an interval save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(directory)
-    if keep:
-        for old in complete_checkpoints(directory)[:-keep]:
+
+
+def _parse_kills(text: str) -> List[Tuple[str, int, Optional[int]]]:
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in PHASES:
+            raise ElasticFlowError(f"{KILL_ENV}={text!r} is malformed",
+                                   f"use PHASE:STEP[:RANK] with PHASE one of {', '.join(PHASES)}")
+        out.append((parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None))
+    return out
+
+
+@dataclass
+class _Job:
+    """One save as this rank sees it."""
+    name: str
+    key: str                 # the coordinator key of this save
+    tmp: Path
+    final: Path
+    step: int
+    rank: int
+    world: int
+    specs: List[TensorSpec]
+    pieces: List[Piece]      # what this rank writes, in file order
+    views: List[np.ndarray]  # the snapshot of each piece (1-D)
+    info: Dict[str, Any]
+    digest: str
+    started: float
+
+
+class Checkpointer:
+    """Writes the checkpoints of one job directory; one in flight at a time.
+
+    Args:
+        job_dir: ``checkpoint.dir/<job_name>_<timestamp>``.
+        keep: newest complete checkpoints retained (None: all).
+        asynchronous: write in a background thread (``checkpoint.async``); False writes in ``save``.
+        timeout_s: how long rank 0 waits for the other ranks' reports (``elastic.timeout_s``).
+        coordinator: how ranks report to rank 0 when W > 1 (a ``StoreCoordinator``); W = 1 uses
+            an in-memory one.
+        token: names this run's temporary directories (the same on every rank of a run).
+
+    Example (one process, W = 1):
+        >>> ck = Checkpointer(Path("ckpts/job_20250101-000000"), keep=3)
+        >>> ck.save("step_10", {"W": np.ones((4, 2), np.float32)}, {"step": 10, "cursor": {...}})
+        >>> ck.wait()      # the committed path; raises if the background write failed
+    """
+
+    def __init__(self, job_dir: Path, keep: Optional[int] = None, asynchronous: bool = True,
+                 timeout_s: float = 30.0, coordinator: Optional[Coordinator] = None, token: Optional[str] = None):
+        self.job_dir = Path(job_dir)
+        self.keep, self.asynchronous, self.timeout_s = keep, asynchronous, timeout_s
+        self.coordinator = coordinator
+        self.local = LocalCoordinator()
+        self.token = token or secrets.token_hex(4)
+        self.kills = _parse_kills(os.environ.get(KILL_ENV, ""))
+        self.last_path: Optional[Path] = None      # the newest checkpoint this process committed
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._crc_pool: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
+        self._buffer: Optional[np.ndarray] = None
+        self._last_key: Optional[tuple] = None
+        self._counts: Dict[tuple, int] = {}
+
+    # ------------------------------------------------------------------ for a trainer's run
+    @classmethod
+    def for_run(cls, checkpoint_dir: Path, cfg: Any, run_dir: Path, membership: Any = None) -> "Checkpointer":
+        """The checkpointer of a run: picks (or reuses) the job directory every worker agrees on.
+
+        The job directory is reused across restarts of the same run: the name recorded in
+        RUN_DIR/.elasticflow/checkpoint_job.json, else the newest ``<job_name>_*`` under
+        ``checkpoint_dir``; ``resume=none`` starts a new job directory.
+        """
+        c = cfg.checkpoint
+        job_name = c.get("job_name") or Path(str(cfg.model)).stem
+        state_dir = Path(run_dir) / ".elasticflow"
+        store = getattr(membership, "store", None)
+        candidate = _choose_job(Path(checkpoint_dir), job_name, state_dir, fresh=str(cfg.resume) == "none")
+        name = agree(store, "ckpt/job", candidate)
+        token = agree(store, "ckpt/token", secrets.token_hex(4))
+        job_dir = Path(checkpoint_dir) / name
+        job_dir.mkdir(parents=True, exist_ok=True)
+        _record_job(state_dir, Path(checkpoint_dir), name)
+        timeout = float(cfg.elastic.timeout_s)
+        coordinator = StoreCoordinator(membership.address, timeout) if membership is not None else None
+        return cls(job_dir, keep=c.keep, asynchronous=bool(c.get("async", True)), timeout_s=timeout,
+                   coordinator=coordinator, token=token)
+
+    # ------------------------------------------------------------------ the training thread
+    def save(self, name: str, state: Dict[str, np.ndarray], info: Dict[str, Any], rank: int = 0, world: int = 1,
+             generation: int = 0, wait: bool = False, copy: bool = True) -> Optional[Path]:
+        """Snapshot this rank's slice of ``state`` and write it (in the background unless ``wait``).
+
+        Every rank of the save calls this at the same point with its replica of the state.
+        Args:
+            info: JSON-able step, epoch, cursor, counters... for metadata.json (rank 0's is used).
+            generation: the membership generation: a save is identified by (generation, name, count).
+            wait: return only once written (and, on rank 0, committed or given up).
+            copy: False when ``state`` is already a private copy nobody changes (``engine.state()``).
+        Returns (rank 0) the checkpoint's path -- committed if ``wait``, else where it will be; else None.
+        Note: waits for the previous save first, and raises its error if it failed.
+        """
+        self.wait()
+        step = int(info.get("step", 0))
+        cursor = info.get("cursor") or {}
+        key = (name, step, cursor.get("samples_seen"), generation)
+        if key == self._last_key:
+            # The same state saved twice at one point (Ctrl-C right after an interval save): written
+            # already; the caller asks again because it is about to exit.
+            return self.last_path if rank == 0 else None
+        started = time.perf_counter()
+        specs = specs_of(state)
+        pieces = plan(specs, world)[rank]
+        views = self._snapshot(state, pieces, copy)
+        count = self._counts[(generation, name)] = self._counts.get((generation, name), 0) + 1
+        save_id = f"{name}/g{generation}.{count}"
+        job = _Job(name=name, key=f"ckpt/{self.token}/{save_id}", step=step, rank=rank, world=world,
+                   tmp=self.job_dir / f".{name}.tmp-s{step}-{self.token}-g{generation}.{count}",
+                   final=self.job_dir / name, specs=specs, pieces=pieces, views=views, info=dict(info),
+                   digest=plan_digest(specs, world), started=started)
+        self._last_key = key
+        # Always on the writer thread, even when waiting: the store client is bound to one thread.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="elasticflow-ckpt")
+        self._pending = self._pool.submit(self._run, job)
+        if self.asynchronous and not wait:
+            return job.final if rank == 0 else None
+        return self.wait()
+
+    def wait(self) -> Optional[Path]:
+        """Wait for the save in flight; its path on rank 0 (None if it did not commit).
+
+        Raises ElasticFlowError if its write failed.
+        """
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> Optional[Path]:
+        """Wait for the save in flight (returns what ``wait`` does), then stop the writer threads."""
+        try:
+            return self.wait()
+        finally:
+            for pool in (self._pool, self._crc_pool):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._pool = self._crc_pool = None
+            if self.coordinator is not None:
+                self.coordinator.close()
+
+    def _snapshot(self, state: Dict[str, np.ndarray], pieces: List[Piece], copy: bool) -> List[np.ndarray]:
+        flat = {p.name: np.ravel(np.asarray(state[p.name])) for p in pieces}
+        if not copy:
+            return [np.ascontiguousarray(flat[p.name][p.start:p.end]) for p in pieces]
+        offsets, need = [], 0
+        for p in pieces:
+            offsets.append(need)
+            need += -(-p.nbytes // ALIGN) * ALIGN
+        # One buffer, reused across saves: the page faults of a fresh allocation would cost more
+        # than the copy itself. Safe to reuse: the previous save has finished (wait() above).
+        if self._buffer is None or not need <= self._buffer.nbytes <= 2 * need + (1 << 20):
+            self._buffer = np.empty(max(need, 1), np.uint8)
+        views = []
+        for p, at in zip(pieces, offsets):
+            dst = self._buffer[at:at + p.nbytes].view(flat[p.name].dtype)
+            np.copyto(dst, flat[p.name][p.start:p.end])
+            views.append(dst)
+        return views
+
+    # ------------------------------------------------------------------ the writer thread
+    def _run(self, job: _Job) -> Optional[Path]:
+        coordinator = self.coordinator if job.world > 1 and self.coordinator is not None else self.local
+        try:
+            report = self._write(job)
+        except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then raised at the next save
+            self._report(coordinator, job, {"ok": False, "rank": job.rank, "error": f"{type(exc).__name__}: {exc}"})
+            raise ElasticFlowError(f"writing checkpoint {job.name} (rank {job.rank} of {job.world}) into "
+                                   f"'{job.tmp}' failed: {exc}",
+                                   "check free space and permissions of checkpoint.dir; the previous "
+                                   "checkpoints are intact") from exc
+        if not self._report(coordinator, job, report) or job.rank != 0:
+            return None
+        try:
+            return self._commit(job, coordinator)
+        except OSError as exc:
+            raise ElasticFlowError(f"committing checkpoint {job.name} in '{self.job_dir}' failed: {exc}",
+                                   "check free space and permissions of checkpoint.dir; the previous "
+                                   "checkpoints are intact") from exc
+
+    def _kill_at(self, phase: str, job: _Job) -> None:
+        for p, step, rank in self.kills:
+            if p == phase and step == job.step and rank in (None, job.rank):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _write(self, job: _Job) -> Dict[str, Any]:
+        self._kill_at("before_write", job)
+        job.tmp.mkdir(parents=True, exist_ok=True)
+        fname = shard_name(job.rank, job.world)
+        path = job.tmp / fname
+        header = shard_header(job.pieces, {s.name: s for s in job.specs}, job.rank, job.world)
+        if self._crc_pool is None:
+            self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="elasticflow-crc")
+        total = sum(p.nbytes for p in job.pieces)
+        written, halfway = 0, False
+        chunk_crcs: List[List[Tuple[Future, int]]] = []
+        with open(path, "wb", buffering=0) as f:
+            _write_all(f, header)
+            for view in job.views:
+                mv = memoryview(view).cast("B")
+                chunks = []
+                for at in range(0, len(mv), CHUNK):
+                    chunk = mv[at:at + CHUNK]
+                    # zlib.crc32 and write() both release the GIL: the checksum costs no wall time.
+                    chunks.append((self._crc_pool.submit(zlib.crc32, chunk), len(chunk)))
+                    _write_all(f, chunk)
+                    written += len(chunk)
+                    if not halfway and 2 * written >= total:
+                        halfway = True
+                        self._kill_at("mid_write", job)
+                chunk_crcs.append(chunks)
+            os.fsync(f.fileno())
+        file_crc, piece_crcs = zlib.crc32(header), []
+        for chunks in chunk_crcs:
+            crc = 0
+            for fut, n in chunks:
+                crc = crc32_combine(crc, fut.result(), n)
+            piece_crcs.append(crc)
+            file_crc = crc32_combine(file_crc, crc, sum(n for _, n in chunks))
+        nbytes = len(header) + total
+        if path.stat().st_size != nbytes:
+            raise OSError(f"{path} has {path.stat().st_size} bytes after writing {nbytes}")
+        job.views = []  # the snapshot is on disk: let the buffer go back to the next save
+        self._kill_at("after_write", job)
+        return {"ok": True, "rank": job.rank, "file": fname, "bytes": nbytes, "crc32": crc_hex(file_crc),
+                "pieces": [crc_hex(c) for c in piece_crcs], "plan": job.digest}
+
+    def _report(self, coordinator: Coordinator, job: _Job, report: Dict[str, Any]) -> bool:
+        try:
+            coordinator.report(job.key, job.rank, report)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the agent's store is gone: no save can commit
+            log.warning("checkpoint %s not committed: rank %d could not report its shard (%s)",
+                        job.name, job.rank, str(exc).splitlines()[0][:200])
+            return False
+
+    def _commit(self, job: _Job, coordinator: Coordinator) -> Optional[Path]:
+        try:
+            reports = coordinator.collect(job.key, job.world, self.timeout_s)
+        except CollectTimeout as exc:
+            log.warning("checkpoint %s not committed: %s (a member died or stalled); training goes on, "
+                        "the previous checkpoint stays the newest", job.name, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the store is gone
+            log.warning("checkpoint %s not committed: collecting the shard reports failed (%s)",
+                        job.name, str(exc).splitlines()[0][:200])
+            return None
+        failed = [r for r in reports if not r.get("ok")]
+        if failed:
+            log.warning("checkpoint %s not committed: %s", job.name,
+                        "; ".join(f"rank {r['rank']}: {r.get('error')}" for r in failed))
+            return None
+        if any(r["plan"] != job.digest for r in reports):
+            raise ElasticFlowError(f"checkpoint {job.name}: the ranks' states differ in names, dtypes or shapes "
+                                   f"(plans {sorted({r['plan'] for r in reports})})",
+                                   "this is a bug in the replicas; report it with RUN_DIR/logs/")
+        meta = self._metadata(job, reports)
+        _write_file(job.tmp / METADATA, json.dumps(meta, indent=1, sort_keys=True).encode())
+        self._kill_at("before_commit", job)
+        _write_file(job.tmp / COMMIT, b"ok\n")
+        for stray in job.tmp.iterdir():  # files of an earlier attempt at this save (another world size)
+            if stray.name not in meta["files"] and stray.name not in (METADATA, COMMIT):
+                stray.unlink()
+        _fsync_dir(job.tmp)
+        self._kill_at("before_rename", job)
+        old = None
+        if job.final.exists():  # the same name written twice (a resume from an earlier checkpoint)
+            old = self.job_dir / f".{job.name}.old-{self.token}"
             shutil.rmtree(old, ignore_errors=True)
-    return final
+            os.replace(job.final, old)
+        os.replace(job.tmp, job.final)
+        _fsync_dir(self.job_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self.last_path = job.final
+        self._tidy(job)
+        size = sum(f["bytes"] for f in meta["files"].values())
+        log.info("checkpoint %s written (%d shard%s, %.1f MiB, %.2f s)", job.final, job.world,
+                 "" if job.world == 1 else "s", size / 2**20, time.perf_counter() - job.started)
+        return job.final
+
+    def _metadata(self, job: _Job, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
+        tensors = {s.name: {"dtype": s.dtype, "shape": list(s.shape), "shards": []} for s in job.specs}
+        files = {}
+        for rank, (pieces, rep) in enumerate(zip(plan(job.specs, job.world), reports)):
+            if len(rep["pieces"]) != len(pieces):
+                raise ElasticFlowError(f"checkpoint {job.name}: rank {rank} wrote {len(rep['pieces'])} pieces, "
+                                       f"its plan has {len(pieces)}", "this is a bug; report it")
+            files[rep["file"]] = {"rank": rank, "bytes": rep["bytes"], "crc32": rep["crc32"],
+                                  "tensors": len(pieces), "data_bytes": sum(p.nbytes for p in pieces)}
+            for p, crc in zip(pieces, rep["pieces"]):
+                tensors[p.name]["shards"].append({"file": rep["file"], "start": p.start, "end": p.end, "crc32": crc})
+        meta = {"format_version": FORMAT_VERSION, "world_size": job.world, **job.info,
+                "writers": job.world, "tensors": tensors, "files": files,
+                "checksum": "crc32", "layout": "flat state, sorted names, split by bytes over the writers"}
+        return meta
+
+    def _tidy(self, job: _Job) -> None:
+        """After a commit: drop temporary directories no rank can still be writing, and old checkpoints.
+
+        Every rank finished its saves of earlier steps before reporting this one, so a temporary
+        directory of an earlier step (or of an earlier run) is abandoned.
+        """
+        for path, step, token in temp_dirs(self.job_dir):
+            if path != job.tmp and (token != self.token or step < job.step):
+                shutil.rmtree(path, ignore_errors=True)
+        if self.keep:
+            for old in _checkpoints_in(self.job_dir)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the job directory
+def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: bool) -> str:
+    if not fresh:
+        try:
+            rec = json.loads((state_dir / JOB_RECORD).read_text())
+            if rec.get("checkpoint_dir") == str(checkpoint_dir.resolve()) and rec.get("job", "").startswith(
+                    f"{job_name}_"):
+                return rec["job"]
+        except (OSError, ValueError, AttributeError):
+            pass
+        existing = job_dirs(checkpoint_dir, job_name)
+        if existing:
+            return existing[-1].name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name, n = f"{job_name}_{stamp}", 0
+    while (checkpoint_dir / name).exists():
+        n += 1
+        name = f"{job_name}_{stamp}.{n}"
+    return name
+
+
+def _record_job(state_dir: Path, checkpoint_dir: Path, name: str) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / f".{JOB_RECORD}.{os.getpid()}"
+    tmp.write_text(json.dumps({"checkpoint_dir": str(checkpoint_dir.resolve()), "job": name}))
+    os.replace(tmp, state_dir / JOB_RECORD)
+
+
+# ---------------------------------------------------------------- one-call API
+def save(directory: str | Path, name: str, tensors: Dict[str, np.ndarray], info: Dict[str, Any],
+         keep: Optional[int] = None) -> Optional[Path]:
+    """Write ``tensors`` and ``info`` as checkpoint ``directory/name`` (one writer, synchronous).
+
+    Example:
+        >>> save("ckpts/myjob_20250101-000000", "step_10", {"W": w}, {"step": 10, "cursor": {"samples_seen": 640}})
+    """
+    ck = Checkpointer(Path(directory), keep=keep, asynchronous=False)
+    try:
+        return ck.save(name, tensors, info, wait=True)
+    finally:
+        ck.close()

@@ -2,7 +2,12 @@
 
 Membership is a generation number plus the member list in rank order. At every change the agent
 publishes the next generation in the store and rewrites RUN_DIR/workers.json; survivors keep their
-relative order, so ranks stay dense.
+relative order, so ranks stay dense. Workers enter through a join request signed with the job
+token; a refused request is logged to RUN_DIR/events.jsonl.
+
+Health: a member whose heartbeat stops for ``elastic.heartbeat_timeout_s`` (a stopped process) is
+SIGKILLed; so is one that never reports when its peers' collectives of a generation failed (a
+deadlock or a stuck collective). Killing, not aborting, is what wakes peers blocked on it.
 """
 from __future__ import annotations
 
@@ -14,29 +19,46 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 from torch.distributed import TCPStore
 
-from ..errors import ElasticFlowError
+from ..errors import ElasticFlowError, TrainingInterrupted
 from . import protocol
 
 log = logging.getLogger("elasticflow")
-WATCH_S = 0.01  # how often the agent polls its workers: a SIGKILLed worker is noticed within ~10 ms
+WATCH_S = 0.01     # how often the agent polls its workers: a SIGKILLed worker is noticed within ~10 ms
+HEALTH_S = 0.1     # how often heartbeats and failure reports are read
+REPORT_GRACE_S = 2.0  # after a peer reports a failed collective, how long the others have to report too
+CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
 
 @dataclass
 class Worker:
     id: int
-    proc: subprocess.Popen
-    started: float
+    pid: int
+    proc: Optional[subprocess.Popen] = None   # None for a worker another launcher started
+    host: str = "127.0.0.1"
+    state: str = "joining"
+    spawned_at: float = field(default_factory=time.time)
+    hb_value: int = -1
+    hb_seen: float = field(default_factory=time.monotonic)
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def poll(self) -> Optional[int]:
+        return self.proc.poll() if self.proc is not None else None
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def describe(self, rank: Optional[int] = None) -> dict:
+        out = {"worker_id": self.id, "pid": self.pid, "host": self.host, "state": self.state}
+        return {"rank": rank, **out} if rank is not None else out
 
 
 class Agent:
@@ -46,36 +68,64 @@ class Agent:
         self.cfg, self.run_dir, self.host = cfg, Path(run_dir), host
         self.state_dir = self.run_dir / ".elasticflow"
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.token = protocol.new_token(self.run_dir)
         self.store = TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=cfg.elastic.timeout_s),
                               wait_for_workers=False)
         self.address = f"{host}:{self.store.port}"
-        self.generation = 0
-        self.members: List[Worker] = []      # rank order
+        self.generation = -1                  # nothing published yet
+        self.members: List[Worker] = []      # the published generation, rank order
+        self.joining: Dict[int, Worker] = {}  # spawned, join request not yet accepted
+        self.admitted: List[Worker] = []     # accepted, enter at the next generation
+        self.retiring: List[Worker] = []     # dropped by a scale-down, exiting at a step boundary
         self.finished: List[Worker] = []
         self.next_id = 0
+        self.requests_seen = 0
+        self.restarts = 0
+        self.dirty = False                    # members changed since the last publish
         self.below_min_since: Optional[float] = None
+        self.stop_reason = ""
         self.interrupted = False
+        self.started = time.monotonic()
+        self.failed_reports_since: Dict[int, float] = {}
 
     # ------------------------------------------------------------------ workers
     def spawn(self) -> Worker:
         wid = self.next_id
         self.next_id += 1
         env = {**os.environ, protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
-               protocol.ENV_RUN_DIR: str(self.run_dir),
-               protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, 1))}
+               protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
+               protocol.ENV_LOCAL_WORKERS: str(max(self.target_workers(), 1))}
         # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
         proc = subprocess.Popen([sys.executable, "-m", "elasticflow.distributed.worker"], env=env,
                                 start_new_session=True)
-        return Worker(wid, proc, time.time())
+        worker = Worker(wid, proc.pid, proc, self.host)
+        self.joining[wid] = worker
+        return worker
+
+    def target_workers(self) -> int:
+        return len(self.members) + len(self.admitted) + len(self.joining)
 
     def publish(self, action: str = "train", reason: str = "") -> None:
-        """Announce generation ``self.generation`` with the current members."""
+        """Announce the next generation with the current members (admitted joiners enter now)."""
+        for w in self.admitted:
+            w.state = "training"
+            w.hb_seen = time.monotonic()
+        self.members += self.admitted
+        self.admitted = []
+        self.generation += 1
         g = self.generation
         self.store.set(protocol.generation_key(g), protocol.encode([w.id for w in self.members], action, reason))
         self.store.set("gen/current", str(g))
-        snapshot = {"generation": g, "time": time.time(), "action": action,
-                    "members": [{"rank": r, "worker_id": w.id, "pid": w.pid, "host": self.host}
-                                for r, w in enumerate(self.members)]}
+        self.dirty = False
+        self.write_workers_json(action)
+
+    def write_workers_json(self, action: str = "train") -> None:
+        snapshot = {"generation": self.generation, "time": time.time(), "action": action,
+                    "members": [w.describe(r) for r, w in enumerate(self.members)],
+                    "joining": [w.describe() for w in [*self.joining.values(), *self.admitted]],
+                    "retiring": [w.describe() for w in self.retiring],
+                    "restarts": self.restarts, "max_restarts": self.cfg.launcher.max_restarts,
+                    "agent_pid": os.getpid()}
         tmp = self.run_dir / ".workers.json.tmp"
         tmp.write_text(json.dumps(snapshot, indent=1))
         os.replace(tmp, self.run_dir / "workers.json")
@@ -87,79 +137,261 @@ class Agent:
     # ------------------------------------------------------------------ main loop
     def run(self) -> Dict[str, Any]:
         OmegaConf.save(self.cfg, self.state_dir / "config.yaml")
-        self.members = [self.spawn() for _ in range(self.cfg.launcher.workers)]
-        self.publish()
-        self.event("started", generation=0, workers=[w.id for w in self.members], pids=[w.pid for w in self.members])
+        protocol.agent_file(self.run_dir).write_text(json.dumps(
+            {"address": self.address, "pid": os.getpid(), "started": time.time()}))
+        self.store.set("gen/current", "-1")
+        self.store.add("join/count", 0)
+        for _ in range(self.cfg.launcher.workers):
+            self.spawn()
+        self.write_workers_json()
+        self.event("started", workers=list(self.joining), pids=[w.pid for w in self.joining.values()])
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             return self._watch()
         finally:
             signal.signal(signal.SIGINT, previous)
             self._reap_all()
+            protocol.agent_file(self.run_dir).unlink(missing_ok=True)
 
     def _on_sigint(self, signum, frame) -> None:
         if self.interrupted:  # second Ctrl-C: stop everything now
-            for w in self.members:
-                _signal(w, signal.SIGKILL)
+            for w in self.live():
+                w.signal(signal.SIGKILL)
             raise KeyboardInterrupt
         self.interrupted = True
         log.warning("Ctrl-C: workers finish the current step and write a checkpoint (Ctrl-C again to abort)")
         for w in self.members:
-            _signal(w, signal.SIGINT)
+            w.signal(signal.SIGINT)
+        for w in [*self.joining.values(), *self.admitted]:
+            w.signal(signal.SIGKILL)
+
+    def live(self) -> List[Worker]:
+        return [*self.members, *self.joining.values(), *self.admitted, *self.retiring]
 
     def _watch(self) -> Dict[str, Any]:
-        lc, el = self.cfg.launcher, self.cfg.elastic
+        next_health = 0.0
         while True:
-            changed = False
-            for w in list(self.members):
-                rc = w.proc.poll()
-                if rc is None:
-                    continue
-                self.members.remove(w)
-                if rc == protocol.EXIT_OK:
-                    self.finished.append(w)
-                    continue
-                if rc in (protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN) or rc in (1, 2):
-                    self.finished.append(w)
-                    if rc in (1, 2):
-                        return self._fail_with_worker_error(w, rc)
-                    continue
-                how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-                log.warning("worker %d (pid %d) died (%s)", w.id, w.pid, how)
-                self.event("left", worker=w.id, pid=w.pid, cause=how, generation=self.generation + 1)
-                changed = True
-            if changed and self.members:
-                self.generation += 1
-                if len(self.members) >= lc.min_workers:
-                    self.publish()
-                elif self.below_min_since is None:
-                    self.below_min_since = time.monotonic()
-            if self.below_min_since is not None and self.members:
-                if len(self.members) >= lc.min_workers:
-                    self.below_min_since = None
-                    self.publish()
-                elif time.monotonic() - self.below_min_since > el.wait_s:
-                    reason = (f"only {len(self.members)} worker(s) left, fewer than launcher.min_workers="
-                              f"{lc.min_workers}, for elastic.wait_s={el.wait_s:g}s")
-                    self.event("stop", reason=reason, generation=self.generation)
-                    self.publish("stop", reason)
-                    self.below_min_since = None
-                    self.stop_reason = reason
-            if not self.members:
+            error = self._reap()
+            if error is not None:
+                return self._fail_with_worker_error(*error)
+            self._admit()
+            self._control()
+            now = time.monotonic()
+            if now >= next_health:
+                self._check_health(now)
+                next_health = now + HEALTH_S
+            self._maybe_publish(now)
+            if not self.members and self.generation >= 0 and (self.finished or not (self.joining or self.admitted)):
                 return self._result()
             time.sleep(WATCH_S)
 
+    # ------------------------------------------------------------------ exits
+    def _reap(self):
+        for w in list(self.members):
+            rc = w.poll()
+            if rc is None:
+                continue
+            self.members.remove(w)
+            if rc in CLEAN_EXITS:
+                w.state = "finished"
+                self.finished.append(w)
+            elif rc in (1, 2, protocol.EXIT_REFUSED):
+                self.finished.append(w)
+                return w, rc
+            else:
+                self._lost(w, f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+        for w in list(self.joining.values()) + list(self.admitted):
+            rc = w.poll()
+            if rc is None:
+                continue
+            self.joining.pop(w.id, None)
+            if w in self.admitted:
+                self.admitted.remove(w)
+            if rc in (1, 2):
+                return w, rc
+            self.event("join_failed", worker=w.id, pid=w.pid, exit_code=rc)
+            self._maybe_restart(w)
+        for w in list(self.retiring):
+            rc = w.poll()
+            if rc is not None:
+                self.retiring.remove(w)
+                self.event("retired", worker=w.id, pid=w.pid, exit_code=rc)
+                self.write_workers_json()
+        return None
+
+    def _lost(self, w: Worker, cause: str) -> None:
+        log.warning("worker %d (pid %d) left (%s)", w.id, w.pid, cause)
+        self.event("left", worker=w.id, pid=w.pid, cause=cause, generation=self.generation)
+        self.dirty = True
+        self._maybe_restart(w)
+
+    def _maybe_restart(self, w: Worker) -> None:
+        lc = self.cfg.launcher
+        if not lc.restart_failed or self.finished or self.interrupted:
+            return
+        if self.restarts >= lc.max_restarts:
+            self.event("restart_refused", replacing=w.id, restarts=self.restarts, max_restarts=lc.max_restarts)
+            return
+        self.restarts += 1
+        new = self.spawn()
+        self.event("restart", replacing=w.id, worker=new.id, pid=new.pid, restarts=self.restarts)
+        self.write_workers_json()
+
+    # ------------------------------------------------------------------ joins
+    def _admit(self) -> None:
+        count = int(self.store.add("join/count", 0))
+        while self.requests_seen < count:
+            n = self.requests_seen + 1
+            key = f"join/request/{n}"
+            if not self.store.check([key]):
+                return  # counted but not written yet; next round
+            self.requests_seen = n
+            try:
+                request = protocol.decode(self.store.get(key))
+                verdict = self._judge(n, request)
+            except (ValueError, KeyError) as exc:
+                verdict = {"ok": False, "reason": f"malformed join request ({exc})"}
+                request = {}
+            if not verdict["ok"]:
+                log.warning("refused a join request from pid %s on %s: %s", request.get("pid"), request.get("host"),
+                            verdict["reason"])
+                self.event("refused", pid=request.get("pid"), host=request.get("host"), reason=verdict["reason"])
+            self.store.set(f"join/verdict/{n}", json.dumps(verdict))
+
+    def _judge(self, n: int, request: dict) -> dict:
+        wid, pid = int(request["id"]), int(request["pid"])
+        if not protocol.verify(self.token, f"{n}:{wid}:{pid}", request.get("mac", "")):
+            return {"ok": False, "reason": "wrong or missing job token"}
+        cap = self.cfg.launcher.max_workers
+        if cap and len(self.members) + len(self.admitted) >= cap:
+            return {"ok": False, "reason": f"the job already has launcher.max_workers={cap} workers"}
+        worker = self.joining.pop(wid, None)
+        if worker is None or worker.pid != pid:
+            # Started by someone holding the token (another launcher): give it a fresh id.
+            if worker is not None:
+                self.joining[wid] = worker
+            worker = Worker(self.next_id, pid, None, request.get("host", "?"))
+            self.next_id += 1
+        worker.state = "admitted"
+        worker.host = request.get("host", worker.host)
+        self.admitted.append(worker)
+        return {"ok": True, "id": worker.id}
+
+    def _maybe_publish(self, now: float) -> None:
+        lc, el = self.cfg.launcher, self.cfg.elastic
+        if self.generation < 0:
+            # The first generation waits for every initial worker (or min_workers after wait_s).
+            ready = len(self.admitted)
+            if ready and (not self.joining or (now - self.started > el.wait_s and ready >= lc.min_workers)):
+                self.publish()
+            return
+        if not (self.dirty or self.admitted) or not (self.members or self.admitted):
+            return
+        if len(self.members) + len(self.admitted) >= lc.min_workers:
+            if self.below_min_since is not None:
+                self.below_min_since = None
+            self.publish()
+            return
+        if self.below_min_since is None:
+            self.below_min_since = now
+            log.warning("%d worker(s) left, fewer than launcher.min_workers=%d; waiting up to elastic.wait_s=%gs",
+                        len(self.members), lc.min_workers, el.wait_s)
+        elif now - self.below_min_since > el.wait_s:
+            self.stop_reason = (f"only {len(self.members)} worker(s) left, fewer than launcher.min_workers="
+                                f"{lc.min_workers}, for elastic.wait_s={el.wait_s:g}s")
+            self.event("stop", reason=self.stop_reason, generation=self.generation + 1)
+            self.publish("stop", self.stop_reason)
+            self.below_min_since = None
+
+    # ------------------------------------------------------------------ health
+    def _check_health(self, now: float) -> None:
+        el = self.cfg.elastic
+        for w in list(self.members):
+            beats = int(self.store.add(f"worker/{w.id}/hb", 0))
+            if beats != w.hb_value:
+                w.hb_value, w.hb_seen = beats, now
+            elif now - w.hb_seen > el.heartbeat_timeout_s:
+                self._cut_out(w, f"no heartbeat for {now - w.hb_seen:.1f}s (stopped or hung)")
+        g = self.generation
+        if g < 0 or not self.members:
+            return
+        reported = [w for w in self.members if self.store.check([f"gen/{g}/failed/{w.id}"])]
+        if not reported or len(reported) == len(self.members):
+            self.failed_reports_since.pop(g, None)
+            return
+        since = self.failed_reports_since.setdefault(g, now)
+        if now - since > min(REPORT_GRACE_S, el.heartbeat_timeout_s):
+            for w in self.members:
+                if w not in reported:
+                    self._cut_out(w, "its peers' collectives failed and it never reported (stuck or deadlocked)")
+
+    def _cut_out(self, w: Worker, why: str) -> None:
+        log.warning("worker %d (pid %d): %s; killing it", w.id, w.pid, why)
+        self.event("hung", worker=w.id, pid=w.pid, reason=why, generation=self.generation)
+        w.signal(signal.SIGKILL)
+        if w.proc is None:  # not our child: we cannot wait for its exit code
+            self.members.remove(w)
+            self._lost(w, "killed: hung")
+
+    # ------------------------------------------------------------------ scale requests
+    def _control(self) -> None:
+        if not self.store.check(["control/scale"]):
+            return
+        raw = self.store.get("control/scale")
+        self.store.delete_key("control/scale")
+        try:
+            req = protocol.decode(raw)
+            reply = self._scale(req)
+        except (ValueError, KeyError) as exc:
+            req, reply = {}, {"ok": False, "reason": f"malformed scale request ({exc})"}
+        self.store.set(f"control/reply/{req.get('nonce', 'none')}", json.dumps(reply))
+
+    def _scale(self, req: dict) -> dict:
+        target, nonce = int(req["workers"]), str(req["nonce"])
+        if not protocol.verify(self.token, f"scale:{target}:{nonce}", req.get("mac", "")):
+            self.event("refused", reason="scale request with a wrong or missing job token")
+            return {"ok": False, "reason": "wrong or missing job token"}
+        lc = self.cfg.launcher
+        if target < max(1, lc.min_workers):
+            return {"ok": False, "reason": f"{target} is below launcher.min_workers={lc.min_workers}"}
+        if lc.max_workers and target > lc.max_workers:
+            return {"ok": False, "reason": f"{target} is above launcher.max_workers={lc.max_workers}"}
+        current = self.target_workers()
+        self.event("scale", requested=target, current=current, generation=self.generation)
+        if target > current:
+            for _ in range(target - current):
+                self.spawn()
+        elif target < current:
+            surplus = current - target
+            for w in sorted(self.joining.values(), key=lambda w: -w.id)[:surplus]:  # cancel starts first
+                self.joining.pop(w.id)
+                w.signal(signal.SIGKILL)
+                surplus -= 1
+            while surplus and self.admitted:
+                self.admitted.pop().signal(signal.SIGKILL)
+                surplus -= 1
+            if surplus:
+                # The last-joined members leave; the rest keep their relative order.
+                leaving, self.members = self.members[-surplus:], self.members[:-surplus]
+                for w in leaving:
+                    w.state = "retiring"
+                self.retiring += leaving
+                self.dirty = True
+        self.write_workers_json()
+        return {"ok": True, "workers": target}
+
+    # ------------------------------------------------------------------ the end
     def _result(self) -> Dict[str, Any]:
-        codes = [w.proc.returncode for w in self.finished]
+        for w in [*self.joining.values(), *self.admitted]:  # training ended before they could join
+            w.signal(signal.SIGKILL)
+        codes = [w.poll() for w in self.finished]
         if protocol.EXIT_BELOW_MIN in codes:
-            raise ElasticFlowError(getattr(self, "stop_reason", "too few workers") + "; a checkpoint was written",
+            raise ElasticFlowError((self.stop_reason or "too few workers") + "; a checkpoint was written",
                                    "resume with the same command (resume=auto), or lower launcher.min_workers",
                                    exit_code=protocol.EXIT_BELOW_MIN)
         if protocol.EXIT_INTERRUPTED in codes or self.interrupted:
-            from ..errors import TrainingInterrupted
-
             raise TrainingInterrupted()
-        if not self.finished:
+        if protocol.EXIT_OK not in codes:
             raise ElasticFlowError("every worker died; nothing finished training",
                                    "see the worker logs under RUN_DIR/logs/; resume=auto continues from the "
                                    "newest checkpoint", exit_code=1)
@@ -170,22 +402,16 @@ class Agent:
         err_file = self.state_dir / f"error-{w.id}.json"
         err = json.loads(err_file.read_text()) if err_file.is_file() else {
             "message": f"worker {w.id} failed with exit code {rc}", "hint": "see RUN_DIR/logs/"}
-        for other in self.members:
-            _signal(other, signal.SIGTERM)
+        for other in self.live():
+            other.signal(signal.SIGTERM)
         raise ElasticFlowError(err["message"], err.get("hint", ""), exit_code=rc)
 
     def _reap_all(self) -> None:
         deadline = time.monotonic() + 10
-        for w in self.members:
-            while w.proc.poll() is None and time.monotonic() < deadline:
+        for w in self.live():
+            while w.poll() is None and w.proc is not None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if w.proc.poll() is None:
-                _signal(w, signal.SIGKILL)
-                w.proc.wait(5)
-
-
-def _signal(w: Worker, sig: int) -> None:
-    try:
-        w.proc.send_signal(sig)
-    except ProcessLookupError:
-        pass
+            if w.poll() is None:
+                w.signal(signal.SIGKILL)
+                if w.proc is not None:
+                    w.proc.wait(5)

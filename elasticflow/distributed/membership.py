@@ -1,14 +1,17 @@
-"""The worker's side of membership: join, notice new generations, rebuild the group.
+"""The worker's side of membership: join, heartbeat, notice new generations, rebuild the group.
 
-A background thread polls ``gen/current`` on its own store connection (the store client is not
-shared across threads), so the training thread reads the newest generation without a round trip
-and learns within ``POLL_S`` when the agent is gone.
+A background thread, on its own store connection (a store client is not shared across threads),
+bumps this worker's heartbeat and reads ``gen/current`` every ``POLL_S``: the training thread
+sees the newest generation without a round trip, and learns within ``POLL_S`` when the agent is
+gone. A stopped process (SIGSTOP) stops heartbeating, which is how the agent finds hung workers.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import List, Optional
@@ -39,6 +42,10 @@ class Removed(Exception):
     """The newest generation does not include this worker."""
 
 
+class Refused(Exception):
+    """The agent refused to admit this worker (wrong or missing job token, or the job is full)."""
+
+
 def _connect(address: str, timeout_s: float) -> TCPStore:
     host, port = address.rsplit(":", 1)
     return TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=timeout_s))
@@ -54,8 +61,9 @@ class Membership:
         wait_s: how long a worker waits for the agent's next generation (``elastic.wait_s``).
     """
 
-    def __init__(self, address: str, worker_id: int, timeout_s: float, wait_s: float, host: str = "127.0.0.1"):
-        self.address, self.worker_id = address, worker_id
+    def __init__(self, address: str, worker_id: Optional[int], timeout_s: float, wait_s: float,
+                 token: Optional[str], host: str = "127.0.0.1"):
+        self.address, self.worker_id, self.token = address, worker_id, token
         self.timeout_s, self.wait_s, self.host = timeout_s, wait_s, host
         self.store = _connect(address, timeout_s)
         self.generation = -1
@@ -71,7 +79,9 @@ class Membership:
     def _poll(self) -> None:
         try:
             store = _connect(self.address, self.timeout_s)
+            beat = f"worker/{self.worker_id}/hb"
             while not self._stop.wait(POLL_S):
+                store.add(beat, 1)
                 self.latest_generation = int(store.get("gen/current"))
         except Exception:  # the agent's store is gone
             if not self._stop.is_set():
@@ -84,10 +94,30 @@ class Membership:
 
     # -- joining and rebuilding
     def join(self) -> None:
-        """Register with the agent and enter the first generation that lists this worker."""
-        self.store.set(f"worker/{self.worker_id}/pid", str(os.getpid()))
+        """Ask the agent to admit this worker (signed with the job token), then enter the first
+        generation that lists it. Call when ready to train: the agent adds joiners at once."""
+        n = int(self.store.add("join/count", 1))
+        wid = -1 if self.worker_id is None else self.worker_id
+        request = {"n": n, "id": wid, "pid": os.getpid(), "host": socket.gethostname()}
+        request["mac"] = protocol.sign(self.token, f"{n}:{wid}:{os.getpid()}") if self.token else ""
+        self.store.set(f"join/request/{n}", json.dumps(request))
+        try:
+            self.store.wait([f"join/verdict/{n}"], datetime.timedelta(seconds=self.wait_s + self.timeout_s))
+            verdict = protocol.decode(self.store.get(f"join/verdict/{n}"))
+        except Exception as exc:
+            raise AgentLost(f"the agent at {self.address} did not answer the join request ({exc})") from exc
+        if not verdict.get("ok"):
+            raise Refused(verdict.get("reason", "refused"))
+        self.worker_id = int(verdict["id"])
         self._poller.start()
         self.rebuild(after=-1)
+
+    def report_failure(self) -> None:
+        """Tell the agent a collective of this generation failed (it hunts for hung members)."""
+        try:
+            self.store.set(f"gen/{self.generation}/failed/{self.worker_id}", str(time.time()))
+        except Exception:
+            pass  # the agent is gone; the rebuild that follows will say so
 
     def rebuild(self, after: int) -> None:
         """Drop the current group; build the group of the first generation newer than ``after``.
@@ -101,6 +131,9 @@ class Membership:
             g, info = self._next_generation(after)
             members = info["members"]
             if self.worker_id not in members:
+                if self.generation < 0:  # admitted, but not yet in a published generation
+                    after = g
+                    continue
                 raise Removed(f"generation {g} does not include worker {self.worker_id}")
             self.generation, self.members = g, members
             self.rank, self.world = members.index(self.worker_id), len(members)

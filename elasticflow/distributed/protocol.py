@@ -1,24 +1,37 @@
 """What the agent and the workers say to each other through the store, and the exit codes they use.
 
 Store keys:
-    gen/current             the newest generation number g
-    gen/<g>                 JSON {"members": [worker ids in rank order], "action": "train" | "stop", "reason": str}
-    worker/<id>/pid         written by a worker when it starts
-    gen<g>/...              the gloo rendezvous of generation g (PrefixStore, see comm.py)
+    gen/current                 the newest generation number g
+    gen/<g>                     JSON {"members": [worker ids in rank order], "action": "train" | "stop", "reason"}
+    gen/<g>/failed/<id>         a member's report that a collective of generation g failed
+    join/count                  join requests so far (a counter); join/request/<n> is request n (JSON)
+    join/verdict/<n>            the agent's answer: {"ok": true, "id": assigned id} or {"ok": false, "reason"}
+    worker/<id>/hb              heartbeat counter, bumped by the worker's membership thread
+    control/scale               a signed request from `elasticflow scale` (JSON)
+    gen<g>/...                  the gloo rendezvous of generation g (PrefixStore, see comm.py)
+
+The job token never crosses the wire: requests carry an HMAC of their fields keyed by it.
 """
+import hashlib
+import hmac
 import json
+import os
+import secrets
+from pathlib import Path
 from typing import Any, Dict
 
 ENV_STORE = "ELASTICFLOW_STORE"            # host:port of the agent's TCPStore
-ENV_WORKER_ID = "ELASTICFLOW_WORKER_ID"
+ENV_WORKER_ID = "ELASTICFLOW_WORKER_ID"    # the id the agent assigned when it spawned this worker
 ENV_RUN_DIR = "ELASTICFLOW_RUN_DIR"
 ENV_LOCAL_WORKERS = "ELASTICFLOW_LOCAL_WORKERS"
+ENV_TOKEN = "ELASTICFLOW_TOKEN"
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
 EXIT_BELOW_MIN = 3      # fewer than launcher.min_workers for elastic.wait_s: checkpoint written, job stopped
 EXIT_AGENT_LOST = 4     # the agent (job master) vanished: checkpoint written where possible
-EXIT_REMOVED = 5        # the agent dropped this worker from the membership
+EXIT_REMOVED = 5        # the agent retired this worker (scale-down): a clean exit
+EXIT_REFUSED = 6        # the agent refused this worker's join (wrong or missing token)
 
 
 class CommError(RuntimeError):
@@ -33,5 +46,33 @@ def encode(members, action: str = "train", reason: str = "") -> str:
     return json.dumps({"members": list(members), "action": action, "reason": reason})
 
 
-def decode(raw: bytes) -> Dict[str, Any]:
+def decode(raw: Any) -> Dict[str, Any]:
     return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def sign(token: str, message: str) -> str:
+    return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def verify(token: str, message: str, mac: str) -> bool:
+    return hmac.compare_digest(sign(token, message), str(mac))
+
+
+def new_token(run_dir: Path) -> str:
+    """A random per-job token, stored in RUN_DIR/.elasticflow/token readable by the owner only."""
+    token = secrets.token_hex(32)
+    path = Path(run_dir) / ".elasticflow" / "token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+def read_token(run_dir: Path) -> str:
+    return (Path(run_dir) / ".elasticflow" / "token").read_text().strip()
+
+
+def agent_file(run_dir: Path) -> Path:
+    """RUN_DIR/.elasticflow/agent.json: where the running agent's store listens, and its pid."""
+    return Path(run_dir) / ".elasticflow" / "agent.json"

@@ -40,22 +40,31 @@ def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> None:
     root.addHandler(file)
 
 
+def _write_error(run_dir: Path, holder: dict, worker_id, message: str, hint: str) -> None:
+    """RUN_DIR/.elasticflow/error-<id>.json: the agent reports it as the job's one error line."""
+    trainer = holder["trainer"]
+    if trainer is not None and trainer.membership is not None and trainer.membership.worker_id is not None:
+        worker_id = trainer.membership.worker_id
+    (run_dir / ".elasticflow" / f"error-{worker_id}.json").write_text(json.dumps({"message": message, "hint": hint}))
+
+
 def main() -> None:
     from omegaconf import OmegaConf
 
     from ..config import Config
     from ..errors import ElasticFlowError, TrainingInterrupted
     from ..trainer import ElasticTrainer
-    from .membership import Membership
+    from .membership import AgentLost, Membership, Refused
 
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
-    worker_id = int(os.environ[protocol.ENV_WORKER_ID])
+    worker_id = int(os.environ[protocol.ENV_WORKER_ID]) if os.environ.get(protocol.ENV_WORKER_ID) else None
     holder = {"trainer": None}
     _setup_logging(run_dir, worker_id, lambda: holder["trainer"])
     code = protocol.EXIT_OK
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
-        membership = Membership(os.environ[protocol.ENV_STORE], worker_id, cfg.elastic.timeout_s, cfg.elastic.wait_s)
+        membership = Membership(os.environ[protocol.ENV_STORE], worker_id, cfg.elastic.timeout_s, cfg.elastic.wait_s,
+                                os.environ.get(protocol.ENV_TOKEN))
         trainer = ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir), membership=membership)
         holder["trainer"] = trainer
         summary = trainer.fit()
@@ -65,19 +74,27 @@ def main() -> None:
             os.replace(tmp, run_dir / "summary.json")
     except TrainingInterrupted:
         code = protocol.EXIT_INTERRUPTED
+    except Refused as exc:
+        print(f"error: the agent refused this worker: {exc}\nhint: workers must be started by the agent, "
+              f"or carry the job token from RUN_DIR/.elasticflow/token in ${protocol.ENV_TOKEN}", file=sys.stderr)
+        code = protocol.EXIT_REFUSED
+    except AgentLost as exc:
+        print(f"error: {exc}\nhint: is the job still running? see RUN_DIR/workers.json", file=sys.stderr)
+        code = protocol.EXIT_AGENT_LOST
     except ElasticFlowError as exc:
         code = exc.exit_code
-        if code not in (protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST, protocol.EXIT_REMOVED):
-            (run_dir / ".elasticflow" / f"error-{worker_id}.json").write_text(
-                json.dumps({"message": exc.message, "hint": exc.hint}))
-        logging.getLogger("elasticflow").warning("worker %d: %s", worker_id, exc.message)
+        if code == protocol.EXIT_REMOVED:
+            logging.getLogger("elasticflow").info("worker %s: %s", worker_id, exc.message)
+        else:
+            if code not in (protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST):
+                _write_error(run_dir, holder, worker_id, exc.message, exc.hint)
+            logging.getLogger("elasticflow").warning("worker %s: %s", worker_id, exc.message)
     except BaseException as exc:  # noqa: BLE001 - report any failure to the agent as one line
         import traceback
 
-        logging.getLogger("elasticflow").error("worker %d failed:\n%s", worker_id, traceback.format_exc())
-        (run_dir / ".elasticflow" / f"error-{worker_id}.json").write_text(
-            json.dumps({"message": f"worker {worker_id}: {type(exc).__name__}: {exc}",
-                        "hint": f"see {run_dir}/logs/worker-{worker_id}.log for the traceback"}))
+        logging.getLogger("elasticflow").error("worker %s failed:\n%s", worker_id, traceback.format_exc())
+        _write_error(run_dir, holder, worker_id, f"worker {worker_id}: {type(exc).__name__}: {exc}",
+                     f"see {run_dir}/logs/worker-{worker_id}.log for the traceback")
         code = 1
     # A process whose gloo group failed can abort in its exit handlers: flush, then leave at once.
     logging.shutdown()

@@ -1,0 +1,103 @@
+"""`elasticflow scale` and `elasticflow status`: talk to a running job through its run directory."""
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import List
+
+from ..errors import ElasticFlowError
+from . import protocol
+
+
+def _running_agent(run_dir: Path) -> dict:
+    path = protocol.agent_file(run_dir)
+    if not run_dir.is_dir():
+        raise ElasticFlowError(f"run directory '{run_dir}' does not exist", "pass the run's hydra.run.dir")
+    if not path.is_file():
+        raise ElasticFlowError(f"no running agent in '{run_dir}' (the job has ended, or it runs one worker "
+                               "in-process)", "start multi-worker jobs with launcher.workers=N or "
+                               "launcher.max_workers=N to be able to scale them")
+    return json.loads(path.read_text())
+
+
+def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
+    """Ask the job's agent for ``workers`` workers; wait until the membership shows them."""
+    from torch.distributed import TCPStore
+
+    agent = _running_agent(run_dir)
+    try:
+        token = protocol.read_token(run_dir)
+    except OSError as exc:
+        raise ElasticFlowError(f"cannot read the job token in {run_dir}/.elasticflow/token ({exc.strerror})",
+                               "run `elasticflow scale` as the user who started the job") from exc
+    host, port = agent["address"].rsplit(":", 1)
+    try:
+        store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
+    except Exception as exc:
+        raise ElasticFlowError(f"the agent at {agent['address']} does not answer ({exc})",
+                               "the job may have just ended; see `elasticflow status RUN_DIR`") from exc
+    nonce = secrets.token_hex(8)
+    store.set("control/scale", json.dumps({"workers": workers, "nonce": nonce,
+                                           "mac": protocol.sign(token, f"scale:{workers}:{nonce}")}))
+    store.wait([f"control/reply/{nonce}"], datetime.timedelta(seconds=30))
+    reply = json.loads(store.get(f"control/reply/{nonce}"))
+    if not reply["ok"]:
+        raise ElasticFlowError(f"the agent refused to scale to {workers}: {reply['reason']}",
+                               "choose a number within launcher.min_workers..launcher.max_workers")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        snapshot = json.loads((run_dir / "workers.json").read_text())
+        if len(snapshot["members"]) == workers and not snapshot["joining"] and not snapshot["retiring"]:
+            return f"generation {snapshot['generation']}: {workers} workers"
+        time.sleep(0.1)
+    return f"requested {workers} workers; still changing after {wait_s:g}s (see `elasticflow status {run_dir}`)"
+
+
+def status(run_dir: Path, events: int = 8) -> str:
+    """Generation, members, progress and recent membership events of a run (running or not)."""
+    from ..reporting import last_logged_step
+
+    if not (run_dir / "workers.json").is_file() and not (run_dir / "metrics.jsonl").is_file():
+        raise ElasticFlowError(f"'{run_dir}' is not a run directory (no workers.json or metrics.jsonl)",
+                               "pass the run's hydra.run.dir, e.g. outputs/2026-11-22/10-00-00")
+    running = protocol.agent_file(run_dir).is_file()
+    lines: List[str] = [f"run {run_dir}: {'running' if running else 'not running'}"]
+    if (run_dir / "workers.json").is_file():
+        snap = json.loads((run_dir / "workers.json").read_text())
+        lines.append(f"generation {snap['generation']}  workers {len(snap['members'])}  "
+                     f"restarts {snap.get('restarts', 0)}/{snap.get('max_restarts', '-')}")
+        lines.append(f"  {'rank':>4}  {'worker':>6}  {'pid':>8}  {'host':<16} state")
+        for m in snap["members"]:
+            lines.append(f"  {m['rank']:>4}  {m['worker_id']:>6}  {m['pid']:>8}  {m['host']:<16} {m['state']}")
+        for m in snap.get("joining", []) + snap.get("retiring", []):
+            lines.append(f"  {'-':>4}  {m['worker_id']:>6}  {m['pid']:>8}  {m['host']:<16} {m['state']}")
+    metrics = run_dir / "metrics.jsonl"
+    step = last_logged_step(metrics)
+    if step >= 0:
+        last = {}
+        for line in metrics.read_text().splitlines()[-50:]:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step") == step and "loss" in record:
+                last = record
+        lines.append(f"step {step}  epoch {last.get('epoch')}  samples consumed {last.get('samples_seen')}  "
+                     f"loss {last.get('loss', float('nan')):.5g}")
+    events_file = run_dir / "events.jsonl"
+    if events_file.is_file():
+        recent = events_file.read_text().splitlines()[-events:]
+        lines.append("recent events:")
+        for raw in recent:
+            try:
+                e = json.loads(raw)
+            except ValueError:
+                continue
+            when = datetime.datetime.fromtimestamp(e.pop("time")).strftime("%H:%M:%S.%f")[:-3]
+            kind = e.pop("event")
+            e.pop("source", None)
+            lines.append(f"  {when} {kind:<10} " + " ".join(f"{k}={v}" for k, v in e.items()))
+    return "\n".join(lines)
