@@ -186,9 +186,18 @@ class ElasticTrainer:
         self._resume()
         self.metric_names = self._probe_metric_names()
         if self.membership is not None:
+            ready_at = time.time()
             self.membership.join()
+            joined_at = time.time()
             self._adopt_membership()
-            self._sync_state()
+            moved = self._sync_state()
+            if self.generation > 0 or moved:  # joined a running job: say what it cost
+                spawned = float(os.environ.get("ELASTICFLOW_SPAWNED_AT", ready_at))
+                self.event("joined", worker=self.membership.worker_id, generation=self.generation,
+                           world_size=self.world, start_s=round(ready_at - spawned, 4),
+                           admit_s=round(self.membership.admitted_at - ready_at, 4),
+                           rebuild_s=round(joined_at - self.membership.admitted_at, 4),
+                           transfer_s=round(time.time() - joined_at, 4), state_received=bool(moved))
         self._order_epoch = -1
         self._prepared = True
         if self.rank == 0:
@@ -250,7 +259,9 @@ class ElasticTrainer:
                     self.load_checkpoint(path)
                     return
                 except ElasticFlowError as exc:
-                    if "does not match this model" in exc.message:
+                    # Another model or optimizer: an older checkpoint would not fit either, and
+                    # starting fresh would silently discard this job's training.
+                    if "does not match this model" in exc.message or "state but this run uses" in exc.message:
                         raise
                     log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
             return
@@ -443,8 +454,8 @@ class ElasticTrainer:
         self.rank, self.world, self.generation = m.rank, m.world, m.generation
         _context.rank, _context.world_size, _context.generation = m.rank, m.world, m.generation
 
-    def _sync_state(self) -> None:
-        replica.sync_state(self)
+    def _sync_state(self) -> bool:
+        return replica.sync_state(self)
 
     def _recover(self, reason: str, planned: bool = False) -> None:
         replica.recover(self, reason, planned)

@@ -260,8 +260,15 @@ def index(positions: np.ndarray) -> tf.Tensor:
     return tf.constant(np.asarray(positions, dtype=np.int64))
 
 
+_AXIS0: Optional[tf.Tensor] = None
+
+
 def gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Tuple[tf.Tensor, ...]:
-    return tuple(tf.gather(t, idx) for t in tensors)
+    global _AXIS0
+    if _AXIS0 is None:
+        _AXIS0 = tf.constant(0, tf.int32)
+    # The raw op: tf.gather's Python dispatch layers cost more than the gather of a batch.
+    return tuple(tf.raw_ops.GatherV2(params=t, indices=idx, axis=_AXIS0) for t in tensors)
 
 
 def to_numpy(t: Any) -> np.ndarray:
@@ -351,10 +358,17 @@ class Engine:
             ``params(x, training=ops.training())``).
         forward: the user's ``forward(*batch, params)``.
         spec: the optimizer spec.
-        jit: compile the gradient step and the update with ``tf.function`` (one trace per
-            distinct batch shape and training flag).
+        jit: compile the gradient step and the update with ``tf.function``.
 
-    Note: under jit, forward() is traced, not run, each call: Python control flow on tensor
+    A dict model's float arrays live in ONE flat variable; forward() receives a dict of views
+    (tensors) of it, sliced inside the compiled step. Its gradient then arrives flat, and the
+    update is a handful of ops on three flat vectors whatever the number of parameters (per
+    variable, an Adam update of a 20-tensor model is 400 graph ops, each with its own dispatch
+    cost). Integer arrays are buffers, kept as they are. A native model's variables stay its own:
+    its gradients are concatenated into the flat buffer and updated variable by variable.
+
+    Note: under jit, forward() is traced once per micro-batch shape, training flag and
+    first-or-later micro-batch of a step, not run on every call: Python control flow on tensor
     values and Python side effects need ``backend.jit=false``.
     """
 
@@ -364,47 +378,69 @@ class Engine:
         self.jit = jit
         _generator()
         self.native = model if is_native(model) else None
+        self.buffers: Dict[str, Any] = {}
+        arrays: Dict[str, np.ndarray] = {}
         if self.native is not None:
-            self.params, self.buffers = _native_variables(model)
-            self.view = model
+            named, self.buffers = _native_variables(model)
+            self.param_names = list(named)
+            self._targets = list(named.values())  # the variables the optimizer updates
         else:
-            leaves: Dict[str, Any] = {}
-            self.params, self.buffers = {}, {}
+            self._tree = model
             for name, value in _flatten(model):
                 array = to_numpy(value)
                 if np.issubdtype(array.dtype, np.floating):
-                    var = tf.Variable(array.astype(np.float32), trainable=True)
-                    self.params[name] = var
+                    arrays[name] = array.astype(np.float32)
                 else:
-                    var = tf.Variable(array, trainable=False)
-                    self.buffers[name] = var
-                leaves[name] = var
-            self.view = _rebuild(model, leaves)
-        if not self.params:
+                    self.buffers[name] = tf.Variable(array, trainable=False)
+            self.param_names = list(arrays)
+        if not self.param_names:
             hint = ("build the keras model before returning it (start it with keras.Input(shape) or call "
                     "model.build(shape))" if self.native is not None
                     else "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
             raise ElasticFlowError("model() returned no floating-point parameters to train", hint)
-        self._vars = list(self.params.values())
-        self._shapes = [tuple(int(d) for d in v.shape) for v in self._vars]
+        if self.native is None:
+            self._shapes = [arrays[n].shape for n in self.param_names]
+            self._targets = [tf.Variable(np.concatenate([arrays[n].reshape(-1) for n in self.param_names]))]
+        else:
+            self._shapes = [tuple(int(d) for d in v.shape) for v in self._targets]
         self._sizes = [int(np.prod(s, dtype=np.int64)) for s in self._shapes]
-        self.num_params = int(builtins.sum(self._sizes))
+        self._offsets = np.concatenate([[0], np.cumsum(self._sizes)]).astype(int).tolist()
+        self.num_params = self._offsets[-1]
+        self._target_shapes = [tuple(int(d) for d in v.shape) for v in self._targets]
+        self._target_sizes = [int(np.prod(s, dtype=np.int64)) for s in self._target_shapes]
         self.flat_grad = tf.Variable(tf.zeros([self.num_params], tf.float32), trainable=False)
-        self._slots = {slot: [tf.Variable(tf.zeros(s, tf.float32), trainable=False) for s in self._shapes]
+        # Zeros, not torch's "copy of the first gradient" for momentum: momentum * 0 + g == g
+        # exactly, so the first update needs no separate compiled function.
+        self._slots = {slot: [tf.Variable(tf.zeros(s, tf.float32), trainable=False) for s in self._target_shapes]
                        for slot in spec.slots()}
-        self._slots_live = False   # torch creates optimizer state at the first update
+        self._slots_live = False   # torch creates optimizer state at the first update; state() follows
         self._updates = 0          # updates applied since the optimizer state was fresh (bias correction)
         self._zero_pending = False  # zero_grad() is folded into the next accumulate (one op fewer per step)
-        self._weights: Dict[float, tf.Tensor] = {}  # micro-batch weight -> constant (a handful of values per run)
-        self._grad_fns: Dict[bool, Any] = {}  # training flag -> compiled step: the flag is baked in at trace time
+        self._weights: Dict[float, tf.Tensor] = {}  # micro-batch weight -> constant (a handful per run)
+        # Variants are separate functions, not Python arguments: binding a Python value costs
+        # as much per call as a small step. The training flag is read at trace time.
+        self._grad_fns: Dict[Tuple[bool, bool], Any] = {}  # (training, first micro-batch of the step)
         self._eval_fns: Dict[bool, Any] = {}
-        self._apply_fn = self._compile(self._apply_step)
+        # XLA fuses the update's elementwise ops into one pass over memory: without it every op
+        # allocates and sweeps the whole parameter vector (Adam: ~12 sweeps, 2.5x slower). Costs a
+        # compilation (~0.2 s) at the first update. Only our own ops run in it, so XLA's op coverage
+        # is not the user's problem (forward() stays in plain tf.function).
+        self._apply_fn = self._compile(self._apply_step, xla=True)
 
-    def _compile(self, fn):
+    def _compile(self, fn, xla: bool = False):
         # Exact shapes (no input signature): a model file may read x.shape[0]; the cost is one
         # trace per distinct micro-batch shape (typically two: full and the epoch's last).
         # autograph off: forward() keeps plain Python semantics and errors keep their type.
-        return tf.function(fn, autograph=False) if self.jit else fn
+        return tf.function(fn, autograph=False, jit_compile=xla) if self.jit else fn
+
+    def _params(self):
+        """What forward() receives: the native model, or the dict of views of the flat variable."""
+        if self.native is not None:
+            return self.native
+        pieces = tf.split(tf.convert_to_tensor(self._targets[0]), self._sizes)
+        leaves = {n: tf.reshape(p, s) for n, p, s in zip(self.param_names, pieces, self._shapes)}
+        leaves.update(self.buffers)
+        return _rebuild(self._tree, leaves)
 
     # -- one step
     def train_mode(self, training: bool) -> None:
@@ -425,25 +461,30 @@ class Engine:
 
     def accumulate(self, batch: Tuple[tf.Tensor, ...], weight: float):
         """Add the gradient of ``weight * loss`` of one micro-batch to the flat buffer; returns weighted (loss, metrics)."""
-        fn = self._grad_fns.get(_training)
+        key = (_training, self._zero_pending)
+        fn = self._grad_fns.get(key)
         if fn is None:
-            fn = self._grad_fns[_training] = self._compile(self._grad_step)
+            fresh = self._zero_pending
+            fn = self._grad_fns[key] = self._compile(lambda b, w: self._grad_step(b, w, fresh))
         w = self._weights.get(weight)
         if w is None:
-            w = self._weights.setdefault(weight, tf.constant(weight, tf.float32)) if len(self._weights) < 64 \
-                else tf.constant(weight, tf.float32)
-        fresh, self._zero_pending = self._zero_pending, False
-        return fn(tuple(batch), w, fresh)
+            w = tf.constant(weight, tf.float32)
+            if len(self._weights) < 64:
+                self._weights[weight] = w
+        self._zero_pending = False
+        loss, metrics = fn(tuple(batch), w)
+        # numpy scalars, not tensors: the trainer sums them, and on TF's eager runtime each sum of
+        # two tensors is an op dispatch (tens of microseconds); float32 numpy keeps torch's rounding.
+        return loss.numpy(), {k: v.numpy() for k, v in metrics.items()}
 
     def _grad_step(self, batch, weight, fresh: bool):
         with tf.GradientTape() as tape:
-            loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
+            loss, metrics = _check_loss(self.forward(*batch, params=self._params()), "for a micro-batch")
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
-        grads = tape.gradient(weighted, self._vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        # convert_to_tensor: an embedding's gradient arrives as IndexedSlices.
+        grads = tape.gradient(weighted, self._targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # convert_to_tensor: a native embedding's gradient arrives as IndexedSlices.
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
-        # fresh (a Python bool: one trace each way): the step's first micro-batch overwrites.
-        if fresh:
+        if fresh:  # the step's first micro-batch overwrites: zero_grad() costs nothing
             self.flat_grad.assign(flat)
         else:
             self.flat_grad.assign_add(flat)
@@ -465,7 +506,7 @@ class Engine:
         """The accumulated flat gradient as a 1-D float32 ``torch.Tensor`` sharing its memory (DLPack).
 
         Call it after the micro-batches and before ``apply()``: an in-place edit (an allreduce)
-        is what ``apply()`` then uses.
+        is what ``apply()`` then uses. The layout is torch's: parameters in model() order.
 
         Note: the view is valid for this step only. TF copies a variable on its next write while
         another reference to its buffer lives, so after zero_grad(), accumulate() or
@@ -491,22 +532,22 @@ class Engine:
             b1, b2 = s.betas
             bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
             scalars = [lr / bc1, bc2 ** 0.5, s.eps, 1 - b1, b2, 1 - b2, s.weight_decay, 1 - lr * s.weight_decay]
-        self._apply_fn(tf.constant(np.array(scalars, np.float32)), not self._slots_live)
+        self._apply_fn(tf.constant(np.array(scalars, np.float32)))
         self._updates = step
         self._slots_live = True
 
-    def _apply_step(self, k, first: bool):
+    def _apply_step(self, k):
         s = self.spec
-        grads = tf.split(tf.convert_to_tensor(self.flat_grad), self._sizes)
-        for i, (p, g) in enumerate(zip(self._vars, grads)):
-            g = tf.reshape(g, self._shapes[i])
+        grads = tf.split(tf.convert_to_tensor(self.flat_grad), self._target_sizes)
+        for i, (p, g) in enumerate(zip(self._targets, grads)):
+            g = tf.reshape(g, self._target_shapes[i])
             w = tf.convert_to_tensor(p)
             if isinstance(s, SGD):
                 if s.weight_decay:
                     g = g + k[1] * w
                 if s.momentum:
                     buf = self._slots["momentum_buffer"][i]
-                    new = g if first else tf.convert_to_tensor(buf) * k[2] + g  # torch: the first buffer is a copy of the gradient
+                    new = tf.convert_to_tensor(buf) * k[2] + g  # torch: buf.mul_(momentum).add_(g)
                     buf.assign(new)
                     g = g + k[2] * new if s.nesterov else new
                 p.assign(w - k[0] * g)
@@ -533,34 +574,50 @@ class Engine:
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
     def _eval_step(self, batch):
-        return _check_loss(self.forward(*batch, params=self.view), "in evaluation")
+        return _check_loss(self.forward(*batch, params=self._params()), "in evaluation")
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
+    def _by_name(self, variables: List[Any]) -> Dict[str, np.ndarray]:
+        """Per-target variables (parameters or one optimizer slot) -> {parameter name: private copy}."""
+        arrays = [to_numpy(v) for v in variables]
+        if self.native is not None:
+            return {n: a.copy() for n, a in zip(self.param_names, arrays)}
+        o = self._offsets
+        return {n: arrays[0][o[i]:o[i + 1]].reshape(self._shapes[i]).copy() for i, n in enumerate(self.param_names)}
+
+    def _assign_by_name(self, variables: List[Any], named: Dict[str, np.ndarray]) -> None:
+        if self.native is not None:
+            for v, n, shape in zip(variables, self.param_names, self._shapes):
+                v.assign(np.asarray(named[n]).astype(_np_dtype(v)).reshape(shape))
+        else:
+            variables[0].assign(np.concatenate([np.asarray(named[n], np.float32).reshape(-1)
+                                                for n in self.param_names]))
+
     def state(self) -> Dict[str, np.ndarray]:
-        out = {n: to_numpy(v).copy() for n, v in list(self.params.items()) + list(self.buffers.items())}
+        out = self._by_name(self._targets)
+        out.update({n: to_numpy(b).copy() for n, b in self.buffers.items()})
         if self._slots_live:
-            for i, n in enumerate(self.params):
-                for slot, variables in self._slots.items():
-                    out[f"optimizer/{n}/{slot}"] = to_numpy(variables[i]).copy()
+            for slot, variables in self._slots.items():
+                out.update({f"optimizer/{n}/{slot}": a for n, a in self._by_name(variables).items()})
         return out
 
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
-        for n, v in list(self.params.items()) + list(self.buffers.items()):
+        self._assign_by_name(self._targets, state)
+        for n, v in self.buffers.items():
             v.assign(np.asarray(state[n]).astype(_np_dtype(v)).reshape(v.shape))
-        names = [f"optimizer/{n}/{slot}" for n in self.params for slot in self._slots]
-        # All or nothing: torch starts a parameter without saved slots afresh (a momentum buffer
-        # copied from the next gradient); one flag for all keeps the update a single compiled function.
+        names = [f"optimizer/{n}/{slot}" for n in self.param_names for slot in self._slots]
+        # All or nothing: torch starts a parameter without saved slots afresh; one flag for all
+        # keeps the update a single compiled function.
         self._slots_live = bool(names) and all(n in state for n in names)
-        for i, n in enumerate(self.params):
-            for slot, variables in self._slots.items():
-                value = state.get(f"optimizer/{n}/{slot}") if self._slots_live else None
-                variables[i].assign(np.zeros(self._shapes[i], np.float32) if value is None
-                                    else np.asarray(value, np.float32).reshape(self._shapes[i]))
+        for slot, variables in self._slots.items():
+            self._assign_by_name(variables, {n: state[f"optimizer/{n}/{slot}"] if self._slots_live
+                                             else np.zeros(shape, np.float32)
+                                             for n, shape in zip(self.param_names, self._shapes)})
         self._updates = optimizer_steps if self._slots_live else 0
 
     def state_names(self) -> List[str]:
-        names = list(self.params) + list(self.buffers)
-        return names + [f"optimizer/{n}/{s}" for n in self.params for s in self.spec.slots()]
+        names = self.param_names + list(self.buffers)
+        return names + [f"optimizer/{n}/{s}" for n in self.param_names for s in self.spec.slots()]
 
     def rng_state(self) -> Dict[str, np.ndarray]:
         return {"rng/tensorflow": _generator().state.numpy().copy()}

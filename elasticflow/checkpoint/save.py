@@ -145,7 +145,8 @@ class Checkpointer:
         job_name = c.get("job_name") or Path(str(cfg.model)).stem
         state_dir = Path(run_dir) / ".elasticflow"
         store = getattr(membership, "store", None)
-        candidate = _choose_job(Path(checkpoint_dir), job_name, state_dir, fresh=str(cfg.resume) == "none")
+        candidate = _choose_job(Path(checkpoint_dir), job_name, state_dir, fresh=str(cfg.resume) == "none",
+                                explicit=bool(c.get("job_name")))
         name = agree(store, "ckpt/job", candidate)
         token = agree(store, "ckpt/token", secrets.token_hex(4))
         job_dir = Path(checkpoint_dir) / name
@@ -390,14 +391,15 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------- the job directory
-def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: bool) -> str:
+def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: bool, explicit: bool) -> str:
     if not fresh:
+        # The run's recorded job, unless checkpoint.job_name now names another one (a renamed
+        # model file is still the same run: the default name follows the file, the record does not).
         try:
             rec = json.loads((state_dir / JOB_RECORD).read_text())
-            if rec.get("checkpoint_dir") == str(checkpoint_dir.resolve()) and rec.get("job", "").startswith(
-                    f"{job_name}_"):
+            if (checkpoint_dir / rec["job"]).is_dir() and (not explicit or rec["job"].startswith(f"{job_name}_")):
                 return rec["job"]
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
         existing = job_dirs(checkpoint_dir, job_name)
         if existing:
@@ -413,7 +415,7 @@ def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: boo
 def _record_job(state_dir: Path, checkpoint_dir: Path, name: str) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     tmp = state_dir / f".{JOB_RECORD}.{os.getpid()}"
-    tmp.write_text(json.dumps({"checkpoint_dir": str(checkpoint_dir.resolve()), "job": name}))
+    tmp.write_text(json.dumps({"job": name, "checkpoint_dir": str(checkpoint_dir)}))  # the dir: for people
     os.replace(tmp, state_dir / JOB_RECORD)
 
 

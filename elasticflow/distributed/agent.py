@@ -94,7 +94,8 @@ class Agent:
         self.next_id += 1
         env = {**os.environ, protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
                protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
-               protocol.ENV_LOCAL_WORKERS: str(max(self.target_workers(), 1))}
+               protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, self.target_workers() + 1)),
+               "ELASTICFLOW_SPAWNED_AT": str(time.time())}
         # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
         proc = subprocess.Popen([sys.executable, "-m", "elasticflow.distributed.worker"], env=env,
                                 start_new_session=True)
@@ -110,6 +111,8 @@ class Agent:
         for w in self.admitted:
             w.state = "training"
             w.hb_seen = time.monotonic()
+        if self.generation < 0:  # the first generation ranks workers by id, not by who was quicker
+            self.admitted.sort(key=lambda w: w.id)
         self.members += self.admitted
         self.admitted = []
         self.generation += 1
@@ -307,6 +310,8 @@ class Agent:
     def _check_health(self, now: float) -> None:
         el = self.cfg.elastic
         for w in list(self.members):
+            if w.state == "killed":
+                continue
             beats = int(self.store.add(f"worker/{w.id}/hb", 0))
             if beats != w.hb_value:
                 w.hb_value, w.hb_seen = beats, now
@@ -322,12 +327,13 @@ class Agent:
         since = self.failed_reports_since.setdefault(g, now)
         if now - since > min(REPORT_GRACE_S, el.heartbeat_timeout_s):
             for w in self.members:
-                if w not in reported:
+                if w not in reported and w.state != "killed":
                     self._cut_out(w, "its peers' collectives failed and it never reported (stuck or deadlocked)")
 
     def _cut_out(self, w: Worker, why: str) -> None:
         log.warning("worker %d (pid %d): %s; killing it", w.id, w.pid, why)
         self.event("hung", worker=w.id, pid=w.pid, reason=why, generation=self.generation)
+        w.state = "killed"
         w.signal(signal.SIGKILL)
         if w.proc is None:  # not our child: we cannot wait for its exit code
             self.members.remove(w)

@@ -109,6 +109,7 @@ class Membership:
         if not verdict.get("ok"):
             raise Refused(verdict.get("reason", "refused"))
         self.worker_id = int(verdict["id"])
+        self.admitted_at = time.time()
         self._poller.start()
         self.rebuild(after=-1)
 

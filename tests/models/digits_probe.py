@@ -8,6 +8,8 @@ Environment (read by every worker):
     EF_PROBE_PAUSE   "step:seconds": every worker sleeps that long in forward at that step (generation 0),
                      a window for a test to kill a pid from workers.json.
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
+    EF_PROBE_HOLD    a file path: forward blocks while that file exists (a test holds training still
+                     while it scales or kills, then removes the file).
     EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, ids} to
                      <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt.
 """
@@ -30,6 +32,7 @@ WORKER = int(os.environ.get("ELASTICFLOW_WORKER_ID", "0"))
 KILLS = [tuple(k.split(":")) for k in os.environ.get("EF_PROBE_KILL", "").split(",") if k]
 PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.environ.get("EF_PROBE_PAUSE") else None
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
+HOLD = os.environ.get("EF_PROBE_HOLD")
 RECORD = os.environ.get("EF_PROBE_RECORD")
 _seen_steps = set()
 
@@ -61,6 +64,9 @@ def _inject(ctx):
         time.sleep(PAUSE[1])
     if SLEEP:
         time.sleep(SLEEP)
+    deadline = time.monotonic() + 120
+    while HOLD and ctx.step > 0 and os.path.exists(HOLD) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def forward(x, y, params):

@@ -1,0 +1,176 @@
+"""Scale-up, scale-down, restarts, hang detection and the closed rendezvous, on real processes.
+
+Training is held still where the test needs it (EF_PROBE_HOLD: forward waits while a file exists),
+so a scale or a kill lands at a known point even on a loaded 2-core machine. A hold longer than
+elastic.timeout_s looks exactly like a hung worker (its peer waits in a collective), so tests that
+hold use HOLD_TIMEOUT.
+"""
+import json
+import os
+import signal
+import stat
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import ELASTICFLOW, metrics, run_cli
+from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
+                          start, wait_for)
+
+
+HOLD_TIMEOUT = ["elastic.timeout_s=90", "elastic.heartbeat_timeout_s=10"]
+
+
+class Hold:
+    """A file whose existence keeps every worker waiting inside forward()."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.path.touch()
+        return self
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)
+
+
+def scale(run: Path, workers: int, wait: float = 120) -> subprocess.CompletedProcess:
+    return run_cli(["scale", run, "--workers", workers, "--wait", wait], timeout=wait + 60, check=True)
+
+
+def world_sizes(run: Path) -> list:
+    return [r["world_size"] for r in metrics(run) if "loss" in r]
+
+
+def test_grow_kill_shrink_matches_single_worker_and_uses_every_sample_once(tmp_path, reference):
+    run, record, hold = tmp_path / "run", tmp_path / "record", Hold(tmp_path / "hold")
+    record.mkdir()
+    proc = start(run, "launcher.workers=2", "trainer.micro_batch_size=16", *HOLD_TIMEOUT,
+                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_RECORD": str(record), "EF_PROBE_SLEEP": "0.01"})
+    wait_for(lambda: logged_step(run) >= 14, 120, "step 14")
+    with hold:
+        out = scale(run, 4).stdout
+    assert "4 workers" in out
+    wait_for(lambda: logged_step(run) >= 30, 120, "step 30")
+    with hold:
+        victim = members(run)[2]
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: len(members(run)) == 3, 30, "the generation after the kill")
+    wait_for(lambda: logged_step(run) >= 45, 120, "step 45")
+    with hold:
+        scale(run, 2, wait=0)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert_equivalent(run, reference)
+    sizes = world_sizes(run)
+    assert sizes[0] == 2 and 4 in sizes and 3 in sizes and sizes[-1] == 2
+    # Every sample of the epoch went into exactly one committed step.
+    committed = {r["step"]: (r["generation"], r["epoch"]) for r in metrics(run) if "loss" in r}
+    consumed = Counter()
+    for f in record.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if committed.get(r["step"], (None,))[0] == r["generation"] and r["epoch"] == 0:
+                consumed.update(r["ids"])
+    assert consumed == Counter(range(1437))
+    kinds = [e["event"] for e in events(run)]
+    assert kinds.count("joined") == 2 and kinds.count("retired") == 1 and kinds.count("left") == 1
+    joined = [e for e in events(run) if e["event"] == "joined"]
+    assert all(e["state_received"] for e in joined)  # joiners got the full state by broadcast
+
+
+def test_sigstopped_worker_is_cut_out_within_the_timeout(tmp_path, reference):
+    run = tmp_path / "run"
+    timeout_s = 6
+    proc = start(run, "launcher.workers=3", f"elastic.timeout_s={timeout_s}", "elastic.heartbeat_timeout_s=2",
+                 env={"EF_PROBE_SLEEP": "0.03"})
+    wait_for(lambda: logged_step(run) >= 10, 120, "step 10")
+    victim = members(run)[1]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    stopped_at = time.time()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    hung = [e for e in events(run) if e["event"] == "hung"]
+    assert [e["pid"] for e in hung] == [victim["pid"]]
+    assert hung[0]["time"] - stopped_at <= timeout_s + 2
+    assert_equivalent(run, reference)
+
+
+@pytest.mark.parametrize("max_restarts,replaced", [(3, 3), (2, 2)])
+def test_restart_failed_replaces_dead_workers_up_to_max_restarts(tmp_path, reference, max_restarts, replaced):
+    run, hold = tmp_path / "run", Hold(tmp_path / "hold")
+    proc = start(run, "launcher.workers=2", "launcher.restart_failed=true", f"launcher.max_restarts={max_restarts}",
+                 *HOLD_TIMEOUT,
+                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_SLEEP": "0.01"})
+    for i, at_step in enumerate((10, 25, 40)):
+        wait_for(lambda: logged_step(run) >= at_step, 120, f"step {at_step}")
+        with hold:
+            victim = members(run)[-1]
+            os.kill(victim["pid"], signal.SIGKILL)
+            if i < replaced:
+                wait_for(lambda: len(members(run)) == 2 and members(run)[-1]["pid"] != victim["pid"], 120,
+                         "the replacement to join")
+            else:
+                wait_for(lambda: len(members(run)) == 1, 30, "the generation without the victim")
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    kinds = [e["event"] for e in events(run)]
+    assert kinds.count("restart") == replaced and kinds.count("left") == 3
+    assert ("restart_refused" in kinds) == (replaced < 3)
+    assert world_sizes(run)[-1] == (2 if replaced == 3 else 1)
+    assert_equivalent(run, reference)
+
+
+def test_strangers_without_the_token_are_refused(tmp_path, reference):
+    run, hold = tmp_path / "run", Hold(tmp_path / "hold")
+    proc = start(run, "launcher.workers=2", *HOLD_TIMEOUT, env={"EF_PROBE_HOLD": str(hold.path)})
+    wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
+    token_file = run / ".elasticflow" / "token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    address = json.loads((run / ".elasticflow" / "agent.json").read_text())["address"]
+    with hold:
+        for token in ("not-the-token", None):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICFLOW_")}
+            env.update({"ELASTICFLOW_STORE": address, "ELASTICFLOW_RUN_DIR": str(run)})
+            if token:
+                env["ELASTICFLOW_TOKEN"] = token
+            stranger = subprocess.run(ELASTICFLOW[:1] + ["-m", "elasticflow.distributed.worker"], env=env,
+                                      capture_output=True, text=True, timeout=120)
+            assert stranger.returncode == 6, stranger.stderr[-2000:]
+            assert "refused" in stranger.stderr and "token" in stranger.stderr
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    refused = [e for e in events(run) if e["event"] == "refused"]
+    assert len(refused) == 2 and all("token" in e["reason"] for e in refused)
+    assert set(world_sizes(run)) == {2}  # training was not disturbed
+    assert_equivalent(run, reference)
+
+
+def test_status_and_scale_errors(tmp_path):
+    run, hold = tmp_path / "run", Hold(tmp_path / "hold")
+    proc = start(run, "launcher.workers=2", "launcher.max_workers=3", *HOLD_TIMEOUT,
+                 env={"EF_PROBE_HOLD": str(hold.path)})
+    wait_for(lambda: logged_step(run) >= 3, 120, "step 3")
+    with hold:
+        out = run_cli(["status", run], check=True).stdout
+        assert "running" in out and "generation 0" in out and "samples consumed" in out
+        for m in members(run):
+            assert str(m["pid"]) in out
+        too_many = run_cli(["scale", run, "--workers", "5"])
+        assert too_many.returncode != 0 and "launcher.max_workers=3" in too_many.stderr
+    finish(proc)
+    assert proc.returncode == 0
+    assert "not running" in run_cli(["status", run], check=True).stdout
+    gone = run_cli(["scale", run, "--workers", "2"])
+    assert gone.returncode == 2 and "no running agent" in gone.stderr and "Traceback" not in gone.stderr
+
+
+def test_heartbeat_longer_than_collective_timeout_is_refused(tmp_path):
+    proc = run_cli(["train", Path(__file__).parent / "models" / "digits_probe.py", f"hydra.run.dir={tmp_path}",
+                    "elastic.heartbeat_timeout_s=60", "elastic.timeout_s=30"])
+    assert proc.returncode == 2
+    assert "elastic.heartbeat_timeout_s=60 must be positive and shorter than elastic.timeout_s=30" in proc.stderr
