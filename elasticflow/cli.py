@@ -18,6 +18,11 @@ Train the model file's model(), forward() and data(); any config key can be over
 `elasticflow train --help` lists every config key and group."""
 
 
+# Hydra's flags that take a value (`--cfg job`, `-p trainer`); --info's value is optional and not listed.
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
+                          "--config-dir", "-cd", "--experimental-rerun"}
+
+
 def _fail(message: str, hint: str = "", code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     if hint:
@@ -72,7 +77,14 @@ def train(args: List[str], debug: bool) -> None:
     from .config import register
     from .paths import conf_dir
 
-    positional = [a for a in args if not a.startswith("-") and "=" not in a]
+    positional, skip_value = [], False
+    for a in args:
+        if skip_value:  # the value of a Hydra flag such as `--cfg job`
+            skip_value = False
+        elif a in HYDRA_FLAGS_WITH_VALUE:
+            skip_value = True
+        elif not a.startswith("-") and "=" not in a:
+            positional.append(a)
     wants_help = any(a in ("--help", "-h", "--hydra-help") for a in args)
     overrides = list(args)
     if positional:

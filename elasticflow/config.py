@@ -6,6 +6,7 @@ or a value of the wrong type fails with Hydra's own message before anything runs
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -23,12 +24,25 @@ class BackendConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"
-    workers: int = 1
+    name: str = "local"            # local | slurm
+    workers: int = 1               # local: worker processes; slurm: nodes * tasks_per_node (set for you)
     min_workers: int = 1
-    max_workers: Optional[int] = None
-    restart_failed: bool = False
-    max_restarts: int = 3
+    max_workers: Optional[int] = None  # `elasticflow scale` limit (null = none)
+    restart_failed: bool = False   # replace a dead worker with a fresh one ...
+    max_restarts: int = 3          # ... at most this many times per job
+    # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end
+    nodes: int = 1
+    tasks_per_node: int = 1
+    partition: Optional[str] = None
+    time: Optional[str] = None     # e.g. "02:00:00"
+    cpus_per_task: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    account: Optional[str] = None
+    submit: bool = True            # false: write RUN_DIR/slurm/job.sbatch without submitting it
+    signal: str = "USR1@90"        # warning signal before the time limit: checkpoint, then requeue
+    requeue: bool = True
+    interface: Optional[str] = None  # network interface (or address) the store and gloo listen on
+    sbatch_args: List[str] = field(default_factory=list)  # extra `#SBATCH` lines, e.g. ["--qos=high"]
 
 
 @dataclass
@@ -170,16 +184,25 @@ def validate(cfg: Any) -> None:
     if not o.lr > 0:
         raise ElasticFlowError(f"optimizer.lr must be positive, got {o.lr!r}", "pass e.g. optimizer.lr=0.01")
     lc = cfg.launcher
+    if lc.name not in ("local", "slurm"):
+        raise ElasticFlowError(f"unknown launcher {lc.name!r}", "pass launcher=local or launcher=slurm")
+    if lc.name == "slurm":
+        _positive_int(lc.nodes, "launcher.nodes", "pass e.g. launcher.nodes=2")
+        _positive_int(lc.tasks_per_node, "launcher.tasks_per_node", "pass e.g. launcher.tasks_per_node=4")
+        if not re.fullmatch(r"[A-Z0-9]+@\d+", lc.signal):
+            raise ElasticFlowError(f"launcher.signal={lc.signal!r} is not SIGNAL@SECONDS",
+                                   "pass e.g. launcher.signal=USR1@90")
     _positive_int(lc.workers, "launcher.workers", "pass launcher.workers=1 for a single worker")
     _positive_int(lc.min_workers, "launcher.min_workers", "pass launcher.min_workers=1")
-    if lc.max_workers is not None and lc.max_workers < lc.workers:
+    if lc.max_workers is not None and lc.max_workers < lc.workers and lc.name == "local":
         raise ElasticFlowError(f"launcher.max_workers={lc.max_workers} is less than launcher.workers={lc.workers}",
                                "raise launcher.max_workers, or leave it null for no limit")
     if lc.max_restarts < 0:
         raise ElasticFlowError(f"launcher.max_restarts must be >= 0, got {lc.max_restarts}", "pass e.g. launcher.max_restarts=3")
-    if lc.min_workers > lc.workers:
-        raise ElasticFlowError(f"launcher.min_workers={lc.min_workers} is more than launcher.workers={lc.workers}",
-                               "lower launcher.min_workers or raise launcher.workers")
+    workers = lc.nodes * lc.tasks_per_node if lc.name == "slurm" else lc.workers
+    if lc.min_workers > workers:
+        raise ElasticFlowError(f"launcher.min_workers={lc.min_workers} is more than the {workers} workers asked for",
+                               "lower launcher.min_workers or ask for more workers")
     el = cfg.elastic
     if not (el.timeout_s > 0 and math.isfinite(el.timeout_s)):
         raise ElasticFlowError(f"elastic.timeout_s must be a positive number of seconds, got {el.timeout_s!r}",

@@ -118,7 +118,8 @@ class ElasticTrainer:
         self.run_dir = Path(run_dir or ".").resolve()
         self.ckpt_dir = Path(self.cfg.checkpoint.dir).expanduser() if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.membership = membership
-        self.rank, self.world, self.generation = 0, 1, 0
+        # A worker has no rank until it enters a generation (-1 keeps it from logging before that).
+        self.rank, self.world, self.generation = (0 if membership is None else -1), 1, 0
         self.metric_names: list = []
         self._pending: Dict[str, bool] = {}
         self._writer: Optional[MetricsWriter] = None
@@ -229,9 +230,7 @@ class ElasticTrainer:
         if self.rank != 0:
             return None
         if self._writer is None:
-            path = self.run_dir / "metrics.jsonl"
-            self._written_step = last_logged_step(path)
-            self._writer = MetricsWriter(path)
+            self._writer = MetricsWriter(self.run_dir / "metrics.jsonl")
         return self._writer
 
     def event(self, kind: str, **fields) -> None:
@@ -451,6 +450,9 @@ class ElasticTrainer:
     # ------------------------------------------------------------------ membership
     def _adopt_membership(self) -> None:
         m = self.membership
+        if m.rank == 0 and self.rank != 0 and m.generation > 0:
+            # Taking over as the logger from a rank 0 that left: it may have logged steps we have not.
+            self._written_step = last_logged_step(self.run_dir / "metrics.jsonl")
         self.rank, self.world, self.generation = m.rank, m.world, m.generation
         _context.rank, _context.world_size, _context.generation = m.rank, m.world, m.generation
 
@@ -572,7 +574,7 @@ class ElasticTrainer:
         return summary
 
     def _install_sigint(self):
-        """First Ctrl-C: finish the step, checkpoint, exit 130. Second: stop at once."""
+        """First Ctrl-C (or SIGUSR1): finish the step, checkpoint, exit 130. Second Ctrl-C: stop at once."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
@@ -580,8 +582,10 @@ class ElasticTrainer:
             if self._interrupt_requested:
                 raise KeyboardInterrupt
             self._interrupt_requested = True
-            log.warning("Ctrl-C: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)")
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            log.warning("%s: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)", what)
 
-        previous = signal.signal(signal.SIGINT, handler)
-        return lambda: signal.signal(signal.SIGINT, previous)
+        # SIGUSR1 is SLURM's warning before preemption or the time limit: the same orderly stop.
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGUSR1)}
+        return lambda: [signal.signal(sig, h) for sig, h in previous.items()]
 

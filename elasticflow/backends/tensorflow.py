@@ -7,8 +7,9 @@ are written out here with torch.optim's formulas, slot names and float32 roundin
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
-per-micro-batch gradient step and the update are ``tf.function``s; ``backend.jit=false`` runs
-them eagerly for debugging.
+per-micro-batch gradient step is a ``tf.function``; the update is an XLA-compiled one that runs
+inside the next step's call (one dispatch per step, like a hand-written loop). ``backend.jit=false``
+runs both eagerly for debugging.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from .. import ops
 from ..errors import ElasticFlowError
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
@@ -416,10 +418,11 @@ class Engine:
         self._slots_live = False   # torch creates optimizer state at the first update; state() follows
         self._updates = 0          # updates applied since the optimizer state was fresh (bias correction)
         self._zero_pending = False  # zero_grad() is folded into the next accumulate (one op fewer per step)
+        self._pending_update: Optional[tf.Tensor] = None  # apply()'s scalars, run by the next compiled call
         self._weights: Dict[float, tf.Tensor] = {}  # micro-batch weight -> constant (a handful per run)
         # Variants are separate functions, not Python arguments: binding a Python value costs
         # as much per call as a small step. The training flag is read at trace time.
-        self._grad_fns: Dict[Tuple[bool, bool], Any] = {}  # (training, first micro-batch of the step)
+        self._grad_fns: Dict[Tuple[bool, bool, bool], Any] = {}  # (training, first micro-batch, runs the update)
         self._eval_fns: Dict[bool, Any] = {}
         # XLA fuses the update's elementwise ops into one pass over memory: without it every op
         # allocates and sweeps the whole parameter vector (Adam: ~12 sweeps, 2.5x slower). Costs a
@@ -452,7 +455,14 @@ class Engine:
         # first (_settle) zeroes it if no micro-batch came (a worker with an empty share).
         self._zero_pending = True
 
+    def _flush(self) -> None:
+        """Run a deferred update now: something is about to read the parameters or the gradient."""
+        if self._pending_update is not None:
+            update, self._pending_update = self._pending_update, None
+            self._apply_fn(update)
+
     def _settle(self) -> None:
+        self._flush()
         if self._zero_pending:
             # A fresh zeros tensor, not a kept constant: the variable would alias the constant
             # and the next write would copy on write.
@@ -461,23 +471,36 @@ class Engine:
 
     def accumulate(self, batch: Tuple[tf.Tensor, ...], weight: float):
         """Add the gradient of ``weight * loss`` of one micro-batch to the flat buffer; returns weighted (loss, metrics)."""
-        key = (_training, self._zero_pending)
+        fresh, update = self._zero_pending, self._pending_update
+        if update is not None and not fresh:  # not the trainer's order; keep it correct anyway
+            self._flush()
+            update = None
+        key = (_training, fresh, update is not None)
         fn = self._grad_fns.get(key)
         if fn is None:
-            fresh = self._zero_pending
-            fn = self._grad_fns[key] = self._compile(lambda b, w: self._grad_step(b, w, fresh))
+            if update is None:
+                fn = self._compile(lambda b, w: self._grad_step(b, w, fresh))
+            else:
+                fn = self._compile(lambda b, w, k: self._grad_step(b, w, fresh, k))
+            self._grad_fns[key] = fn
         w = self._weights.get(weight)
         if w is None:
             w = tf.constant(weight, tf.float32)
             if len(self._weights) < 64:
                 self._weights[weight] = w
-        self._zero_pending = False
-        loss, metrics = fn(tuple(batch), w)
+        self._zero_pending, self._pending_update = False, None
+        loss, metrics = fn(tuple(batch), w) if update is None else fn(tuple(batch), w, update)
         # numpy scalars, not tensors: the trainer sums them, and on TF's eager runtime each sum of
         # two tensors is an op dispatch (tens of microseconds); float32 numpy keeps torch's rounding.
         return loss.numpy(), {k: v.numpy() for k, v in metrics.items()}
 
-    def _grad_step(self, batch, weight, fresh: bool):
+    def _grad_step(self, batch, weight, fresh: bool, update=None):
+        ops.use(NAME)  # forward()'s elasticflow.ops calls come here (at trace time), whichever backend ran last
+        if update is not None:
+            # The previous step's update, then this step's gradient, in one call: the update reads
+            # the gradient buffer before the assign below overwrites it (TF orders the two uses of
+            # the variable as written).
+            self._apply_fn(update)
         with tf.GradientTape() as tape:
             loss, metrics = _check_loss(self.forward(*batch, params=self._params()), "for a micro-batch")
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
@@ -522,6 +545,10 @@ class Engine:
 
         The scalars (lr, bias corrections, ...) are computed in Python doubles and rounded to
         float32 once, as torch does with its Python-number arguments.
+
+        Note: the update runs at the start of the next accumulate()'s compiled call (one call
+        per step instead of two: each costs ~0.1 ms of dispatch), or as soon as anything reads
+        parameters, gradient or state (evaluate, state, grad_*); nothing can observe the delay.
         """
         self._settle()
         s = self.spec
@@ -532,7 +559,7 @@ class Engine:
             b1, b2 = s.betas
             bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
             scalars = [lr / bc1, bc2 ** 0.5, s.eps, 1 - b1, b2, 1 - b2, s.weight_decay, 1 - lr * s.weight_decay]
-        self._apply_fn(tf.constant(np.array(scalars, np.float32)))
+        self._pending_update = tf.constant(np.array(scalars, np.float32))
         self._updates = step
         self._slots_live = True
 
@@ -567,6 +594,7 @@ class Engine:
                 p.assign(w - k[0] * (m_new / denom))       # step_size = lr / bias_correction1
 
     def evaluate(self, batch: Tuple[tf.Tensor, ...]) -> Dict[str, float]:
+        self._flush()
         fn = self._eval_fns.get(_training)
         if fn is None:
             fn = self._eval_fns[_training] = self._compile(self._eval_step)
@@ -574,6 +602,7 @@ class Engine:
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
     def _eval_step(self, batch):
+        ops.use(NAME)
         return _check_loss(self.forward(*batch, params=self._params()), "in evaluation")
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
@@ -594,6 +623,7 @@ class Engine:
                                                 for n in self.param_names]))
 
     def state(self) -> Dict[str, np.ndarray]:
+        self._flush()
         out = self._by_name(self._targets)
         out.update({n: to_numpy(b).copy() for n, b in self.buffers.items()})
         if self._slots_live:
@@ -602,6 +632,7 @@ class Engine:
         return out
 
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
+        self._pending_update = None  # overwritten below in any case
         self._assign_by_name(self._targets, state)
         for n, v in self.buffers.items():
             v.assign(np.asarray(state[n]).astype(_np_dtype(v)).reshape(v.shape))

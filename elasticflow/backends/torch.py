@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import ops
 from ..errors import ElasticFlowError
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
@@ -267,6 +268,7 @@ class Engine:
 
     def accumulate(self, batch: Tuple[torch.Tensor, ...], weight: float):
         """Backprop ``weight * loss`` of one micro-batch into the flat buffer; returns weighted (loss, metrics)."""
+        ops.use(NAME)  # forward()'s elasticflow.ops calls come here, whichever backend another trainer chose since
         loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
         (loss * weight).backward()
         if not self._checked:
@@ -303,6 +305,7 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batch: Tuple[torch.Tensor, ...]) -> Dict[str, float]:
+        ops.use(NAME)
         loss, metrics = _check_loss(self.forward(*batch, params=self.view), "in evaluation")
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 

@@ -1,6 +1,6 @@
 """How the ranks of one save tell rank 0 that their shard is on disk.
 
-Each rank ``report``s (ok, file, bytes, crc32, piece checksums) under the save's key; rank 0
+Each rank ``report``s (ok, file, bytes, file and piece checksums) under the save's key; rank 0
 ``collect``s all W reports, bounded by a timeout, and only then commits. A member that died never
 reports, so its save never commits -- and training goes on.
 

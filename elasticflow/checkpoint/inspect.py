@@ -44,11 +44,11 @@ def render(path: Path) -> str:
         rows.append((name, t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(nbytes), pieces or "-"))
     lines += _table(rows)
     lines += [f"  {len(rows) - 1} tensors, {_size(total)}", ""]
-    frows = [("file", "rank", "size", "crc32", "pieces", "holds (first .. last piece)")]
+    frows = [("file", "rank", "size", meta.get("checksum", "checksum"), "pieces", "holds (first .. last piece)")]
     for fname, info in sorted(files.items(), key=lambda kv: kv[1].get("rank", 0)):
         held = [(n, p) for n, t in sorted(meta["tensors"].items()) for p in t["shards"] if p["file"] == fname]
         span = (f"{held[0][0]}[{held[0][1]['start']}:] .. {held[-1][0]}[:{held[-1][1]['end']}]" if held else "-")
-        frows.append((fname, str(info.get("rank", "?")), _size(info["bytes"]), str(info.get("crc32")),
+        frows.append((fname, str(info.get("rank", "?")), _size(info["bytes"]), str(info.get("checksum")),
                       str(len(held)), span))
     lines += _table(frows)
     return "\n".join(lines)

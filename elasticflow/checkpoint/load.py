@@ -2,19 +2,17 @@
 
 Each requested tensor is reassembled from the element ranges the metadata lists, read straight
 from the shard files into the output array (seek + readinto: only those bytes, no extra copy),
-and every piece read is checked against its CRC-32.
+and every piece read is checked against its checksum (xxh3_64).
 """
 from __future__ import annotations
 
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ElasticFlowError
-from .format import NUMPY_DTYPES, crc32_combine, crc_hex, is_complete, read_metadata, read_shard_header
+from .format import NUMPY_DTYPES, file_digest, hasher, is_complete, read_metadata, read_shard_header
 
 CHUNK = 8 << 20
 _FALLBACK = "resume from an earlier checkpoint (resume=auto falls back by itself)"
@@ -25,7 +23,7 @@ def load(path: str | Path, names: Optional[Iterable[str]] = None, verify: bool =
 
     Args:
         names: only these tensors (reads only their byte ranges); None: all of them.
-        verify: check the CRC-32 of every piece read (and of every whole file, when all are read).
+        verify: check the checksum of every piece read (and of every whole file, when all are read).
 
     Example:
         >>> state = elasticflow.checkpoint.load(elasticflow.checkpoint.latest("outputs/run/checkpoints"))
@@ -78,18 +76,20 @@ def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
         size = fpath.stat().st_size
         if size != info["bytes"]:
             raise _corrupt(fpath, f"corrupt or truncated: {size} bytes, metadata says {info['bytes']}")
-    with ThreadPoolExecutor(1, thread_name_prefix="elasticflow-crc") as crc_pool:
-        for fname, items in by_file.items():
-            whole = names is None and len(items) == files[fname].get("tensors", -1)
-            _read_file(path / fname, files[fname], items, verify, whole, crc_pool)
+    algorithm = meta.get("checksum", "crc32")
+    for fname, items in by_file.items():
+        whole = names is None and len(items) == files[fname].get("tensors", -1)
+        _read_file(path / fname, files[fname], items, algorithm if verify else None, whole)
     return out, meta
 
 
-def _read_file(fpath: Path, info: dict, items: Sequence[Tuple[str, dict, np.ndarray]], verify: bool,
-               whole: bool, crc_pool: ThreadPoolExecutor) -> None:
+def _read_file(fpath: Path, info: dict, items: Sequence[Tuple[str, dict, np.ndarray]], algorithm: Optional[str],
+               whole: bool) -> None:
+    """Read ``items`` (name, piece, destination) from one shard; check each piece's checksum, and
+    the file's when the pieces read are all of it (``whole``)."""
     header, data_start, raw_header = read_shard_header(fpath)
     items = sorted(items, key=lambda it: header.get(it[0], {}).get("data_offsets", [0])[0])
-    file_crc = zlib.crc32(raw_header)
+    digests: Optional[List[str]] = [] if algorithm and whole else None
     at_expected = 0
     with open(fpath, "rb", buffering=0) as f:
         for name, piece, dst in items:
@@ -101,27 +101,26 @@ def _read_file(fpath: Path, info: dict, items: Sequence[Tuple[str, dict, np.ndar
             begin, end = entry["data_offsets"]
             if end - begin != dst.nbytes:
                 raise _corrupt(fpath, f"the data range of {name!r} has the wrong length")
-            whole = whole and begin == at_expected
+            if begin != at_expected:
+                digests = None  # a gap: the file's checksum cannot be checked from the pieces
             at_expected = end
             f.seek(data_start + begin)
             mv = memoryview(dst).cast("B") if dst.size else memoryview(b"")
-            crcs = []
+            piece_hash = hasher(algorithm) if algorithm else None
             for at in range(0, len(mv), CHUNK):
                 chunk = mv[at:at + CHUNK]
-                got = f.readinto(chunk)
-                if got != len(chunk):
+                if f.readinto(chunk) != len(chunk):
                     raise _corrupt(fpath, "truncated")
-                if verify:  # the CRC of this chunk runs while the next one is read
-                    crcs.append((crc_pool.submit(zlib.crc32, chunk), len(chunk)))
-            if verify:
-                crc = 0
-                for fut, n in crcs:
-                    crc = crc32_combine(crc, fut.result(), n)
-                if crc_hex(crc) != piece.get("crc32"):
+                if piece_hash is not None:
+                    piece_hash.update(chunk)
+            if piece_hash is not None:
+                digest = piece_hash.hexdigest()
+                if digest != piece.get("checksum"):
                     raise _corrupt(fpath, f"corrupt: {name!r}[{piece['start']}:{piece['end']}]")
-                file_crc = crc32_combine(file_crc, crc, len(mv))
-    if verify and whole and crc_hex(file_crc) != info.get("crc32"):
-        raise _corrupt(fpath, "corrupt: the file's CRC-32 differs")
+                if digests is not None:
+                    digests.append(digest)
+    if digests is not None and file_digest(algorithm, raw_header, digests) != info.get("checksum"):
+        raise _corrupt(fpath, "corrupt: its header or layout differs from the one written")
 
 
 def compare_names(expected: Dict[str, Tuple[int, ...]], found: Dict[str, Tuple[int, ...]]) -> Iterable[str]:

@@ -16,12 +16,13 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import OmegaConf
 from torch.distributed import TCPStore
@@ -36,12 +37,33 @@ REPORT_GRACE_S = 2.0  # after a peer reports a failed collective, how long the o
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
 
+HOSTNAME = socket.gethostname()
+
+
+def local_launch(env: Dict[str, str]) -> subprocess.Popen:
+    """Start a worker process on this machine."""
+    # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
+    return subprocess.Popen([sys.executable, "-m", "elasticflow.distributed.worker"], env=env, start_new_session=True)
+
+
+def listening_store(host: str, timeout_s: float) -> "tuple[TCPStore, socket.socket]":
+    """A TCPStore listening on ``host`` only (TCPStore alone would listen on every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    store = TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                     wait_for_workers=False, master_listen_fd=sock.fileno())
+    return store, sock
+
+
 @dataclass
 class Worker:
     id: int
-    pid: int
-    proc: Optional[subprocess.Popen] = None   # None for a worker another launcher started
-    host: str = "127.0.0.1"
+    pid: int                                  # the worker process (behind srun: learned from its join request)
+    proc: Optional[subprocess.Popen] = None   # what we started (the worker, or its srun); None if started elsewhere
+    host: str = HOSTNAME
     state: str = "joining"
     spawned_at: float = field(default_factory=time.time)
     hb_value: int = -1
@@ -51,8 +73,15 @@ class Worker:
         return self.proc.poll() if self.proc is not None else None
 
     def signal(self, sig: int) -> None:
+        """Signal the worker itself; on another node, through its srun (which forwards USR1, and
+        cancels the step on TERM)."""
         try:
-            os.kill(self.pid, sig)
+            if self.host == HOSTNAME or self.proc is None:
+                os.kill(self.pid, sig)
+            elif sig in (signal.SIGINT, signal.SIGUSR1):
+                self.proc.send_signal(signal.SIGUSR1)
+            else:
+                self.proc.terminate()
         except ProcessLookupError:
             pass
 
@@ -64,14 +93,16 @@ class Worker:
 class Agent:
     """Run ``cfg`` with ``launcher.workers`` local worker processes; returns rank 0's summary."""
 
-    def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1"):
-        self.cfg, self.run_dir, self.host = cfg, Path(run_dir), host
+    def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1",
+                 launch: Callable[[Dict[str, str]], subprocess.Popen] = local_launch, worker_env=None):
+        self.cfg, self.run_dir, self.host, self.launch = cfg, Path(run_dir), host, launch
+        self.worker_env = dict(worker_env or {})
         self.state_dir = self.run_dir / ".elasticflow"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token = protocol.new_token(self.run_dir)
-        self.store = TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=cfg.elastic.timeout_s),
-                              wait_for_workers=False)
+        self.store, self._listener = listening_store(host, cfg.elastic.timeout_s)
         self.address = f"{host}:{self.store.port}"
+        self.preempted = False
         self.generation = -1                  # nothing published yet
         self.members: List[Worker] = []      # the published generation, rank order
         self.joining: Dict[int, Worker] = {}  # spawned, join request not yet accepted
@@ -92,14 +123,12 @@ class Agent:
     def spawn(self) -> Worker:
         wid = self.next_id
         self.next_id += 1
-        env = {**os.environ, protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
+        env = {**os.environ, **self.worker_env, protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
                protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
                protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, self.target_workers() + 1)),
                "ELASTICFLOW_SPAWNED_AT": str(time.time())}
-        # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
-        proc = subprocess.Popen([sys.executable, "-m", "elasticflow.distributed.worker"], env=env,
-                                start_new_session=True)
-        worker = Worker(wid, proc.pid, proc, self.host)
+        proc = self.launch(env)
+        worker = Worker(wid, proc.pid, proc)
         self.joining[wid] = worker
         return worker
 
@@ -149,10 +178,12 @@ class Agent:
         self.write_workers_json()
         self.event("started", workers=list(self.joining), pids=[w.pid for w in self.joining.values()])
         previous = signal.signal(signal.SIGINT, self._on_sigint)
+        previous_usr1 = signal.signal(signal.SIGUSR1, self._on_preempt)
         try:
             return self._watch()
         finally:
             signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGUSR1, previous_usr1)
             self._reap_all()
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
 
@@ -167,6 +198,15 @@ class Agent:
             w.signal(signal.SIGINT)
         for w in [*self.joining.values(), *self.admitted]:
             w.signal(signal.SIGKILL)
+
+    def _on_preempt(self, signum, frame) -> None:
+        """SLURM's warning before preemption or the time limit: checkpoint at the next step and stop."""
+        if self.preempted:
+            return
+        self.preempted = True
+        log.warning("preemption warning (SIGUSR1): workers checkpoint at the next step boundary")
+        self.event("preempt", generation=self.generation)
+        self._on_sigint(signum, frame)
 
     def live(self) -> List[Worker]:
         return [*self.members, *self.joining.values(), *self.admitted, *self.retiring]
@@ -269,10 +309,10 @@ class Agent:
         if cap and len(self.members) + len(self.admitted) >= cap:
             return {"ok": False, "reason": f"the job already has launcher.max_workers={cap} workers"}
         worker = self.joining.pop(wid, None)
-        if worker is None or worker.pid != pid:
+        if worker is not None:
+            worker.pid = pid  # behind srun, the process we started is srun, not the worker
+        else:
             # Started by someone holding the token (another launcher): give it a fresh id.
-            if worker is not None:
-                self.joining[wid] = worker
             worker = Worker(self.next_id, pid, None, request.get("host", "?"))
             self.next_id += 1
         worker.state = "admitted"

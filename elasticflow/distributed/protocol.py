@@ -25,6 +25,7 @@ ENV_WORKER_ID = "ELASTICFLOW_WORKER_ID"    # the id the agent assigned when it s
 ENV_RUN_DIR = "ELASTICFLOW_RUN_DIR"
 ENV_LOCAL_WORKERS = "ELASTICFLOW_LOCAL_WORKERS"
 ENV_TOKEN = "ELASTICFLOW_TOKEN"
+ENV_BIND = "ELASTICFLOW_BIND"              # the address gloo listens on ("auto": see worker.bind_address)
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130

@@ -40,6 +40,19 @@ def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> None:
     root.addHandler(file)
 
 
+def bind_address(interface) -> str:
+    """Where this worker's gloo listens: $ELASTICFLOW_BIND, else 127.0.0.1 for local runs, else
+    ``launcher.interface`` (a name like eth0 or an address), else this host's name resolved."""
+    explicit = os.environ.get(protocol.ENV_BIND)
+    if explicit and explicit != "auto":
+        return explicit
+    if explicit != "auto":
+        return "127.0.0.1"
+    from ..launchers.netif import address_of
+
+    return address_of(interface)
+
+
 def _write_error(run_dir: Path, holder: dict, worker_id, message: str, hint: str) -> None:
     """RUN_DIR/.elasticflow/error-<id>.json: the agent reports it as the job's one error line."""
     trainer = holder["trainer"]
@@ -64,7 +77,7 @@ def main() -> None:
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
         membership = Membership(os.environ[protocol.ENV_STORE], worker_id, cfg.elastic.timeout_s, cfg.elastic.wait_s,
-                                os.environ.get(protocol.ENV_TOKEN))
+                                os.environ.get(protocol.ENV_TOKEN), host=bind_address(cfg.launcher.interface))
         trainer = ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir), membership=membership)
         holder["trainer"] = trainer
         summary = trainer.fit()

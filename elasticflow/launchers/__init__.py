@@ -1,4 +1,4 @@
-"""Launchers: how the workers of a run are started (local processes now; SLURM later)."""
+"""Launchers: how the workers of a run are started (local processes, or SLURM job steps)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +7,10 @@ from typing import Any, Dict
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """Train ``cfg`` with its launcher; returns the final summary."""
+    if cfg.launcher.name == "slurm":
+        from .slurm import run as run_slurm
+
+        return run_slurm(cfg, run_dir)
     from .local import run as run_local
 
     return run_local(cfg, run_dir)

@@ -1,0 +1,173 @@
+"""The SLURM launcher: submit a batch job, or use the allocation we are in.
+
+Outside an allocation, `elasticflow train ... launcher=slurm` writes RUN_DIR/slurm/job.sbatch and submits
+it. The batch script runs the agent on the first node of the allocation (`python -m
+elasticflow.launchers.slurm RUN_DIR`); the agent hosts the store on that node's address and starts each
+worker as its own `srun --exact` job step, so one task's death ends only its step. Inside an allocation
+(an salloc shell, or your own batch script) the same agent runs in place of a submission.
+
+Preemption and time limits: the job asks for a warning signal (``launcher.signal``, USR1 90 s before the
+end). On it the workers checkpoint at the next step boundary, and the agent requeues the job
+(`scontrol requeue`); the requeued job resumes from that checkpoint in the same run directory.
+
+Why a hand-written script and not submitit: our layout is an agent in the batch shell plus one step per
+worker, which submitit's single `srun` of a pickled function does not express; it also has no way to
+write a script without submitting (``launcher.submit=false``) and polls job state with sacct.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+from omegaconf import OmegaConf
+
+from ..errors import ElasticFlowError, TrainingInterrupted
+
+log = logging.getLogger("elasticflow")
+
+
+def where() -> str:
+    """'step' inside an srun step, 'allocation' in a batch script or salloc shell, else 'outside'.
+
+    An interactive shell on a login node has no SLURM_JOB_ID, so it is never mistaken for a job.
+    """
+    if os.environ.get("SLURM_STEP_ID") is not None and os.environ.get("SLURM_JOB_ID"):
+        return "step"
+    return "allocation" if os.environ.get("SLURM_JOB_ID") else "outside"
+
+
+def total_workers(cfg: Any) -> int:
+    return cfg.launcher.nodes * cfg.launcher.tasks_per_node
+
+
+def batch_script(cfg: Any, run_dir: Path) -> str:
+    """The sbatch script: directives from launcher.*, then the agent exec'd on the first node."""
+    lc = cfg.launcher
+    name = f"elasticflow-{Path(cfg.model).stem}"
+    directives = [f"--job-name={name}", f"--nodes={lc.nodes}", f"--ntasks-per-node={lc.tasks_per_node}",
+                  f"--signal=B:{lc.signal}", "--requeue" if lc.requeue else "--no-requeue",
+                  # A requeued job must append to the log, not truncate the first run's.
+                  "--open-mode=append", f"--output={run_dir}/slurm/job-%j.out"]
+    for key, flag in (("partition", "partition"), ("time", "time"), ("cpus_per_task", "cpus-per-task"),
+                      ("gpus_per_node", "gpus-per-node"), ("account", "account")):
+        if lc[key] is not None:
+            directives.append(f"--{flag}={lc[key]}")
+    directives += list(lc.sbatch_args)
+    lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [
+        "# Written by elasticflow. The agent runs on the first node and starts every worker as its own",
+        "# `srun --exact` step; the run directory below is fixed, so a requeued job resumes from it.",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        f"exec {shlex.quote(sys.executable)} -m elasticflow.launchers.slurm {shlex.quote(str(run_dir))}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def srun_launch(cfg: Any):
+    """Start one worker as its own job step of the current allocation."""
+    srun = shutil.which("srun")
+    if srun is None:
+        raise ElasticFlowError("srun is not on PATH inside the SLURM allocation",
+                               "load your cluster's SLURM module in the batch script")
+
+    def launch(env: Dict[str, str]) -> subprocess.Popen:
+        cmd = [srun, "--exact", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=0",
+               f"--job-name=worker-{env['ELASTICFLOW_WORKER_ID']}"]
+        if cfg.launcher.cpus_per_task:
+            cmd.append(f"--cpus-per-task={cfg.launcher.cpus_per_task}")
+        if cfg.launcher.gpus_per_node:
+            cmd.append("--gpus=1")
+        cmd += [sys.executable, "-m", "elasticflow.distributed.worker"]
+        return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    return launch
+
+
+def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
+    """The agent, here, with workers as srun steps; requeues the job after a preemption warning."""
+    from ..distributed.agent import Agent
+    from .netif import address_of
+
+    cfg.launcher.workers = total_workers(cfg)
+    agent = Agent(cfg, run_dir, host=address_of(cfg.launcher.interface), launch=srun_launch(cfg),
+                  worker_env={"ELASTICFLOW_BIND": "auto"})
+    try:
+        return agent.run()
+    except TrainingInterrupted:
+        if not agent.preempted or not cfg.launcher.requeue:
+            raise
+        job = os.environ["SLURM_JOB_ID"]
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ElasticFlowError(f"checkpoint written, but `scontrol requeue {job}` failed: {done.stderr.strip()}",
+                                   "resubmit the job script by hand; it resumes from the checkpoint") from None
+        log.warning("preempted: checkpoint written, job %s requeued; it resumes in %s", job, run_dir)
+        return {"requeued": job, "run_dir": str(run_dir)}
+
+
+def submit(cfg: Any, run_dir: Path) -> Dict[str, Any]:
+    """Write RUN_DIR/slurm/job.sbatch (and the resolved config); sbatch it unless launcher.submit=false."""
+    state = run_dir / ".elasticflow"
+    state.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, state / "config.yaml", resolve=True)
+    script = run_dir / "slurm" / "job.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(batch_script(cfg, run_dir))
+    if not cfg.launcher.submit:
+        print(f"wrote {script}; submit it with: sbatch {script}", flush=True)
+        return {"script": str(script), "run_dir": str(run_dir)}
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise ElasticFlowError("sbatch is not on PATH, so the job cannot be submitted",
+                               f"run on a SLURM login node, or pass launcher.submit=false to only write {script}")
+    # A submission from inside another job must not inherit that job's SLURM_* settings.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    done = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise ElasticFlowError(f"sbatch refused the job: {done.stderr.strip()}",
+                               f"check launcher.partition/time/account; the script is {script}")
+    job = done.stdout.strip().split(";")[0]
+    (run_dir / "slurm" / "job_id").write_text(job + "\n")
+    print(f"submitted job {job}; run directory {run_dir}", flush=True)
+    return {"job_id": job, "run_dir": str(run_dir)}
+
+
+def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
+    place = where()
+    if place == "step":
+        raise ElasticFlowError("`elasticflow train` is running inside an srun step; every task would start "
+                               "its own job", "run it once from the batch script or the salloc shell, not under srun")
+    if place == "allocation":
+        return run_in_allocation(cfg, run_dir)
+    return submit(cfg, run_dir)
+
+
+def main(argv: List[str] | None = None) -> None:
+    """The batch script's entry: `python -m elasticflow.launchers.slurm RUN_DIR`."""
+    from ..cli import _report
+    from ..config import Config, validate
+
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0]).resolve()
+    logging.basicConfig(level=logging.INFO, format="%(message)s",
+                        handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "train.log")])
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
+        if os.environ.get("SLURM_RESTART_COUNT"):  # a requeued job always continues where it stopped
+            cfg.resume = "auto"
+        validate(cfg)
+        summary = run_in_allocation(cfg, run_dir)
+        print("done: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - one line, as in the CLI
+        _report(exc, os.environ.get("ELASTICFLOW_DEBUG") == "1")
+
+
+if __name__ == "__main__":
+    main()
