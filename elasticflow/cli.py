@@ -77,19 +77,24 @@ def train(args: List[str], debug: bool) -> None:
     from .config import register
     from .paths import conf_dir
 
-    positional, skip_value = [], False
+    # Hydra's own argparse wants its flags before the overrides: split them apart.
+    positional, flags, overrides, skip_value = [], [], [], False
     for a in args:
         if skip_value:  # the value of a Hydra flag such as `--cfg job`
+            flags.append(a)
             skip_value = False
         elif a in HYDRA_FLAGS_WITH_VALUE:
+            flags.append(a)
             skip_value = True
-        elif not a.startswith("-") and "=" not in a:
+        elif a.startswith("-"):
+            flags.append(a)
+        elif "=" not in a:
             positional.append(a)
+        else:
+            overrides.append(a)
     wants_help = any(a in ("--help", "-h", "--hydra-help") for a in args)
-    overrides = list(args)
     if positional:
         model = positional[0]
-        overrides.remove(model)
         if len(positional) > 1:
             _fail(f"unexpected argument {positional[1]!r} after the model file",
                   "config overrides take the form key=value, e.g. trainer.max_steps=100")
@@ -103,7 +108,7 @@ def train(args: List[str], debug: bool) -> None:
     if debug:
         os.environ["HYDRA_FULL_ERROR"] = "1"
     register()
-    sys.argv = ["elasticflow train", *overrides]
+    sys.argv = ["elasticflow train", *flags, *overrides]
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_train_task)()
 
 

@@ -21,6 +21,10 @@ class Dataset:
         self.arrays: Tuple[np.ndarray, ...] | None = None
         if isinstance(raw, np.ndarray):
             raw = (raw,)
+        if isinstance(raw, dict):
+            # A dict has __len__ and __getitem__, but its length counts keys, not samples.
+            raise ElasticFlowError(f"{what} returned a dict (keys: {', '.join(map(str, raw))})",
+                                   "return a tuple of arrays in forward()'s argument order, e.g. (x, y)")
         if isinstance(raw, (tuple, list)):
             arrays = tuple(np.asarray(a) for a in raw)
             if not arrays:
