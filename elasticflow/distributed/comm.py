@@ -66,23 +66,42 @@ class Group:
     def broadcast_state(self, state: Dict[str, np.ndarray], meta: dict, src: int) -> Tuple[Dict[str, np.ndarray], dict]:
         """Send ``state`` and ``meta`` from rank ``src`` to every member; returns what src sent.
 
-        One length broadcast and one byte broadcast: safetensors (no pickle) with meta as JSON.
+        float32 tensors (nearly all the bytes) travel as one flat buffer: one packing copy on the
+        sender, views on the receivers. The rest (RNG bytes, integer buffers) goes as safetensors
+        (no pickle), and the names, shapes and ``meta`` as a JSON header.
         """
         from safetensors.numpy import load as st_load, save as st_save
 
         if self.rank == src:
-            payload = st_save({k: np.ascontiguousarray(v) for k, v in state.items()},
-                              metadata={"meta": json.dumps(meta)})
-            length = torch.tensor([len(payload)], dtype=torch.int64)
+            floats = {k: v for k, v in state.items() if v.dtype == np.float32}
+            rest = st_save({k: np.ascontiguousarray(v) for k, v in state.items() if k not in floats})
+            header = json.dumps({"meta": meta, "floats": [[k, list(v.shape)] for k, v in floats.items()],
+                                 "rest_bytes": len(rest)}).encode()
+            sizes = torch.tensor([len(header), sum(v.size for v in floats.values())], dtype=torch.int64)
         else:
-            length = torch.zeros(1, dtype=torch.int64)
-        self.broadcast_(length, src)
-        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == src
-               else torch.empty(int(length.item()), dtype=torch.uint8))
-        self.broadcast_(buf, src)
+            sizes = torch.zeros(2, dtype=torch.int64)
+        self.broadcast_(sizes, src)
+        header_t = (torch.frombuffer(bytearray(header), dtype=torch.uint8) if self.rank == src
+                    else torch.empty(int(sizes[0]), dtype=torch.uint8))
+        self.broadcast_(header_t, src)
+        info = json.loads(header_t.numpy().tobytes())
+        if self.rank == src:
+            flat = torch.cat([torch.from_numpy(np.ascontiguousarray(v)).reshape(-1) for v in floats.values()]) \
+                if floats else torch.empty(0)
+            rest_t = torch.frombuffer(bytearray(rest), dtype=torch.uint8) if rest else torch.empty(0, dtype=torch.uint8)
+        else:
+            flat = torch.empty(int(sizes[1]), dtype=torch.float32)
+            rest_t = torch.empty(info["rest_bytes"], dtype=torch.uint8)
+        if flat.numel():
+            self.broadcast_(flat, src)
+        if rest_t.numel():
+            self.broadcast_(rest_t, src)
         if self.rank == src:
             return state, meta
-        raw = buf.numpy().tobytes()
-        header_len = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + header_len])
-        return st_load(raw), json.loads(header["__metadata__"]["meta"])
+        out: Dict[str, np.ndarray] = st_load(rest_t.numpy().tobytes()) if rest_t.numel() else {}
+        values, offset = flat.numpy(), 0
+        for name, shape in info["floats"]:
+            n = int(np.prod(shape, dtype=np.int64))
+            out[name] = values[offset:offset + n].reshape(shape)
+            offset += n
+        return out, info["meta"]

@@ -1,0 +1,223 @@
+"""The CLI as a user meets it: config printing, help, sweeps, determinism, and one-line errors.
+
+Every case runs `python -m elasticflow.cli` in a subprocess (bounded by run_cli's timeout).
+"""
+import numpy as np
+import pytest
+
+import elasticflow.checkpoint as ckpt
+from elasticflow.config import compose
+from elasticflow.trainer import ElasticTrainer
+
+from conftest import losses, metrics, run_cli, train
+
+TINY = '''
+import numpy as np
+from elasticflow import ops
+
+
+def model(cfg):
+    rng = np.random.default_rng(cfg.seed)
+    return {"W1": rng.normal(0, 0.5, (4, 6)).astype(np.float32), "b1": np.zeros(6, np.float32),
+            "W2": rng.normal(0, 0.5, (6, 1)).astype(np.float32)}
+
+
+def forward(x, y, params):
+    h = ops.dropout(ops.relu(x @ params["W1"] + params["b1"]), 0.2)
+    return ops.mse(h @ params["W2"], y)
+
+
+def data(cfg):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 4)).astype(np.float32)
+    return x, (x[:, :1] * 2 - x[:, 1:2]).astype(np.float32)
+'''
+
+SMALL = ["trainer.global_batch_size=16", "trainer.log_every=1"]
+
+
+@pytest.fixture
+def tiny(write_model):
+    return write_model(TINY)
+
+
+def test_cfg_job_prints_the_config_without_training(tiny, tmp_path):
+    proc = run_cli(["train", tiny, "--cfg", "job", f"hydra.run.dir={tmp_path / 'run'}",
+                    "trainer.global_batch_size=48"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "global_batch_size: 48" in proc.stdout and f"model: {tiny}" in proc.stdout
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and "done:" not in proc.stdout
+
+
+def test_help_lists_groups_and_keys():
+    proc = run_cli(["train", "--help"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "optimizer: adam, adamw, sgd" in proc.stdout
+    assert "global_batch_size: 64" in proc.stdout and "--cfg job" in proc.stdout
+    top = run_cli(["--help"], timeout=60)
+    assert top.returncode == 0 and "elasticflow train MODEL.py" in top.stdout
+
+
+def test_multirun_sweeps_two_learning_rates(tiny, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["train", tiny, "-m", "optimizer.lr=0.1,0.01", f"hydra.sweep.dir={sweep}",
+                    "trainer.max_steps=3", "trainer.progress=false", *SMALL], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert {r["lr"] for r in metrics(sweep / "0") if "loss" in r} == {0.1}
+    assert {r["lr"] for r in metrics(sweep / "1") if "loss" in r} == {0.01}
+    assert ckpt.latest(sweep / "0" / "checkpoints").name == ckpt.latest(sweep / "1" / "checkpoints").name == "step_3"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.nope=1", "Key 'nope' not in 'TrainerConfig'"),
+    ("trainer.global_batch_size=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+])
+def test_unknown_key_and_wrong_type_fail_with_hydras_message(tiny, tmp_path, override, message):
+    proc = train(tiny, tmp_path / "run", override, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_same_seed_same_losses_other_seed_other_losses(tiny, tmp_path):
+    runs = {}
+    for name in ("a", "b"):
+        train(tiny, tmp_path / name, *SMALL, "trainer.max_steps=12", "seed=0", timeout=120)
+        runs[name] = losses(tmp_path / name)
+    assert len(runs["a"]) == 12
+    assert runs["a"] == runs["b"]  # exact: two processes, bit for bit
+    # another seed (in-process: only the difference matters here) changes init, order and dropout
+    cfg = compose(str(tiny), [*SMALL, "trainer.max_steps=12", "seed=1", "trainer.progress=false"])
+    ElasticTrainer(str(tiny), cfg, run_dir=str(tmp_path / "c")).fit()
+    other = losses(tmp_path / "c")
+    assert len(other) == 12 and all(x != y for x, y in zip(runs["a"], other))
+
+    # the run dir given by hydra.run.dir holds everything the run wrote
+    run = tmp_path / "a"
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "train.log").is_file()
+    assert ckpt.latest(run / "checkpoints").name == "step_12"
+    records = [r for r in metrics(run) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("step", "epoch", "loss", "lr", "samples_seen", "world_size", "step_time_s"):
+        assert all(key in r for r in records), key
+    assert [r["samples_seen"] for r in records] == [16 * k for k in range(1, 13)]
+    assert [r["epoch"] for r in records] == [0] * 8 + [1] * 4
+    assert {r["world_size"] for r in records} == {1}
+    assert all(r["step_time_s"] > 0 for r in records)
+
+
+# ---------------------------------------------------------------- bad input: one error line, one hint
+GOOD_FORWARD = "def forward(x, y, params):\n    return ops.mse(x @ params['W'], y)\n"
+GOOD_MODEL = "def model(cfg):\n    return {'W': np.zeros((3, 1), np.float32)}\n"
+GOOD_DATA = ("def data(cfg):\n    x = np.ones((100, 3), np.float32)\n    return x, x[:, :1]\n")
+HEADER = "import numpy as np\nfrom elasticflow import ops\n\n"
+
+BAD = {
+    "no_model": (HEADER + GOOD_FORWARD + GOOD_DATA, [], "has no model() function"),
+    "no_data": (HEADER + GOOD_MODEL + GOOD_FORWARD, [], "has no data() function"),
+    "forward_not_callable": (HEADER + GOOD_MODEL + "forward = 3\n" + GOOD_DATA, [],
+                             "'forward' in model file"),
+    "model_not_callable": (HEADER + "model = {'W': 1}\n" + GOOD_FORWARD + GOOD_DATA, [],
+                           "'model' in model file"),
+    "non_scalar_loss": (HEADER + GOOD_MODEL + "def forward(x, y, params):\n    return x @ params['W'] - y\n"
+                        + GOOD_DATA, [], "non-scalar loss"),
+    "unequal_arrays": (HEADER + GOOD_MODEL + GOOD_FORWARD
+                       + "def data(cfg):\n    return np.ones((100, 3), np.float32), np.ones((99, 1), np.float32)\n",
+                       [], "unequal length (#0: 100, #1: 99 rows)"),
+    "dataset_too_small": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA, ["trainer.global_batch_size=128"],
+                          "has 100 samples, fewer than one global batch of 128"),
+    "batch_size_zero": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA, ["trainer.global_batch_size=0"],
+                        "trainer.global_batch_size must be a positive integer, got 0"),
+    "batch_size_negative": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA, ["trainer.global_batch_size=-3"],
+                            "trainer.global_batch_size must be a positive integer, got -3"),
+}
+
+
+def assert_one_error(proc, message):
+    assert proc.returncode not in (0, None), proc.stdout
+    lines = proc.stderr.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert message in lines[errors[0]], proc.stderr
+    assert errors[0] + 1 < len(lines) and lines[errors[0] + 1].startswith("hint: "), proc.stderr
+    assert len(lines[errors[0] + 1]) > len("hint: ") + 10
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_error_line_with_a_hint(write_model, tmp_path, case):
+    source, overrides, message = BAD[case]
+    proc = train(write_model(source), tmp_path / "run", "trainer.max_steps=2", *overrides, check=False, timeout=120)
+    assert_one_error(proc, message)
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_model_file(tmp_path):
+    proc = train(tmp_path / "nope.py", tmp_path / "run", check=False, timeout=60)
+    assert_one_error(proc, f"model file '{tmp_path / 'nope.py'}' not found")
+    assert "Traceback" not in proc.stderr
+    proc = train(tmp_path, tmp_path / "run", check=False, timeout=60)
+    assert_one_error(proc, "is a directory")
+
+
+@pytest.mark.parametrize("case", ["no_model", "non_scalar_loss", "batch_size_zero"])
+def test_debug_shows_the_traceback(write_model, tmp_path, case):
+    source, overrides, message = BAD[case]
+    proc = run_cli(["train", write_model(source), f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=2",
+                    *overrides, "--debug"], timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert message in proc.stderr
+
+
+# ---------------------------------------------------------------- a loss that turns NaN/inf at step 15
+# The sample at position 14*8 + k of epoch 0's order (global step 15) carries NaN (or inf).
+NONFINITE = '''
+import numpy as np
+from elasticflow import data as ef_data, ops
+
+
+def model(cfg):
+    return {"W": np.zeros((3, 1), np.float32)}
+
+
+def forward(x, y, params):
+    return ops.mse(x @ params["W"], y)
+
+
+def data(cfg):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 3)).astype(np.float32)
+    y = x[:, :1] * 3
+    order = ef_data.permutation(256, cfg.seed, 0)
+    bad = next(int(i) for i in order[14 * 8:15 * 8] if i > 1)
+    x[bad, 0] = float("%s")
+    return x, y
+'''
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_what_was_written(write_model, tmp_path):
+    run = tmp_path / "run"
+    proc = train(write_model(NONFINITE % "nan"), run, "trainer.global_batch_size=8", "trainer.log_every=1",
+                 "trainer.max_steps=20", "checkpoint.interval.steps=5", check=False, timeout=120)
+    assert_one_error(proc, "loss is nan at step 15")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, 15))
+    assert all(np.isfinite(losses(run)))
+    assert ckpt.latest(run / "checkpoints").name == "step_10"
+    found = [p.name for p in (run / "checkpoints").rglob("*") if p.is_dir() and ckpt.is_complete(p)]
+    assert sorted(found) == ["step_10", "step_5"]
+
+
+def test_inf_loss_is_skipped_with_on_nonfinite_skip(write_model, tmp_path):
+    run = tmp_path / "run"
+    proc = train(write_model(NONFINITE % "inf"), run, "trainer.global_batch_size=8", "trainer.log_every=1",
+                 "trainer.max_steps=20", "trainer.on_nonfinite=skip", check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "loss is inf at step 15; skipping the update" in proc.stderr
+    trained = [r for r in metrics(run) if "loss" in r and not r.get("skipped")]
+    assert [r["step"] for r in trained] == list(range(1, 21))
+    assert all(np.isfinite(r["loss"]) for r in trained)
+    assert trained[-1]["samples_seen"] == 21 * 8  # 21 batches consumed, 20 updates applied
+    state = ckpt.load(ckpt.latest(run / "checkpoints"))
+    assert ckpt.read_metadata(ckpt.latest(run / "checkpoints"))["step"] == 20
+    assert np.isfinite(state["W"]).all() and abs(state["W"][0, 0]) > 0.1

@@ -1,0 +1,222 @@
+"""Optimizers and LR schedules: the trainer's updates equal torch.optim's on the same data, to 1e-6.
+
+Each case trains a small MLP through the real ``ElasticTrainer`` (in-process: the numbers are the
+point here, the CLI is covered elsewhere) and replays the same steps by hand with torch.optim:
+same initial parameters, same global sample order (``data.permutation``), same batches.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import elasticflow.checkpoint as ckpt
+from elasticflow import data, optim
+from elasticflow.config import compose
+from elasticflow.modelfile import load as load_model_file
+from elasticflow.trainer import ElasticTrainer
+
+SAMPLES, BATCH, STEPS = 96, 32, 7  # 3 steps per epoch: 7 steps cross two epoch boundaries
+
+MLP = '''
+import numpy as np
+from elasticflow import ops, optim
+
+SPECS = {
+    "adam": lambda: optim.Adam(0.02, betas=(0.8, 0.99), eps=1e-6),
+    "adamw": lambda: optim.AdamW(0.02, weight_decay=0.2),
+    "nesterov": lambda: optim.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+}
+
+
+def model(cfg):
+    rng = np.random.default_rng(cfg.seed + 7)
+    params = {"W1": rng.normal(0, 0.5, (4, 5)).astype(np.float32), "b1": np.zeros(5, np.float32),
+              "W2": rng.normal(0, 0.5, (5, 3)).astype(np.float32),
+              "b2": rng.normal(0, 0.1, 3).astype(np.float32)}
+    if cfg.model_args.get("spec"):
+        params["optimizer"] = SPECS[cfg.model_args.spec]()
+    return params
+
+
+def forward(x, y, params):
+    h = ops.tanh(x @ params["W1"] + params["b1"])
+    return ops.mse(h @ params["W2"] + params["b2"], y)
+
+
+def data(cfg):
+    rng = np.random.default_rng(99)
+    x = rng.normal(size=(%d, 4)).astype(np.float32)
+    y = np.stack([np.sin(x[:, 0]), x[:, 1] * x[:, 2], x[:, 3] ** 2], axis=1).astype(np.float32)
+    return x, y
+''' % SAMPLES
+
+
+def fit(model_path, run_dir, *overrides):
+    """Train in-process; returns (final checkpoint state, per-step metrics records)."""
+    cfg = compose(str(model_path), [f"trainer.global_batch_size={BATCH}", f"trainer.max_steps={STEPS}",
+                                    "trainer.log_every=1", "trainer.progress=false", *overrides])
+    ElasticTrainer(str(model_path), cfg, run_dir=str(run_dir)).fit()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return ckpt.load(ckpt.latest(run_dir / "checkpoints")), [r for r in records if "loss" in r]
+
+
+def reference(model_path, make_optimizer, lrs=None, seed=0):
+    """The same STEPS steps written by hand with torch.optim; returns ({name: array}, initial params)."""
+    cfg = OmegaConf.create({"seed": seed, "model_args": {}})  # what model()/data() read
+    mf = load_model_file(str(model_path))
+    init = {k: v for k, v in mf.model(cfg).items() if k != "optimizer"}
+    params = {k: torch.tensor(v, requires_grad=True) for k, v in init.items()}
+    x, y = mf.data(cfg)
+    opt = make_optimizer(list(params.values()))
+    steps_per_epoch = SAMPLES // BATCH
+    for step in range(STEPS):
+        epoch, k = divmod(step, steps_per_epoch)
+        idx = data.permutation(SAMPLES, seed, epoch)[k * BATCH:(k + 1) * BATCH]
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[step]
+        opt.zero_grad()
+        mf.forward(torch.from_numpy(x[idx]), torch.from_numpy(y[idx]), params=params).backward()
+        opt.step()
+    return {k: v.detach().numpy() for k, v in params.items()}, init
+
+
+def assert_same_params(state, expected, init):
+    for name, want in expected.items():
+        np.testing.assert_allclose(state[name], want, rtol=0, atol=1e-6, err_msg=name)
+    # Guard against a vacuous pass: the replay really moved the parameters.
+    assert max(np.abs(expected[n] - init[n]).max() for n in expected) > 1e-3
+
+
+# (config overrides, the torch.optim equivalent)
+CONFIG_CASES = {
+    "sgd": (["optimizer.lr=0.1"], lambda p: torch.optim.SGD(p, lr=0.1)),
+    "sgd_momentum": (["optimizer.lr=0.05", "optimizer.momentum=0.9"],
+                     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    "sgd_nesterov": (["optimizer.lr=0.05", "optimizer.momentum=0.9", "optimizer.nesterov=true"],
+                     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
+    "sgd_weight_decay": (["optimizer.lr=0.1", "optimizer.weight_decay=0.3"],
+                         lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.3)),
+    "adam": (["optimizer=adam", "optimizer.lr=0.01"], lambda p: torch.optim.Adam(p, lr=0.01)),
+    "adam_l2_betas": (["optimizer=adam", "optimizer.lr=0.01", "optimizer.weight_decay=0.1",
+                       "optimizer.betas=[0.8,0.99]", "optimizer.eps=1e-6"],
+                      lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    "adamw": (["optimizer=adamw", "optimizer.lr=0.01", "optimizer.weight_decay=0.1"],
+              lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_group_optimizer_matches_torch_optim(tmp_path, write_model, case):
+    overrides, make = CONFIG_CASES[case]
+    path = write_model(MLP)
+    state, records = fit(path, tmp_path / "run", *overrides)
+    expected, init = reference(path, make)
+    assert_same_params(state, expected, init)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+
+
+# model()["optimizer"] wins over the optimizer config group (here a conflicting optimizer.lr=5.0).
+SPEC_CASES = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.02, betas=(0.8, 0.99), eps=1e-6),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.02, weight_decay=0.2),
+    "nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(SPEC_CASES))
+def test_model_file_optimizer_spec_matches_torch_optim(tmp_path, write_model, spec):
+    path = write_model(MLP)
+    state, records = fit(path, tmp_path / "run", f"+model_args.spec={spec}", "optimizer.lr=5.0")
+    expected, init = reference(path, SPEC_CASES[spec])
+    assert_same_params(state, expected, init)
+    assert {r["lr"] for r in records} == {0.02 if spec.startswith("adam") else 0.05}
+
+
+def test_the_optimizer_cases_are_distinguishable(write_model):
+    """The comparisons above can fail: every case's replay ends somewhere measurably different."""
+    path = write_model(MLP)
+    finals = {name: reference(path, make)[0] for name, (_, make) in CONFIG_CASES.items()}
+    finals.update({f"spec_{name}": reference(path, make)[0] for name, make in SPEC_CASES.items()})
+    names = sorted(finals)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            gap = max(np.abs(finals[a][n] - finals[b][n]).max() for n in finals[a])
+            assert gap > 1e-4, f"{a} and {b} end within {gap}"
+
+
+def test_scheduled_momentum_sgd_matches_torch_and_logs_its_lr(tmp_path, write_model):
+    path = write_model(MLP)
+    state, records = fit(path, tmp_path / "run", "optimizer.lr=0.1", "optimizer.momentum=0.9",
+                         "optimizer.schedule=cosine", "optimizer.warmup_steps=2", "optimizer.min_lr=0.01")
+    # Hand-computed: warmup 0.05, 0.1; then cosine from 0.1 to 0.01 over the remaining 5 of 7 steps.
+    lrs = [0.05, 0.1] + [0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(5)]
+    assert [r["lr"] for r in records] == pytest.approx(lrs, abs=1e-12)
+    expected, init = reference(path, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lrs=lrs)
+    assert_same_params(state, expected, init)
+
+
+def test_seed_changes_init_and_order_and_the_replay_still_matches(tmp_path, write_model):
+    path = write_model(MLP)
+    state, _ = fit(path, tmp_path / "run", "seed=5", "optimizer=adam", "optimizer.lr=0.01")
+    expected, init = reference(path, lambda p: torch.optim.Adam(p, lr=0.01), seed=5)
+    assert_same_params(state, expected, init)
+
+
+# ---------------------------------------------------------------- lr_at, by hand
+def spec(kind, lr=1.0, **schedule):
+    return optim.SGD(lr, schedule=optim.Schedule(kind=kind, **schedule))
+
+
+@pytest.mark.parametrize("kind, schedule, total, expected", [
+    ("constant", {}, 100, {0: 1.0, 50: 1.0, 99: 1.0}),
+    # warmup: (step + 1) / warmup_steps of the base lr, then the schedule
+    ("constant", {"warmup_steps": 4}, 100, {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 90: 1.0}),
+    # linear to min_lr at decay_steps, flat after
+    ("linear", {"decay_steps": 10}, None, {0: 1.0, 5: 0.5, 9: 0.1, 10: 0.0, 30: 0.0}),
+    ("linear", {"decay_steps": 10, "min_lr": 0.2}, None, {0: 1.0, 5: 0.6, 10: 0.2, 11: 0.2}),
+    # decay_steps counts from step 0: warmup 2 then 8 steps of decay
+    ("linear", {"warmup_steps": 2, "decay_steps": 10}, None, {0: 0.5, 1: 1.0, 2: 1.0, 6: 0.5, 10: 0.0}),
+    # decay_steps null: decay over all training steps
+    ("linear", {}, 20, {0: 1.0, 10: 0.5, 15: 0.25}),
+    ("cosine", {"decay_steps": 10}, None, {0: 1.0, 5: 0.5, 10: 0.0, 12: 0.0}),
+    ("cosine", {"decay_steps": 10, "min_lr": 0.1}, None,
+     {0: 1.0, 5: 0.55, 10: 0.1, 2: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2))}),
+    ("cosine", {"warmup_steps": 2}, 6, {0: 0.5, 1: 1.0, 2: 1.0, 4: 0.5, 3: 0.5 * (1 + math.cos(math.pi / 4))}),
+    ("step", {"step_size": 3, "gamma": 0.5}, None, {0: 1.0, 2: 1.0, 3: 0.5, 5: 0.5, 6: 0.25, 9: 0.125}),
+    ("step", {"step_size": 3, "gamma": 0.5, "warmup_steps": 2}, None, {0: 0.5, 1: 1.0, 2: 1.0, 4: 1.0, 5: 0.5}),
+])
+def test_lr_at_hand_computed(kind, schedule, total, expected):
+    s = spec(kind, **schedule)
+    got = {step: optim.lr_at(s, step, total) for step in expected}
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_lr_at_scales_with_the_base_lr():
+    assert optim.lr_at(spec("cosine", lr=0.3, decay_steps=10), 5, None) == pytest.approx(0.15)
+    assert optim.lr_at(spec("constant", lr=0.3, warmup_steps=3), 0, None) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["optimizer.schedule=linear", "optimizer.warmup_steps=2"], [0.05, 0.1, 0.1, 0.08, 0.06, 0.04, 0.02]),
+    (["optimizer.schedule=step", "optimizer.step_size=3", "optimizer.gamma=0.5"],
+     [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025]),
+    (["optimizer.schedule=linear", "optimizer.decay_steps=4", "optimizer.min_lr=0.02"],
+     [0.1, 0.08, 0.06, 0.04, 0.02, 0.02, 0.02]),
+])
+def test_metrics_lr_column_follows_the_schedule(tmp_path, write_model, overrides, expected):
+    path = write_model(MLP)
+    _, records = fit(path, tmp_path / "run", "optimizer.lr=0.1", *overrides)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["lr"] for r in records] == pytest.approx(expected, abs=1e-12)
+
+
+def test_optimizer_spec_validation():
+    with pytest.raises(Exception, match="momentum"):
+        optim.SGD(0.1, nesterov=True)
+    assert optim.AdamW(1e-3).weight_decay == 0.01  # torch.optim.AdamW's default
+    assert optim.Adam(1e-3).slots() == ("exp_avg", "exp_avg_sq")
+    assert optim.SGD(0.1).slots() == () and optim.SGD(0.1, momentum=0.9).slots() == ("momentum_buffer",)
