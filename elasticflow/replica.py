@@ -1,8 +1,8 @@
 """Keeping every worker's replica of the training state identical, through failures.
 
-- ``reduce_step``: the per-step reduction. The gradient (one flat buffer) is summed; a small second
-  vector sums the loss, the metrics and three agreement flags, so every member decides the same
-  thing at the same step: a newer generation is waiting, Ctrl-C was pressed, the agent is gone.
+- ``reduce_step``: the per-step reduction, one allreduce: the gradient (one flat buffer) followed by
+  the loss, the metrics and three agreement flags, so every member decides the same thing at the
+  same step: a newer generation is waiting, Ctrl-C was pressed, the agent is gone.
 - ``recover``: after a failed collective, drop the group, enter the agent's next generation and
   ``sync_state``: the members compare how many samples each has committed, and if one is ahead
   (it finished the step's reduction before the peer died) its full state is broadcast to the
@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .trainer import ElasticTrainer
 
 log = logging.getLogger("elasticflow")
+FOLD_MAX = 1 << 20  # gradients up to 4 MiB (float32) carry the step's scalars in the same allreduce
 
 
 def reduce_step(trainer: "ElasticTrainer", scalars: List[float]) -> Tuple[List[float], Dict[str, bool]]:
@@ -36,10 +37,21 @@ def reduce_step(trainer: "ElasticTrainer", scalars: List[float]) -> Tuple[List[f
                          "agent_lost": bool(agent_lost)}
     import torch
 
-    m.group.allreduce_(trainer.engine.grad_view())
-    vec = torch.tensor(scalars + [float(seen), interrupt, agent_lost], dtype=torch.float64)
-    m.group.allreduce_(vec)
-    out = vec.tolist()
+    grad = trainer.engine.grad_view()
+    extra = scalars + [float(seen), interrupt, agent_lost]
+    if grad.numel() <= FOLD_MAX:
+        # One collective, not two: each is a round trip every member must be scheduled for, which on
+        # a small model costs more than the step's compute. The scalars ride in float32 after the
+        # gradient (exact for the flags and generations); the price is copying the gradient in and out.
+        buf = torch.cat([grad, torch.tensor(extra, dtype=grad.dtype)])
+        m.group.allreduce_(buf)
+        grad.copy_(buf[:grad.numel()])
+        out = buf[grad.numel():].tolist()
+    else:  # bandwidth-bound: a second, tiny round trip costs less than two copies of a big gradient
+        m.group.allreduce_(grad)
+        vec = torch.tensor(extra, dtype=torch.float64)
+        m.group.allreduce_(vec)
+        out = vec.tolist()
     n = len(scalars)
     # Every member summed the same numbers, so every member reaches the same verdict.
     agreed = {"membership": out[n] != trainer.generation * trainer.world,
@@ -143,8 +155,9 @@ def recover(trainer: "ElasticTrainer", reason: str, planned: bool = False) -> No
         trainer.event("recovered" if not planned else "regrouped", generation=trainer.generation,
                       previous_generation=old_generation, world_size=trainer.world, previous_world_size=old_world,
                       reason=reason.splitlines()[0][:200], recovery_s=round(resumed_at - failed_at, 4),
-                      # An unplanned failure interrupts one step, which the members then redo.
-                      rolled_forward=bool(moved), steps_redone=0 if planned else 1,
+                      # An unplanned failure interrupts one step, which the members redo -- unless one of
+                      # them had committed it and the rest adopted its state (rolled forward).
+                      rolled_forward=bool(moved), steps_redone=0 if planned or moved else 1,
                       samples_adopted=trainer.cursor.samples_seen - before, step=trainer.step_count)
     if stop_reason is not None:
         trainer.save_checkpoint(f"step_{trainer.step_count}")

@@ -1,0 +1,95 @@
+"""The baseline for scripts/bench_elastic.py: the digits MLP trained with plain torchrun + DDP.
+
+    torchrun --nproc_per_node=2 --standalone scripts/bench/ddp_digits.py --hidden 64 1024 --steps 300 --out t.json
+
+Hand-written the way a user would: gloo, one intra-op thread per process, the global batch split
+in two contiguous halves, SGD, ``loss.item()`` every step. One model per ``--hidden`` width, trained
+one after the other in the same process group (one start-up for all). Rank 0 writes the wall-clock
+and its CPU time at the end of every step to ``--out``: JSON {"ends": {width: [time.time(), ...]},
+"cpu": {width: [time.process_time(), ...]}}.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "models"))
+import _digits  # noqa: E402
+import digits_mlp  # noqa: E402
+
+
+def mlp(hidden: int, seed: int) -> torch.nn.Module:
+    """The digits MLP as an nn.Module, initialised from models/digits_mlp.py's model()."""
+    params = digits_mlp.model(SimpleNamespace(model_args={"hidden": hidden}, seed=seed))
+    net = torch.nn.Sequential(torch.nn.Linear(_digits.PIXELS, hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(hidden, _digits.CLASSES))
+    with torch.no_grad():
+        for layer, name in ((net[0], "hidden"), (net[2], "out")):
+            layer.weight.copy_(torch.from_numpy(params[name]["W"]).T)
+            layer.bias.copy_(torch.from_numpy(params[name]["b"]))
+    return net
+
+
+def train(hidden: int, x: torch.Tensor, y: torch.Tensor, rank: int, world: int, args) -> tuple:
+    """``args.steps`` DDP steps of a fresh model; returns the wall-clock and process CPU time at the end of each."""
+    model = DDP(mlp(hidden, 0))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    b, n = args.global_batch, len(x)
+    share = b // world
+    order, pos, epoch = torch.from_numpy(np.random.default_rng(0).permutation(n)), 0, 0
+    ends, cpu = [], []
+    for _ in range(args.steps):
+        if pos + b > n:  # drop the epoch's short last batch: every step has the same size
+            epoch += 1
+            order, pos = torch.from_numpy(np.random.default_rng(epoch).permutation(n)), 0
+        idx = order[pos + rank * share: pos + (rank + 1) * share]
+        pos += b
+        xb, yb = x.index_select(0, idx), y.index_select(0, idx)
+        opt.zero_grad(set_to_none=False)
+        logits = model(xb)
+        loss = F.cross_entropy(logits, yb)
+        with torch.no_grad():
+            (logits.argmax(-1) == yb).float().mean()  # the model file's accuracy metric
+        loss.backward()  # DDP allreduces the gradient (one bucket) here
+        opt.step()
+        loss.item()
+        ends.append(time.time())
+        cpu.append(time.process_time())  # every thread of this process: gloo's and autograd's too
+    return ends, cpu
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, nargs="+", default=[64])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)  # what elasticflow picks for 2 workers on 2 cores (cores // local workers)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    x, y = (torch.from_numpy(a) for a in _digits.train_split())
+    runs = {hidden: train(hidden, x, y, rank, world, args) for hidden in args.hidden}
+    dist.barrier()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"ends": {h: r[0] for h, r in runs.items()},
+                                              "cpu": {h: r[1] for h, r in runs.items()},
+                                              "world": world, "threads": torch.get_num_threads()}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
