@@ -463,7 +463,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--restarts", type=int, default=3, help="torchrun runs, one SIGKILL each")
     p.add_argument("--kill-at", type=int, default=100, help="kill after this step (+ an offset < 10)")
     p.add_argument("--after-kill", type=int, default=100, help="steps to train after the kill step")
-    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3], help="which parts to run")
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4], choices=[1, 2, 3, 4],
+                   help="which parts to run (4: a join of a 100 MB model, and a hung worker's detection)")
+    p.add_argument("--joins", type=int, default=3, help="part 4: scale-ups measured (and joins - 1 hangs)")
     p.add_argument("--quick", action="store_true", help="1 round, 2 kills, 1 restart")
     p.add_argument("--keep", metavar="DIR", help="write the runs under DIR and keep them (default: a temp dir)")
     args = p.parse_args(argv)
@@ -509,6 +511,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                          else f"FAILED: {k.note}")
                       + f"; {k.extra['restarts']} restart(s)"
                       + (f", 'Connection refused' x{refused} in its log" if refused else ""), flush=True)
+        if 4 in args.parts:
+            from bench.join import report as join_report  # scripts/bench/join.py
+
+            print("\n4. Joining (scale 2 -> 3 workers, 100 MB model) and a SIGSTOPped worker", flush=True)
+            print(join_report(1 if args.quick else args.joins), flush=True)
     report(argv, time.monotonic() - started, (load0, os.getloadavg()[0]), tp, ef_kills, tr_kills)
     return 0 if all(k.ok for k in ef_kills) else 1  # a target missed is a finding; a failed recovery is a bug
 
