@@ -1,0 +1,394 @@
+"""Sharded, asynchronous, resharding checkpoints: save with N workers, resume with M, lose nothing.
+
+End to end (real CLI processes): 4 workers save, 1/2/3 resume and end equal to the uninterrupted
+1-worker run (tolerance as in test_elastic.py) with every sample consumed exactly once; SIGKILLs at
+every phase of a save leave the previous checkpoint loadable; corrupt, truncated, missing and
+incompatible checkpoints give one clear error line or the resume=auto fallback. The checkpoint
+module's own behaviour (plan, checksums, async snapshot, failures) is tested in-process.
+"""
+import json
+import shutil
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import elasticflow.checkpoint as ckpt
+from elasticflow.checkpoint.format import file_checksum, plan, specs_of
+from elasticflow.config import compose
+from elasticflow.errors import ElasticFlowError
+from elasticflow.trainer import ElasticTrainer
+
+from conftest import REPO, losses, metrics, run_cli
+from test_elastic import (ATOL, PROBE, RTOL, STEPS, assert_equivalent, events, final_state, finish,  # noqa: F401
+                          reference, start, train_ok)
+
+SAVE_EVERY = ["checkpoint.interval.steps=10", "checkpoint.keep=null"]
+SAMPLES, PER_EPOCH = 1437, 23  # digits training split; 64 per global batch, the epoch's last one 29
+
+
+def saved(run_dir: Path) -> dict:
+    """{name: path} of the complete checkpoints of the run's newest job."""
+    newest = ckpt.latest(run_dir / "checkpoints")
+    return {p.name: p for p in ckpt.complete_checkpoints(newest.parent)} if newest else {}
+
+
+def leftovers(run_dir: Path) -> list:
+    return [p.name for p in (run_dir / "checkpoints").rglob(".*") if p.is_dir()]
+
+
+def assert_equivalent_after_a_crash(run_dir: Path, reference: Path) -> None:
+    """As test_elastic's assert_equivalent, for a run killed and resumed from an earlier checkpoint:
+    the steps it redid after the resume are logged again, and the later record of a step counts."""
+    got, want = final_state(run_dir), final_state(reference)
+    for name in want:
+        if not name.startswith("rng/"):
+            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    last = {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+    assert sorted(last) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([last[s] for s in range(1, STEPS + 1)], losses(reference), rtol=RTOL)
+
+
+def assert_exactly_once(run_dir: Path, record: Path, steps: int = STEPS) -> None:
+    """Per epoch, the sample ids that went into committed steps are each consumed once.
+
+    A step's ids count from the attempt whose (run, generation) committed it: records carry the
+    generation, and the runs here restart generations at 0 only for steps the earlier run never reached.
+    """
+    committed = {r["step"]: (r["generation"], r["epoch"]) for r in metrics(run_dir) if "loss" in r}
+    assert sorted(committed) == list(range(1, steps + 1))
+    consumed: dict = {}
+    for f in record.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if committed.get(r["step"], (None,))[0] == r["generation"]:
+                consumed.setdefault(r["epoch"], Counter()).update(r["ids"])
+    full, rest = divmod(steps, PER_EPOCH)
+    for epoch in range(full):
+        assert consumed[epoch] == Counter(range(SAMPLES)), f"epoch {epoch}"
+    if rest:
+        assert set(consumed[full].values()) == {1} and sum(consumed[full].values()) == rest * 64
+
+
+# ---------------------------------------------------------------- 4 workers save, M resume
+@pytest.fixture(scope="module")
+def four_at_30(tmp_path_factory):
+    """4 workers to step 30, a checkpoint every 10 steps, sample ids recorded."""
+    root = tmp_path_factory.mktemp("four")
+    run, record = root / "run", root / "record"
+    record.mkdir()
+    train_ok(run, "launcher.workers=4", "trainer.max_steps=30", *SAVE_EVERY, env={"EF_PROBE_RECORD": str(record)})
+    return run, record
+
+
+def copy_of(four_at_30, dest: Path):
+    run, record = four_at_30
+    shutil.copytree(run, dest / "run")
+    shutil.copytree(record, dest / "record")
+    return dest / "run", dest / "record"
+
+
+@pytest.mark.parametrize("workers", [3, 1, 2])
+def test_save_with_4_resume_with_m_equals_the_uninterrupted_run(tmp_path, four_at_30, reference, workers):
+    step30 = saved(four_at_30[0])["step_30"]
+    meta = ckpt.read_metadata(step30)
+    assert meta["world_size"] == 4 and sorted(meta["files"]) == [ckpt.shard_name(r, 4) for r in range(4)]
+    run, record = copy_of(four_at_30, tmp_path)
+    out = train_ok(run, f"launcher.workers={workers}", *SAVE_EVERY, env={"EF_PROBE_RECORD": str(record)})
+    assert f"resumed from {run / step30.relative_to(four_at_30[0])}" in out
+    assert_equivalent(run, reference)
+    assert_exactly_once(run, record)
+    final = saved(run)["step_60"]
+    assert sorted(saved(run)) == ["step_10", "step_20", "step_30", "step_40", "step_50", "step_60"]
+    assert final.parent.name == step30.parent.name  # the same job directory across the restart
+    assert len(ckpt.read_metadata(final)["files"]) == workers
+    world = {r["step"]: r["world_size"] for r in metrics(run) if "loss" in r}
+    assert world[30] == 4 and world[31] == workers
+
+
+# ---------------------------------------------------------------- kills during a save
+PHASES = ["before_write", "mid_write", "after_write", "before_commit", "before_rename"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, reference, phase):
+    run = tmp_path / "run"
+    proc = start(run, *SAVE_EVERY, env={"ELASTICFLOW_TEST_CKPT_KILL": f"{phase}:20"})
+    out = finish(proc)
+    assert proc.returncode == -9, out[-3000:]  # SIGKILLed by the hook, in the save of step 20
+    assert sorted(saved(run)) == ["step_10"]
+    assert ckpt.read_metadata(ckpt.latest(run / "checkpoints"))["step"] == 10
+    ckpt.load(ckpt.latest(run / "checkpoints"))  # loadable, checksums intact
+    out = train_ok(run, *SAVE_EVERY)
+    assert "resumed from" in out and "step_10" in out.split("resumed from")[1].splitlines()[0]
+    assert_equivalent_after_a_crash(run, reference)
+    assert leftovers(run) == []  # the dead save's temporary directory went with the next commit
+
+
+@pytest.mark.parametrize("rank,phase", [(1, "mid_write"), (0, "before_commit")])
+def test_member_killed_during_a_save_training_goes_on(tmp_path, reference, rank, phase):
+    run = tmp_path / "run"
+    out = train_ok(run, "launcher.workers=3", *SAVE_EVERY,
+                   env={"ELASTICFLOW_TEST_CKPT_KILL": f"{phase}:20:{rank}"})
+    if rank != 0:  # rank 0 waited for the dead member's report in vain (a dead rank 0 cannot say so)
+        assert "step_20 not committed: rank(s) 1 did not report" in out
+    assert "step_20" not in saved(run) and {"step_10", "step_30", "step_60"} <= set(saved(run))
+    assert len([e for e in events(run) if e["event"] == "left"]) == 1
+    assert_equivalent(run, reference)
+    assert leftovers(run) == []
+
+
+# ---------------------------------------------------------------- broken checkpoints
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+def flip_a_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF  # inside the tensor data: the file still parses, only the checksum can tell
+    path.write_bytes(bytes(raw))
+
+
+def test_corrupt_shard_names_the_file_and_auto_falls_back(tmp_path, four_at_30):
+    run, _ = copy_of(four_at_30, tmp_path)
+    shard = saved(run)["step_30"] / ckpt.shard_name(2, 4)
+    flip_a_byte(shard)
+    with pytest.raises(ElasticFlowError, match=f"checkpoint shard '{shard}' fails its checksum"):
+        ckpt.load(shard.parent)
+    ckpt.load(shard.parent, names=["out/b"])  # a partial read that does not touch the bad bytes
+    proc = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path / 'x'}", f"resume={shard.parent}",
+                    "trainer.max_steps=40", "trainer.progress=false"], timeout=120)
+    assert proc.returncode != 0 and str(shard) in one_error_line(proc.stderr)
+    out = train_ok(run, "trainer.max_steps=40", *SAVE_EVERY)
+    assert f"skipping checkpoint {shard.parent}" in out and "falling back" in out
+    assert "resumed from" in out and "step_20" in out.split("resumed from")[1].splitlines()[0]
+
+
+def test_truncated_shard_and_missing_shard(tmp_path, four_at_30):
+    run, _ = copy_of(four_at_30, tmp_path)
+    step20, step30 = saved(run)["step_20"], saved(run)["step_30"]
+    shard = step30 / ckpt.shard_name(1, 4)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ElasticFlowError, match=f"'{shard}' fails its checksum \\(corrupt or truncated"):
+        ckpt.load(step30)
+    (step20 / ckpt.shard_name(3, 4)).unlink()
+    with pytest.raises(ElasticFlowError, match=f"checkpoint shard '{step20 / ckpt.shard_name(3, 4)}' is missing"):
+        ckpt.load(step20)
+    proc = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path / 'x'}", f"resume={step20}",
+                    "trainer.max_steps=40", "trainer.progress=false"], timeout=120)
+    assert "is missing" in one_error_line(proc.stderr)
+    out = train_ok(run, "trainer.max_steps=40", *SAVE_EVERY)  # both skipped: step_10 it is
+    assert "step_10" in out.split("resumed from")[1].splitlines()[0]
+
+
+def test_truncated_metadata_is_a_clear_error(tmp_path, four_at_30):
+    run, _ = copy_of(four_at_30, tmp_path)
+    step30 = saved(run)["step_30"]
+    meta = step30 / "metadata.json"
+    meta.write_text(meta.read_text()[:200])
+    proc = run_cli(["inspect", step30], timeout=60)
+    assert proc.returncode != 0 and "is corrupt or truncated" in one_error_line(proc.stderr)
+    with pytest.raises(ElasticFlowError, match="metadata.json' is corrupt or truncated"):
+        ckpt.load(step30)
+    assert ckpt.latest(run / "checkpoints").name == "step_20"  # unreadable metadata sorts first
+
+
+def test_incompatible_model_lists_the_differences(tmp_path, four_at_30):
+    run, _ = copy_of(four_at_30, tmp_path)
+    proc = run_cli(["train", PROBE, f"hydra.run.dir={run}", "+model_args.hidden=32", "trainer.max_steps=40",
+                    "trainer.progress=false"], timeout=120)
+    line = one_error_line(proc.stderr)
+    assert "does not match this model" in line
+    assert "hidden/W: model has shape (64, 32), checkpoint has (64, 64)" in line
+    assert "out/W: model has shape (32, 10), checkpoint has (64, 10)" in line
+
+
+def test_inspect_shows_which_shard_holds_which_range(four_at_30):
+    proc = run_cli(["inspect", four_at_30[0] / "checkpoints"], timeout=60)  # checkpoint.dir: its newest
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "step 30" in out and "world size 4" in out and "4 shard file(s) written by 4 rank(s)" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["hidden/W"][1:3] == ["float32", "64x64"]
+    meta = ckpt.read_metadata(saved(four_at_30[0])["step_30"])
+    for r in range(4):
+        name = ckpt.shard_name(r, 4)
+        assert rows[name][1] == str(r) and rows[name][4] == meta["files"][name]["checksum"]
+    pieces = meta["tensors"]["hidden/W"]["shards"]
+    assert " ".join(rows["hidden/W"][5:]) == " ".join(
+        f"r{meta['files'][p['file']]['rank']}[{p['start']}:{p['end']}]" for p in pieces)
+
+
+# ---------------------------------------------------------------- torch -> TensorFlow
+def test_torch_checkpoint_of_4_reshards_onto_tensorflow(tmp_path, four_at_30, reference):
+    if not (REPO / "elasticflow" / "backends" / "tensorflow.py").is_file():
+        pytest.skip("the TensorFlow backend is not there yet")
+    pytest.importorskip("tensorflow")
+    run, _ = copy_of(four_at_30, tmp_path)
+    train_ok(run, "backend=tensorflow", "launcher.workers=2", *SAVE_EVERY)
+    meta = ckpt.read_metadata(saved(run)["step_60"])
+    assert meta["backend"] == "tensorflow" and meta["world_size"] == 2
+    got, want = ckpt.load(saved(run)["step_60"]), ckpt.load(ckpt.latest(reference / "checkpoints"))
+    for name in want:  # the backends round differently (see test_tensorflow.py): 1e-3 relative
+        if not name.startswith("rng/"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-3, atol=1e-5, err_msg=name)
+
+
+# ---------------------------------------------------------------- the checkpoint module itself
+STATE = {"W": np.arange(231, dtype=np.float32).reshape(33, 7), "b": np.arange(5, dtype=np.int64),
+         "rng/torch": np.arange(77, dtype=np.uint8), "count": np.array(3, np.int64),
+         "empty": np.zeros((0, 3), np.float32), "mask": np.array([True, False, True])}
+INFO = {"step": 5, "epoch": 0, "cursor": {"epoch": 0, "samples_in_epoch": 50, "samples_seen": 50}}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 64])
+def test_plan_gives_every_element_to_exactly_one_rank(world):
+    got = {}
+    for rank, pieces in enumerate(plan(specs_of(STATE), world)):
+        for p in pieces:
+            assert p.rank == rank
+            got.setdefault(p.name, []).append((p.start, p.end))
+    for name, value in STATE.items():
+        at = 0
+        for start, end in sorted(got.get(name, [])):
+            assert start == at and end > start
+            at = end
+        assert at == value.size, name
+    sizes = [sum(p.nbytes for p in ps) for ps in plan(specs_of(STATE), world)]
+    assert max(sizes) - min(sizes) <= 8  # balanced by bytes, to within one element
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_file_checksums_match_the_bytes_and_both_algorithms_load(tmp_path, monkeypatch, algorithm):
+    if algorithm == "xxh3_64":
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr(sys.modules["elasticflow.checkpoint.save"], "CHECKSUM", algorithm)
+    job = tmp_path / "job_20250101-000000"
+    write_with(3, job)
+    meta = ckpt.read_metadata(job / "step_5")
+    assert meta["checksum"] == algorithm
+    for name, info in meta["files"].items():  # recomputed from the bytes on disk
+        assert file_checksum(job / "step_5" / name, algorithm) == info["checksum"]
+    assert np.array_equal(ckpt.load(job / "step_5")["W"], STATE["W"])
+
+
+def write_with(world: int, job: Path, name: str = "step_5", state=STATE, **kw) -> list:
+    """W writers as threads, reporting through one in-memory coordinator."""
+    coord = ckpt.LocalCoordinator()
+    writers = [ckpt.Checkpointer(job, coordinator=coord, token="feed", **kw) for _ in range(world)]
+    for rank, w in enumerate(writers):
+        w.save(name, state, INFO, rank=rank, world=world)
+    return [w.close() for w in writers]
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_n_writers_any_reader_and_plain_safetensors(tmp_path, world):
+    job = tmp_path / "job_20250101-000000"
+    paths = write_with(world, job)
+    assert paths[0] == job / "step_5" and paths[1:] == [None] * (world - 1)
+    state = ckpt.load(ckpt.latest(tmp_path))
+    for name, value in STATE.items():
+        assert state[name].dtype == value.dtype and state[name].shape == value.shape
+        assert np.array_equal(state[name], value), name
+    assert list(ckpt.load(job / "step_5", names=["b"])) == ["b"]
+    from safetensors import safe_open
+
+    meta = ckpt.read_metadata(job / "step_5")
+    piece = meta["tensors"]["W"]["shards"][-1]
+    with safe_open(str(job / "step_5" / piece["file"]), framework="numpy") as f:
+        assert np.array_equal(f.get_slice("W")[2:5], STATE["W"].reshape(-1)[piece["start"] + 2:piece["start"] + 5])
+
+
+def test_async_save_snapshots_before_returning(tmp_path):
+    job = tmp_path / "job_20250101-000000"
+    live = {"W": np.zeros((1000, 100), np.float32)}
+    ck = ckpt.Checkpointer(job)
+    ck.save("step_1", live, INFO)
+    live["W"] += 1  # training goes on while the writer thread works
+    assert ck.close() == job / "step_1"
+    assert not ckpt.load(job / "step_1")["W"].any()
+
+
+def test_a_failed_background_write_is_raised_at_the_next_save(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    ck = ckpt.Checkpointer(blocker / "job_20250101-000000")
+    assert ck.save("step_1", STATE, INFO) is not None  # returns at once; the thread fails
+    with pytest.raises(ElasticFlowError, match="writing checkpoint step_1 .* failed"):
+        ck.save("step_2", STATE, {**INFO, "step": 2})
+    ck.save("step_3", STATE, {**INFO, "step": 3})
+    with pytest.raises(ElasticFlowError, match="writing checkpoint step_3"):
+        ck.close()
+
+
+def test_a_rank_that_never_reports_means_no_commit_and_no_error(tmp_path, caplog):
+    job = tmp_path / "job_20250101-000000"
+    write_with(1, job, "step_4")
+    ck = ckpt.Checkpointer(job, timeout_s=0.3, coordinator=ckpt.LocalCoordinator())
+    ck.save("step_5", STATE, INFO, rank=0, world=2)  # rank 1 died before its save
+    assert ck.close() is None
+    assert "step_5 not committed: rank(s) 1 did not report" in caplog.text
+    assert [p.name for p in ckpt.complete_checkpoints(job)] == ["step_4"]
+    write_with(1, job, "step_6")  # a later commit clears the abandoned temporary directory
+    assert sorted(p.name for p in job.iterdir()) == ["step_4", "step_6"]
+
+
+def test_keep_and_the_same_state_saved_twice(tmp_path):
+    job = tmp_path / "job_20250101-000000"
+    ck = ckpt.Checkpointer(job, keep=2)
+    for step in (1, 2, 3):
+        ck.save(f"step_{step}", STATE, {**INFO, "step": step})
+    assert ck.save("step_3", STATE, {**INFO, "step": 3}, wait=True) == job / "step_3"  # not rewritten
+    ck.close()
+    assert sorted(p.name for p in job.iterdir()) == ["step_2", "step_3"]
+
+
+def test_concurrent_writers_of_one_save_do_not_collide(tmp_path):
+    """Four threads, one save each, one LocalCoordinator: exactly one commit, all shards listed."""
+    job = tmp_path / "job_20250101-000000"
+    big = {f"t{i}": np.full(10_000, i, np.float32) for i in range(10)}
+    coord = ckpt.LocalCoordinator()
+    writers = [ckpt.Checkpointer(job, coordinator=coord, token="beef") for _ in range(4)]
+    threads = [threading.Thread(target=w.save, args=("step_9", big, {**INFO, "step": 9}, r, 4))
+               for r, w in enumerate(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [w.close() for w in writers] == [job / "step_9", None, None, None]
+    state = ckpt.load(job / "step_9")
+    assert all(np.array_equal(state[k], v) for k, v in big.items())
+
+
+# ---------------------------------------------------------------- the job directory
+LINEAR = str(REPO / "models" / "linear.py")
+
+
+def fit(run_dir: Path, *overrides: str) -> ElasticTrainer:
+    cfg = compose(LINEAR, ["trainer.progress=false", "trainer.max_steps=6", "checkpoint.interval.steps=3",
+                           *overrides])
+    trainer = ElasticTrainer(LINEAR, cfg, run_dir=str(run_dir))
+    trainer.fit()
+    return trainer
+
+
+def test_job_directory_is_stable_across_restarts_and_new_for_resume_none(tmp_path):
+    first = fit(tmp_path, "trainer.max_steps=3")
+    job = first.checkpointer.job_dir
+    assert job.parent == tmp_path / "checkpoints" and job.name.startswith("linear_")
+    again = fit(tmp_path)
+    assert again.checkpointer.job_dir == job and again.resumed_from == str(job / "step_3")
+    fresh = fit(tmp_path, "resume=none")
+    assert fresh.checkpointer.job_dir != job and fresh.resumed_from is None
+    assert ckpt.latest(tmp_path / "checkpoints") == fresh.checkpointer.job_dir / "step_6"
+    (tmp_path / ".elasticflow" / "checkpoint_job.json").unlink()  # without the record: the newest job
+    assert fit(tmp_path).checkpointer.job_dir == fresh.checkpointer.job_dir
+    named = fit(tmp_path, "checkpoint.job_name=exp1", "checkpoint.async=false")
+    assert named.checkpointer.job_dir.name.startswith("exp1_") and named.resumed_from is None
+    resumed = fit(tmp_path / "elsewhere", f"resume={job}")  # resume=PATH: a job dir means its newest
+    assert resumed.resumed_from == str(job / "step_6")
