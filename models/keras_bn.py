@@ -10,8 +10,6 @@ BatchNorm normalises with batch statistics while training and with the moving on
 Layers are named by hand: keras numbers unnamed layers process-wide (dense, dense_1, ...), and
 the names are the checkpoint's tensor names.
 """
-import numpy as np
-
 from elasticflow import ops
 
 import _digits

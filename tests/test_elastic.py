@@ -186,3 +186,23 @@ def test_agent_death_makes_workers_exit(tmp_path):
     wait_for(all_gone, 15, "workers to exit after the agent died")
     saved = ckpt.latest(run / "checkpoints")
     assert saved is not None and ckpt.read_metadata(saved)["step"] >= 5
+
+
+@pytest.fixture(scope="module")
+def tf_reference(tmp_path_factory):
+    """The 1-worker TensorFlow run (float32 kernels differ between backends: compare like with like)."""
+    pytest.importorskip("tensorflow")
+    run = tmp_path_factory.mktemp("tf_reference")
+    train_ok(run, "backend=tensorflow")
+    return run
+
+
+def test_tensorflow_kill_matches_single_worker(tmp_path, tf_reference):
+    """Gradients from TensorFlow enter the gloo allreduce zero-copy through DLPack."""
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    train_ok(run, "backend=tensorflow", "launcher.workers=3",
+             env={"EF_PROBE_KILL": "1:20:reduction", "EF_PROBE_RECORD": str(record)})
+    assert_equivalent(run, tf_reference)
+    world = [r["world_size"] for r in metrics(run) if "loss" in r]
+    assert world[0] == 3 and world[-1] == 2

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ELASTICFLOW, metrics, run_cli
 from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
-                          start, wait_for)
+                          start, tf_reference, wait_for)
 
 
 HOLD_TIMEOUT = ["elastic.timeout_s=90", "elastic.heartbeat_timeout_s=10"]
@@ -174,3 +174,19 @@ def test_heartbeat_longer_than_collective_timeout_is_refused(tmp_path):
                     "elastic.heartbeat_timeout_s=60", "elastic.timeout_s=30"])
     assert proc.returncode == 2
     assert "elastic.heartbeat_timeout_s=60 must be positive and shorter than elastic.timeout_s=30" in proc.stderr
+
+
+def test_tensorflow_join_matches_single_worker(tmp_path, tf_reference):
+    run, hold, record = tmp_path / "run", Hold(tmp_path / "hold"), tmp_path / "record"
+    record.mkdir()
+    proc = start(run, "backend=tensorflow", "launcher.workers=2", *HOLD_TIMEOUT,
+                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_RECORD": str(record)})
+    wait_for(lambda: logged_step(run) >= 15, 180, "step 15")
+    with hold:
+        scale(run, 3)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert world_sizes(run)[0] == 2 and world_sizes(run)[-1] == 3
+    joined = [e for e in events(run) if e["event"] == "joined"]
+    assert len(joined) == 1 and joined[0]["state_received"]
+    assert_equivalent(run, tf_reference)

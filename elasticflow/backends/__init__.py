@@ -25,6 +25,10 @@ def load(name: str) -> ModuleType:
         raise ElasticFlowError(f"unknown backend {name!r}; expected one of {', '.join(PACKAGES)}",
                                "pass backend=torch or backend=tensorflow")
     framework, package = PACKAGES[name]
+    if framework == "tensorflow":  # keep TF's C++ start-up INFO lines (oneDNN, CPU features) off the console
+        import os
+
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
         importlib.import_module(framework)
     except ImportError as exc:

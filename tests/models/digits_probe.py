@@ -10,6 +10,7 @@ Environment (read by every worker):
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
     EF_PROBE_HOLD    a file path: forward blocks while that file exists (a test holds training still
                      while it scales or kills, then removes the file).
+    (Under backend=tensorflow set EF_PROBE_RECORD: the injections then happen at the data fetch.)
     EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, ids} to
                      <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt.
 """
@@ -85,6 +86,9 @@ class RecordingDataset:
         return len(self.x)
 
     def __getitem__(self, indices):
+        # Under TensorFlow's tf.function, forward() runs as Python only while tracing; the fetch
+        # runs every step, so faults are injected here too (once per step attempt either way).
+        _inject(elasticflow.context())
         if RECORD:
             ctx = elasticflow.context()
             line = {"pid": os.getpid(), "worker": WORKER, "generation": ctx.generation, "step": ctx.step,
