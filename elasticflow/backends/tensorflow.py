@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from .. import ops
 from ..errors import ElasticFlowError
+from .tree import flatten, rebuild
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
 NAME = "tensorflow"
@@ -299,20 +300,6 @@ def _check_loss(out: Any, where: str):
     return tf.reshape(out, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
 
 
-def _flatten(tree: Dict[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
-    items: List[Tuple[str, Any]] = []
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            items.extend(_flatten(value, name + "/"))
-        else:
-            items.append((name, value))
-    return items
-
-
-def _rebuild(tree: Dict[str, Any], leaves: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    return {k: _rebuild(v, leaves, f"{prefix}{k}/") if isinstance(v, dict) else leaves[f"{prefix}{k}"]
-            for k, v in tree.items()}
 
 
 def _native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -387,7 +374,7 @@ class Engine:
             self._targets = list(named.values())  # the variables the optimizer updates
         else:
             self._tree = model
-            for name, value in _flatten(model):
+            for name, value in flatten(model):
                 array = to_numpy(value)
                 if np.issubdtype(array.dtype, np.floating):
                     arrays[name] = array.astype(np.float32)
@@ -442,7 +429,7 @@ class Engine:
         pieces = tf.split(tf.convert_to_tensor(self._targets[0]), self._sizes)
         leaves = {n: tf.reshape(p, s) for n, p, s in zip(self.param_names, pieces, self._shapes)}
         leaves.update(self.buffers)
-        return _rebuild(self._tree, leaves)
+        return rebuild(self._tree, leaves)
 
     # -- one step
     def train_mode(self, training: bool) -> None:

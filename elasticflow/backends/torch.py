@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import ElasticFlowError
+from .tree import flatten, rebuild
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
 NAME = "torch"
@@ -195,20 +196,6 @@ def _check_loss(out: Any, where: str):
     return out.reshape(()), metrics
 
 
-def _flatten(tree: Dict[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
-    items: List[Tuple[str, Any]] = []
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            items.extend(_flatten(value, name + "/"))
-        else:
-            items.append((name, value))
-    return items
-
-
-def _rebuild(tree: Dict[str, Any], leaves: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    return {k: _rebuild(v, leaves, f"{prefix}{k}/") if isinstance(v, dict) else leaves[f"{prefix}{k}"]
-            for k, v in tree.items()}
 
 
 class Engine:
@@ -233,7 +220,7 @@ class Engine:
         else:
             leaves: Dict[str, torch.Tensor] = {}
             self.params, self.buffers = {}, {}
-            for name, value in _flatten(model):
+            for name, value in flatten(model):
                 t = value.detach().clone() if isinstance(value, torch.Tensor) else to_tensor(np.array(value))
                 if t.is_floating_point():
                     t = t.to(torch.float32).requires_grad_(True)
@@ -241,7 +228,7 @@ class Engine:
                 else:
                     self.buffers[name] = t
                 leaves[name] = t
-            self.view = _rebuild(model, leaves)
+            self.view = rebuild(model, leaves)
         if not self.params:
             raise ElasticFlowError("model() returned no floating-point parameters to train",
                                    "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
