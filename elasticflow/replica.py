@@ -110,10 +110,14 @@ def sync_state(trainer: "ElasticTrainer") -> bool:
     state, meta = group.broadcast_state(state, meta, src)
     if trainer.rank != src:
         adopt_state(trainer, state, meta)
-    # The most advanced member may have committed a step the old rank 0 never logged.
+    return True
+
+
+def catch_up_log(trainer: "ElasticTrainer") -> None:
+    """A rank 0 that left may have committed a step it never logged: the new rank 0 logs it
+    (``_log_record`` skips steps already in metrics.jsonl)."""
     if trainer.rank == 0 and trainer.last_metrics and trainer._should_log(trainer.last_metrics):
         trainer._log_record(trainer.last_metrics)
-    return True
 
 
 def recover(trainer: "ElasticTrainer", reason: str, planned: bool = False) -> None:
@@ -150,6 +154,7 @@ def recover(trainer: "ElasticTrainer", reason: str, planned: bool = False) -> No
             log.info("worker %s retired by the agent (%s)", trainer.membership.worker_id, exc)
             raise ElasticFlowError(f"worker {trainer.membership.worker_id} retired: {exc}", "",
                                    exit_code=protocol.EXIT_REMOVED) from exc
+    catch_up_log(trainer)
     resumed_at = time.time()
     if trainer.rank == 0:
         trainer.event("recovered" if not planned else "regrouped", generation=trainer.generation,
