@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from .. import ops
 from ..errors import ElasticFlowError
-from .tree import flatten, rebuild
+from .common import flatten, rebuild, split_output
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
 NAME = "tensorflow"
@@ -280,13 +280,7 @@ def to_numpy(t: Any) -> np.ndarray:
 # ---------------------------------------------------------------- engine
 def _check_loss(out: Any, where: str):
     """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
-    metrics: Dict[str, Any] = {}
-    if isinstance(out, dict):
-        if "loss" not in out:
-            raise ElasticFlowError(f"forward() returned a dict without a 'loss' key (keys: {sorted(out)})",
-                                   "return {'loss': loss, 'accuracy': acc, ...}")
-        metrics = {k: v for k, v in out.items() if k != "loss"}
-        out = out["loss"]
+    out, metrics = split_output(out)
     if not tf.is_tensor(out):
         raise ElasticFlowError(f"forward() returned a {type(out).__name__} as the loss {where}",
                                "compute the loss from params with elasticflow.ops (or tensorflow) so gradients flow")
@@ -298,8 +292,6 @@ def _check_loss(out: Any, where: str):
             raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
                                    "every value in forward()'s dict must be a single number")
     return tf.reshape(out, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
-
-
 
 
 def _native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:

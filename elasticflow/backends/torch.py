@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import ElasticFlowError
-from .tree import flatten, rebuild
+from .common import flatten, rebuild, split_output
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
 NAME = "torch"
@@ -176,13 +176,7 @@ def to_numpy(t: Any) -> np.ndarray:
 # ---------------------------------------------------------------- engine
 def _check_loss(out: Any, where: str):
     """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
-    metrics: Dict[str, Any] = {}
-    if isinstance(out, dict):
-        if "loss" not in out:
-            raise ElasticFlowError(f"forward() returned a dict without a 'loss' key (keys: {sorted(out)})",
-                                   "return {'loss': loss, 'accuracy': acc, ...}")
-        metrics = {k: v for k, v in out.items() if k != "loss"}
-        out = out["loss"]
+    out, metrics = split_output(out)
     if not isinstance(out, torch.Tensor):
         raise ElasticFlowError(f"forward() returned a {type(out).__name__} as the loss {where}",
                                "compute the loss from params with elasticflow.ops (or torch) so gradients flow")
@@ -194,8 +188,6 @@ def _check_loss(out: Any, where: str):
             raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
                                    "every value in forward()'s dict must be a single number")
     return out.reshape(()), metrics
-
-
 
 
 class Engine:
