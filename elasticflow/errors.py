@@ -18,5 +18,10 @@ class ElasticFlowError(Exception):
         return f"{self.message} (hint: {self.hint})" if self.hint else self.message
 
 
+class CheckpointMismatch(ElasticFlowError):
+    """A checkpoint written by another model or optimizer: no older checkpoint of the job fits either,
+    so resume=auto must stop rather than fall back (or silently start fresh)."""
+
+
 class TrainingInterrupted(Exception):
     """Ctrl-C: the current step finished and a checkpoint was written; the CLI exits 130."""

@@ -25,7 +25,7 @@ from . import replica
 from .config import TrainerConfig, compose, validate
 from .distributed import protocol
 from .distributed.protocol import CommError
-from .errors import ElasticFlowError, TrainingInterrupted
+from .errors import CheckpointMismatch, ElasticFlowError, TrainingInterrupted
 from .modelfile import ModelFile, load as load_model_file
 from .reporting import MetricsWriter, Progress, banner, last_logged_step, step_line
 
@@ -220,9 +220,7 @@ class ElasticTrainer:
     def _probe_metric_names(self) -> list:
         """forward() on two samples, once: checks its output early and fixes the metric order
         every worker reduces in (a worker with an empty share still sends zeros for each)."""
-        positions = np.arange(min(2, len(self.dataset)))
-        batch = (self.backend.gather(self.resident, self.backend.index(positions)) if self.resident is not None
-                 else tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions)))
+        batch = self._rows(self.dataset, self.resident, np.arange(min(2, len(self.dataset))))
         self.engine.train_mode(False)
         try:
             return sorted(k for k in self.engine.evaluate(batch) if k != "loss")
@@ -262,11 +260,9 @@ class ElasticTrainer:
                 try:
                     self.load_checkpoint(path)
                     return
+                except CheckpointMismatch:
+                    raise  # starting fresh would silently discard this job's training
                 except ElasticFlowError as exc:
-                    # Another model or optimizer: an older checkpoint would not fit either, and
-                    # starting fresh would silently discard this job's training.
-                    if "does not match this model" in exc.message or "state but this run uses" in exc.message:
-                        raise
                     log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
             return
         # resume=PATH: a checkpoint, or a job dir / checkpoint.dir (its newest complete checkpoint)
@@ -319,7 +315,7 @@ class ElasticTrainer:
             self.cursor.samples_in_epoch = 0
             self.epochs_completed = self.cursor.epoch
             if self.interval.should_save(current_epoch=self.epochs_completed):
-                self.save_checkpoint(f"epoch_{self.epochs_completed}")
+                self.save_checkpoint(f"epoch_{self.epochs_completed}", wait=False)
 
     def _epoch_samples(self) -> int:
         n, b = len(self.dataset), self.tcfg.global_batch_size
@@ -353,7 +349,7 @@ class ElasticTrainer:
         if ev and self.eval_dataset is not None and self.step_count % ev == 0 and not m.get("skipped"):
             self.evaluate()
         if self.interval.should_save(current_step=self.step_count) and not m.get("skipped"):
-            self.save_checkpoint(f"step_{self.step_count}")
+            self.save_checkpoint(f"step_{self.step_count}", wait=False)
         self._act_on_agreed_flags()
 
     def _should_log(self, record: Dict[str, Any]) -> bool:
@@ -451,10 +447,14 @@ class ElasticTrainer:
         return record
 
     def _fetch(self, a: int, b: int):
-        positions = self._order[a:b]
-        if self.resident is not None:
-            return self.backend.gather(self.resident, self.backend.index(positions))
-        return tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions))
+        return self._rows(self.dataset, self.resident, self._order[a:b])
+
+    def _rows(self, ds: data.Dataset, resident, positions: np.ndarray):
+        """The rows at ``positions`` as backend tensors: gathered from the resident copy of an
+        array dataset, or fetched from an indexable one and converted."""
+        if resident is not None:
+            return self.backend.gather(resident, self.backend.index(positions))
+        return tuple(self.backend.to_tensor(x) for x in ds.fetch(positions))
 
     # ------------------------------------------------------------------ membership
     def _adopt_membership(self) -> None:
@@ -495,9 +495,7 @@ class ElasticTrainer:
         try:
             for a in range(lo, hi, chunk):
                 positions = np.arange(a, min(a + chunk, hi))
-                batch = (self.backend.gather(resident, self.backend.index(positions)) if resident is not None
-                         else tuple(self.backend.to_tensor(x) for x in ds.fetch(positions)))
-                values = engine.evaluate(batch)
+                values = engine.evaluate(self._rows(ds, resident, positions))
                 for i, k in enumerate(names):
                     totals[i] += values.get(k, 0.0) * len(positions)
         finally:
@@ -511,12 +509,12 @@ class ElasticTrainer:
         return self.last_eval
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, name: str) -> Optional[Path]:
+    def save_checkpoint(self, name: str, wait: bool = True) -> Optional[Path]:
         """Every member writes its 1/W slice of the state; rank 0 commits once all W are on disk.
 
-        An interval save returns after an in-memory snapshot (``checkpoint.async``); any other save
-        (final, Ctrl-C, stop, agent lost) returns once written, since the process may exit next.
-        Returns the checkpoint's path on rank 0.
+        ``wait=False`` (the interval saves) returns after an in-memory snapshot when
+        ``checkpoint.async``; other saves (final, Ctrl-C, stop, agent lost) return once written,
+        since the process may exit next. Returns the checkpoint's path on rank 0.
         """
         rank, world, m = self.rank, self.world, self.membership
         if m is not None and world > 1 and (m.agent_lost or not ckpt.store_alive(m.store)):
@@ -531,12 +529,9 @@ class ElasticTrainer:
                 "backend": self.backend.NAME, "optimizer": self.spec.name, "seed": self.cfg.seed,
                 "global_batch_size": self.tcfg.global_batch_size, "saved_at": time.time(),
                 "generation": self.generation, "config_hash": ckpt.config_hash(self.cfg)}
-        routine = ((name == f"step_{self.step_count}" and self.interval.should_save(current_step=self.step_count))
-                   or (name == f"epoch_{self.epochs_completed}"
-                       and self.interval.should_save(current_epoch=self.epochs_completed)))
         # copy=False: engine.state() is a private copy already, the writer keeps views of it.
         path = self.checkpointer.save(name, state, info, rank=rank, world=world, generation=self.generation,
-                                      wait=not routine, copy=False)
+                                      wait=wait, copy=False)
         self.last_saved_step = self.step_count
         return path
 
@@ -548,10 +543,10 @@ class ElasticTrainer:
         diffs = list(ckpt.compare_names(model_names, found))
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
-            raise ElasticFlowError(f"checkpoint '{path}' does not match this model: {shown}",
+            raise CheckpointMismatch(f"checkpoint '{path}' does not match this model: {shown}",
                                    "resume with the model file that wrote it, or pass resume=none to start fresh")
         if meta.get("optimizer") != self.spec.name and any(n.startswith("optimizer/") for n in state):
-            raise ElasticFlowError(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
+            raise CheckpointMismatch(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
                                    f"{self.spec.name}", "resume with the same optimizer, or pass resume=none")
         self.engine.load_state(state, int(meta["step"]))
         self.engine.set_rng_state(state)
