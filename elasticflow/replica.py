@@ -70,7 +70,7 @@ def reduce_sum(trainer: "ElasticTrainer", values: List[float]) -> List[float]:
 
 
 def replicated_state(trainer: "ElasticTrainer") -> Tuple[dict, dict]:
-    state = trainer.engine.state()
+    state = trainer.engine.state(copy=False)  # views: broadcast_state packs them before anything changes
     state.update(trainer.engine.rng_state())
     meta = {"step": trainer.step_count, "micro_step": trainer.micro_step, "skipped_steps": trainer.skipped_steps,
             "cursor": trainer.cursor.as_dict(), "epochs_completed": trainer.epochs_completed,

@@ -204,6 +204,7 @@ class ElasticTrainer:
                            admit_s=round(self.membership.admitted_at - ready_at, 4),
                            rebuild_s=round(joined_at - self.membership.admitted_at, 4),
                            transfer_s=round(time.time() - joined_at, 4), state_received=bool(moved))
+        self.checkpointer.reserve(self._checkpoint_state(), self.rank, self.world)
         self._order_epoch = -1
         self._prepared = True
         if self.rank == 0:
@@ -522,22 +523,26 @@ class ElasticTrainer:
             if rank != 0:
                 return None
             rank, world = 0, 1
-        state = self.engine.state()
-        state.update(self.engine.rng_state())
+        state = self._checkpoint_state()
         info = {"step": self.step_count, "epoch": self.cursor.epoch, "micro_step": self.micro_step,
                 "skipped_steps": self.skipped_steps, "cursor": self.cursor.as_dict(), "world_size": self.world,
                 "backend": self.backend.NAME, "optimizer": self.spec.name, "seed": self.cfg.seed,
                 "global_batch_size": self.tcfg.global_batch_size, "saved_at": time.time(),
                 "generation": self.generation, "config_hash": ckpt.config_hash(self.cfg)}
-        # copy=False: engine.state() is a private copy already, the writer keeps views of it.
         path = self.checkpointer.save(name, state, info, rank=rank, world=world, generation=self.generation,
-                                      wait=wait, copy=False)
+                                      wait=wait)
         self.last_saved_step = self.step_count
         return path
 
+    def _checkpoint_state(self) -> Dict[str, np.ndarray]:
+        # Views (no copy of the model): the checkpointer copies only this rank's slice.
+        state = self.engine.state(copy=False)
+        state.update(self.engine.rng_state())
+        return state
+
     def load_checkpoint(self, path: Path) -> None:
         state, meta = ckpt.load_with_metadata(path)
-        expected = {n: v.shape for n, v in self.engine.state().items()}
+        expected = {n: v.shape for n, v in self.engine.state(copy=False).items()}
         model_names = {n: s for n, s in expected.items() if not n.startswith("optimizer/")}
         found = {n: tuple(v.shape) for n, v in state.items() if not n.startswith(("optimizer/", "rng/"))}
         diffs = list(ckpt.compare_names(model_names, found))

@@ -314,6 +314,28 @@ def test_async_save_snapshots_before_returning(tmp_path):
     assert not ckpt.load(job / "step_1")["W"].any()
 
 
+def test_the_buffer_reserved_at_start_takes_the_first_snapshot(tmp_path):
+    """reserve() (the trainer calls it in prepare()) allocates rank 1's slice buffer in the writer
+    thread; the first save of rank 1 of 2 then snapshots into it instead of allocating."""
+    from safetensors import safe_open
+
+    job = tmp_path / "job_20250101-000000"
+    live = {"W": np.arange(1000 * 100, dtype=np.float32).reshape(1000, 100), "b": np.ones(7, np.float32)}
+    ck = ckpt.Checkpointer(job, coordinator=ckpt.LocalCoordinator(), token="t")
+    ck.reserve(live, rank=1, world=2)
+    assert ck.wait() is None
+    reserved = ck._buffer
+    assert reserved is not None and reserved.nbytes < live["W"].nbytes  # half the state, not all of it
+    ck.save("step_1", live, INFO, rank=1, world=2)
+    assert ck._buffer is reserved
+    live["W"] += 1  # training goes on: the snapshot is already taken
+    assert ck.close() is None  # rank 1 never commits
+    [shard] = job.glob(".step_1.tmp-*/shard-00001-of-00002.safetensors")
+    with safe_open(str(shard), framework="numpy") as f:
+        tail = f.get_tensor("W")  # rank 1 holds the end of W, as it was at the save
+    assert 0 < tail.size < 100000 and np.array_equal(tail, np.arange(100000 - tail.size, 100000, dtype=np.float32))
+
+
 def test_a_failed_background_write_is_raised_at_the_next_save(tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")

@@ -344,6 +344,31 @@ def test_engine_state_round_trips_across_backends(restore_ops):
 
 
 @pytest.mark.parametrize("name", ["torch", "tensorflow"])
+def test_state_without_copy_reads_the_live_values(name, restore_ops):
+    """state(copy=False) (checkpoint snapshots, state broadcasts) equals state() and copies nothing
+    on torch; on TF the views are of the variables' buffers, which copy-on-write keeps as they were."""
+    from elasticflow import optim
+
+    module, engine = _engine(name, optim.SGD(0.1, momentum=0.9))
+    x, y = _batches(1)[0]
+    engine.zero_grad()
+    engine.accumulate((module.to_tensor(x), module.to_tensor(y)), 1.0)
+    engine.apply(0.1)
+    copied, views = engine.state(), engine.state(copy=False)
+    assert sorted(views) == sorted(copied) and any(n.startswith("optimizer/") for n in views)
+    for n in copied:
+        assert np.array_equal(views[n], copied[n]) and not np.shares_memory(views[n], copied[n]), n
+    engine.zero_grad()
+    engine.accumulate((module.to_tensor(x), module.to_tensor(y)), 1.0)
+    engine.apply(0.1)
+    after = engine.state()
+    moved = [n for n in copied if not np.array_equal(after[n], copied[n])]
+    assert moved
+    for n in moved:  # torch: views of the live tensors; TF: a snapshot
+        assert np.array_equal(views[n], after[n] if name == "torch" else copied[n]), n
+
+
+@pytest.mark.parametrize("name", ["torch", "tensorflow"])
 def test_grad_view_edits_are_what_apply_uses(name, restore_ops):
     import torch
 

@@ -277,6 +277,15 @@ def to_numpy(t: Any) -> np.ndarray:
     return np.asarray(t.numpy()) if hasattr(t, "numpy") else np.asarray(t)
 
 
+def _view(variable: Any) -> np.ndarray:
+    """A read-only numpy view of a CPU variable's current value: ``.numpy()`` would copy it."""
+    # convert_to_tensor reads tf and keras variables alike; _numpy() is private, but the one
+    # no-copy path from an eager tensor to numpy (a 0-d tensor gives a numpy scalar: a copy).
+    array = np.asarray(tf.convert_to_tensor(variable)._numpy())
+    array.flags.writeable = False
+    return array
+
+
 # ---------------------------------------------------------------- engine
 def _check_loss(out: Any, where: str):
     """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
@@ -587,13 +596,13 @@ class Engine:
         return _check_loss(self.forward(*batch, params=self._params()), "in evaluation")
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
-    def _by_name(self, variables: List[Any]) -> Dict[str, np.ndarray]:
-        """Per-target variables (parameters or one optimizer slot) -> {parameter name: private copy}."""
-        arrays = [to_numpy(v) for v in variables]
-        if self.native is not None:
-            return {n: a.copy() for n, a in zip(self.param_names, arrays)}
-        o = self._offsets
-        return {n: arrays[0][o[i]:o[i + 1]].reshape(self._shapes[i]).copy() for i, n in enumerate(self.param_names)}
+    def _by_name(self, variables: List[Any], copy: bool = True) -> Dict[str, np.ndarray]:
+        """Per-target variables (parameters or one optimizer slot) -> {parameter name: array}."""
+        arrays = [_view(v) for v in variables]
+        if self.native is None:  # one flat variable: its pieces by name
+            o = self._offsets
+            arrays = [arrays[0][o[i]:o[i + 1]].reshape(self._shapes[i]) for i in range(len(self.param_names))]
+        return {n: a.copy() if copy else a for n, a in zip(self.param_names, arrays)}
 
     def _assign_by_name(self, variables: List[Any], named: Dict[str, np.ndarray]) -> None:
         if self.native is not None:
@@ -603,13 +612,19 @@ class Engine:
             variables[0].assign(np.concatenate([np.asarray(named[n], np.float32).reshape(-1)
                                                 for n in self.param_names]))
 
-    def state(self) -> Dict[str, np.ndarray]:
+    def state(self, copy: bool = True) -> Dict[str, np.ndarray]:
+        """Parameters, buffers and optimizer slots by name, as numpy arrays (see the torch Engine).
+
+        ``copy=False`` returns views of the variables' current buffers, without a copy. They stay
+        as they are: a variable whose buffer is still referenced copies it before its next
+        in-place update (TensorFlow's copy-on-write), so the views are a snapshot.
+        """
         self._flush()
-        out = self._by_name(self._targets)
-        out.update({n: to_numpy(b).copy() for n, b in self.buffers.items()})
+        out = self._by_name(self._targets, copy)
+        out.update({n: _view(b).copy() if copy else _view(b) for n, b in self.buffers.items()})
         if self._slots_live:
             for slot, variables in self._slots.items():
-                out.update({f"optimizer/{n}/{slot}": a for n, a in self._by_name(variables).items()})
+                out.update({f"optimizer/{n}/{slot}": a for n, a in self._by_name(variables, copy).items()})
         return out
 
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:

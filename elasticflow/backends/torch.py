@@ -291,14 +291,21 @@ class Engine:
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
-    def state(self) -> Dict[str, np.ndarray]:
-        out = {n: to_numpy(p).copy() for n, p in self.params.items()}
-        out.update({n: to_numpy(b).copy() for n, b in self.buffers.items()})
+    def state(self, copy: bool = True) -> Dict[str, np.ndarray]:
+        """Parameters, buffers and optimizer slots by name, as numpy arrays.
+
+        ``copy=False`` returns views of the live tensors (no copy, so no stall proportional to the
+        model): they change with the next ``apply``/``load_state``, so read them before that (a
+        checkpoint snapshot, a state broadcast) and never write to them.
+        """
+        take = (lambda t: to_numpy(t).copy()) if copy else to_numpy
+        out = {n: take(p) for n, p in self.params.items()}
+        out.update({n: take(b) for n, b in self.buffers.items()})
         for n, p in self.params.items():
             slots = self.optimizer.state.get(p, {})
             for slot in self.spec.slots():
                 if slot in slots and slots[slot] is not None:
-                    out[f"optimizer/{n}/{slot}"] = to_numpy(slots[slot]).copy()
+                    out[f"optimizer/{n}/{slot}"] = take(slots[slot])
         return out
 
     @torch.no_grad()
