@@ -5,8 +5,8 @@
   same step: a newer generation is waiting, Ctrl-C was pressed, the agent is gone.
 - ``recover``: after a failed collective, drop the group, enter the agent's next generation and
   ``sync_state``: the members compare how many samples each has committed, and if one is ahead
-  (it finished the step's reduction before the peer died) its full state is broadcast to the
-  rest. So no member diverges and at most one step is redone.
+  (it finished the step's reduction before the peer died) its full state is sent to the members
+  behind. So no member diverges and at most one step is redone.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def reduce_sum(trainer: "ElasticTrainer", values: List[float]) -> List[float]:
 
 
 def replicated_state(trainer: "ElasticTrainer") -> Tuple[dict, dict]:
-    state = trainer.engine.state(copy=False)  # views: broadcast_state packs them before anything changes
+    state = trainer.engine.state(copy=False)  # views: share_state sends them before anything changes
     state.update(trainer.engine.rng_state())
     meta = {"step": trainer.step_count, "micro_step": trainer.micro_step, "skipped_steps": trainer.skipped_steps,
             "cursor": trainer.cursor.as_dict(), "epochs_completed": trainer.epochs_completed,
@@ -106,10 +106,11 @@ def sync_state(trainer: "ElasticTrainer") -> bool:
     if bool((progress == best).all()):
         return False
     src = int((progress == best).nonzero()[0])
-    state, meta = replicated_state(trainer) if trainer.rank == src else ({}, {})
-    state, meta = group.broadcast_state(state, meta, src)
-    if trainer.rank != src:
-        adopt_state(trainer, state, meta)
+    behind = (progress < best).nonzero().flatten().tolist()
+    if trainer.rank == src:
+        group.share_state(*replicated_state(trainer), src, behind)
+    elif trainer.rank in behind:
+        adopt_state(trainer, *group.share_state({}, {}, src, behind))
     return True
 
 

@@ -296,7 +296,7 @@ class Engine:
 
         ``copy=False`` returns views of the live tensors (no copy, so no stall proportional to the
         model): they change with the next ``apply``/``load_state``, so read them before that (a
-        checkpoint snapshot, a state broadcast) and never write to them.
+        checkpoint snapshot, a state transfer) and never write to them.
         """
         take = (lambda t: to_numpy(t).copy()) if copy else to_numpy
         out = {n: take(p) for n, p in self.params.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore
 
 from .protocol import CommError
+
+BIG = 1 << 20  # bytes: a tensor this large travels as its own message in share_state, without a copy
+ALIGN = 64
 
 
 class Group:
@@ -54,54 +57,68 @@ class Group:
         self._run("allreduce", lambda: self.pg.allreduce([tensor], opts).wait())
         return tensor
 
-    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        if self.world == 1:
-            return tensor
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        self._run("broadcast", lambda: self.pg.broadcast([tensor], opts).wait())
+    def share_state(self, state: Dict[str, np.ndarray], meta: dict, src: int,
+                    receivers: Sequence[int]) -> Tuple[Dict[str, np.ndarray], dict]:
+        """Send ``state`` and ``meta`` from rank ``src`` to the ``receivers`` only; returns what src sent.
+
+        Called by src and by every receiver (the other members need not take part, so a member that
+        already holds the state does not pay for the bytes). Point to point rather than a broadcast:
+        a join then moves the model once, not once per member. Tensors of ``BIG`` bytes or more go
+        as they are, without a packing copy; the small ones are packed into one buffer, so a model
+        of many small tensors costs a few messages, not one each. Names, dtypes, shapes and ``meta``
+        travel as a JSON header (no pickle).
+
+        Note: src's arrays must not change until this returns (``engine.state(copy=False)`` views
+        do not: nothing trains meanwhile).
+        """
+        if self.rank != src and self.rank not in receivers:
+            raise ValueError(f"rank {self.rank} is neither the sender {src} nor a receiver {list(receivers)}")
+        if self.rank == src:
+            arrays = {k: np.asarray(v, order="C") for k, v in state.items()}  # not ascontiguousarray: 0-d stays 0-d
+            small = [k for k, v in arrays.items() if v.nbytes < BIG]
+            offsets = np.cumsum([0] + [_padded(arrays[k].nbytes) for k in small]).tolist()
+            packed = np.empty(offsets[-1], np.uint8)
+            for k, at in zip(small, offsets):
+                packed[at:at + arrays[k].nbytes] = arrays[k].reshape(-1).view(np.uint8)
+            header = json.dumps({"meta": meta, "packed": len(packed),
+                                 "tensors": [[k, v.dtype.str, list(v.shape), v.nbytes >= BIG]
+                                             for k, v in arrays.items()]}).encode()
+            messages = [torch.tensor([len(header)], dtype=torch.int64),
+                        torch.frombuffer(bytearray(header), dtype=torch.uint8), torch.from_numpy(packed)]
+            messages += [_bytes(v) for v in arrays.values() if v.nbytes >= BIG]
+            # Every send at once: gloo moves them in the background, to all receivers in parallel.
+            works = [self._run("send", lambda t=t, r=r, tag=tag: self.pg.send([t], r, tag))
+                     for r in receivers for tag, t in enumerate(messages) if t.numel()]
+            for work in works:
+                self._run("send", work.wait)
+            return state, meta
+        size = self._recv(torch.zeros(1, dtype=torch.int64), src, 0)
+        info = json.loads(self._recv(torch.empty(int(size[0]), dtype=torch.uint8), src, 1).numpy().tobytes())
+        packed = self._recv(torch.empty(info["packed"], dtype=torch.uint8), src, 2).numpy()
+        out: Dict[str, np.ndarray] = {}
+        at, tag = 0, 3
+        for name, dtype, shape, big in info["tensors"]:
+            dt = np.dtype(dtype)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            if big:
+                raw = self._recv(torch.empty(nbytes, dtype=torch.uint8), src, tag).numpy()
+                tag += 1
+            else:
+                raw = packed[at:at + nbytes]
+                at += _padded(nbytes)
+            out[name] = raw.view(dt).reshape(shape)
+        return out, info["meta"]
+
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        if tensor.numel():
+            self._run("receive", lambda: self.pg.recv([tensor], src, tag).wait())
         return tensor
 
-    def broadcast_state(self, state: Dict[str, np.ndarray], meta: dict, src: int) -> Tuple[Dict[str, np.ndarray], dict]:
-        """Send ``state`` and ``meta`` from rank ``src`` to every member; returns what src sent.
 
-        float32 tensors (nearly all the bytes) travel as one flat buffer: one packing copy on the
-        sender, views on the receivers. The rest (RNG bytes, integer buffers) goes as safetensors
-        (no pickle), and the names, shapes and ``meta`` as a JSON header.
-        """
-        from safetensors.numpy import load as st_load, save as st_save
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN  # every packed tensor starts aligned for its dtype
 
-        if self.rank == src:
-            floats = {k: v for k, v in state.items() if v.dtype == np.float32}
-            rest = st_save({k: np.ascontiguousarray(v) for k, v in state.items() if k not in floats})
-            header = json.dumps({"meta": meta, "floats": [[k, list(v.shape)] for k, v in floats.items()],
-                                 "rest_bytes": len(rest)}).encode()
-            sizes = torch.tensor([len(header), sum(v.size for v in floats.values())], dtype=torch.int64)
-        else:
-            sizes = torch.zeros(2, dtype=torch.int64)
-        self.broadcast_(sizes, src)
-        header_t = (torch.frombuffer(bytearray(header), dtype=torch.uint8) if self.rank == src
-                    else torch.empty(int(sizes[0]), dtype=torch.uint8))
-        self.broadcast_(header_t, src)
-        info = json.loads(header_t.numpy().tobytes())
-        if self.rank == src:
-            flat = torch.cat([torch.from_numpy(np.ascontiguousarray(v)).reshape(-1) for v in floats.values()]) \
-                if floats else torch.empty(0)
-            rest_t = torch.frombuffer(bytearray(rest), dtype=torch.uint8) if rest else torch.empty(0, dtype=torch.uint8)
-        else:
-            flat = torch.empty(int(sizes[1]), dtype=torch.float32)
-            rest_t = torch.empty(info["rest_bytes"], dtype=torch.uint8)
-        if flat.numel():
-            self.broadcast_(flat, src)
-        if rest_t.numel():
-            self.broadcast_(rest_t, src)
-        if self.rank == src:
-            return state, meta
-        out: Dict[str, np.ndarray] = st_load(rest_t.numpy().tobytes()) if rest_t.numel() else {}
-        values, offset = flat.numpy(), 0
-        for name, shape in info["floats"]:
-            n = int(np.prod(shape, dtype=np.int64))
-            out[name] = values[offset:offset + n].reshape(shape)
-            offset += n
-        return out, info["meta"]
+
+def _bytes(array: np.ndarray) -> torch.Tensor:
+    """A contiguous array's bytes as a uint8 tensor, without a copy."""
+    return torch.from_numpy(array.reshape(-1).view(np.uint8))

@@ -1,0 +1,87 @@
+"""Group.share_state between real processes on loopback: what arrives, who takes part, a dying sender."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+# Each rank runs this; rank 0 hosts the store. argv: rank world port mode
+RANK = r"""
+import datetime, json, os, signal, sys, time
+import numpy as np, torch
+import torch.distributed as dist
+from elasticflow.distributed.comm import Group
+from elasticflow.distributed.protocol import CommError
+
+rank, world, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
+group = Group(store, 0, rank, world, timeout_s=20)
+state = {"W": np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000),   # 2.4 MB: its own message
+         "b": np.linspace(0, 1, 7, dtype=np.float32), "steps": np.array(41, np.int64),
+         "rng/torch": np.arange(256, dtype=np.uint8), "none": np.zeros((0, 3), np.float32),
+         "strided": np.arange(40, dtype=np.float64).reshape(5, 8)[:, ::2]}   # not contiguous
+out = {"rank": rank}
+if mode == "kill" and rank == 0:
+    os.kill(os.getpid(), signal.SIGKILL)   # the sender dies before sending anything
+t = time.perf_counter()
+try:
+    if rank == 0:
+        group.share_state(state, {"step": 12, "cursor": {"epoch": 1}}, 0, [2])
+    elif rank == 2:
+        got, meta = group.share_state({}, {}, 0, [2])
+        out["meta"] = meta
+        out["equal"] = sorted(got) == sorted(state) and all(
+            got[k].dtype == state[k].dtype and got[k].shape == state[k].shape and np.array_equal(got[k], state[k])
+            for k in state)
+except CommError as exc:
+    out["error"] = str(exc)
+out["seconds"] = time.perf_counter() - t
+print(json.dumps(out), flush=True)
+sys.stdout.flush()
+os._exit(0)   # a process whose group failed may abort in gloo's destructors
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(tmp_path: Path, mode: str, world: int = 3) -> dict:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    results = {}
+    for r, p in enumerate(procs):
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        results[r] = json.loads(lines[-1]) if lines else {"returncode": p.returncode, "stderr": stderr[-2000:]}
+    return results
+
+
+def test_share_state_reaches_the_receivers_exactly(tmp_path):
+    res = _run_ranks(tmp_path, "ok")
+    assert res[2].get("equal") is True, res
+    assert res[2]["meta"] == {"step": 12, "cursor": {"epoch": 1}}
+    assert "error" not in res[0] and "error" not in res[1]  # rank 1 holds the state already: no part in it
+
+
+def test_a_sender_that_dies_is_a_comm_error_not_a_hang(tmp_path):
+    res = _run_ranks(tmp_path, "kill")
+    assert res[0].get("returncode") == -signal.SIGKILL
+    assert "failed" in res[2].get("error", ""), res[2]
+    assert res[2]["seconds"] < 15  # well inside the group's 20 s timeout: the closed socket wakes it
