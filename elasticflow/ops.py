@@ -21,6 +21,8 @@ _impl: Any = None
 def use(name: str) -> None:
     """Route every op to backend ``name`` ('torch' or 'tensorflow')."""
     global _impl
+    if _impl is not None and _impl.NAME == name:  # every micro-batch asks: keep the common case cheap
+        return
     from . import backends
 
     _impl = backends.load(name)

@@ -126,6 +126,7 @@ class ElasticTrainer:
         # A worker has no rank until it enters a generation (-1 keeps it from logging before that).
         self.rank, self.world, self.generation = (0 if membership is None else -1), 1, 0
         self.metric_names: list = []
+        self.progress: Optional[Progress] = None  # fit()'s bar; None in a custom loop
         self._pending: Dict[str, bool] = {}
         self._writer: Optional[MetricsWriter] = None
         self._written_step = -1
@@ -340,12 +341,13 @@ class ElasticTrainer:
         m = self.last_metrics
         m["step_time_s"] = elapsed
         if self.rank == 0:
+            bar = self.progress
             if self._should_log(m):
                 self._log_record(m)
-                if not getattr(self, "progress", None) or not self.progress.active:
+                if bar is None or not bar.active:
                     log.info(step_line(m))
-            if getattr(self, "progress", None):
-                self.progress.update(m["loss"], m["global_batch"] / max(elapsed, 1e-9))
+            if bar is not None:
+                bar.update(m["loss"], m["global_batch"] / max(elapsed, 1e-9))
         ev = self.tcfg.eval_every
         if ev and self.eval_dataset is not None and self.step_count % ev == 0 and not m.get("skipped"):
             self.evaluate()

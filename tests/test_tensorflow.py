@@ -408,10 +408,11 @@ def test_jit_and_eager_agree_and_retrace_only_on_new_shapes(restore_ops):
     a, b = jit_engine.state(), eager_engine.state()
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-7, err_msg=name)
-    # Keys: (training, first micro-batch of its step, runs the previous step's update). One trace
-    # per shape and variant: the very first micro-batch has no update before it.
+    # Keys: (training, first micro-batch of its step, runs the previous step's update, resident
+    # tensors gathered inside: none here). One trace per shape and variant: the very first
+    # micro-batch has no update before it.
     counts = {key: fn.experimental_get_tracing_count() for key, fn in jit_engine._grad_fns.items()}
-    assert counts == {(True, True, False): 1, (True, True, True): 3, (True, False, False): 3}
+    assert counts == {(True, True, False, None): 1, (True, True, True, None): 3, (True, False, False, None): 3}
     assert jit_engine._apply_fn.experimental_get_tracing_count() == 1  # lr and bias corrections are tensors
     from elasticflow.backends import tensorflow as tfb
 

@@ -262,15 +262,32 @@ def index(positions: np.ndarray) -> tf.Tensor:
     return tf.constant(np.asarray(positions, dtype=np.int64))
 
 
-_AXIS0: Optional[tf.Tensor] = None
+class Rows:
+    """Rows ``idx`` of the resident tensors ``source``: a batch the Engine gathers inside its
+    compiled step. Gathered eagerly, each tensor would be an op dispatch of its own per step (tens
+    of microseconds each, a large share of a small step). Indexing or iterating gathers eagerly.
+    """
+    __slots__ = ("source", "idx")
+
+    def __init__(self, source: Tuple[tf.Tensor, ...], idx: tf.Tensor):
+        self.source, self.idx = source, idx
+
+    def tensors(self) -> Tuple[tf.Tensor, ...]:
+        return _gather(self.source, self.idx)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i):
+        return self.tensors()[i]
 
 
-def gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Tuple[tf.Tensor, ...]:
-    global _AXIS0
-    if _AXIS0 is None:
-        _AXIS0 = tf.constant(0, tf.int32)
-    # The raw op: tf.gather's Python dispatch layers cost more than the gather of a batch.
-    return tuple(tf.raw_ops.GatherV2(params=t, indices=idx, axis=_AXIS0) for t in tensors)
+def gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Rows:
+    return Rows(tuple(tensors), idx)
+
+
+def _gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Tuple[tf.Tensor, ...]:
+    return tuple(tf.gather(t, idx) for t in tensors)
 
 
 def to_numpy(t: Any) -> np.ndarray:
@@ -405,13 +422,20 @@ class Engine:
         self._slots_live = False   # torch creates optimizer state at the first update; state() follows
         self._updates = 0          # updates applied since the optimizer state was fresh (bias correction)
         self._zero_pending = False  # zero_grad() is folded into the next accumulate (one op fewer per step)
-        self._pending_update: Optional[tf.Tensor] = None  # apply()'s scalars, run by the next compiled call
-        self._scalars: Tuple[tuple, Any] = ((), None)  # the last update's scalars and their tensor
-        self._weights: Dict[float, tf.Tensor] = {}  # micro-batch weight -> constant (a handful per run)
+        self._pending_update = False  # apply() ran; its update runs in the next compiled call
+        # The update's scalars (lr, bias corrections...) and the micro-batch weight live in variables
+        # the compiled step reads: every argument of a tf.function call costs its own share of the
+        # call's dispatch, so the step's only argument is the batch (or just its row indices).
+        self._scalars = ()
+        self._k = tf.Variable(tf.zeros([len(self._update_scalars(0.0, 1))], tf.float32), trainable=False)
+        self._metric_names: List[str] = []  # forward()'s metrics, in the order the step returns them
+        self._weight_value = 1.0
+        self._weight = tf.Variable(1.0, trainable=False)
         # Variants are separate functions, not Python arguments: binding a Python value costs
         # as much per call as a small step. The training flag is read at trace time.
-        self._grad_fns: Dict[Tuple[bool, bool, bool], Any] = {}  # (training, first micro-batch, runs the update)
-        self._eval_fns: Dict[bool, Any] = {}
+        # key: (training, first micro-batch, runs the update, id of the resident tensors or None)
+        self._grad_fns: Dict[Tuple[bool, bool, bool, Optional[int]], Any] = {}
+        self._eval_fns: Dict[Tuple[bool, Optional[int]], Any] = {}
         # Not XLA: on its own an XLA update is faster (one fused sweep instead of one per op), but
         # it runs inside the next step's call, where an XLA cluster's launch and variable copies
         # cost more than they save (measured: +8% per step at 300k parameters, +9% at 5k).
@@ -444,9 +468,9 @@ class Engine:
 
     def _flush(self) -> None:
         """Run a deferred update now: something is about to read the parameters or the gradient."""
-        if self._pending_update is not None:
-            update, self._pending_update = self._pending_update, None
-            self._apply_fn(update)
+        if self._pending_update:
+            self._pending_update = False
+            self._apply_fn()
 
     def _settle(self) -> None:
         self._flush()
@@ -456,38 +480,40 @@ class Engine:
             self.flat_grad.assign(tf.zeros([self.num_params], tf.float32))
             self._zero_pending = False
 
-    def accumulate(self, batch: Tuple[tf.Tensor, ...], weight: float):
-        """Add the gradient of ``weight * loss`` of one micro-batch to the flat buffer; returns weighted (loss, metrics)."""
+    def accumulate(self, batch, weight: float):
+        """Add the gradient of ``weight * loss`` of one micro-batch to the flat buffer; returns weighted (loss, metrics).
+
+        ``batch``: a tuple of tensors, or ``Rows`` (from ``gather``), gathered inside the compiled step.
+        """
         fresh, update = self._zero_pending, self._pending_update
-        if update is not None and not fresh:  # not the trainer's order; keep it correct anyway
+        if update and not fresh:  # not the trainer's order; keep it correct anyway
             self._flush()
-            update = None
-        key = (_training, fresh, update is not None)
+            update = False
+        source, inputs = (batch.source, batch.idx) if isinstance(batch, Rows) else (None, tuple(batch))
+        key = (_training, fresh, update, None if source is None else id(source))
         fn = self._grad_fns.get(key)
-        if fn is None:
-            if update is None:
-                fn = self._compile(lambda b, w: self._grad_step(b, w, fresh))
-            else:
-                fn = self._compile(lambda b, w, k: self._grad_step(b, w, fresh, k))
-            self._grad_fns[key] = fn
-        w = self._weights.get(weight)
-        if w is None:
-            w = tf.constant(weight, tf.float32)
-            if len(self._weights) < 64:
-                self._weights[weight] = w
-        self._zero_pending, self._pending_update = False, None
-        loss, metrics = fn(tuple(batch), w) if update is None else fn(tuple(batch), w, update)
+        if fn is None:  # the closure keeps ``source`` alive, so its id stays its own
+            fn = self._grad_fns[key] = self._compile(
+                lambda x: self._grad_step(_gather(source, x) if source is not None else x, fresh, update))
+        if weight != self._weight_value:  # one micro-batch per step (weight 1): never
+            self._weight.assign(weight)
+            self._weight_value = weight
+        self._zero_pending, self._pending_update = False, False
+        out = fn(inputs)
         # numpy scalars, not tensors: the trainer sums them, and on TF's eager runtime each sum of
         # two tensors is an op dispatch (tens of microseconds); float32 numpy keeps torch's rounding.
-        return loss.numpy(), {k: v.numpy() for k, v in metrics.items()}
+        # One tensor for all of them: one conversion instead of one each.
+        values = out.numpy()
+        return values[0], dict(zip(self._metric_names, values[1:]))
 
-    def _grad_step(self, batch, weight, fresh: bool, update=None):
+    def _grad_step(self, batch, fresh: bool, update: bool):
         ops.use(NAME)  # forward()'s elasticflow.ops calls come here (at trace time), whichever backend ran last
-        if update is not None:
+        if update:
             # The previous step's update, then this step's gradient, in one call: the update reads
             # the gradient buffer before the assign below overwrites it (TF orders the two uses of
             # the variable as written).
-            self._apply_fn(update)
+            self._apply_step()
+        weight = tf.convert_to_tensor(self._weight)
         with tf.GradientTape() as tape:
             loss, metrics = _check_loss(self.forward(*batch, params=self._params()), "for a micro-batch")
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
@@ -498,7 +524,8 @@ class Engine:
             self.flat_grad.assign(flat)
         else:
             self.flat_grad.assign_add(flat)
-        return weighted, {k: v * weight for k, v in metrics.items()}
+        self._metric_names = sorted(metrics)  # at trace time: the order of the values returned
+        return tf.stack([weighted] + [tf.cast(metrics[k], tf.float32) * weight for k in self._metric_names])
 
     def grad_norm(self) -> float:
         self._settle()
@@ -538,23 +565,26 @@ class Engine:
         parameters, gradient or state (evaluate, state, grad_*); nothing can observe the delay.
         """
         self._settle()
-        s = self.spec
         step = self._updates + 1
-        if isinstance(s, SGD):
-            scalars = [lr, s.weight_decay, s.momentum]
-        else:
-            b1, b2 = s.betas
-            bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-            scalars = [lr / bc1, bc2 ** 0.5, s.eps, 1 - b1, b2, 1 - b2, s.weight_decay, 1 - lr * s.weight_decay]
-        key = tuple(scalars)
-        if key != self._scalars[0]:  # constant-lr SGD: the same tensor every step, no eager op
-            self._scalars = (key, tf.constant(np.array(scalars, np.float32)))
-        self._pending_update = self._scalars[1]
+        scalars = self._update_scalars(lr, step)
+        if scalars != self._scalars:  # constant-lr SGD: the same scalars every step, no eager op
+            self._k.assign(np.array(scalars, np.float32))
+            self._scalars = scalars
+        self._pending_update = True
         self._updates = step
         self._slots_live = True
 
-    def _apply_step(self, k):
+    def _update_scalars(self, lr: float, step: int) -> tuple:
         s = self.spec
+        if isinstance(s, SGD):
+            return (lr, s.weight_decay, s.momentum)
+        b1, b2 = s.betas
+        bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+        return (lr / bc1, bc2 ** 0.5, s.eps, 1 - b1, b2, 1 - b2, s.weight_decay, 1 - lr * s.weight_decay)
+
+    def _apply_step(self):
+        s = self.spec
+        k = tf.unstack(tf.convert_to_tensor(self._k))
         grads = tf.split(tf.convert_to_tensor(self.flat_grad), self._target_sizes)
         for i, (p, g) in enumerate(zip(self._targets, grads)):
             g = tf.reshape(g, self._target_shapes[i])
@@ -567,7 +597,7 @@ class Engine:
                     new = tf.convert_to_tensor(buf) * k[2] + g  # torch: buf.mul_(momentum).add_(g)
                     buf.assign(new)
                     g = g + k[2] * new if s.nesterov else new
-                p.assign(w - k[0] * g)
+                p.assign_sub(k[0] * g)  # in place, as torch; the same rounding as w - lr * g
             else:
                 if s.weight_decay:
                     if isinstance(s, AdamW):
@@ -583,12 +613,15 @@ class Engine:
                 denom = tf.math.sqrt(v_new) / k[1] + k[2]  # sqrt(v) / sqrt(bias_correction2) + eps
                 p.assign(w - k[0] * (m_new / denom))       # step_size = lr / bias_correction1
 
-    def evaluate(self, batch: Tuple[tf.Tensor, ...]) -> Dict[str, float]:
+    def evaluate(self, batch) -> Dict[str, float]:
         self._flush()
-        fn = self._eval_fns.get(_training)
+        source, inputs = (batch.source, batch.idx) if isinstance(batch, Rows) else (None, tuple(batch))
+        key = (_training, None if source is None else id(source))
+        fn = self._eval_fns.get(key)
         if fn is None:
-            fn = self._eval_fns[_training] = self._compile(self._eval_step)
-        loss, metrics = fn(tuple(batch))
+            fn = self._eval_fns[key] = self._compile(
+                lambda x: self._eval_step(_gather(source, x) if source is not None else x))
+        loss, metrics = fn(inputs)
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
     def _eval_step(self, batch):
@@ -628,7 +661,7 @@ class Engine:
         return out
 
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
-        self._pending_update = None  # overwritten below in any case
+        self._pending_update = False  # overwritten below in any case
         self._assign_by_name(self._targets, state)
         for n, v in self.buffers.items():
             v.assign(np.asarray(state[n]).astype(_np_dtype(v)).reshape(v.shape))
