@@ -2,7 +2,8 @@
 
 A backend module provides the ops listed in ``elasticflow.ops``, plus ``NAME``, ``setup(threads, seed)``,
 ``native_kind(obj)`` and an ``Engine`` class (parameters, autodiff, optimizer, state). Adding a
-backend is one new file here and one name in ``PACKAGES``.
+backend is one new file here and one name in ``PACKAGES`` (``tensorflow_optim.py`` is a helper of the
+TensorFlow backend: torch.optim's update formulas written for tf.Variables).
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 The same names, semantics and layouts as ``backends/torch.py``, so one model file and its
 checkpoints move between backends: images are NCHW and conv weights OIHW at the API (TF's CPU
 convolution only takes NHWC, so conv2d and max_pool2d transpose inside), and SGD, Adam and AdamW
-are written out here with torch.optim's formulas, slot names and float32 rounding of the scalars.
+are written out in ``tensorflow_optim.py`` with torch.optim's formulas, slot names and float32
+rounding of the scalars.
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
@@ -21,9 +22,10 @@ import numpy as np
 import tensorflow as tf
 
 from .. import ops
+from . import tensorflow_optim as tf_optim
 from ..errors import ElasticFlowError
 from .common import flatten, rebuild, split_output
-from ..optim import SGD, Adam, AdamW, OptimizerSpec
+from ..optim import OptimizerSpec
 
 NAME = "tensorflow"
 _training = True  # read by dropout and ops.training(); the Engine flips it around evaluation
@@ -427,7 +429,7 @@ class Engine:
         # the compiled step reads: every argument of a tf.function call costs its own share of the
         # call's dispatch, so the step's only argument is the batch (or just its row indices).
         self._scalars = ()
-        self._k = tf.Variable(tf.zeros([len(self._update_scalars(0.0, 1))], tf.float32), trainable=False)
+        self._k = tf.Variable(tf.zeros([len(tf_optim.scalars(spec, 0.0, 1))], tf.float32), trainable=False)
         self._metric_names: List[str] = []  # forward()'s metrics, in the order the step returns them
         self._weight_value = 1.0
         self._weight = tf.Variable(1.0, trainable=False)
@@ -566,7 +568,7 @@ class Engine:
         """
         self._settle()
         step = self._updates + 1
-        scalars = self._update_scalars(lr, step)
+        scalars = tf_optim.scalars(self.spec, lr, step)
         if scalars != self._scalars:  # constant-lr SGD: the same scalars every step, no eager op
             self._k.assign(np.array(scalars, np.float32))
             self._scalars = scalars
@@ -574,44 +576,10 @@ class Engine:
         self._updates = step
         self._slots_live = True
 
-    def _update_scalars(self, lr: float, step: int) -> tuple:
-        s = self.spec
-        if isinstance(s, SGD):
-            return (lr, s.weight_decay, s.momentum)
-        b1, b2 = s.betas
-        bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-        return (lr / bc1, bc2 ** 0.5, s.eps, 1 - b1, b2, 1 - b2, s.weight_decay, 1 - lr * s.weight_decay)
-
     def _apply_step(self):
-        s = self.spec
-        k = tf.unstack(tf.convert_to_tensor(self._k))
         grads = tf.split(tf.convert_to_tensor(self.flat_grad), self._target_sizes)
-        for i, (p, g) in enumerate(zip(self._targets, grads)):
-            g = tf.reshape(g, self._target_shapes[i])
-            w = tf.convert_to_tensor(p)
-            if isinstance(s, SGD):
-                if s.weight_decay:
-                    g = g + k[1] * w
-                if s.momentum:
-                    buf = self._slots["momentum_buffer"][i]
-                    new = tf.convert_to_tensor(buf) * k[2] + g  # torch: buf.mul_(momentum).add_(g)
-                    buf.assign(new)
-                    g = g + k[2] * new if s.nesterov else new
-                p.assign_sub(k[0] * g)  # in place, as torch; the same rounding as w - lr * g
-            else:
-                if s.weight_decay:
-                    if isinstance(s, AdamW):
-                        w = w * k[7]  # decoupled: param *= 1 - lr * weight_decay
-                    else:
-                        g = g + k[6] * w
-                m_var, v_var = self._slots["exp_avg"][i], self._slots["exp_avg_sq"][i]
-                m, v = tf.convert_to_tensor(m_var), tf.convert_to_tensor(v_var)
-                m_new = m + k[3] * (g - m)                 # torch: exp_avg.lerp_(grad, 1 - beta1)
-                v_new = v * k[4] + k[5] * g * g            # torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-                m_var.assign(m_new)
-                v_var.assign(v_new)
-                denom = tf.math.sqrt(v_new) / k[1] + k[2]  # sqrt(v) / sqrt(bias_correction2) + eps
-                p.assign(w - k[0] * (m_new / denom))       # step_size = lr / bias_correction1
+        grads = [tf.reshape(g, shape) for g, shape in zip(grads, self._target_shapes)]
+        tf_optim.apply(self.spec, tf.unstack(tf.convert_to_tensor(self._k)), self._targets, grads, self._slots)
 
     def evaluate(self, batch) -> Dict[str, float]:
         self._flush()
