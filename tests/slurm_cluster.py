@@ -220,6 +220,10 @@ class SlurmCluster:
         cred_expire, 120 s by default, Reason=BeginTime), then `scontrol update jobid=J StartTime=now`.
         A test-only shortcut: product code must not rely on it."""
         self.wait_state(jobid, "PENDING", timeout=timeout)
+        # slurmd revokes the old instance's credential at the requeue, to the second: a new instance
+        # launched within that same second is refused ("Job credential revoked", then FAILED with
+        # nothing in the job's log). SLURM's own hold avoids this; this shortcut waits out the second.
+        time.sleep(1.5)
         self.run("scontrol", "update", f"jobid={jobid}", "StartTime=now")
 
     def log_tail(self, name: str = "slurmctld.log", lines: int = 30) -> str:
