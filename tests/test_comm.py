@@ -27,8 +27,8 @@ state = {"W": np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000),   # 2.
          "rng/torch": np.arange(256, dtype=np.uint8), "none": np.zeros((0, 3), np.float32),
          "strided": np.arange(40, dtype=np.float64).reshape(5, 8)[:, ::2]}   # not contiguous
 out = {"rank": rank}
-if mode == "kill" and rank == 0:
-    os.kill(os.getpid(), signal.SIGKILL)   # the sender dies before sending anything
+if (mode == "kill" and rank == 0) or (mode == "kill-receiver" and rank == 2):
+    os.kill(os.getpid(), signal.SIGKILL)   # the sender (or the receiver) dies before the transfer
 t = time.perf_counter()
 try:
     if rank == 0:
@@ -85,3 +85,10 @@ def test_a_sender_that_dies_is_a_comm_error_not_a_hang(tmp_path):
     assert res[0].get("returncode") == -signal.SIGKILL
     assert "failed" in res[2].get("error", ""), res[2]
     assert res[2]["seconds"] < 15  # well inside the group's 20 s timeout: the closed socket wakes it
+
+
+def test_a_receiver_that_dies_is_a_comm_error_for_the_sender(tmp_path):
+    res = _run_ranks(tmp_path, "kill-receiver")
+    assert res[2].get("returncode") == -signal.SIGKILL
+    assert "failed" in res[0].get("error", ""), res[0]
+    assert res[0]["seconds"] < 15
