@@ -19,7 +19,7 @@ from torch.distributed import PrefixStore
 from .protocol import CommError
 
 BIG = 1 << 20  # bytes: a tensor this large travels as its own message in share_state, without a copy
-ALIGN = 64
+ALIGN = 64     # bytes: where each packed tensor starts in share_state's buffer (aligned for any dtype)
 
 
 class Group:
