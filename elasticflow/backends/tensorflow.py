@@ -292,6 +292,19 @@ def _gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Tuple[tf.Tensor, 
     return tuple(tf.gather(t, idx) for t in tensors)
 
 
+def _split(batch) -> Tuple[Optional[Tuple[tf.Tensor, ...]], Any]:
+    """(the resident tensors, or None; what the compiled step is called with: row indices, or the tensors)."""
+    if isinstance(batch, Rows):
+        return batch.source, batch.idx
+    return None, tuple(batch)
+
+
+def _on_rows(step, source: Optional[Tuple[tf.Tensor, ...]]):
+    """``step(batch)`` taking what ``_split`` gives: it gathers the rows of ``source`` first, if set.
+    The closure keeps ``source`` alive, so the ``id(source)`` in a compiled-function key stays its own."""
+    return step if source is None else (lambda idx: step(_gather(source, idx)))
+
+
 def to_numpy(t: Any) -> np.ndarray:
     return np.asarray(t.numpy()) if hasattr(t, "numpy") else np.asarray(t)
 
@@ -491,12 +504,11 @@ class Engine:
         if update and not fresh:  # not the trainer's order; keep it correct anyway
             self._flush()
             update = False
-        source, inputs = (batch.source, batch.idx) if isinstance(batch, Rows) else (None, tuple(batch))
+        source, inputs = _split(batch)
         key = (_training, fresh, update, None if source is None else id(source))
         fn = self._grad_fns.get(key)
-        if fn is None:  # the closure keeps ``source`` alive, so its id stays its own
-            fn = self._grad_fns[key] = self._compile(
-                lambda x: self._grad_step(_gather(source, x) if source is not None else x, fresh, update))
+        if fn is None:
+            fn = self._grad_fns[key] = self._compile(_on_rows(lambda b: self._grad_step(b, fresh, update), source))
         if weight != self._weight_value:  # one micro-batch per step (weight 1): never
             self._weight.assign(weight)
             self._weight_value = weight
@@ -583,12 +595,11 @@ class Engine:
 
     def evaluate(self, batch) -> Dict[str, float]:
         self._flush()
-        source, inputs = (batch.source, batch.idx) if isinstance(batch, Rows) else (None, tuple(batch))
+        source, inputs = _split(batch)
         key = (_training, None if source is None else id(source))
         fn = self._eval_fns.get(key)
         if fn is None:
-            fn = self._eval_fns[key] = self._compile(
-                lambda x: self._eval_step(_gather(source, x) if source is not None else x))
+            fn = self._eval_fns[key] = self._compile(_on_rows(self._eval_step, source))
         loss, metrics = fn(inputs)
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
