@@ -234,19 +234,20 @@ class Checkpointer:
         """
         self.wait()
         _, need = _layout(plan(specs_of(state), world)[rank])
-        self._pending = self._writer().submit(self._buffer_for, need)
+        self._pending = self._writer().submit(self._buffer_for, need, True)
 
     def _writer(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="elasticflow-ckpt", initializer=_lower_priority)
         return self._pool
 
-    def _buffer_for(self, need: int) -> None:
+    def _buffer_for(self, need: int, touch: bool = False) -> None:
         # One buffer, reused across saves; safe: the previous save has finished (wait() first).
         if self._buffer is None or not need <= self._buffer.nbytes <= 2 * need + (1 << 20):
             self._buffer = None
             buffer = np.empty(max(need, 1), np.uint8)
-            np.copyto(buffer, 0)  # touch every page now (numpy lets go of the GIL for this)
+            if touch:  # fault every page in now (numpy lets go of the GIL); a snapshot's copy would anyway
+                np.copyto(buffer, 0)
             self._buffer = buffer
 
     def _snapshot(self, state: Dict[str, np.ndarray], pieces: List[Piece], copy: bool) -> List[np.ndarray]:
