@@ -82,8 +82,6 @@ def split_evenly(total: int, parts: int) -> List[int]:
 def worker_share(batch_positions: Tuple[int, int], rank: int, world: int) -> Tuple[int, int]:
     """This rank's contiguous [start, end) within a global batch's positions [start, end)."""
     start, end = batch_positions
-    if world == 1:
-        return start, end
     sizes = split_evenly(end - start, world)
     lo = start + sum(sizes[:rank])
     return lo, lo + sizes[rank]
