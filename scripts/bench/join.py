@@ -21,19 +21,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "elasticflow.cli"]
+sys.path.insert(0, str(REPO / "scripts"))  # run on its own, this file's folder is scripts/bench
 
-
-def _records(path: Path, name: str) -> list:
-    f = path / name
-    if not f.is_file():
-        return []
-    out = []
-    for line in f.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+from bench_elastic import jsonl  # noqa: E402  (reads a JSONL file, skipping a line torn by a SIGKILL)
 
 
 def _wait(pred, timeout: float, what: str):
@@ -69,14 +59,14 @@ def join_once(tmp: Path) -> dict:
                   "trainer.global_batch_size=64", "trainer.max_steps=100000", "checkpoint.interval.steps=null",
                   "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=20", "optimizer.lr=0.001")
     try:
-        _wait(lambda: len([r for r in _records(run, "metrics.jsonl") if "loss" in r]) >= 3, 300, "first steps")
+        _wait(lambda: len([r for r in jsonl(run / "metrics.jsonl") if "loss" in r]) >= 3, 300, "first steps")
         asked = time.time()
         subprocess.run(CLI + ["scale", str(run), "--workers", "3", "--wait", "0"], check=True,
                        stdout=subprocess.DEVNULL, timeout=120)
-        joined = _wait(lambda: [e for e in _records(run, "events.jsonl") if e["event"] == "joined"], 300, "join")[0]
-        first = _wait(lambda: [r for r in _records(run, "metrics.jsonl") if r.get("world_size") == 3], 300,
+        joined = _wait(lambda: [e for e in jsonl(run / "events.jsonl") if e["event"] == "joined"], 300, "join")[0]
+        first = _wait(lambda: [r for r in jsonl(run / "metrics.jsonl") if r.get("world_size") == 3], 300,
                       "a step with 3 workers")[0]
-        regrouped = _wait(lambda: [e for e in _records(run, "events.jsonl") if e["event"] == "regrouped"], 60,
+        regrouped = _wait(lambda: [e for e in jsonl(run / "events.jsonl") if e["event"] == "regrouped"], 60,
                           "the survivors' regrouped event")[0]
         # The joiner is admitted mid-step; the survivors leave training at the step's end (the boundary,
         # regrouped's time - recovery_s). Until then the joiner's group build just waits for them.
@@ -97,12 +87,12 @@ def hang_once(tmp: Path, timeout_s: float = 10.0, heartbeat_s: float = 3.0) -> d
                   f"elastic.timeout_s={timeout_s}", f"elastic.heartbeat_timeout_s={heartbeat_s}",
                   "checkpoint.interval.steps=null")
     try:
-        _wait(lambda: len([r for r in _records(run, "metrics.jsonl") if "loss" in r]) >= 20, 300, "first steps")
+        _wait(lambda: len([r for r in jsonl(run / "metrics.jsonl") if "loss" in r]) >= 20, 300, "first steps")
         victim = json.loads((run / "workers.json").read_text())["members"][1]["pid"]
         os.kill(victim, signal.SIGSTOP)
         stopped = time.time()
-        hung = _wait(lambda: [e for e in _records(run, "events.jsonl") if e["event"] == "hung"], 120, "hung")[0]
-        resumed = _wait(lambda: [r for r in _records(run, "metrics.jsonl")
+        hung = _wait(lambda: [e for e in jsonl(run / "events.jsonl") if e["event"] == "hung"], 120, "hung")[0]
+        resumed = _wait(lambda: [r for r in jsonl(run / "metrics.jsonl")
                                  if r.get("world_size") == 2 and r["time"] > stopped], 120, "resumed")[0]
         return {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_s, "detect_s": hung["time"] - stopped,
                 "stop_to_next_step_s": resumed["time"] - stopped}
