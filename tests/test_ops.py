@@ -22,7 +22,7 @@ def be(request):
     ops.use(request.param)
     module = ops._impl
     yield module
-    module._training = True
+    module.set_training(True)
     ops._impl = previous
 
 
@@ -218,7 +218,7 @@ def test_dropout_training_and_eval(be):
     assert 0.65 < kept.mean() < 0.75
     np.testing.assert_allclose(out[kept], 1 / 0.7, rtol=1e-6)
     np.testing.assert_array_equal(N(be, ops.dropout(T(be, x), 0.0)), x)
-    be._training = False  # what Engine.train_mode(False) sets around evaluation
+    be.set_training(False)  # what Engine.train_mode(False) does around evaluation
     assert ops.training() is False
     np.testing.assert_array_equal(N(be, ops.dropout(T(be, x), 0.3)), x)
 

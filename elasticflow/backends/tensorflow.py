@@ -1,16 +1,16 @@
 """TensorFlow backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with GradientTape.
 
 The same names, semantics and layouts as ``backends/torch.py``, so one model file and its
-checkpoints move between backends: images are NCHW and conv weights OIHW at the API (TF's CPU
-convolution only takes NHWC, so conv2d and max_pool2d transpose inside), and SGD, Adam and AdamW
-are written out in ``tensorflow_optim.py`` with torch.optim's formulas, slot names and float32
-rounding of the scalars.
+checkpoints move between backends. Three modules beside this one hold what takes TensorFlow more
+code than torch: the ops with torch's layouts and rules (``tensorflow_ops.py``, exported from here),
+SGD, Adam and AdamW with torch.optim's formulas, slot names and float32 rounding of the scalars
+(``tensorflow_optim.py``), and the cheaper call of a compiled step (``tensorflow_compiled.py``).
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
-per-micro-batch gradient step is a ``tf.function``, and the optimizer update runs inside the next
-step's call (one dispatch per step, like a hand-written loop). ``backend.jit=false`` runs both
-eagerly for debugging.
+per-micro-batch gradient step is a ``tf.function`` (called through its flat entry point:
+``tensorflow_compiled.py``), and the optimizer update runs inside the next step's call (one dispatch
+per step, like a hand-written loop). ``backend.jit=false`` runs both eagerly for debugging.
 """
 from __future__ import annotations
 
@@ -23,13 +23,18 @@ import tensorflow as tf
 
 from .. import ops
 from . import tensorflow_optim as tf_optim
+from .tensorflow_compiled import Compiled
+from .tensorflow_ops import _generator, set_training
+# The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
+from .tensorflow_ops import (  # noqa: F401
+    abs, accuracy, argmax, cast, concat, conv2d, cross_entropy, dropout, embedding, exp, gelu, layer_norm, log,
+    log_softmax, matmul, max_pool2d, maximum, mean, mse, one_hot, relu, reshape, sigmoid, softmax, sqrt, square,
+    stop_gradient, sum, tanh, training, transpose)
 from ..errors import ElasticFlowError
 from .common import flatten, rebuild, split_output
 from ..optim import OptimizerSpec
 
 NAME = "tensorflow"
-_training = True  # read by dropout and ops.training(); the Engine flips it around evaluation
-_rng: Optional[tf.random.Generator] = None  # dropout's randomness; its state is checkpointed
 _log = logging.getLogger("elasticflow")
 
 
@@ -47,15 +52,6 @@ def setup(threads: Optional[int], seed: int) -> None:
                 _log.debug("tensorflow already initialised; thread settings unchanged")
     tf.random.set_seed(seed)
     _generator().reset_from_seed(seed)
-
-
-def _generator() -> tf.random.Generator:
-    # Created once, eagerly: a tf.function may not create variables after its first trace,
-    # and compiled steps keep a reference to this object (so reseed it, never replace it).
-    global _rng
-    if _rng is None:
-        _rng = tf.random.Generator.from_seed(0, alg="philox")
-    return _rng
 
 
 def _is_keras(obj: Any) -> bool:
@@ -79,171 +75,6 @@ def native_kind(obj: Any) -> Optional[str]:
         if cls.__module__.split(".")[0] == "torch":
             return f"a PyTorch model (torch.nn.Module subclass {type(obj).__qualname__!r})"
     return None
-
-
-def training() -> bool:
-    return _training
-
-
-# ---------------------------------------------------------------- ops
-relu = tf.nn.relu
-tanh = tf.math.tanh
-sigmoid = tf.math.sigmoid
-exp = tf.math.exp
-log = tf.math.log
-sqrt = tf.math.sqrt
-square = tf.math.square
-abs = tf.math.abs  # noqa: A001
-stop_gradient = tf.stop_gradient
-
-
-def matmul(a, b):
-    """torch.matmul's rules: batch dims broadcast, a 1-D operand is a row (a) or column (b) vector."""
-    a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
-    row, col = a.shape.rank == 1, b.shape.rank == 1
-    out = tf.linalg.matmul(a[None, :] if row else a, b[:, None] if col else b)
-    if col:
-        out = out[..., 0]
-    if row:
-        out = out[..., 0] if col else tf.squeeze(out, -2)
-    return out
-
-
-@tf.custom_gradient
-def _maximum(a, b):
-    out = tf.math.maximum(a, b)
-
-    def grad(g):
-        # torch's rule: a tie splits the gradient in half (TF's own gives it all to `a`).
-        tie = tf.cast(tf.equal(a, b), g.dtype)
-        ga = g * (tf.cast(a > b, g.dtype) + 0.5 * tie)
-        gb = g * (tf.cast(b > a, g.dtype) + 0.5 * tie)
-        ra, rb = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(a), s1=tf.shape(b))
-        return (tf.reshape(tf.reduce_sum(ga, ra), tf.shape(a)), tf.reshape(tf.reduce_sum(gb, rb), tf.shape(b)))
-
-    return out, grad
-
-
-def maximum(a, b):
-    a = tf.convert_to_tensor(a)
-    return _maximum(a, tf.convert_to_tensor(b, dtype=a.dtype))
-
-
-def gelu(x):
-    return tf.nn.gelu(x, approximate=False)
-
-
-def _axes(axis):
-    return list(axis) if isinstance(axis, (tuple, list)) else axis
-
-
-def mean(x, axis=None, keepdims=False):
-    return tf.math.reduce_mean(x, axis=_axes(axis), keepdims=keepdims)
-
-
-def sum(x, axis=None, keepdims=False):  # noqa: A001
-    return tf.math.reduce_sum(x, axis=_axes(axis), keepdims=keepdims)
-
-
-def reshape(x, shape):
-    return tf.reshape(x, shape)
-
-
-def transpose(x, perm=None):
-    return tf.transpose(x, perm)
-
-
-def concat(xs, axis=0):
-    return tf.concat(xs, axis)
-
-
-def softmax(x, axis=-1):
-    return tf.nn.softmax(x, axis=axis)
-
-
-def log_softmax(x, axis=-1):
-    return tf.nn.log_softmax(x, axis=axis)
-
-
-def one_hot(ids, num_classes):
-    return tf.one_hot(tf.cast(ids, tf.int64), num_classes, dtype=tf.float32)
-
-
-def cross_entropy(logits, labels):
-    return tf.math.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int64), logits=logits))
-
-
-def mse(pred, target):
-    return tf.math.reduce_mean(tf.math.square(pred - target))
-
-
-def accuracy(logits, labels):
-    hit = tf.equal(tf.argmax(tf.stop_gradient(logits), axis=-1), tf.cast(labels, tf.int64))
-    return tf.math.reduce_mean(tf.cast(hit, tf.float32))
-
-
-def argmax(x, axis=-1):
-    return tf.argmax(x, axis=axis)
-
-
-_NCHW_TO_NHWC, _NHWC_TO_NCHW = (0, 2, 3, 1), (0, 3, 1, 2)
-
-
-def conv2d(x, w, b, stride, padding):
-    if padding == "valid" or padding == 0:
-        pad: Any = "VALID"
-    elif padding == "same":
-        if stride != 1:  # torch refuses it too: 'same' is only symmetric-by-definition at stride 1
-            raise ValueError("padding='same' is not supported for strided convolutions")
-        pad = "SAME"  # (k-1)//2 before, the rest after: torch's split for even kernels as well
-    elif isinstance(padding, int) and not isinstance(padding, bool) and padding > 0:
-        pad = [[0, 0], [padding, padding], [padding, padding], [0, 0]]
-    else:
-        raise ValueError(f"conv2d padding must be 'valid', 'same' or a non-negative int, got {padding!r}")
-    # A transpose each way (a copy each): TF's CPU Conv2D kernel only takes NHWC.
-    y = tf.nn.conv2d(tf.transpose(x, _NCHW_TO_NHWC), tf.transpose(w, (2, 3, 1, 0)), strides=stride, padding=pad)
-    if b is not None:
-        y = y + b
-    return tf.transpose(y, _NHWC_TO_NCHW)
-
-
-def max_pool2d(x, size, stride):
-    y = tf.nn.max_pool2d(tf.transpose(x, _NCHW_TO_NHWC), ksize=size, strides=stride, padding="VALID")
-    return tf.transpose(y, _NHWC_TO_NCHW)
-
-
-def layer_norm(x, gamma, beta, eps):
-    mu = tf.math.reduce_mean(x, axis=-1, keepdims=True)
-    centred = x - mu
-    var = tf.math.reduce_mean(tf.math.square(centred), axis=-1, keepdims=True)  # biased, as torch
-    y = centred * tf.math.rsqrt(var + eps)
-    if gamma is not None:
-        y = y * gamma
-    if beta is not None:
-        y = y + beta
-    return y
-
-
-def embedding(table, ids):
-    return tf.gather(table, tf.cast(ids, tf.int64))
-
-
-def dropout(x, rate):
-    if not rate or not _training:
-        return x
-    x = tf.convert_to_tensor(x)
-    if rate >= 1:
-        return tf.zeros_like(x)
-    keep = tf.cast(_generator().uniform(tf.shape(x)) >= rate, x.dtype)
-    return x * (keep / tf.constant(1.0 - rate, x.dtype))  # torch scales the mask, then multiplies
-
-
-_DTYPES = {"float32": tf.float32, "float64": tf.float64, "int32": tf.int32, "int64": tf.int64}
-
-
-def cast(x, dtype):
-    return tf.cast(x, _DTYPES[dtype])
 
 
 # ---------------------------------------------------------------- data
@@ -454,13 +285,12 @@ class Engine:
         # Not XLA: on its own an XLA update is faster (one fused sweep instead of one per op), but
         # it runs inside the next step's call, where an XLA cluster's launch and variable copies
         # cost more than they save (measured: +8% per step at 300k parameters, +9% at 5k).
-        self._apply_fn = self._compile(self._apply_step)
+        # Takes no argument, so the public call: it runs only when something reads the state early.
+        self._apply_fn = tf.function(self._apply_step, autograph=False) if jit else self._apply_step
 
-    def _compile(self, fn):
-        # Exact shapes (no input signature): a model file may read x.shape[0]; the cost is one
-        # trace per distinct micro-batch shape (typically two: full and the epoch's last).
-        # autograph off: forward() keeps plain Python semantics and errors keep their type.
-        return tf.function(fn, autograph=False) if self.jit else fn
+    def _compile(self, step):
+        """``step(batch)`` as the compiled function the Engine calls, or as it is without jit."""
+        return Compiled(step) if self.jit else step
 
     def _params(self):
         """What forward() receives: the native model, or the dict of views of the flat variable."""
@@ -473,8 +303,7 @@ class Engine:
 
     # -- one step
     def train_mode(self, training: bool) -> None:
-        global _training
-        _training = training
+        set_training(training)
 
     def zero_grad(self) -> None:
         # Deferred: the next accumulate() assigns instead of adding. Whatever reads the buffer
@@ -505,7 +334,7 @@ class Engine:
             self._flush()
             update = False
         source, inputs = _split(batch)
-        key = (_training, fresh, update, None if source is None else id(source))
+        key = (training(), fresh, update, None if source is None else id(source))
         fn = self._grad_fns.get(key)
         if fn is None:
             fn = self._grad_fns[key] = self._compile(_on_rows(lambda b: self._grad_step(b, fresh, update), source))
@@ -596,7 +425,7 @@ class Engine:
     def evaluate(self, batch) -> Dict[str, float]:
         self._flush()
         source, inputs = _split(batch)
-        key = (_training, None if source is None else id(source))
+        key = (training(), None if source is None else id(source))
         fn = self._eval_fns.get(key)
         if fn is None:
             fn = self._eval_fns[key] = self._compile(_on_rows(self._eval_step, source))

@@ -40,6 +40,11 @@ def training() -> bool:
     return _training
 
 
+def set_training(training: bool) -> None:
+    global _training
+    _training = training
+
+
 def _foreign_kind(obj: Any) -> Optional[str]:
     for cls in type(obj).__mro__:
         if cls.__module__.split(".")[0] in ("keras", "tf_keras", "tensorflow"):
@@ -237,8 +242,7 @@ class Engine:
 
     # -- one step
     def train_mode(self, training: bool) -> None:
-        global _training
-        _training = training
+        set_training(training)
         if self.module is not None:
             self.module.train(training)
 
