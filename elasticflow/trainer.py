@@ -551,10 +551,10 @@ class ElasticTrainer:
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
             raise CheckpointMismatch(f"checkpoint '{path}' does not match this model: {shown}",
-                                   "resume with the model file that wrote it, or pass resume=none to start fresh")
+                                     "resume with the model file that wrote it, or pass resume=none to start fresh")
         if meta.get("optimizer") != self.spec.name and any(n.startswith("optimizer/") for n in state):
             raise CheckpointMismatch(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
-                                   f"{self.spec.name}", "resume with the same optimizer, or pass resume=none")
+                                     f"{self.spec.name}", "resume with the same optimizer, or pass resume=none")
         self.engine.load_state(state, int(meta["step"]))
         self.engine.set_rng_state(state)
         self.step_count = int(meta["step"])

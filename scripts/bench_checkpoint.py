@@ -1,8 +1,9 @@
 """Cost of elasticflow's sharded asynchronous checkpoints against plain torch.save, in one run.
 
 A ~200 MB float32 state (the parameters of a torch backend Engine, saved as the trainer saves them:
-``engine.state(copy=False)`` views, of which the checkpointer snapshots this rank's slice) is checkpointed in the directory given by --dir (default: a temporary directory under the repo,
-so on the same disk the runs write to). Each figure is the median of --repeat runs, and each is
+``engine.state(copy=False)`` views, of which the checkpointer snapshots this rank's slice) is
+checkpointed in the directory given by --dir (default: a temporary directory under the repo, so on
+the same disk the runs write to). Each figure is the median of --repeat runs, and each is
 compared with a baseline measured in the same run:
 
   stall      training blocked per async save (the trainer's path: engine.state(copy=False), then a

@@ -17,7 +17,7 @@ step lines going to a log file as under the CLI.
 
 The TensorFlow group does the same against a hand-written ``tf.function`` + ``GradientTape`` loop
 (the same update, torch's SGD-momentum formula, in one compiled step). elasticflow calls its compiled
-step through the concrete function's flat entry point, which skips ~100 us of tf.function's Python
+step through the concrete function's flat entry point, which skips ~150 us of tf.function's Python
 dispatch per call; a second hand-written row calls its step that way too, so elasticflow's ratio to
 it is the cost of elasticflow's own loop alone. A last table times
 elasticflow itself on both backends for every example model (interleaved too; ratio TF/torch).
