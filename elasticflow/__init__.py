@@ -10,10 +10,18 @@ __all__ = ["ElasticTrainer", "CheckpointInterval", "context", "ops", "optim", "c
 
 def __getattr__(name):
     # Lazy: `import elasticflow` must not import a backend or Hydra.
-    if name in ("ElasticTrainer", "CheckpointInterval", "context"):
-        from . import trainer
+    if name == "ElasticTrainer":
+        from .trainer import ElasticTrainer
 
-        return getattr(trainer, name)
+        return ElasticTrainer
+    if name == "CheckpointInterval":
+        from .checkpoint import CheckpointInterval
+
+        return CheckpointInterval
+    if name == "context":
+        from .state import context
+
+        return context
     if name in ("ops", "optim", "checkpoint"):
         import importlib
 

@@ -6,7 +6,7 @@ whatever the number of workers, so every sample of every epoch is used exactly o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -117,3 +117,77 @@ def check_size(num_samples: int, global_batch: int, what: str = "data()") -> Non
             f"lower trainer.global_batch_size to at most {num_samples} or provide more data")
 
 
+
+
+@dataclass
+class GlobalBatch:
+    """Positions [start, end) of one global batch in the epoch's permutation."""
+    epoch: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+class Schedule:
+    """Which global batches a run trains on: each epoch's permutation cut into global batches of the
+    fixed size, until ``max_steps`` optimizer steps or ``epochs`` epochs, whichever comes first (both
+    None: one epoch).
+
+    It reads progress from a ``TrainState`` (``step`` and ``cursor``) and never changes it: the
+    trainer moves the cursor once a step is committed, and a recovery may replace it.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, drop_last: bool, max_steps: Optional[int],
+                 epochs: Optional[int]):
+        self.global_batch, self.max_steps = global_batch, max_steps
+        self.steps_per_epoch = steps_per_epoch(num_samples, global_batch, drop_last)
+        self.max_epochs = epochs if epochs is not None else (None if max_steps else 1)
+        horizon = [x for x in (max_steps, self.max_epochs and self.max_epochs * self.steps_per_epoch) if x]
+        self.total_steps: Optional[int] = min(horizon) if horizon else None
+        # drop_last: an epoch ends before its last, smaller global batch
+        self.epoch_samples = (num_samples // global_batch) * global_batch if drop_last else num_samples
+
+    def done(self, state: Any) -> bool:
+        if self.max_steps is not None and state.step >= self.max_steps:
+            return True
+        return self.max_epochs is not None and state.cursor.epoch >= self.max_epochs
+
+    def epochs(self, state: Any) -> Iterator[int]:
+        """Epochs still to train, starting at the cursor's epoch."""
+        epoch = state.cursor.epoch
+        while not self.done(state) and (self.max_epochs is None or epoch < self.max_epochs):
+            yield epoch
+            epoch = state.cursor.epoch
+
+    def batches(self, state: Any) -> Iterator[GlobalBatch]:
+        """The cursor's epoch's remaining global batches; stops at the horizon."""
+        epoch = state.cursor.epoch
+        while not self.done(state):
+            cursor = state.cursor  # read anew: a recovery may have adopted another member's
+            if cursor.epoch != epoch or cursor.samples_in_epoch >= self.epoch_samples:
+                return
+            start = cursor.samples_in_epoch
+            yield GlobalBatch(epoch, start, min(start + self.global_batch, self.epoch_samples))
+
+
+class Source:
+    """A dataset as the backend's tensors: positions in, a batch (tuple of tensors) out.
+
+    An array dataset is converted once (resident) and batches are gathered from it by index; an
+    indexable one is fetched and converted batch by batch. ``backend`` is the backend module.
+    """
+
+    def __init__(self, dataset: Dataset, backend: Any):
+        self.dataset, self.backend = dataset, backend
+        self.resident = backend.resident(dataset.arrays) if dataset.arrays is not None else None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def rows(self, positions: np.ndarray):
+        if self.resident is not None:
+            return self.backend.gather(self.resident, self.backend.index(positions))
+        return tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions))

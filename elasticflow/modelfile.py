@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import optim
 from .errors import ElasticFlowError
 
 CONTRACT_HINT = "a model file defines model(cfg), forward(*batch, params) and data(cfg); see models/linear.py"
@@ -81,3 +82,33 @@ def load(path: str) -> ModelFile:
     except (TypeError, ValueError):
         pass
     return ModelFile(path=file, eval_data=eval_fn, **functions)
+
+
+@dataclass
+class Built:
+    """What ``model(cfg)`` returned, checked: the model (a dict of arrays or a native model) and its optimizer."""
+    model: Any
+    optimizer: optim.OptimizerSpec
+    optimizer_from_model: bool  # model() returned an "optimizer" entry (it wins over the config group)
+
+
+def build(model_file: ModelFile, cfg: Any, backend: Any) -> Built:
+    """Call ``model(cfg)`` and check what it returned against ``backend`` (the backend module)."""
+    built = model_file.call("model", cfg)
+    spec = optim.from_config(cfg.optimizer)
+    from_model = isinstance(built, dict) and "optimizer" in built
+    if from_model:
+        built = dict(built)
+        spec = built.pop("optimizer")
+        if not isinstance(spec, optim.OptimizerSpec):
+            raise ElasticFlowError(f"model()['optimizer'] is a {type(spec).__name__}, not an optimizer spec",
+                                   "use elasticflow.optim.SGD(lr), Adam(lr) or AdamW(lr)")
+    foreign = backend.native_kind(built)
+    if foreign:
+        raise ElasticFlowError(f"model() returned {foreign}, which backend={backend.NAME} cannot train",
+                               "run it with the backend it was written for, or return a dict of arrays "
+                               "to run on every backend")
+    if not isinstance(built, dict) and not backend.is_native(built):
+        raise ElasticFlowError(f"model() returned a {type(built).__name__}; expected a dict of named parameters "
+                               f"or a native {backend.NAME} model", "return e.g. {'W': np.zeros((4, 2))}")
+    return Built(built, spec, from_model)

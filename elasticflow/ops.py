@@ -181,3 +181,8 @@ def stop_gradient(x):
 def cast(x, dtype: str):
     """Cast to 'float32', 'float64', 'int32' or 'int64'."""
     return _b().cast(x, dtype)
+
+
+def current():
+    """The active backend module (torch unless another was chosen)."""
+    return _b()

@@ -1,4 +1,5 @@
-"""What the user sees and what tests read: metrics.jsonl, the progress bar, the banner, log lines."""
+"""What the user sees and what tests read: the run log (metrics.jsonl, events.jsonl), the progress bar,
+the banner, log lines."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
+
+from .fileio import append_event
 
 log = logging.getLogger("elasticflow")
 
@@ -53,6 +56,47 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+class RunLog:
+    """RUN_DIR/metrics.jsonl (one record per logged step and per evaluation, written by rank 0) and
+    RUN_DIR/events.jsonl (membership events; the agent appends there too).
+
+    Each step is written once, even across a change of rank 0: a new logger first reads the last step
+    already in the file (``take_over``).
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self._writer: Optional[MetricsWriter] = None
+        self._written_step = -1
+
+    def _metrics(self) -> MetricsWriter:
+        if self._writer is None:
+            self._writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+        return self._writer
+
+    def take_over(self) -> None:
+        """This worker became rank 0 in place of one that left: it may have logged steps we have not."""
+        self._written_step = max(self._written_step, last_logged_step(self.run_dir / "metrics.jsonl"))
+
+    def step(self, record: Dict[str, Any]) -> None:
+        """Append a training step's record, unless that step is in the file already."""
+        if record.get("step", -1) <= self._written_step:
+            return
+        self._metrics().write(record)
+        self._written_step = record["step"]
+
+    def eval(self, record: Dict[str, Any]) -> None:
+        self._metrics().write(record)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        append_event(self.run_dir / "events.jsonl", kind, "worker", **fields)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 class Progress:

@@ -1,4 +1,5 @@
-"""Checkpoints: ``load(path) -> {name: numpy array}``, ``latest(dir)``, and the sharded writer the trainer uses.
+"""Checkpoints: ``load(path) -> {name: numpy array}``, ``latest(dir)``, the sharded writer, and the
+trainer-facing ``CheckpointManager`` (when to save, what a save records, resume).
 
 Layout: ``checkpoint.dir/<job>_<timestamp>/step_<N>/`` with one safetensors shard per writing
 rank, metadata.json and COMMIT (see ``format``). A checkpoint written by N ranks loads with any M.
@@ -8,7 +9,8 @@ from .format import (METADATA, complete_checkpoints, config_hash, is_complete, j
                      shard_name)
 from .load import compare_names, load, load_with_metadata
 from .save import Checkpointer, save
+from .manager import CheckpointInterval, CheckpointManager
 
 __all__ = ["load", "latest", "save", "read_metadata", "is_complete", "complete_checkpoints", "job_dirs", "resolve",
            "load_with_metadata", "compare_names", "shard_name", "Checkpointer", "Coordinator", "LocalCoordinator",
-           "StoreCoordinator", "METADATA", "store_alive", "config_hash"]
+           "StoreCoordinator", "METADATA", "store_alive", "config_hash", "CheckpointInterval", "CheckpointManager"]

@@ -1,0 +1,137 @@
+"""The trainer's side of checkpoints: when to save, what a save records, resuming, and refusing a
+checkpoint that does not fit the model.
+
+The manager reaches the training state only through two accessors (as the replica does), so the trainer
+never hands it ``self``: ``state_dict() -> (arrays, progress)`` and ``load_state_dict(arrays, progress)``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ..errors import CheckpointMismatch, ElasticFlowError
+from .format import complete_checkpoints, config_hash, latest, resolve
+from .load import compare_names, load_with_metadata
+from .save import Checkpointer
+
+log = logging.getLogger("elasticflow")
+
+
+class CheckpointInterval:
+    """When to save: every ``steps`` optimizer steps or every ``epochs`` epochs (not both).
+
+    Example:
+        >>> CheckpointInterval(steps=100).should_save(current_step=200)
+        True
+    """
+
+    def __init__(self, steps: Optional[int] = None, epochs: Optional[int] = None):
+        if steps and epochs:
+            raise ValueError("Only one of 'steps' or 'epochs' should be set.")
+        self.steps = steps
+        self.epochs = epochs
+
+    def should_save(self, current_step: Optional[int] = None, current_epoch: Optional[int] = None) -> bool:
+        if self.steps and current_step and current_step % self.steps == 0:
+            return True
+        if self.epochs and current_epoch and current_epoch % self.epochs == 0:
+            return True
+        return False
+
+
+class CheckpointManager:
+    """Saves and resumes one run's checkpoints.
+
+    Args:
+        checkpointer: the job directory's writer (``Checkpointer.for_run``).
+        cfg: the run's config (its seed, batch size and hash are recorded; ``resume`` is read).
+        optimizer: the optimizer's name (a checkpoint with another optimizer's slots is refused).
+        backend: the backend's name (recorded for people; checkpoints load on either backend).
+        state_dict / load_state_dict: the training state's accessors.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, cfg: Any, optimizer: str, backend: str,
+                 state_dict: Callable[[], Tuple[Dict[str, Any], Dict[str, Any]]],
+                 load_state_dict: Callable[[Dict[str, Any], Dict[str, Any]], None]):
+        self.checkpointer = checkpointer
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
+        self.resume_mode = str(cfg.resume)
+        self.optimizer = optimizer
+        self.recorded = {"backend": backend, "optimizer": optimizer, "seed": cfg.seed,
+                         "global_batch_size": cfg.trainer.global_batch_size, "config_hash": config_hash(cfg)}
+
+    @property
+    def job_dir(self) -> Path:
+        return self.checkpointer.job_dir
+
+    def reserve(self, rank: int, world: int) -> None:
+        """Allocate the snapshot buffer for this rank's slice now, off the training thread."""
+        self.checkpointer.reserve(self.state_dict()[0], rank, world)
+
+    def save(self, name: str, seat: Any, wait: bool = True) -> Optional[Path]:
+        """Every member writes its 1/W slice of the state; rank 0 commits once all W are on disk.
+
+        ``seat`` is the worker's ``Replica`` (rank, world, generation, and whether the store still
+        coordinates a save). ``wait=False`` (the interval saves) returns after an in-memory snapshot
+        when ``checkpoint.async_save``; other saves (final, Ctrl-C, stop, agent lost) return once
+        written, since the process may exit next. Returns the checkpoint's path on rank 0.
+        """
+        rank, world = seat.rank, seat.world
+        if world > 1 and not seat.coordinated():
+            # No store, no coordinated save: the state is replicated, so rank 0 writes all of it.
+            if rank != 0:
+                return None
+            rank, world = 0, 1
+        arrays, progress = self.state_dict()  # views: the checkpointer copies only this rank's slice
+        info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": seat.world,
+                "generation": seat.generation, "saved_at": time.time(), **self.recorded}
+        return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=seat.generation,
+                                      wait=wait)
+
+    def load(self, path: Path) -> None:
+        """Load checkpoint ``path`` into the training state; CheckpointMismatch if it is another model's."""
+        arrays, meta = load_with_metadata(path)
+        expected = {n: v.shape for n, v in self.state_dict()[0].items() if not n.startswith(("optimizer/", "rng/"))}
+        found = {n: tuple(v.shape) for n, v in arrays.items() if not n.startswith(("optimizer/", "rng/"))}
+        diffs = list(compare_names(expected, found))
+        if diffs:
+            shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            raise CheckpointMismatch(f"checkpoint '{path}' does not match this model: {shown}",
+                                     "resume with the model file that wrote it, or pass resume=none to start fresh")
+        if meta.get("optimizer") != self.optimizer and any(n.startswith("optimizer/") for n in arrays):
+            raise CheckpointMismatch(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
+                                     f"{self.optimizer}", "resume with the same optimizer, or pass resume=none")
+        # The checkpoint is by definition saved at its own step (older ones did not record it).
+        self.load_state_dict(arrays, {**meta, "last_saved_step": int(meta["step"])})
+
+    def resume(self) -> Optional[Path]:
+        """Load what ``resume`` asks for; returns the checkpoint loaded (None: a fresh start).
+
+        ``auto``: this job's newest complete checkpoint that loads (a corrupt one is skipped with a
+        warning; one of another model stops the run rather than silently start fresh). ``none``:
+        nothing. A path: that checkpoint, or the newest complete one of a job or checkpoint directory.
+        """
+        if self.resume_mode == "none":
+            return None
+        if self.resume_mode != "auto":
+            path = resolve(Path(self.resume_mode).expanduser())
+            self.load(path)
+            return path
+        for path in reversed(complete_checkpoints(self.job_dir)):
+            try:
+                self.load(path)
+                return path
+            except CheckpointMismatch:
+                raise  # starting fresh would silently discard this job's training
+            except ElasticFlowError as exc:
+                log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
+        return None
+
+    def close(self) -> Optional[Path]:
+        """Wait for a save in flight (a failed background write is raised here); its path on rank 0."""
+        return self.checkpointer.close()
+
+    def latest(self) -> Optional[Path]:
+        return latest(self.job_dir)
