@@ -4,6 +4,7 @@ Every mistake becomes one ElasticFlowError naming the file, what was expected an
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import sys
@@ -14,7 +15,8 @@ from typing import Any, Callable, Optional
 from . import optim
 from .errors import ElasticFlowError
 
-CONTRACT_HINT = "a model file defines model(cfg), forward(*batch, params) and data(cfg); see models/linear.py"
+CONTRACT_HINT = ("a model file defines model(cfg), forward(*batch, params) (the last argument receives the model, "
+                 "whatever its name) and data(cfg); see models/linear.py")
 
 
 @dataclass
@@ -74,14 +76,31 @@ def load(path: str) -> ModelFile:
     eval_fn = getattr(module, "eval_data", None)
     if eval_fn is not None and not callable(eval_fn):
         raise ElasticFlowError(f"'eval_data' in model file '{path}' is not a function", CONTRACT_HINT)
-    try:
-        params = inspect.signature(functions["forward"]).parameters
-        if "params" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            raise ElasticFlowError(f"forward() in '{path}' has no 'params' argument",
-                                   "declare it as def forward(x, y, params): the framework passes params by name")
-    except (TypeError, ValueError):
-        pass
+    functions["forward"] = _model_argument(functions["forward"], path)
     return ModelFile(path=file, eval_data=eval_fn, **functions)
+
+
+def _model_argument(forward: Callable[..., Any], path: str) -> Callable[..., Any]:
+    """forward() as the engines call it, ``forward(*batch, params=model)``, whatever the user named the
+    model's parameter: a keyword-only ``params`` (``def forward(*batch, params)``) takes it by name,
+    otherwise the last positional parameter does (``forward(x, y, net)``, ``forward(ids, model)``)."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: trust it takes params by name
+        return forward
+    if any(p.name == "params" and p.kind == p.KEYWORD_ONLY for p in parameters) or \
+            any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return forward
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if not positional:
+        raise ElasticFlowError(f"forward() in '{path}' takes no argument for the model",
+                               "declare it as def forward(x, y, params): the last argument receives the "
+                               "parameters (or the native model) that model() returned")
+
+    @functools.wraps(forward)
+    def by_position(*batch, params):
+        return forward(*batch, params)
+    return by_position
 
 
 @dataclass

@@ -254,11 +254,11 @@ class ElasticTrainer:
     def _attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         t, s, engine = self.tcfg, self.state, self.engine
         _context.step, _context.epoch = s.step + 1, batch.epoch
-        lo, hi = data.worker_share((batch.start, batch.end), self.rank, self.world)
+        share = data.deal((batch.start, batch.end), self.rank, self.world, t.micro_batch_size)
         engine.train_mode(True)
         engine.zero_grad()
         loss_sum, metric_sums = None, {}
-        for a, b in data.micro_batches(lo, hi, t.micro_batch_size):
+        for a, b in share.micro:
             loss_w, metrics_w = engine.accumulate(self.source.rows(self._order[a:b]), (b - a) / batch.size)
             if loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)
