@@ -4,7 +4,7 @@ The trainer calls in; the replica never calls back (torchft's Manager is the mod
 the membership, the engine and two accessors of the state, and returns what happened.
 
 - ``reduce_step``: the per-step reduction, one allreduce: the gradient (one flat buffer) followed by
-  the loss, the metrics and three agreement flags, so every member decides the same thing at the
+  the loss, the metrics, three agreement flags and the buffers' contributions, so every member decides the same thing at the
   same step: a newer generation is waiting, a stop was asked (Ctrl-C, SIGUSR1), the agent is gone.
 - ``recover``: after a failed collective, drop the group, enter the agent's next generation and
   ``sync_state``: the members compare how many samples each has committed, and if one is ahead
@@ -20,6 +20,8 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
 
 from .distributed import protocol
 
@@ -121,39 +123,49 @@ class Replica:
                       rebuild_s=joined_at - m.admitted_at, transfer_s=time.time() - joined_at, state_received=moved)
 
     # ------------------------------------------------------------------ every step
-    def reduce_step(self, scalars: List[float], interrupt: bool) -> Tuple[List[float], Agreed]:
-        """Sum the gradient and ``scalars`` over the members, and vote on the flags.
+    def reduce_step(self, scalars: List[float], interrupt: bool,
+                    buffers: Optional[np.ndarray] = None) -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
+        """Sum the gradient, ``scalars`` and ``buffers`` (the buffers' contributions, ``buffers.Reconciler``)
+        over the members, and vote on the flags.
 
-        ``interrupt``: this worker was asked to stop. Returns (summed scalars, what all agreed).
+        ``interrupt``: this worker was asked to stop. Returns (summed scalars, what all agreed, summed buffers).
         """
         m = self.membership
         if m is None:
-            return scalars, Agreed(interrupt=interrupt)
+            return scalars, Agreed(interrupt=interrupt), buffers
         generation = self.generation
         # The poller may lag behind a generation this worker already entered through a recovery.
         seen = max(m.latest_generation, generation)
         if self.world == 1:
-            return scalars, Agreed(seen > generation, interrupt, m.agent_lost)
+            return scalars, Agreed(seen > generation, interrupt, m.agent_lost), buffers
         import torch
 
         grad = self.engine.grad_view()
-        extra = scalars + [float(seen), float(interrupt), float(m.agent_lost)]
+        votes = scalars + [float(seen), float(interrupt), float(m.agent_lost)]
+        n = len(votes)
         if grad.numel() <= FOLD_MAX:
             # One collective, not two: each is a round trip every member must be scheduled for, which on
-            # a small model costs more than the step's compute. The scalars ride in float32 after the
-            # gradient (exact for the flags and generations); the price is copying the gradient in and out.
-            buf = torch.cat([grad, torch.tensor(extra, dtype=grad.dtype)])
+            # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
+            # in float32 after the gradient (exact for the flags and generations); the price is copying
+            # the gradient in and out.
+            parts = [grad, torch.tensor(votes, dtype=grad.dtype)]
+            if buffers is not None:
+                parts.append(torch.from_numpy(buffers).to(grad.dtype))
+            buf = torch.cat(parts)
             m.group.allreduce_(buf)
             grad.copy_(buf[:grad.numel()])
-            out = buf[grad.numel():].tolist()
-        else:  # bandwidth-bound: a second, tiny round trip costs less than two copies of a big gradient
+            tail = buf[grad.numel():]
+        else:  # bandwidth-bound: a second, small round trip costs less than two copies of a big gradient
             m.group.allreduce_(grad)
-            vec = torch.tensor(extra, dtype=torch.float64)
-            m.group.allreduce_(vec)
-            out = vec.tolist()
-        n = len(scalars)
+            tail = torch.tensor(votes, dtype=torch.float64)
+            if buffers is not None:
+                tail = torch.cat([tail, torch.from_numpy(buffers)])
+            m.group.allreduce_(tail)
+        out = tail[:n].tolist()
+        k = len(scalars)
         # Every member summed the same numbers, so every member reaches the same verdict.
-        return out[:n], Agreed(out[n] != generation * self.world, out[n + 1] > 0, out[n + 2] > 0)
+        agreed = Agreed(out[k] != generation * self.world, out[k + 1] > 0, out[k + 2] > 0)
+        return out[:k], agreed, None if buffers is None else tail[n:].to(torch.float64).numpy()
 
     def reduce_sum(self, values: List[float]) -> List[float]:
         """Sum ``values`` over the members (float64)."""

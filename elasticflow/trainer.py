@@ -26,6 +26,7 @@ from .data import GlobalBatch
 from .distributed import protocol
 from .distributed.protocol import CommError
 from .errors import ElasticFlowError, TrainingInterrupted
+from .buffers import Reconciler
 from .evaluation import Evaluation, probe_metric_names
 from .replica import Agreed, Replica
 from .reporting import Progress, RunLog, banner, step_line
@@ -100,6 +101,9 @@ class ElasticTrainer:
         built = modelfile.build(mf, cfg, self.backend)
         self.spec = built.optimizer
         self.engine = self.backend.Engine(built.model, mf.forward, self.spec, jit=cfg.backend.jit)
+        self.seed = int(cfg.seed)  # read every micro-batch: not through OmegaConf (40-100 us a read)
+        rules = self.engine.buffer_rules()
+        self.reconciler = Reconciler(rules) if rules else None
 
         self.source = data.Source(data.Dataset(mf.call("data", cfg), "data()"), self.backend)
         data.check_size(len(self.source), t.global_batch_size)
@@ -246,6 +250,8 @@ class ElasticTrainer:
             try:
                 return self._attempt(batch)
             except CommError as exc:
+                if self.reconciler is not None and self.reconciler.r0:  # the failed step's forwards moved them
+                    self.engine.set_buffers(self.reconciler.r0)
                 self._recover(str(exc))
                 c = self.state.cursor
                 if c.epoch > batch.epoch or c.samples_in_epoch >= batch.end:
@@ -255,10 +261,15 @@ class ElasticTrainer:
         t, s, engine = self.tcfg, self.state, self.engine
         _context.step, _context.epoch = s.step + 1, batch.epoch
         share = data.deal((batch.start, batch.end), self.rank, self.world, t.micro_batch_size)
+        reconciler = self.reconciler if self.world > 1 else None  # one worker's buffers are already sequential
+        if reconciler is not None:
+            reconciler.begin(engine.buffer_arrays())
         engine.train_mode(True)
         engine.zero_grad()
         loss_sum, metric_sums = None, {}
-        for a, b in share.micro:
+        for i, (a, b) in enumerate(share.micro):
+            # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
+            engine.seed(data.micro_seed(self.seed, batch.epoch, batch.start, share.first + i))
             loss_w, metrics_w = engine.accumulate(self.source.rows(self._order[a:b]), (b - a) / batch.size)
             if loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)
@@ -270,7 +281,11 @@ class ElasticTrainer:
         loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
         # float(): a sync point on accelerators; the non-finite check needs it anyway.
         scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
-        scalars, agreed = self.replica.reduce_step(scalars, interrupt=self.stop_signal.requested)
+        contribution = None if reconciler is None else reconciler.contribution(
+            engine.buffer_arrays(), share.first, len(share.micro), share.total, self.rank, self.world)
+        scalars, agreed, buffers = self.replica.reduce_step(scalars, self.stop_signal.requested, contribution)
+        if buffers is not None:
+            engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
 
         record: Dict[str, Any] = {"epoch": batch.epoch}

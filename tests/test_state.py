@@ -64,7 +64,7 @@ def test_a_new_counter_needs_no_other_change(tmp_path, monkeypatch):
 def test_single_process_replica_reduces_nothing_and_passes_the_stop_vote_through():
     replica = Replica(None, engine=None, state_dict=lambda: ({}, {}), load_state_dict=lambda a, p: None)
     assert (replica.rank, replica.world, replica.generation) == (0, 1, 0)
-    assert replica.reduce_step([1.5, 2.0], interrupt=True) == ([1.5, 2.0], Agreed(interrupt=True))
+    assert replica.reduce_step([1.5, 2.0], interrupt=True) == ([1.5, 2.0], Agreed(interrupt=True), None)
     assert replica.reduce_sum([3.0]) == [3.0]
     assert replica.join(samples_seen=0) is None
     assert replica.sync_state(samples_seen=10) is False

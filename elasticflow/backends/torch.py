@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..errors import ElasticFlowError
 from .common import flatten, rebuild, split_output
+from ..buffers import Rule, default_rule
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
 NAME = "torch"
@@ -334,6 +335,43 @@ class Engine:
     def set_rng_state(self, state: Dict[str, np.ndarray]) -> None:
         if "rng/torch" in state:
             torch.set_rng_state(torch.from_numpy(np.array(state["rng/torch"], dtype=np.uint8)))
+
+    # -- the same result for any number of workers: randomness per micro-batch, buffers reconciled
+    def seed(self, value: int) -> None:
+        """Seed the generator behind dropout (``ops.dropout``, ``nn.Dropout``, ``F.dropout``, attention
+        dropout) for the next micro-batch. The default generator's own seeding (~2 us), not
+        ``torch.manual_seed`` (~350 us: it visits every device's generator)."""
+        torch.default_generator.manual_seed(value)
+
+    def buffer_rules(self) -> Dict[str, Rule]:
+        """How each buffer combines across workers (``elasticflow.buffers``): BatchNorm's running
+        statistics by its momentum (or cumulative average), its counter by sum, other persistent buffers
+        by the default rule. Non-persistent buffers (causal masks, position ids) are not state: skipped."""
+        rules: Dict[str, Rule] = {}
+        if self.module is not None:
+            persistent = set(self.module.state_dict())
+            for prefix, layer in self.module.named_modules():
+                if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.running_mean is not None:
+                    at = f"{prefix}." if prefix else ""
+                    stat = (Rule("cma", counter=f"{at}num_batches_tracked") if layer.momentum is None
+                            else Rule("ema", momentum=float(layer.momentum)))
+                    rules[f"{at}running_mean"] = rules[f"{at}running_var"] = stat
+                    rules[f"{at}num_batches_tracked"] = Rule("count")
+            names = [n for n in self.buffers if n in persistent]
+        else:
+            names = list(self.buffers)
+        for name in names:
+            rules.setdefault(name, default_rule(to_numpy(self.buffers[name])))
+        return rules
+
+    def buffer_arrays(self) -> Dict[str, np.ndarray]:
+        """Every buffer by name, as numpy views of the live tensors."""
+        return {n: to_numpy(b) for n, b in self.buffers.items()}
+
+    @torch.no_grad()
+    def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
+        for name, value in values.items():
+            self.buffers[name].copy_(torch.from_numpy(np.asarray(value)).reshape(self.buffers[name].shape))
 
 
 def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor]) -> torch.optim.Optimizer:
