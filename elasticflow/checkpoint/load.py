@@ -12,9 +12,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
-from .format import NUMPY_DTYPES, file_digest, hasher, is_complete, read_metadata, read_shard_header
+from .format import (NUMPY_DTYPES, file_digest, hashed, hasher, is_complete, read_chunks, read_metadata,
+                     read_shard_header)
 
-CHUNK = 8 << 20
 _FALLBACK = "resume from an earlier checkpoint (resume=auto falls back by itself)"
 
 
@@ -107,12 +107,11 @@ def _read_file(fpath: Path, info: dict, items: Sequence[Tuple[str, dict, np.ndar
             f.seek(data_start + begin)
             mv = memoryview(dst).cast("B") if dst.size else memoryview(b"")
             piece_hash = hasher(algorithm) if algorithm else None
-            for at in range(0, len(mv), CHUNK):
-                chunk = mv[at:at + CHUNK]
-                if f.readinto(chunk) != len(chunk):
-                    raise _corrupt(fpath, "truncated")
-                if piece_hash is not None:
-                    piece_hash.update(chunk)
+            landed = read_chunks(f, len(mv), into=mv)
+            if piece_hash is not None:
+                landed = hashed(piece_hash, landed)
+            if sum(len(chunk) for chunk in landed) != len(mv):
+                raise _corrupt(fpath, "truncated")
             if piece_hash is not None:
                 digest = piece_hash.hexdigest()
                 if digest != piece.get("checksum"):

@@ -36,14 +36,13 @@ import numpy as np
 
 from ..errors import ElasticFlowError
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
-from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, file_digest, hasher,
-                     job_dirs, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
+from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks, file_digest,
+                     hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
 
 log = logging.getLogger("elasticflow")
 
 KILL_ENV = "ELASTICFLOW_TEST_CKPT_KILL"
 PHASES = ("before_write", "mid_write", "after_write", "before_commit", "before_rename")
-CHUNK = 8 << 20   # bytes per write() call, hashed just before it
 ALIGN = 64        # snapshot pieces start cache-line aligned in the reused buffer
 JOB_RECORD = "checkpoint_job.json"
 NICE = 10         # the writer threads' niceness: under CPU contention, training runs first
@@ -302,11 +301,8 @@ class Checkpointer:
         with open(path, "wb", buffering=0) as f:
             _write_all(f, header)
             for view in job.views:
-                mv = memoryview(view).cast("B")
                 piece = hasher(CHECKSUM)
-                for at in range(0, len(mv), CHUNK):
-                    chunk = mv[at:at + CHUNK]
-                    piece.update(chunk)  # chunk by chunk: still in the CPU cache for write()
+                for chunk in hashed(piece, chunks(memoryview(view).cast("B"))):  # hashed just before written
                     _write_all(f, chunk)
                     written += len(chunk)
                     if not halfway and 2 * written >= total:
