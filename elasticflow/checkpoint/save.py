@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
+from ..fileio import aligned
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
 from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks, file_digest,
                      hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
@@ -43,7 +44,6 @@ log = logging.getLogger("elasticflow")
 
 KILL_ENV = "ELASTICFLOW_TEST_CKPT_KILL"
 PHASES = ("before_write", "mid_write", "after_write", "before_commit", "before_rename")
-ALIGN = 64        # snapshot pieces start cache-line aligned in the reused buffer
 JOB_RECORD = "checkpoint_job.json"
 NICE = 10         # the writer threads' niceness: under CPU contention, training runs first
 
@@ -412,7 +412,7 @@ def _layout(pieces: List[Piece]) -> Tuple[List[int], int]:
     offsets, need = [], 0
     for p in pieces:
         offsets.append(need)
-        need += -(-p.nbytes // ALIGN) * ALIGN
+        need += aligned(p.nbytes)  # each piece at a multiple of 64 bytes: a cache line, aligned for any dtype
     return offsets, need
 
 
