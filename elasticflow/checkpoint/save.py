@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
-from ..fileio import aligned
+from ..fileio import aligned, write_atomic
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
 from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks, file_digest,
                      hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
@@ -440,9 +440,9 @@ def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: boo
 
 def _record_job(state_dir: Path, checkpoint_dir: Path, name: str) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / f".{JOB_RECORD}.{os.getpid()}"
-    tmp.write_text(json.dumps({"job": name, "checkpoint_dir": str(checkpoint_dir)}))  # the dir: for people
-    os.replace(tmp, state_dir / JOB_RECORD)
+    # Every worker writes it at start-up and a restart reads it back: atomic, so never read torn.
+    record = {"job": name, "checkpoint_dir": str(checkpoint_dir)}  # checkpoint_dir: for people reading it
+    write_atomic(state_dir / JOB_RECORD, json.dumps(record))
 
 
 # ---------------------------------------------------------------- one-call API
