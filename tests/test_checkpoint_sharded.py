@@ -410,7 +410,8 @@ def test_job_directory_is_stable_across_restarts_and_new_for_resume_none(tmp_pat
     assert ckpt.latest(tmp_path / "checkpoints") == fresh.checkpointer.job_dir / "step_6"
     (tmp_path / ".elasticflow" / "checkpoint_job.json").unlink()  # without the record: the newest job
     assert fit(tmp_path).checkpointer.job_dir == fresh.checkpointer.job_dir
-    named = fit(tmp_path, "checkpoint.job_name=exp1", "checkpoint.async=false")
+    named = fit(tmp_path, "checkpoint.job_name=exp1", "checkpoint.async_save=false")
     assert named.checkpointer.job_dir.name.startswith("exp1_") and named.resumed_from is None
+    assert named.checkpointer.asynchronous is False  # checkpoint.async_save reached the checkpointer
     resumed = fit(tmp_path / "elsewhere", f"resume={job}")  # resume=PATH: a job dir means its newest
     assert resumed.resumed_from == str(job / "step_6")

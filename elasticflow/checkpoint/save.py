@@ -112,7 +112,7 @@ class Checkpointer:
     Args:
         job_dir: ``checkpoint.dir/<job_name>_<timestamp>``.
         keep: newest complete checkpoints retained (None: all).
-        asynchronous: write in a background thread (``checkpoint.async``); False writes in ``save``.
+        asynchronous: write in a background thread (``checkpoint.async_save``); False writes in ``save``.
         timeout_s: how long rank 0 waits for the other ranks' reports (``elastic.timeout_s``).
         coordinator: how ranks report to rank 0 when W > 1 (a ``StoreCoordinator``); W = 1 uses
             an in-memory one.
@@ -161,7 +161,7 @@ class Checkpointer:
         _record_job(state_dir, Path(checkpoint_dir), name)
         timeout = float(cfg.elastic.timeout_s)
         coordinator = StoreCoordinator(membership.address, timeout) if membership is not None else None
-        return cls(job_dir, keep=c.keep, asynchronous=bool(c.get("async", True)), timeout_s=timeout,
+        return cls(job_dir, keep=c.keep, asynchronous=bool(c.get("async_save", True)), timeout_s=timeout,
                    coordinator=coordinator, token=token)
 
     # ------------------------------------------------------------------ the training thread
