@@ -38,6 +38,11 @@ NAME_RE = re.compile(r"^(step|epoch)_(\d+)$")
 JOB_RE = re.compile(r"^(?P<job>.+)_(?P<stamp>\d{8}-\d{6})(?:\.(?P<n>\d+))?$")
 TMP_RE = re.compile(r"^\.(?P<name>(?:step|epoch)_\d+)\.tmp-s(?P<step>\d+)-(?P<token>[0-9a-f]+)-")
 
+# The hints (ElasticFlowError's second line) of most errors in reading a checkpoint, here and in
+# load: defined once, so that a reworded hint reads the same wherever it is given.
+HINT_FALLBACK = "resume from an earlier checkpoint (resume=auto falls back by itself)"
+HINT_PATH = "pass a checkpoint directory such as RUN_DIR/checkpoints/<job>/step_100"
+
 # safetensors dtype codes (numpy has no bfloat16; the backends hand over numpy arrays)
 DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
           "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
@@ -141,7 +146,7 @@ def read_shard_header(path: Path) -> Tuple[Dict[str, Any], int, bytes]:
         header = json.loads(raw)
     except (OSError, ValueError, struct.error) as exc:
         raise ElasticFlowError(f"checkpoint shard '{path}' is corrupt (unreadable header: {exc})",
-                               "resume from an earlier checkpoint (resume=auto falls back by itself)") from exc
+                               HINT_FALLBACK) from exc
     header.pop("__metadata__", None)
     return header, 8 + n, prefix + raw
 
@@ -266,20 +271,18 @@ def read_metadata(path: Path) -> Dict[str, Any]:
     try:
         meta = json.loads(meta_file.read_text())
     except FileNotFoundError as exc:
-        raise ElasticFlowError(f"checkpoint '{path}' has no {METADATA}",
-                               "pass a checkpoint directory such as RUN_DIR/checkpoints/<job>/step_100") from exc
+        raise ElasticFlowError(f"checkpoint '{path}' has no {METADATA}", HINT_PATH) from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         where = f" ({exc.msg} at char {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
         raise ElasticFlowError(f"checkpoint metadata '{meta_file}' is corrupt or truncated{where}",
-                               "resume from an earlier checkpoint (resume=auto falls back by itself)") from exc
+                               HINT_FALLBACK) from exc
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise ElasticFlowError(f"checkpoint '{path}' has format version {version!r}, "
                                f"this elasticflow reads {FORMAT_VERSION}", "use the elasticflow that wrote it")
     for key in ("step", "cursor", "tensors", "files"):
         if key not in meta:
-            raise ElasticFlowError(f"checkpoint metadata '{meta_file}' has no {key!r} entry",
-                                   "resume from an earlier checkpoint (resume=auto falls back by itself)")
+            raise ElasticFlowError(f"checkpoint metadata '{meta_file}' has no {key!r} entry", HINT_FALLBACK)
     return meta
 
 

@@ -37,8 +37,9 @@ import numpy as np
 from ..errors import ElasticFlowError
 from ..fileio import aligned, write_atomic
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
-from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks, file_digest,
-                     hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
+from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks,
+                     file_digest, hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of,
+                     temp_dirs)
 
 log = logging.getLogger("elasticflow")
 
@@ -46,6 +47,7 @@ KILL_ENV = "ELASTICFLOW_TEST_CKPT_KILL"
 PHASES = ("before_write", "mid_write", "after_write", "before_commit", "before_rename")
 JOB_RECORD = "checkpoint_job.json"
 NICE = 10         # the writer threads' niceness: under CPU contention, training runs first
+HINT_DISK = "check free space and permissions of checkpoint.dir; the previous checkpoints are intact"
 
 
 def _lower_priority() -> None:
@@ -270,17 +272,14 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then raised at the next save
             self._report(coordinator, job, {"ok": False, "rank": job.rank, "error": f"{type(exc).__name__}: {exc}"})
             raise ElasticFlowError(f"writing checkpoint {job.name} (rank {job.rank} of {job.world}) into "
-                                   f"'{job.tmp}' failed: {exc}",
-                                   "check free space and permissions of checkpoint.dir; the previous "
-                                   "checkpoints are intact") from exc
+                                   f"'{job.tmp}' failed: {exc}", HINT_DISK) from exc
         if not self._report(coordinator, job, report) or job.rank != 0:
             return None
         try:
             return self._commit(job, coordinator)
         except OSError as exc:
             raise ElasticFlowError(f"committing checkpoint {job.name} in '{self.job_dir}' failed: {exc}",
-                                   "check free space and permissions of checkpoint.dir; the previous "
-                                   "checkpoints are intact") from exc
+                                   HINT_DISK) from exc
 
     def _kill_at(self, phase: str, job: _Job) -> None:
         for p, step, rank in self.kills:
