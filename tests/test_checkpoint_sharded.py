@@ -23,6 +23,7 @@ from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 
 from conftest import REPO, losses, metrics, run_cli
+from test_checkpoint import flip_a_byte
 from test_elastic import (ATOL, PROBE, RTOL, STEPS, assert_equivalent, events, final_state, finish,  # noqa: F401
                           reference, start, train_ok)
 
@@ -146,12 +147,6 @@ def one_error_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     return lines[0]
-
-
-def flip_a_byte(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0xFF  # inside the tensor data: the file still parses, only the checksum can tell
-    path.write_bytes(bytes(raw))
 
 
 def test_corrupt_shard_names_the_file_and_auto_falls_back(tmp_path, four_at_30):
