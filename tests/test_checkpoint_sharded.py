@@ -319,10 +319,10 @@ def test_the_buffer_reserved_at_start_takes_the_first_snapshot(tmp_path):
     ck = ckpt.Checkpointer(job, coordinator=ckpt.LocalCoordinator(), token="t")
     ck.reserve(live, rank=1, world=2)
     assert ck.wait() is None
-    reserved = ck._buffer
+    reserved = ck._snapshots.buffer
     assert reserved is not None and reserved.nbytes < live["W"].nbytes  # half the state, not all of it
     ck.save("step_1", live, INFO, rank=1, world=2)
-    assert ck._buffer is reserved
+    assert ck._snapshots.buffer is reserved
     live["W"] += 1  # training goes on: the snapshot is already taken
     assert ck.close() is None  # rank 1 never commits
     [shard] = job.glob(".step_1.tmp-*/shard-00001-of-00002.safetensors")

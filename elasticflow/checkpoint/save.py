@@ -1,7 +1,8 @@
 """Write sharded checkpoints: every rank its slice, in the background; rank 0 commits atomically.
 
 One save, on each of the W ranks:
-  1. training thread: snapshot this rank's slice of the flat state (numpy copies) -- the only stall;
+  1. training thread: snapshot this rank's slice of the flat state (numpy copies, ``snapshot.py``) --
+     the only stall;
   2. writer thread: write ``shard-RRRRR-of-WWWWW.safetensors`` into the save's temporary directory,
      hashing each chunk (xxh3_64) just before it is written, then fsync;
   3. report (file, bytes, checksums) to rank 0 through the coordinator (the agent's store);
@@ -35,11 +36,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
-from ..fileio import aligned, write_atomic
+from ..fileio import write_atomic
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
 from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks,
                      file_digest, hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of,
                      temp_dirs)
+from .snapshot import SnapshotBuffer, layout
 
 log = logging.getLogger("elasticflow")
 
@@ -137,7 +139,7 @@ class Checkpointer:
         self.last_path: Optional[Path] = None      # the newest checkpoint this process committed
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None
-        self._buffer: Optional[np.ndarray] = None
+        self._snapshots = SnapshotBuffer()
         self._last_key: Optional[tuple] = None
         self._counts: Dict[tuple, int] = {}
 
@@ -192,7 +194,7 @@ class Checkpointer:
         started = time.perf_counter()
         specs = specs_of(state)
         pieces = plan(specs, world)[rank]
-        views = self._snapshot(state, pieces, copy)
+        views = self._snapshots.take(state, pieces, copy)
         count = self._counts[(generation, name)] = self._counts.get((generation, name), 0) + 1
         save_id = f"{name}/g{generation}.{count}"
         job = _Job(name=name, key=f"ckpt/{self.token}/{save_id}", step=step, rank=rank, world=world,
@@ -234,35 +236,13 @@ class Checkpointer:
         buffer in that save.
         """
         self.wait()
-        _, need = _layout(plan(specs_of(state), world)[rank])
-        self._pending = self._writer().submit(self._buffer_for, need, True)
+        _, need = layout(plan(specs_of(state), world)[rank])
+        self._pending = self._writer().submit(self._snapshots.reserve, need, True)
 
     def _writer(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="elasticflow-ckpt", initializer=_lower_priority)
         return self._pool
-
-    def _buffer_for(self, need: int, touch: bool = False) -> None:
-        # One buffer, reused across saves; safe: the previous save has finished (wait() first).
-        if self._buffer is None or not need <= self._buffer.nbytes <= 2 * need + (1 << 20):
-            self._buffer = None
-            buffer = np.empty(max(need, 1), np.uint8)
-            if touch:  # fault every page in now (numpy lets go of the GIL); a snapshot's copy would anyway
-                np.copyto(buffer, 0)
-            self._buffer = buffer
-
-    def _snapshot(self, state: Dict[str, np.ndarray], pieces: List[Piece], copy: bool) -> List[np.ndarray]:
-        flat = {p.name: np.ravel(np.asarray(state[p.name])) for p in pieces}
-        if not copy:
-            return [np.ascontiguousarray(flat[p.name][p.start:p.end]) for p in pieces]
-        offsets, need = _layout(pieces)
-        self._buffer_for(need)
-        views = []
-        for p, at in zip(pieces, offsets):
-            dst = self._buffer[at:at + p.nbytes].view(flat[p.name].dtype)
-            np.copyto(dst, flat[p.name][p.start:p.end])
-            views.append(dst)
-        return views
 
     # ------------------------------------------------------------------ the writer thread
     def _run(self, job: _Job) -> Optional[Path]:
@@ -404,15 +384,6 @@ class Checkpointer:
         if self.keep:
             for old in _checkpoints_in(self.job_dir)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-
-
-def _layout(pieces: List[Piece]) -> Tuple[List[int], int]:
-    """Where each piece starts in the snapshot buffer, and the buffer's size."""
-    offsets, need = [], 0
-    for p in pieces:
-        offsets.append(need)
-        need += aligned(p.nbytes)  # each piece at a multiple of 64 bytes: a cache line, aligned for any dtype
-    return offsets, need
 
 
 # ---------------------------------------------------------------- the job directory
