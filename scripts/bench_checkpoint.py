@@ -61,11 +61,6 @@ def make_state(mb: int) -> dict:
     return {f"layer{i:03d}/w": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
 
 
-def fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def median_time(fn, repeat: int, before=None) -> float:
     out = []
     for _ in range(repeat):

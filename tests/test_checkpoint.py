@@ -186,17 +186,17 @@ def test_checkpoint_interval_argument_overrides_the_config(baseline, tmp_path):
     assert sorted(saved(tmp_path)) == ["step_3", "step_6", "step_8"]
 
 
-def corrupt(file):
-    raw = bytearray(file.read_bytes())
+def flip_a_byte(path):
+    raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF  # inside the tensor data: the file still parses, only the checksum can tell
-    file.write_bytes(bytes(raw))
+    path.write_bytes(bytes(raw))
 
 
 def test_corrupt_shard_names_the_file(baseline, tmp_path):
     path, run = baseline
     run = copy_run(run, tmp_path / "run")
     shard = saved(run)["step_20"] / "shard-00000-of-00001.safetensors"
-    corrupt(shard)
+    flip_a_byte(shard)
     with pytest.raises(ElasticFlowError, match=f"checkpoint shard '{shard}' fails its checksum"):
         ckpt.load(shard.parent)
     with pytest.raises(ElasticFlowError, match=str(shard)):

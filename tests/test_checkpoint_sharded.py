@@ -23,6 +23,7 @@ from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 
 from conftest import REPO, losses, metrics, run_cli
+from test_checkpoint import flip_a_byte
 from test_elastic import (ATOL, PROBE, RTOL, STEPS, assert_equivalent, events, final_state, finish,  # noqa: F401
                           reference, start, train_ok)
 
@@ -146,12 +147,6 @@ def one_error_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     return lines[0]
-
-
-def flip_a_byte(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0xFF  # inside the tensor data: the file still parses, only the checksum can tell
-    path.write_bytes(bytes(raw))
 
 
 def test_corrupt_shard_names_the_file_and_auto_falls_back(tmp_path, four_at_30):
@@ -324,10 +319,10 @@ def test_the_buffer_reserved_at_start_takes_the_first_snapshot(tmp_path):
     ck = ckpt.Checkpointer(job, coordinator=ckpt.LocalCoordinator(), token="t")
     ck.reserve(live, rank=1, world=2)
     assert ck.wait() is None
-    reserved = ck._buffer
+    reserved = ck._snapshots.buffer
     assert reserved is not None and reserved.nbytes < live["W"].nbytes  # half the state, not all of it
     ck.save("step_1", live, INFO, rank=1, world=2)
-    assert ck._buffer is reserved
+    assert ck._snapshots.buffer is reserved
     live["W"] += 1  # training goes on: the snapshot is already taken
     assert ck.close() is None  # rank 1 never commits
     [shard] = job.glob(".step_1.tmp-*/shard-00001-of-00002.safetensors")
@@ -410,7 +405,8 @@ def test_job_directory_is_stable_across_restarts_and_new_for_resume_none(tmp_pat
     assert ckpt.latest(tmp_path / "checkpoints") == fresh.checkpointer.job_dir / "step_6"
     (tmp_path / ".elasticflow" / "checkpoint_job.json").unlink()  # without the record: the newest job
     assert fit(tmp_path).checkpointer.job_dir == fresh.checkpointer.job_dir
-    named = fit(tmp_path, "checkpoint.job_name=exp1", "checkpoint.async=false")
+    named = fit(tmp_path, "checkpoint.job_name=exp1", "checkpoint.async_save=false")
     assert named.checkpointer.job_dir.name.startswith("exp1_") and named.resumed_from is None
+    assert named.checkpointer.asynchronous is False  # checkpoint.async_save reached the checkpointer
     resumed = fit(tmp_path / "elsewhere", f"resume={job}")  # resume=PATH: a job dir means its newest
     assert resumed.resumed_from == str(job / "step_6")

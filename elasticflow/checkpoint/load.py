@@ -12,10 +12,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
-from .format import NUMPY_DTYPES, file_digest, hasher, is_complete, read_metadata, read_shard_header
-
-CHUNK = 8 << 20
-_FALLBACK = "resume from an earlier checkpoint (resume=auto falls back by itself)"
+from .format import (HINT_FALLBACK, HINT_PATH, NUMPY_DTYPES, file_digest, hashed, hasher, is_complete, read_chunks,
+                     read_metadata, read_shard_header)
 
 
 def load(path: str | Path, names: Optional[Iterable[str]] = None, verify: bool = True) -> Dict[str, np.ndarray]:
@@ -33,15 +31,14 @@ def load(path: str | Path, names: Optional[Iterable[str]] = None, verify: bool =
 
 
 def _corrupt(fpath: Path, what: str) -> ElasticFlowError:
-    return ElasticFlowError(f"checkpoint shard '{fpath}' fails its checksum ({what})", _FALLBACK)
+    return ElasticFlowError(f"checkpoint shard '{fpath}' fails its checksum ({what})", HINT_FALLBACK)
 
 
 def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
                        verify: bool = True) -> Tuple[Dict[str, np.ndarray], dict]:
     path = Path(path)
     if not path.is_dir():
-        raise ElasticFlowError(f"checkpoint '{path}' does not exist",
-                               "pass a checkpoint directory such as RUN_DIR/checkpoints/<job>/step_100")
+        raise ElasticFlowError(f"checkpoint '{path}' does not exist", HINT_PATH)
     if not is_complete(path):
         raise ElasticFlowError(f"checkpoint '{path}' is incomplete (no COMMIT marker): its save was interrupted",
                                "resume from an earlier checkpoint; resume=auto skips incomplete ones")
@@ -59,11 +56,11 @@ def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
         flat = np.empty(int(np.prod(t["shape"], dtype=np.int64)), dtype=np.dtype(t["dtype"]))
         if sum(p["end"] - p["start"] for p in t["shards"]) != flat.size:
             raise ElasticFlowError(f"checkpoint metadata '{path / 'metadata.json'}' is inconsistent: the pieces "
-                                   f"of {name!r} do not cover its {flat.size} elements", _FALLBACK)
+                                   f"of {name!r} do not cover its {flat.size} elements", HINT_FALLBACK)
         for piece in t["shards"]:
             if piece["file"] not in files:
                 raise ElasticFlowError(f"checkpoint metadata '{path / 'metadata.json'}' is inconsistent: "
-                                       f"{name!r} names an unlisted file {piece['file']!r}", _FALLBACK)
+                                       f"{name!r} names an unlisted file {piece['file']!r}", HINT_FALLBACK)
             by_file.setdefault(piece["file"], []).append((name, piece, flat[piece["start"]:piece["end"]]))
         out[name] = flat.reshape(t["shape"])
     # Every file is checked for presence and size, not only those read: a missing shard is an
@@ -72,7 +69,7 @@ def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
         fpath = path / fname
         if not fpath.is_file():
             raise ElasticFlowError(f"checkpoint shard '{fpath}' is missing (the checkpoint was written by "
-                                   f"{meta.get('writers', len(files))} ranks)", _FALLBACK)
+                                   f"{meta.get('writers', len(files))} ranks)", HINT_FALLBACK)
         size = fpath.stat().st_size
         if size != info["bytes"]:
             raise _corrupt(fpath, f"corrupt or truncated: {size} bytes, metadata says {info['bytes']}")
@@ -107,12 +104,11 @@ def _read_file(fpath: Path, info: dict, items: Sequence[Tuple[str, dict, np.ndar
             f.seek(data_start + begin)
             mv = memoryview(dst).cast("B") if dst.size else memoryview(b"")
             piece_hash = hasher(algorithm) if algorithm else None
-            for at in range(0, len(mv), CHUNK):
-                chunk = mv[at:at + CHUNK]
-                if f.readinto(chunk) != len(chunk):
-                    raise _corrupt(fpath, "truncated")
-                if piece_hash is not None:
-                    piece_hash.update(chunk)
+            landed = read_chunks(f, len(mv), into=mv)
+            if piece_hash is not None:
+                landed = hashed(piece_hash, landed)
+            if sum(len(chunk) for chunk in landed) != len(mv):
+                raise _corrupt(fpath, "truncated")
             if piece_hash is not None:
                 digest = piece_hash.hexdigest()
                 if digest != piece.get("checksum"):

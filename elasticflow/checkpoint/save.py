@@ -1,7 +1,8 @@
 """Write sharded checkpoints: every rank its slice, in the background; rank 0 commits atomically.
 
 One save, on each of the W ranks:
-  1. training thread: snapshot this rank's slice of the flat state (numpy copies) -- the only stall;
+  1. training thread: snapshot this rank's slice of the flat state (numpy copies, ``snapshot.py``) --
+     the only stall;
   2. writer thread: write ``shard-RRRRR-of-WWWWW.safetensors`` into the save's temporary directory,
      hashing each chunk (xxh3_64) just before it is written, then fsync;
   3. report (file, bytes, checksums) to rank 0 through the coordinator (the agent's store);
@@ -35,18 +36,20 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
+from ..fileio import write_atomic
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
-from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, file_digest, hasher,
-                     job_dirs, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
+from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks,
+                     file_digest, hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of,
+                     temp_dirs)
+from .snapshot import SnapshotBuffer, layout
 
 log = logging.getLogger("elasticflow")
 
 KILL_ENV = "ELASTICFLOW_TEST_CKPT_KILL"
 PHASES = ("before_write", "mid_write", "after_write", "before_commit", "before_rename")
-CHUNK = 8 << 20   # bytes per write() call, hashed just before it
-ALIGN = 64        # snapshot pieces start cache-line aligned in the reused buffer
 JOB_RECORD = "checkpoint_job.json"
 NICE = 10         # the writer threads' niceness: under CPU contention, training runs first
+HINT_DISK = "check free space and permissions of checkpoint.dir; the previous checkpoints are intact"
 
 
 def _lower_priority() -> None:
@@ -113,7 +116,7 @@ class Checkpointer:
     Args:
         job_dir: ``checkpoint.dir/<job_name>_<timestamp>``.
         keep: newest complete checkpoints retained (None: all).
-        asynchronous: write in a background thread (``checkpoint.async``); False writes in ``save``.
+        asynchronous: write in a background thread (``checkpoint.async_save``); False writes in ``save``.
         timeout_s: how long rank 0 waits for the other ranks' reports (``elastic.timeout_s``).
         coordinator: how ranks report to rank 0 when W > 1 (a ``StoreCoordinator``); W = 1 uses
             an in-memory one.
@@ -136,7 +139,7 @@ class Checkpointer:
         self.last_path: Optional[Path] = None      # the newest checkpoint this process committed
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None
-        self._buffer: Optional[np.ndarray] = None
+        self._snapshots = SnapshotBuffer()
         self._last_key: Optional[tuple] = None
         self._counts: Dict[tuple, int] = {}
 
@@ -162,7 +165,7 @@ class Checkpointer:
         _record_job(state_dir, Path(checkpoint_dir), name)
         timeout = float(cfg.elastic.timeout_s)
         coordinator = StoreCoordinator(membership.address, timeout) if membership is not None else None
-        return cls(job_dir, keep=c.keep, asynchronous=bool(c.get("async", True)), timeout_s=timeout,
+        return cls(job_dir, keep=c.keep, asynchronous=bool(c.get("async_save", True)), timeout_s=timeout,
                    coordinator=coordinator, token=token)
 
     # ------------------------------------------------------------------ the training thread
@@ -191,7 +194,7 @@ class Checkpointer:
         started = time.perf_counter()
         specs = specs_of(state)
         pieces = plan(specs, world)[rank]
-        views = self._snapshot(state, pieces, copy)
+        views = self._snapshots.take(state, pieces, copy)
         count = self._counts[(generation, name)] = self._counts.get((generation, name), 0) + 1
         save_id = f"{name}/g{generation}.{count}"
         job = _Job(name=name, key=f"ckpt/{self.token}/{save_id}", step=step, rank=rank, world=world,
@@ -233,35 +236,13 @@ class Checkpointer:
         buffer in that save.
         """
         self.wait()
-        _, need = _layout(plan(specs_of(state), world)[rank])
-        self._pending = self._writer().submit(self._buffer_for, need, True)
+        _, need = layout(plan(specs_of(state), world)[rank])
+        self._pending = self._writer().submit(self._snapshots.reserve, need, True)
 
     def _writer(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="elasticflow-ckpt", initializer=_lower_priority)
         return self._pool
-
-    def _buffer_for(self, need: int, touch: bool = False) -> None:
-        # One buffer, reused across saves; safe: the previous save has finished (wait() first).
-        if self._buffer is None or not need <= self._buffer.nbytes <= 2 * need + (1 << 20):
-            self._buffer = None
-            buffer = np.empty(max(need, 1), np.uint8)
-            if touch:  # fault every page in now (numpy lets go of the GIL); a snapshot's copy would anyway
-                np.copyto(buffer, 0)
-            self._buffer = buffer
-
-    def _snapshot(self, state: Dict[str, np.ndarray], pieces: List[Piece], copy: bool) -> List[np.ndarray]:
-        flat = {p.name: np.ravel(np.asarray(state[p.name])) for p in pieces}
-        if not copy:
-            return [np.ascontiguousarray(flat[p.name][p.start:p.end]) for p in pieces]
-        offsets, need = _layout(pieces)
-        self._buffer_for(need)
-        views = []
-        for p, at in zip(pieces, offsets):
-            dst = self._buffer[at:at + p.nbytes].view(flat[p.name].dtype)
-            np.copyto(dst, flat[p.name][p.start:p.end])
-            views.append(dst)
-        return views
 
     # ------------------------------------------------------------------ the writer thread
     def _run(self, job: _Job) -> Optional[Path]:
@@ -271,17 +252,14 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then raised at the next save
             self._report(coordinator, job, {"ok": False, "rank": job.rank, "error": f"{type(exc).__name__}: {exc}"})
             raise ElasticFlowError(f"writing checkpoint {job.name} (rank {job.rank} of {job.world}) into "
-                                   f"'{job.tmp}' failed: {exc}",
-                                   "check free space and permissions of checkpoint.dir; the previous "
-                                   "checkpoints are intact") from exc
+                                   f"'{job.tmp}' failed: {exc}", HINT_DISK) from exc
         if not self._report(coordinator, job, report) or job.rank != 0:
             return None
         try:
             return self._commit(job, coordinator)
         except OSError as exc:
             raise ElasticFlowError(f"committing checkpoint {job.name} in '{self.job_dir}' failed: {exc}",
-                                   "check free space and permissions of checkpoint.dir; the previous "
-                                   "checkpoints are intact") from exc
+                                   HINT_DISK) from exc
 
     def _kill_at(self, phase: str, job: _Job) -> None:
         for p, step, rank in self.kills:
@@ -302,11 +280,8 @@ class Checkpointer:
         with open(path, "wb", buffering=0) as f:
             _write_all(f, header)
             for view in job.views:
-                mv = memoryview(view).cast("B")
                 piece = hasher(CHECKSUM)
-                for at in range(0, len(mv), CHUNK):
-                    chunk = mv[at:at + CHUNK]
-                    piece.update(chunk)  # chunk by chunk: still in the CPU cache for write()
+                for chunk in hashed(piece, chunks(memoryview(view).cast("B"))):  # hashed just before written
                     _write_all(f, chunk)
                     written += len(chunk)
                     if not halfway and 2 * written >= total:
@@ -411,15 +386,6 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _layout(pieces: List[Piece]) -> Tuple[List[int], int]:
-    """Where each piece starts in the snapshot buffer, and the buffer's size."""
-    offsets, need = [], 0
-    for p in pieces:
-        offsets.append(need)
-        need += -(-p.nbytes // ALIGN) * ALIGN
-    return offsets, need
-
-
 # ---------------------------------------------------------------- the job directory
 def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: bool, explicit: bool) -> str:
     if not fresh:
@@ -444,9 +410,9 @@ def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: boo
 
 def _record_job(state_dir: Path, checkpoint_dir: Path, name: str) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / f".{JOB_RECORD}.{os.getpid()}"
-    tmp.write_text(json.dumps({"job": name, "checkpoint_dir": str(checkpoint_dir)}))  # the dir: for people
-    os.replace(tmp, state_dir / JOB_RECORD)
+    # Every worker writes it at start-up and a restart reads it back: atomic, so never read torn.
+    record = {"job": name, "checkpoint_dir": str(checkpoint_dir)}  # checkpoint_dir: for people reading it
+    write_atomic(state_dir / JOB_RECORD, json.dumps(record))
 
 
 # ---------------------------------------------------------------- one-call API
