@@ -48,7 +48,7 @@ def bind_address(interface) -> str:
         return explicit
     if explicit != "auto":
         return "127.0.0.1"
-    from ..launchers.netif import address_of
+    from .netif import address_of
 
     return address_of(interface)
 

@@ -91,7 +91,7 @@ def srun_launch(cfg: Any):
 def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """The agent, here, with workers as srun steps; requeues the job after a preemption warning."""
     from ..distributed.agent import Agent
-    from .netif import address_of
+    from ..distributed.netif import address_of
 
     cfg.launcher.workers = total_workers(cfg)
     agent = Agent(cfg, run_dir, host=address_of(cfg.launcher.interface), launch=srun_launch(cfg),

@@ -1,4 +1,8 @@
-"""Turn ``launcher.interface`` (an interface name, an address, or nothing) into an address to listen on."""
+"""Turn ``launcher.interface`` (an interface name, an address, or nothing) into an address to listen on.
+
+Here, not in launchers/: the worker needs it for gloo's address, and launchers import distributed,
+never the reverse.
+"""
 from __future__ import annotations
 
 import fcntl
