@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from torch.distributed import TCPStore
 
 from ..errors import ElasticFlowError, TrainingInterrupted
+from ..fileio import append_event, write_atomic
 from . import protocol
 
 log = logging.getLogger("elasticflow")
@@ -158,13 +159,11 @@ class Agent:
                     "retiring": [w.describe() for w in self.retiring],
                     "restarts": self.restarts, "max_restarts": self.cfg.launcher.max_restarts,
                     "agent_pid": os.getpid()}
-        tmp = self.run_dir / ".workers.json.tmp"
-        tmp.write_text(json.dumps(snapshot, indent=1))
-        os.replace(tmp, self.run_dir / "workers.json")
+        # Atomic: `elasticflow status` and `scale` read it while the job runs.
+        write_atomic(self.run_dir / "workers.json", json.dumps(snapshot, indent=1))
 
     def event(self, kind: str, **fields) -> None:
-        with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "event": kind, "source": "agent", **fields}) + "\n")
+        append_event(self.run_dir / "events.jsonl", kind, "agent", **fields)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> Dict[str, Any]:

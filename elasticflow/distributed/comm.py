@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+from ..fileio import aligned
 from .protocol import CommError
 
 BIG = 1 << 20  # bytes: a tensor this large travels as its own message in share_state, without a copy
-ALIGN = 64     # bytes: where each packed tensor starts in share_state's buffer (aligned for any dtype)
 
 
 class Group:
@@ -76,7 +76,8 @@ class Group:
         if self.rank == src:
             arrays = {k: np.asarray(v, order="C") for k, v in state.items()}  # not ascontiguousarray: 0-d stays 0-d
             small = [k for k, v in arrays.items() if v.nbytes < BIG]
-            offsets = np.cumsum([0] + [_padded(arrays[k].nbytes) for k in small]).tolist()
+            # Each packed tensor starts aligned, so the receiver views it as its dtype without a copy.
+            offsets = np.cumsum([0] + [aligned(arrays[k].nbytes) for k in small]).tolist()
             packed = np.empty(offsets[-1], np.uint8)
             for k, at in zip(small, offsets):
                 packed[at:at + arrays[k].nbytes] = arrays[k].reshape(-1).view(np.uint8)
@@ -105,7 +106,7 @@ class Group:
                 tag += 1
             else:
                 raw = packed[at:at + nbytes]
-                at += _padded(nbytes)
+                at += aligned(nbytes)
             out[name] = raw.view(dt).reshape(shape)
         return out, info["meta"]
 
@@ -113,10 +114,6 @@ class Group:
         if tensor.numel():
             self._run("receive", lambda: self.pg.recv([tensor], src, tag).wait())
         return tensor
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN  # every packed tensor starts aligned for its dtype
 
 
 def _bytes(array: np.ndarray) -> torch.Tensor:

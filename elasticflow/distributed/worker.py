@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..fileio import write_atomic
 from . import protocol
 
 
@@ -82,9 +83,8 @@ def main() -> None:
         holder["trainer"] = trainer
         summary = trainer.fit()
         if trainer.rank == 0:
-            tmp = run_dir / ".summary.json.tmp"
-            tmp.write_text(json.dumps(summary))
-            os.replace(tmp, run_dir / "summary.json")
+            # Atomic: a worker killed mid-write must not leave the agent a torn result to read.
+            write_atomic(run_dir / "summary.json", json.dumps(summary))
     except TrainingInterrupted:
         code = protocol.EXIT_INTERRUPTED
     except Refused as exc:
