@@ -7,6 +7,8 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
+from .distributed.protocol import ENV_DEBUG
+
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
        elasticflow scale RUN_DIR --workers N
        elasticflow status RUN_DIR
@@ -59,7 +61,7 @@ def _train_task(cfg) -> None:
 
     from .launchers import run
 
-    debug = os.environ.get("ELASTICFLOW_DEBUG") == "1"
+    debug = os.environ.get(ENV_DEBUG) == "1"
     try:
         summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one reported line
@@ -148,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     if debug:
-        os.environ["ELASTICFLOW_DEBUG"] = "1"
+        os.environ[ENV_DEBUG] = "1"
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return

@@ -20,6 +20,8 @@ from conftest import ELASTICFLOW, metrics, run_cli
 from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
                           start, tf_reference, wait_for)
 
+from elasticflow.distributed import protocol
+
 
 HOLD_TIMEOUT = ["elastic.timeout_s=90", "elastic.heartbeat_timeout_s=10"]
 
@@ -135,9 +137,9 @@ def test_strangers_without_the_token_are_refused(tmp_path, reference):
     with hold:
         for token in ("not-the-token", None):
             env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICFLOW_")}
-            env.update({"ELASTICFLOW_STORE": address, "ELASTICFLOW_RUN_DIR": str(run)})
+            env.update({protocol.ENV_STORE: address, protocol.ENV_RUN_DIR: str(run)})
             if token:
-                env["ELASTICFLOW_TOKEN"] = token
+                env[protocol.ENV_TOKEN] = token
             stranger = subprocess.run(ELASTICFLOW[:1] + ["-m", "elasticflow.distributed.worker"], env=env,
                                       capture_output=True, text=True, timeout=120)
             assert stranger.returncode == 6, stranger.stderr[-2000:]

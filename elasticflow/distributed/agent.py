@@ -127,7 +127,7 @@ class Agent:
         env = {**os.environ, **self.worker_env, protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
                protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
                protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, self.target_workers() + 1)),
-               "ELASTICFLOW_SPAWNED_AT": str(time.time())}
+               protocol.ENV_SPAWNED_AT: str(time.time())}
         proc = self.launch(env)
         worker = Worker(wid, proc.pid, proc)
         self.joining[wid] = worker

@@ -26,8 +26,8 @@ ENV_RUN_DIR = "ELASTICFLOW_RUN_DIR"
 ENV_LOCAL_WORKERS = "ELASTICFLOW_LOCAL_WORKERS"
 ENV_TOKEN = "ELASTICFLOW_TOKEN"
 ENV_BIND = "ELASTICFLOW_BIND"              # the address gloo listens on ("auto": see worker.bind_address)
-ENV_SPAWNED_AT = "ELASTICFLOW_SPAWNED_AT"
-ENV_DEBUG = "ELASTICFLOW_DEBUG"
+ENV_SPAWNED_AT = "ELASTICFLOW_SPAWNED_AT"  # time.time() when the agent started the worker (start-up cost)
+ENV_DEBUG = "ELASTICFLOW_DEBUG"            # "1": tracebacks, not one line; set by `--debug`, inherited by children
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130

@@ -27,6 +27,7 @@ from typing import Any, Dict, List
 
 from omegaconf import OmegaConf
 
+from ..distributed import protocol
 from ..errors import ElasticFlowError, TrainingInterrupted
 
 log = logging.getLogger("elasticflow")
@@ -77,7 +78,7 @@ def srun_launch(cfg: Any):
 
     def launch(env: Dict[str, str]) -> subprocess.Popen:
         cmd = [srun, "--exact", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=0",
-               f"--job-name=worker-{env['ELASTICFLOW_WORKER_ID']}"]
+               f"--job-name=worker-{env[protocol.ENV_WORKER_ID]}"]
         if cfg.launcher.cpus_per_task:
             cmd.append(f"--cpus-per-task={cfg.launcher.cpus_per_task}")
         if cfg.launcher.gpus_per_node:
@@ -95,7 +96,7 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
 
     cfg.launcher.workers = total_workers(cfg)
     agent = Agent(cfg, run_dir, host=address_of(cfg.launcher.interface), launch=srun_launch(cfg),
-                  worker_env={"ELASTICFLOW_BIND": "auto"})
+                  worker_env={protocol.ENV_BIND: "auto"})
     try:
         return agent.run()
     except TrainingInterrupted:
@@ -166,7 +167,7 @@ def main(argv: List[str] | None = None) -> None:
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - one line, as in the CLI
-        _report(exc, os.environ.get("ELASTICFLOW_DEBUG") == "1")
+        _report(exc, os.environ.get(protocol.ENV_DEBUG) == "1")
 
 
 if __name__ == "__main__":

@@ -19,11 +19,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from elasticflow.distributed.protocol import ENV_WORKER_ID
+
 REPO = Path(__file__).resolve().parents[2]
 
-SITECUSTOMIZE = '''
+# Its first line names the variable the agent sets in workers only: every other Python process started
+# with this PYTHONPATH (the CLI, the agent) skips the patch without importing elasticflow.
+SITECUSTOMIZE = f"WORKER_ENV = {ENV_WORKER_ID!r}\n" + '''
 import os, sys
-if os.environ.get("ELASTICFLOW_WORKER_ID") is not None:
+if os.environ.get(WORKER_ENV) is not None:
     sys.path.insert(0, os.getcwd())
     import torch
     import elasticflow.replica as replica
