@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import List, Optional
 
 from .distributed.protocol import ENV_DEBUG
+from .exits import debug_requested, fail, print_done, report
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
        elasticflow scale RUN_DIR --workers N
@@ -25,52 +25,18 @@ HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-c
                           "--config-dir", "-cd", "--experimental-rerun"}
 
 
-def _fail(message: str, hint: str = "", code: int = 2) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    if hint:
-        print(f"hint: {hint}", file=sys.stderr)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    raise SystemExit(code)
-
-
-def _report(exc: BaseException, debug: bool) -> None:
-    """One line for the user (plus a hint); the traceback only with --debug."""
-    from .errors import ElasticFlowError, TrainingInterrupted
-
-    if debug:
-        traceback.print_exc()
-    if isinstance(exc, TrainingInterrupted):
-        print("interrupted: checkpoint written; resume with the same command (resume=auto)", file=sys.stderr)
-        raise SystemExit(130)
-    if isinstance(exc, KeyboardInterrupt):
-        print("aborted by a second Ctrl-C: no checkpoint written for this step", file=sys.stderr)
-        raise SystemExit(130)
-    if isinstance(exc, ElasticFlowError):
-        _fail(exc.message, exc.hint, exc.exit_code)
-    where = ""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "elasticflow/" not in frame.filename.replace(os.sep, "/") or "/models/" in frame.filename:
-            where = f" at {frame.filename}:{frame.lineno}"
-            break
-    _fail(f"{type(exc).__name__}: {exc}{where}", "run with --debug for the full traceback", 1)
-
-
 def _train_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from .launchers import run
 
-    debug = os.environ.get(ENV_DEBUG) == "1"
     try:
         summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one reported line
         if isinstance(exc, SystemExit):
             raise
-        _report(exc, debug)
-        return
-    shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
-    print(f"done: {shown}", flush=True)
+        report(exc, debug_requested())
+    print_done(summary)
 
 
 def train(args: List[str], debug: bool) -> None:
@@ -98,15 +64,15 @@ def train(args: List[str], debug: bool) -> None:
     if positional:
         model = positional[0]
         if len(positional) > 1:
-            _fail(f"unexpected argument {positional[1]!r} after the model file",
-                  "config overrides take the form key=value, e.g. trainer.max_steps=100")
+            fail(f"unexpected argument {positional[1]!r} after the model file",
+                 "config overrides take the form key=value, e.g. trainer.max_steps=100")
         path = Path(model).expanduser()
         if not path.is_file():
-            _fail(f"model file '{model}' {'is a directory' if path.is_dir() else 'not found'}",
-                  "pass the path to a Python file that defines model(), forward() and data()")
+            fail(f"model file '{model}' {'is a directory' if path.is_dir() else 'not found'}",
+                 "pass the path to a Python file that defines model(), forward() and data()")
         overrides.insert(0, f"model={path.resolve()}")
     elif not wants_help:
-        _fail("no model file given", "usage: elasticflow train MODEL.py [key=value ...], e.g. models/digits_mlp.py")
+        fail("no model file given", "usage: elasticflow train MODEL.py [key=value ...], e.g. models/digits_mlp.py")
     if debug:
         os.environ["HYDRA_FULL_ERROR"] = "1"
     register()
@@ -118,7 +84,7 @@ def inspect_checkpoint(args: List[str]) -> None:
     from .checkpoint.inspect import render
 
     if len(args) != 1:
-        _fail("inspect takes one checkpoint directory", "e.g. elasticflow inspect outputs/.../checkpoints/step_100")
+        fail("inspect takes one checkpoint directory", "e.g. elasticflow inspect outputs/.../checkpoints/step_100")
     print(render(Path(args[0])))
 
 
@@ -133,7 +99,7 @@ def scale_command(args: List[str]) -> None:
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the new membership")
     ns = parser.parse_args(args)
     if ns.workers < 1:
-        _fail(f"--workers must be a positive integer, got {ns.workers}", "e.g. elasticflow scale RUN_DIR --workers 4")
+        fail(f"--workers must be a positive integer, got {ns.workers}", "e.g. elasticflow scale RUN_DIR --workers 4")
     print(scale(ns.run_dir, ns.workers, ns.wait))
 
 
@@ -141,7 +107,7 @@ def status_command(args: List[str]) -> None:
     from .distributed.control import status
 
     if len(args) != 1:
-        _fail("status takes one run directory", "e.g. elasticflow status outputs/2026-11-22/10-00-00")
+        fail("status takes one run directory", "e.g. elasticflow status outputs/2026-11-22/10-00-00")
     print(status(Path(args[0])))
 
 
@@ -163,13 +129,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest),
                 "scale": lambda: scale_command(rest), "status": lambda: status_command(rest)}
     if command not in commands:
-        _fail(f"unknown command {command!r}", f"use one of: {', '.join(commands)} (elasticflow --help)")
+        fail(f"unknown command {command!r}", f"use one of: {', '.join(commands)} (elasticflow --help)")
     try:
         commands[command]()
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001
-        _report(exc, debug)
+        report(exc, debug)
 
 
 if __name__ == "__main__":

@@ -150,8 +150,8 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
 
 def main(argv: List[str] | None = None) -> None:
     """The batch script's entry: `python -m elasticflow.launchers.slurm RUN_DIR`."""
-    from ..cli import _report
     from ..config import Config, validate
+    from ..exits import debug_requested, print_done, report
 
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0]).resolve()
@@ -163,11 +163,11 @@ def main(argv: List[str] | None = None) -> None:
             cfg.resume = "auto"
         validate(cfg)
         summary = run_in_allocation(cfg, run_dir)
-        print("done: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - one line, as in the CLI
-        _report(exc, os.environ.get(protocol.ENV_DEBUG) == "1")
+        report(exc, debug_requested())
+    print_done(summary)
 
 
 if __name__ == "__main__":
