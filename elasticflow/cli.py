@@ -28,9 +28,12 @@ HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-c
 def _train_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from .config import validate
     from .launchers import run
 
     try:
+        # The one validation for `elasticflow train` (every job of a -m sweep gets its own).
+        validate(cfg)
         summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one reported line
         if isinstance(exc, SystemExit):

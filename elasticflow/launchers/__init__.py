@@ -6,7 +6,7 @@ from typing import Any, Dict
 
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
-    """Train ``cfg`` with its launcher; returns the final summary."""
+    """Train ``cfg`` (already validated: see cli._train_task) with its launcher; returns the final summary."""
     if cfg.launcher.name == "slurm":
         from .slurm import run as run_slurm
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
-from ..config import validate
-
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
-    validate(cfg)
+    # cfg arrives validated (cli._train_task): nothing here checks it again.
     if cfg.launcher.workers == 1 and not cfg.launcher.max_workers:
         from ..trainer import ElasticTrainer
 

@@ -150,7 +150,7 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
 
 def main(argv: List[str] | None = None) -> None:
     """The batch script's entry: `python -m elasticflow.launchers.slurm RUN_DIR`."""
-    from ..config import Config, validate
+    from ..config import Config
     from ..exits import debug_requested, print_done, report
 
     argv = sys.argv[1:] if argv is None else argv
@@ -159,9 +159,12 @@ def main(argv: List[str] | None = None) -> None:
                         handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "train.log")])
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
+        # No validate() here, although this is a process entry point: the file is the config that
+        # `elasticflow train` validated (cli._train_task) before submit() wrote it (after a requeue, the
+        # agent's re-save of it), like the workers' copy. The merge into the schema still refuses unknown
+        # keys and wrong types; the values set below and in run_in_allocation are valid by construction.
         if os.environ.get("SLURM_RESTART_COUNT"):  # a requeued job always continues where it stopped
             cfg.resume = "auto"
-        validate(cfg)
         summary = run_in_allocation(cfg, run_dir)
     except SystemExit:
         raise
