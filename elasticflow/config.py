@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 from .errors import ElasticFlowError
 
@@ -238,7 +238,3 @@ def compose(model: str, overrides: Optional[List[str]] = None) -> Any:
         cfg = hydra_compose("config", overrides=[f"model={model}", *(overrides or [])])
     validate(cfg)
     return cfg
-
-
-def to_yaml(cfg: Any) -> str:
-    return OmegaConf.to_yaml(cfg)

@@ -164,10 +164,6 @@ class Cursor:
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch, "samples_seen": self.samples_seen}
 
 
-def global_batch_bounds(samples_in_epoch: int, num_samples: int, global_batch: int) -> Tuple[int, int]:
-    return samples_in_epoch, min(samples_in_epoch + global_batch, num_samples)
-
-
 def check_size(num_samples: int, global_batch: int, what: str = "data()") -> None:
     if num_samples < global_batch:
         raise ElasticFlowError(
