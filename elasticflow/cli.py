@@ -45,7 +45,7 @@ def _train_task(cfg) -> None:
 def train(args: List[str], debug: bool) -> None:
     import hydra
 
-    from .config import register
+    from .config import refuse_renamed, register
     from .paths import conf_dir
 
     # Hydra's own argparse wants its flags before the overrides: split them apart.
@@ -63,6 +63,7 @@ def train(args: List[str], debug: bool) -> None:
             positional.append(a)
         else:
             overrides.append(a)
+    refuse_renamed(overrides)  # before Hydra, whose "Key 'async' not in" would not name the new key
     wants_help = any(a in ("--help", "-h", "--hydra-help") for a in args)
     if positional:
         model = positional[0]

@@ -88,31 +88,9 @@ class CheckpointConfig:
     interval: IntervalConfig = field(default_factory=IntervalConfig)
     keep: Optional[int] = 3        # newest complete checkpoints kept (null = all)
     job_name: Optional[str] = None  # checkpoint.dir/<job_name>_<timestamp>/; null = the model file's stem
-
-
-def _add_keyword_field(cls: type, name: str, kind: type, default: Any) -> None:
-    """Add field ``name`` to dataclass ``cls`` although it is a Python keyword (``async``): the
-    dataclass decorator cannot declare it, but OmegaConf and Hydra read it like any other field."""
-    import dataclasses
-
-    f = field(default=default)
-    f.name, f.type, f._field_type = name, kind, dataclasses._FIELD  # what @dataclass sets on a field
-    cls.__dataclass_fields__[name] = f
-    cls.__annotations__[name] = kind
-    setattr(cls, name, default)
-    init = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        value = kwargs.pop(name, default)
-        init(self, *args, **kwargs)
-        setattr(self, name, value)
-
-    cls.__init__ = __init__
-
-
-# checkpoint.async: write checkpoints in a background thread; training stalls only for an in-memory
-# snapshot of this worker's slice (false: each save returns once written and committed).
-_add_keyword_field(CheckpointConfig, "async", bool, True)
+    # Write checkpoints in a background thread; training stalls only for an in-memory snapshot of this
+    # worker's slice (false: each save returns once written and committed).
+    async_save: bool = True
 
 
 @dataclass
@@ -137,6 +115,10 @@ class Config:
     model_args: Any = field(default_factory=dict)
 
 
+# Old key -> new key. An override of an old key fails naming the new one, not with Hydra's "Key not in".
+# (checkpoint.async: a Python keyword cannot be a dataclass field.)
+RENAMED = {"checkpoint.async": "checkpoint.async_save"}
+
 BACKENDS = ("torch", "tensorflow")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "step")
@@ -147,6 +129,16 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def refuse_renamed(overrides: List[str]) -> None:
+    """Raise ElasticFlowError for an override (``key=v``, ``+key=v``, ``++key=v``) of a renamed key."""
+    for override in overrides:
+        key, has_value, value = override.lstrip("~+").partition("=")
+        if key in RENAMED:
+            new = RENAMED[key]
+            raise ElasticFlowError(f"{key} was renamed to {new}",
+                                   f"pass {new}={value}" if has_value else f"use {new} instead")
 
 
 def _positive_int(value: Any, key: str, hint: str) -> None:
@@ -233,6 +225,7 @@ def compose(model: str, overrides: Optional[List[str]] = None) -> Any:
 
     from .paths import conf_dir
 
+    refuse_renamed(overrides or [])
     register()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose("config", overrides=[f"model={model}", *(overrides or [])])

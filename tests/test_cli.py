@@ -159,6 +159,14 @@ def test_missing_model_file(tmp_path):
     assert_one_error(proc, "is a directory")
 
 
+@pytest.mark.parametrize("override", ["checkpoint.async=false", "+checkpoint.async=false", "++checkpoint.async=false"])
+def test_the_old_async_key_is_one_error_naming_the_new_one(tiny, tmp_path, override):
+    proc = train(tiny, tmp_path / "run", override, check=False, timeout=60)
+    assert_one_error(proc, "checkpoint.async was renamed to checkpoint.async_save")
+    assert "hint: pass checkpoint.async_save=false" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("case", ["no_model", "non_scalar_loss", "batch_size_zero"])
 def test_debug_shows_the_traceback(write_model, tmp_path, case):
     source, overrides, message = BAD[case]

@@ -76,3 +76,16 @@ def test_unknown_keys_and_wrong_types_are_refused(override, message):
 def test_model_args_is_free_form():
     cfg = compose(MODEL, ["+model_args.hidden=32", "+model_args.name=wide"])
     assert cfg.model_args.hidden == 32 and cfg.model_args.name == "wide"
+
+
+def test_async_save_is_a_plain_key():
+    assert compose(MODEL).checkpoint.async_save is True
+    assert compose(MODEL, ["checkpoint.async_save=false"]).checkpoint.async_save is False
+
+
+@pytest.mark.parametrize("override", ["checkpoint.async=false", "+checkpoint.async=false", "++checkpoint.async=false"])
+def test_the_old_async_key_names_the_new_one(override):
+    with pytest.raises(ElasticFlowError) as info:
+        compose(MODEL, [override])
+    assert info.value.message == "checkpoint.async was renamed to checkpoint.async_save"
+    assert info.value.hint == "pass checkpoint.async_save=false"
