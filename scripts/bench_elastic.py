@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from bench.runfiles import jsonl  # scripts/bench/runfiles.py (this file's folder, scripts/, is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "models/digits_mlp.py"
 DDP_SCRIPT = "scripts/bench/ddp_digits.py"
@@ -161,18 +163,6 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------- reading what runs wrote
-def jsonl(path: Path) -> List[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line torn by a SIGKILL
-            pass
-    return out
-
-
 def train_records(run_dir: Path) -> List[dict]:
     return [r for r in jsonl(run_dir / "metrics.jsonl") if "loss" in r and "time" in r]
 

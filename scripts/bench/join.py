@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 sys.path.insert(0, str(REPO / "scripts"))  # run on its own, this file's folder is scripts/bench
 
-from bench_elastic import jsonl  # noqa: E402  (reads a JSONL file, skipping a line torn by a SIGKILL)
+from bench.runfiles import jsonl  # noqa: E402  (reads a JSONL file, skipping a line torn by a SIGKILL)
 
 
 def _wait(pred, timeout: float, what: str):
