@@ -57,6 +57,11 @@ class Reconciler:
         self._sizes: List[int] = []
         self._total = 0
 
+    @property
+    def has_batch_statistics(self) -> bool:
+        """Whether some buffer is a running statistic of batches (BatchNorm's)."""
+        return any(rule.kind in ("ema", "cma") for rule in self.rules.values())
+
     def begin(self, buffers: Dict[str, np.ndarray]) -> None:
         """Remember the buffers as the step starts (a copy: the step's forwards change them in place)."""
         self.r0 = {n: np.array(buffers[n], copy=True) for n in self.names}

@@ -127,14 +127,13 @@ class Progress:
 
 
 def accumulation_steps(global_batch: int, world: int, micro: Optional[int]) -> int:
-    share = math.ceil(global_batch / world)
-    return math.ceil(share / micro) if micro else 1
+    """Micro-batches the busiest worker runs per step (whole micro-batches are dealt: ``data.deal``)."""
+    return math.ceil(math.ceil(global_batch / micro) / world) if micro else 1
 
 
 def banner(*, backend: str, world: int, global_batch: int, micro: Optional[int], optimizer: str,
            samples: int, steps_per_epoch: int, total_steps: Optional[int], run_dir: Path, resumed: Optional[str]) -> str:
-    share = math.ceil(global_batch / world)
-    micro_eff = min(micro or share, share)
+    micro_eff = min(micro, global_batch) if micro else math.ceil(global_batch / world)
     accum = accumulation_steps(global_batch, world, micro)
     lines = [
         f"elasticflow | backend {backend} | workers {world} | "

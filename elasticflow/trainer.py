@@ -128,6 +128,10 @@ class ElasticTrainer:
                             + (" (from the model file)" if built.optimizer_from_model else ""),
                             samples=len(self.source), steps_per_epoch=self.schedule.steps_per_epoch,
                             total_steps=self.schedule.total_steps, run_dir=self.run_dir, resumed=self.resumed_from))
+            if t.micro_batch_size is None and self.reconciler and self.reconciler.has_batch_statistics:
+                log.info("  note: without trainer.micro_batch_size each worker's share is one micro-batch, so "
+                         "BatchNorm's batch statistics (and dropout masks) depend on the number of workers; "
+                         "set trainer.micro_batch_size for the result one worker would train")
         return self
 
     def _join(self) -> None:
