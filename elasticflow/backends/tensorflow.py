@@ -378,10 +378,6 @@ class Engine:
         self._settle()
         self.flat_grad.assign(self.flat_grad * tf.constant(factor, tf.float32))
 
-    def grad_finite(self) -> bool:
-        self._settle()
-        return bool(tf.reduce_all(tf.math.is_finite(self.flat_grad)))
-
     def grad_view(self):
         """The accumulated flat gradient as a 1-D float32 ``torch.Tensor`` sharing its memory (DLPack).
 

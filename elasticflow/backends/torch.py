@@ -280,9 +280,6 @@ class Engine:
     def scale_grad(self, factor: float) -> None:
         self.flat_grad.mul_(factor)
 
-    def grad_finite(self) -> bool:
-        return bool(torch.isfinite(self.flat_grad).all())
-
     def apply(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
