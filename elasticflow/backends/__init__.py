@@ -3,9 +3,10 @@
 A backend module provides the ops listed in ``elasticflow.ops``, plus ``NAME``, ``setup(threads, seed)``,
 ``native_kind(obj)``, ``training()``/``set_training(flag)`` and an ``Engine`` class (parameters, autodiff,
 optimizer, state). Adding a backend is one new file here and one name in ``PACKAGES``. The TensorFlow
-backend has three helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
-tensorflow.py exports), ``tensorflow_optim.py`` (torch.optim's update formulas for tf.Variables) and
-``tensorflow_compiled.py`` (the cheaper call of a compiled step).
+backend has four helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
+tensorflow.py exports), ``tensorflow_optim.py`` (torch.optim's update formulas for tf.Variables),
+``tensorflow_compiled.py`` (the cheaper call of a compiled step) and ``tensorflow_native.py`` (keras
+models and tf.Modules).
 """
 from __future__ import annotations
 

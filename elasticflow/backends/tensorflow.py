@@ -1,10 +1,11 @@
 """TensorFlow backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with GradientTape.
 
 The same names, semantics and layouts as ``backends/torch.py``, so one model file and its
-checkpoints move between backends. Three modules beside this one hold what takes TensorFlow more
+checkpoints move between backends. Four modules beside this one hold what takes TensorFlow more
 code than torch: the ops with torch's layouts and rules (``tensorflow_ops.py``, exported from here),
 SGD, Adam and AdamW with torch.optim's formulas, slot names and float32 rounding of the scalars
-(``tensorflow_optim.py``), and the cheaper call of a compiled step (``tensorflow_compiled.py``).
+(``tensorflow_optim.py``), the cheaper call of a compiled step (``tensorflow_compiled.py``), and
+keras models and tf.Modules with stable variable names (``tensorflow_native.py``).
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
@@ -15,7 +16,6 @@ per step, like a hand-written loop). ``backend.jit=false`` runs both eagerly for
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -24,6 +24,7 @@ import tensorflow as tf
 from .. import ops
 from . import tensorflow_optim as tf_optim
 from .tensorflow_compiled import Compiled
+from .tensorflow_native import is_native, native_kind, native_variables  # noqa: F401 - a backend's names
 from .tensorflow_ops import _generator, set_training
 # The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
 from .tensorflow_ops import (  # noqa: F401
@@ -52,29 +53,6 @@ def setup(threads: Optional[int], seed: int) -> None:
                 _log.debug("tensorflow already initialised; thread settings unchanged")
     tf.random.set_seed(seed)
     _generator().reset_from_seed(seed)
-
-
-def _is_keras(obj: Any) -> bool:
-    keras = sys.modules.get("keras")  # a keras model means keras is imported already
-    return keras is not None and isinstance(obj, keras.Layer)
-
-
-def is_native(obj: Any) -> bool:
-    """A model object this backend trains as-is (forward() receives it instead of a params dict)."""
-    return isinstance(obj, tf.Module) or _is_keras(obj)
-
-
-def native_kind(obj: Any) -> Optional[str]:
-    """A description of ``obj`` when it is a framework-native model this backend cannot train.
-
-    Checks class module names only: describing a torch model must not import torch.
-    """
-    if is_native(obj):
-        return None
-    for cls in type(obj).__mro__:
-        if cls.__module__.split(".")[0] == "torch":
-            return f"a PyTorch model (torch.nn.Module subclass {type(obj).__qualname__!r})"
-    return None
 
 
 # ---------------------------------------------------------------- data
@@ -166,37 +144,6 @@ def _check_loss(out: Any, where: str):
     return tf.reshape(out, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
 
 
-def _native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """(trainable, non-trainable) variables of a keras model or tf.Module, by stable unique name.
-
-    Keras: the variable path without the model's own name ("dense/kernel",
-    "batch_normalization/moving_mean"). tf.Module: the attribute path ("layers/0/w").
-    Note: keras numbers auto-named layers process-wide (dense, dense_1, ...); a model file that
-    builds other models first, or a keras model named by hand differently, changes the names a
-    checkpoint holds. Name layers explicitly (``Dense(10, name="out")``) for names that never move.
-    """
-    if _is_keras(model):
-        prefix = model.name + "/"
-        found = [(v.path[len(prefix):] if v.path.startswith(prefix) else v.path, v, v.trainable)
-                 for v in model.trainable_variables + model.non_trainable_variables]
-    else:
-        found = [("/".join(map(str, path)), v, v.trainable)
-                 for path, v in model._flatten(with_path=True, predicate=lambda x: isinstance(x, tf.Variable))]
-    params: Dict[str, Any] = {}
-    buffers: Dict[str, Any] = {}
-    seen, taken = set(), set()
-    for name, var, trainable in found:
-        if id(var) in seen:  # a shared layer's variable reached twice
-            continue
-        seen.add(id(var))
-        unique, n = name, 1
-        while unique in taken:
-            unique, n = f"{name}_{n}", n + 1
-        taken.add(unique)
-        (params if trainable else buffers)[unique] = var
-    return params, buffers
-
-
 def _np_dtype(var: Any) -> np.dtype:
     return np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype))  # tf.DType, or keras's dtype string
 
@@ -233,7 +180,7 @@ class Engine:
         self.buffers: Dict[str, Any] = {}
         arrays: Dict[str, np.ndarray] = {}
         if self.native is not None:
-            named, self.buffers = _native_variables(model)
+            named, self.buffers = native_variables(model)
             self.param_names = list(named)
             self._targets = list(named.values())  # the variables the optimizer updates
         else:
