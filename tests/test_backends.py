@@ -1,4 +1,5 @@
-"""The backends as a family: every Engine keeps the one contract (backends/engine.py)."""
+"""The backends as a family: every Engine keeps the one contract (backends/engine.py), and
+forward()'s output is checked with the same messages everywhere."""
 from __future__ import annotations
 
 import inspect
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 
 from elasticflow import backends, optim
+from elasticflow.backends import common
 from elasticflow.backends.engine import Engine as Contract
+from elasticflow.errors import ElasticFlowError
 
 BACKENDS = ["torch", "tensorflow"]
 METHODS = sorted(n for n, v in vars(Contract).items() if inspect.isfunction(v) and not n.startswith("_"))
@@ -60,3 +63,36 @@ def test_every_engine_keeps_the_contract(name):
     for attribute in ATTRIBUTES:
         assert hasattr(engine, attribute), f"{name} Engine has no attribute {attribute}"
     assert isinstance(engine, Contract) and engine.num_params == 6
+
+
+# ---------------------------------------------------------------- forward()'s output
+def _messages(name, out):
+    module = backends.load(name)
+    with pytest.raises(ElasticFlowError) as info:
+        module._check_loss(out(module), "for a micro-batch")
+    return info.value.message, info.value.hint
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_bad_forward_outputs_give_the_same_messages_on_every_backend(name):
+    assert _messages(name, lambda m: 1.5) == (
+        "forward() returned a float as the loss for a micro-batch",
+        f"compute the loss from params with elasticflow.ops (or {name}) so gradients flow")
+    assert _messages(name, lambda m: m.to_tensor(np.ones((2, 3)))) == (
+        "forward() returned a non-scalar loss of shape (2, 3) for a micro-batch",
+        "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
+    assert _messages(name, lambda m: {"loss": m.to_tensor(np.ones(1)), "acc": m.to_tensor(np.ones(2))}) == (
+        "forward() metric 'acc' is not a scalar", "every value in forward()'s dict must be a single number")
+    assert _messages(name, lambda m: {"loss": m.to_tensor(np.ones(1)), "acc": np.float32(1)})[0] == \
+        "forward() metric 'acc' is not a scalar"
+    assert _messages(name, lambda m: {"lost": 1.0}) == (
+        "forward() returned a dict without a 'loss' key (keys: ['lost'])", "return {'loss': loss, 'accuracy': acc, ...}")
+    loss, metrics = backends.load(name)._check_loss({"loss": backends.load(name).to_tensor(np.full((1, 1), 2.0)),
+                                                     "n": 3}, "in evaluation")
+    assert tuple(loss.shape) == () and float(loss) == 2.0 and float(metrics["n"]) == 3.0
+
+
+def test_state_names_order():
+    assert common.state_names({"a": 0, "b": 0}, ["steps"], ("exp_avg", "exp_avg_sq")) == [
+        "a", "b", "steps", "optimizer/a/exp_avg", "optimizer/a/exp_avg_sq", "optimizer/b/exp_avg",
+        "optimizer/b/exp_avg_sq"]

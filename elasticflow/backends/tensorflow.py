@@ -15,24 +15,27 @@ per step, like a hand-written loop). ``backend.jit=false`` runs both eagerly for
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from .. import ops
+from . import common
 from . import tensorflow_optim as tf_optim
+from .common import check_loss, flatten, host_array, rebuild, state_names
+from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
 from .tensorflow_native import is_native, native_kind, native_variables  # noqa: F401 - a backend's names
-from .tensorflow_ops import _generator, set_training
+from .tensorflow_ops import _generator
 # The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
 from .tensorflow_ops import (  # noqa: F401
     abs, accuracy, argmax, cast, concat, conv2d, cross_entropy, dropout, embedding, exp, gelu, layer_norm, log,
     log_softmax, matmul, max_pool2d, maximum, mean, mse, one_hot, relu, reshape, sigmoid, softmax, sqrt, square,
-    stop_gradient, sum, tanh, training, transpose)
+    stop_gradient, sum, tanh, transpose)
 from ..errors import ElasticFlowError
-from .common import flatten, rebuild, split_output
 from ..optim import OptimizerSpec
 
 NAME = "tensorflow"
@@ -58,15 +61,10 @@ def setup(threads: Optional[int], seed: int) -> None:
 # ---------------------------------------------------------------- data
 def to_tensor(array: np.ndarray) -> tf.Tensor:
     """float64 becomes float32 (the framework's parameter dtype); other dtypes keep theirs."""
-    array = np.asarray(array)
-    if array.dtype == np.float64:
-        array = array.astype(np.float32)
-    return tf.constant(array)
+    return tf.constant(host_array(array))
 
 
-def resident(arrays: Sequence[np.ndarray]) -> Tuple[tf.Tensor, ...]:
-    """The whole dataset as tensors, converted once; batches are then gathered by index."""
-    return tuple(to_tensor(a) for a in arrays)
+resident = functools.partial(common.resident, to_tensor)
 
 
 def index(positions: np.ndarray) -> tf.Tensor:
@@ -128,20 +126,19 @@ def _view(variable: Any) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- engine
+def _size(x: Any) -> Optional[int]:
+    """check_loss's test: the number of elements of a TF tensor (-1 while a dimension is unknown),
+    None for anything else."""
+    if not tf.is_tensor(x):
+        return None
+    n = x.shape.num_elements()
+    return -1 if n is None else n
+
+
 def _check_loss(out: Any, where: str):
-    """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
-    out, metrics = split_output(out)
-    if not tf.is_tensor(out):
-        raise ElasticFlowError(f"forward() returned a {type(out).__name__} as the loss {where}",
-                               "compute the loss from params with elasticflow.ops (or tensorflow) so gradients flow")
-    if out.shape.num_elements() != 1:
-        raise ElasticFlowError(f"forward() returned a non-scalar loss of shape {tuple(out.shape)} {where}",
-                               "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
-    for k, v in metrics.items():
-        if not (isinstance(v, (float, int)) or (tf.is_tensor(v) and v.shape.num_elements() == 1)):
-            raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
-                                   "every value in forward()'s dict must be a single number")
-    return tf.reshape(out, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
+    """forward()'s output as (scalar loss, {metric: float32 scalar}); see ``common.check_loss``."""
+    loss, metrics = check_loss(out, where, _size, NAME)
+    return tf.reshape(loss, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
 
 
 def _np_dtype(var: Any) -> np.dtype:
@@ -427,8 +424,7 @@ class Engine:
         self._updates = optimizer_steps if self._slots_live else 0
 
     def state_names(self) -> List[str]:
-        names = self.param_names + list(self.buffers)
-        return names + [f"optimizer/{n}/{s}" for n in self.param_names for s in self.spec.slots()]
+        return state_names(self.param_names, self.buffers, self.spec.slots())
 
     def rng_state(self) -> Dict[str, np.ndarray]:
         return {"rng/tensorflow": _generator().state.numpy().copy()}
