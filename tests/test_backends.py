@@ -1,13 +1,15 @@
-"""The backends as a family: every Engine keeps the one contract (backends/engine.py), and
-forward()'s output is checked with the same messages everywhere."""
+"""The backends as a family: every Engine keeps the one contract (backends/engine.py), forward()'s
+output is checked with the same messages everywhere, and elasticflow.ops dispatches to the right one."""
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from elasticflow import backends, optim
+from elasticflow import backends, ops, optim
 from elasticflow.backends import common
 from elasticflow.backends.engine import Engine as Contract
 from elasticflow.errors import ElasticFlowError
@@ -65,6 +67,58 @@ def test_every_engine_keeps_the_contract(name):
     assert isinstance(engine, Contract) and engine.num_params == 6
 
 
+def test_no_backend_imports_ops():
+    """ops dispatches through backends.common; a backend importing ops back would be an import cycle."""
+    for path in sorted(Path(backends.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module or ''}.{a.name}" for a in node.names] + [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not [n for n in names if n.split(".")[-1] == "ops" or n.endswith("elasticflow.ops")], \
+                f"{path.name}:{node.lineno} imports elasticflow.ops"
+
+
+# ---------------------------------------------------------------- dispatch
+def test_using_restores_the_previous_backend_even_none():
+    with ops.using():
+        common.activate(None)
+        assert ops.current().NAME == "torch"  # nothing chosen: the first op picks torch
+        with ops.using("tensorflow") as tfb:
+            assert tfb.NAME == ops.backend_name() == "tensorflow" and ops.current() is tfb
+            with pytest.raises(KeyError):
+                with ops.using("torch"):
+                    raise KeyError("fails inside")
+            assert ops.current() is tfb
+        assert ops.current().NAME == "torch"
+        common.activate(None)
+        with ops.using():
+            ops.use("tensorflow")
+            assert ops._impl is ops.current()  # what trainer.py reads until it calls ops.current()
+        assert common.active() is None and ops._impl is None
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_an_engine_routes_ops_to_its_own_backend(name):
+    """forward()'s ops reach the engine's backend even after another trainer switched ops elsewhere."""
+    seen = []
+
+    def forward(x, params):
+        seen.append(ops.backend_name())
+        return ops.mean(ops.square(x * params["w"]))
+
+    other = "tensorflow" if name == "torch" else "torch"
+    with ops.using(name) as module:
+        engine = module.Engine({"w": np.ones(2, np.float32)}, forward, optim.SGD(0.1))
+        x = module.to_tensor(np.array([1.0, 3.0]))
+        ops.use(other)  # another trainer in the process
+        loss, _ = engine.accumulate((x,), 1.0)
+        assert float(loss) == 5.0 and seen == [name]
+        assert ops.backend_name() == name  # left on the engine's backend, as ops.use(NAME) left it
+
+
 # ---------------------------------------------------------------- forward()'s output
 def _messages(name, out):
     module = backends.load(name)
@@ -86,9 +140,10 @@ def test_bad_forward_outputs_give_the_same_messages_on_every_backend(name):
     assert _messages(name, lambda m: {"loss": m.to_tensor(np.ones(1)), "acc": np.float32(1)})[0] == \
         "forward() metric 'acc' is not a scalar"
     assert _messages(name, lambda m: {"lost": 1.0}) == (
-        "forward() returned a dict without a 'loss' key (keys: ['lost'])", "return {'loss': loss, 'accuracy': acc, ...}")
-    loss, metrics = backends.load(name)._check_loss({"loss": backends.load(name).to_tensor(np.full((1, 1), 2.0)),
-                                                     "n": 3}, "in evaluation")
+        "forward() returned a dict without a 'loss' key (keys: ['lost'])",
+        "return {'loss': loss, 'accuracy': acc, ...}")
+    module = backends.load(name)
+    loss, metrics = module._check_loss({"loss": module.to_tensor(np.full((1, 1), 2.0)), "n": 3}, "in evaluation")
     assert tuple(loss.shape) == () and float(loss) == 2.0 and float(metrics["n"]) == 3.0
 
 

@@ -1,13 +1,37 @@
-"""What every backend shares: the training flag, reading forward()'s output, host arrays, and
-nested parameter dicts <-> flat names. Imports no framework (describing a model must not import torch).
+"""What every backend shares: the active backend, the training flag, reading forward()'s output,
+host arrays, and nested parameter dicts <-> flat names.
+
+Imports no framework (describing a model must not import torch) and not ``elasticflow.ops``:
+``ops`` dispatches through ``active()`` here, so the backends below it never import it back.
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ElasticFlowError
+
+# ---------------------------------------------------------------- the active backend
+# The backend module elasticflow.ops dispatches to; None until something chooses one. Here, not in
+# ops, so that an Engine can route forward()'s ops calls to its own backend without importing ops.
+_active: Optional[ModuleType] = None
+
+
+def active() -> Optional[ModuleType]:
+    """The backend module ``elasticflow.ops`` dispatches to, or None if none was chosen yet."""
+    return _active
+
+
+def activate(module: Optional[ModuleType]) -> None:
+    """Route ``elasticflow.ops`` to backend ``module`` (None: to none; the next op picks torch).
+
+    One module-global assignment: an Engine calls it on every micro-batch.
+    """
+    global _active
+    _active = module
+
 
 # ---------------------------------------------------------------- the training flag
 # One flag for the process, like the active backend: dropout and ops.training() read it, an

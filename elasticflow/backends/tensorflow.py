@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from .. import ops
 from . import common
 from . import tensorflow_optim as tf_optim
-from .common import check_loss, flatten, host_array, rebuild, state_names
+from .common import activate, check_loss, flatten, host_array, rebuild, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
 from .tensorflow_native import is_native, native_kind, native_variables  # noqa: F401 - a backend's names
@@ -39,6 +39,7 @@ from ..errors import ElasticFlowError
 from ..optim import OptimizerSpec
 
 NAME = "tensorflow"
+_SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
 _log = logging.getLogger("elasticflow")
 
 
@@ -294,7 +295,7 @@ class Engine:
         return values[0], dict(zip(self._metric_names, values[1:]))
 
     def _grad_step(self, batch, fresh: bool, update: bool):
-        ops.use(NAME)  # forward()'s elasticflow.ops calls come here (at trace time), whichever backend ran last
+        activate(_SELF)  # forward()'s elasticflow.ops calls come here (at trace time), whichever backend ran last
         if update:
             # The previous step's update, then this step's gradient, in one call: the update reads
             # the gradient buffer before the assign below overwrites it (TF orders the two uses of
@@ -373,7 +374,7 @@ class Engine:
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
     def _eval_step(self, batch):
-        ops.use(NAME)
+        activate(_SELF)
         return _check_loss(self.forward(*batch, params=self._params()), "in evaluation")
 
     # -- state, by name, as numpy (backend-neutral checkpoints)

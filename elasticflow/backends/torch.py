@@ -6,20 +6,21 @@ distributed reduction is a single call on one tensor and zeroing is one ``zero_(
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from . import common
-from .common import check_loss, flatten, host_array, rebuild, state_names
+from .common import activate, check_loss, flatten, host_array, rebuild, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from ..errors import ElasticFlowError
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
 NAME = "torch"
+_SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
 
 
 def setup(threads: Optional[int], seed: int) -> None:
@@ -235,7 +236,10 @@ class Engine:
 
     def accumulate(self, batch: Tuple[torch.Tensor, ...], weight: float):
         """Backprop ``weight * loss`` of one micro-batch into the flat buffer; returns weighted (loss, metrics)."""
-        ops.use(NAME)  # forward()'s elasticflow.ops calls come here, whichever backend another trainer chose since
+        # forward()'s elasticflow.ops calls come here, whichever backend another trainer chose since.
+        # Set, not set-and-restored around forward(): one assignment per micro-batch instead of two
+        # and a try/finally, and ops stays on this backend after the step, as ops.use(NAME) left it.
+        activate(_SELF)
         loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
         if weight != 1.0:  # one micro-batch per step (weight 1) is the common case: skip three tensor ops
             loss = loss * weight
@@ -271,7 +275,7 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batch: Tuple[torch.Tensor, ...]) -> Dict[str, float]:
-        ops.use(NAME)
+        activate(_SELF)
         loss, metrics = _check_loss(self.forward(*batch, params=self.view), "in evaluation")
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
