@@ -10,28 +10,73 @@ tuple or None for all). ``cross_entropy`` and ``mse`` return the mean over the b
 
 Note: the backend is chosen by the trainer before the model file runs; outside a trainer the
 first op call activates ``torch`` (or call ``elasticflow.ops.use("tensorflow")``).
+
+Which backend is active is kept in ``elasticflow.backends.common`` (``active()``/``activate()``),
+not here: an Engine activates its own backend before it runs forward() (another trainer in the
+process may have switched since) without importing this module, so backends never import ops.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+from types import ModuleType
+from typing import Any, Iterator, Optional, Sequence
 
-_impl: Any = None
+from . import backends
+from .backends import common as _registry
 
 
 def use(name: str) -> None:
-    """Route every op to backend ``name`` ('torch' or 'tensorflow')."""
-    global _impl
-    if _impl is not None and _impl.NAME == name:  # every micro-batch asks: keep the common case cheap
+    """Route every op to backend ``name`` ('torch' or 'tensorflow'), importing it the first time."""
+    impl = _registry._active
+    if impl is not None and impl.NAME == name:  # model files call it freely: keep the common case cheap
         return
-    from . import backends
-
-    _impl = backends.load(name)
+    _registry.activate(backends.load(name))
 
 
-def _b():
-    if _impl is None:
-        use("torch")
-    return _impl
+def current() -> ModuleType:
+    """The active backend module (``elasticflow.backends.torch`` or ``.tensorflow``); torch if none was chosen.
+
+        >>> ops.use("tensorflow"); ops.current().NAME
+        'tensorflow'
+    """
+    return _registry._active or _activate_default()
+
+
+@contextlib.contextmanager
+def using(name: Optional[str] = None) -> Iterator[Optional[ModuleType]]:
+    """Route ops to backend ``name`` inside the block; the backend active before (or none) comes back after.
+
+    ``name=None`` changes nothing on entry: the block may choose (a trainer's prepare() calls ``use``),
+    and the previous choice still comes back. Yields the active backend module (None if none yet).
+
+        >>> with ops.using("tensorflow") as tfb:
+        ...     x = tfb.to_tensor(np.ones(3))
+    """
+    previous = _registry.active()
+    if name is not None:
+        use(name)
+    try:
+        yield _registry._active
+    finally:
+        _registry.activate(previous)
+
+
+def __getattr__(name: str) -> Any:
+    # Only for names not defined here (no cost to the ops): trainer.py still reads ``ops._impl``
+    # (the active backend, or None). Remove once it calls ``ops.current()``.
+    if name == "_impl":
+        return _registry._active
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _activate_default() -> ModuleType:
+    use("torch")
+    return _registry._active
+
+
+def _b() -> ModuleType:
+    # Every op calls this: one global and one attribute lookup in the common case.
+    return _registry._active or _activate_default()
 
 
 def backend_name() -> str:
@@ -181,8 +226,3 @@ def stop_gradient(x):
 def cast(x, dtype: str):
     """Cast to 'float32', 'float64', 'int32' or 'int64'."""
     return _b().cast(x, dtype)
-
-
-def current():
-    """The active backend module (torch unless another was chosen)."""
-    return _b()

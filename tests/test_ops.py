@@ -18,12 +18,9 @@ BACKENDS = ["torch", "tensorflow"]
 @pytest.fixture(params=BACKENDS)
 def be(request):
     """The backend module, active in elasticflow.ops for this test (the previous one restored after)."""
-    previous = ops._impl
-    ops.use(request.param)
-    module = ops._impl
-    yield module
-    module.set_training(True)
-    ops._impl = previous
+    with ops.using(request.param) as module:
+        yield module
+        module.set_training(True)
 
 
 def rand(*shape, seed=0):
@@ -317,8 +314,6 @@ def test_gradient_matches_finite_differences(be, case):
 
 @pytest.mark.parametrize("case", sorted(GRAD_CASES) + ["maximum_ties"])
 def test_gradients_agree_across_backends(case):
-    import elasticflow.backends as backends
-
     if case == "maximum_ties":  # not differentiable at a tie: both backends split the gradient in half
         a = np.array([[1.0, 2.0, 3.0], [0.0, -1.0, 5.0]], np.float32)
         fn, inputs, wrt = ops.maximum, [a, np.array([1.0, 0.0, 5.0], np.float32)], [0, 1]
@@ -326,14 +321,10 @@ def test_gradients_agree_across_backends(case):
     else:
         fn, ref, inputs, wrt = GRAD_CASES[case]
         cot = np.random.default_rng(5).normal(size=np.shape(ref(*inputs))).astype(np.float32)
-    previous = ops._impl
-    try:
-        results = {}
-        for name in BACKENDS:
-            ops.use(name)
-            results[name] = _grads(backends.load(name), fn, [np.array(x) for x in inputs], cot, wrt)
-    finally:
-        ops._impl = previous
+    results = {}
+    for name in BACKENDS:
+        with ops.using(name) as module:
+            results[name] = _grads(module, fn, [np.array(x) for x in inputs], cot, wrt)
     for g_torch, g_tf in zip(results["torch"], results["tensorflow"]):
         np.testing.assert_allclose(g_tf, g_torch, rtol=1e-5, atol=1e-6)
     if case == "maximum_ties":
@@ -354,7 +345,7 @@ def test_every_op_is_tested():
     import elasticflow.backends as backends
 
     public = {n for n, f in vars(ops).items() if inspect.isfunction(f) and not n.startswith("_")
-              and f.__module__ == ops.__name__} - {"use", "backend_name"}
+              and f.__module__ == ops.__name__} - {"use", "using", "current", "backend_name"}  # the dispatch
     source = open(__file__).read()
     untested = sorted(n for n in public if f"ops.{n}(" not in source and n not in dict(ELEMENTWISE))
     assert not untested, f"ops without a test: {untested}"

@@ -87,11 +87,8 @@ def _fit_here(job: dict):
     from elasticflow.config import compose
     from elasticflow.trainer import ElasticTrainer
 
-    previous = ops._impl
-    try:
+    with ops.using():  # the trainer chooses its backend; the one active before comes back after
         return ElasticTrainer(job["model"], compose(job["model"], job["overrides"]), run_dir=job["run_dir"]).fit()
-    finally:
-        ops._impl = previous
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +115,8 @@ def runs(tmp_path_factory):
 def restore_ops():
     from elasticflow import ops
 
-    previous = ops._impl
-    yield
-    ops._impl = previous
+    with ops.using():
+        yield
 
 
 def _step_losses(run_dir: Path) -> dict:
@@ -185,8 +181,7 @@ def test_keras_batchnorm_statistics_survive_a_checkpoint(runs):
     eval_before = [r for r in metrics(run) if "eval_loss" in r][-1]
 
     model = str(MODELS / "keras_bn.py")
-    previous = ops._impl
-    try:
+    with ops.using("tensorflow"):
         trainer = ElasticTrainer(model, compose(model, ["backend=tensorflow", "trainer.max_steps=20"]),
                                  run_dir=str(run)).prepare()
         assert trainer.step_count == 20
@@ -195,8 +190,6 @@ def test_keras_batchnorm_statistics_survive_a_checkpoint(runs):
             np.testing.assert_array_equal(state[name], saved[name], err_msg=name)
         # Evaluation uses the moving statistics: it matches the run that wrote them.
         assert trainer.evaluate()["eval_loss"] == pytest.approx(eval_before["eval_loss"], rel=1e-6)
-    finally:
-        ops._impl = previous
 
 
 TORCH_MODEL = '''

@@ -1,11 +1,24 @@
-"""Backends: parallel modules with the same function names (torch.py, tensorflow.py).
+"""Backends: parallel modules with the same names (torch.py, tensorflow.py), chosen once by name.
 
 A backend module provides the ops listed in ``elasticflow.ops``, plus ``NAME``, ``setup(threads, seed)``,
-``native_kind(obj)``, ``training()``/``set_training(flag)`` and an ``Engine`` class (parameters, autodiff,
-optimizer, state). Adding a backend is one new file here and one name in ``PACKAGES``. The TensorFlow
-backend has three helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
-tensorflow.py exports), ``tensorflow_optim.py`` (torch.optim's update formulas for tf.Variables) and
-``tensorflow_compiled.py`` (the cheaper call of a compiled step).
+``is_native(obj)``/``native_kind(obj)``, ``training()``/``set_training(flag)``, the data helpers
+``to_tensor``, ``resident``, ``index``, ``gather`` and ``to_numpy``, and an ``Engine`` class
+(parameters, autodiff, the flat gradient buffer, optimizer, state by name) that keeps the contract
+written once in ``engine.py`` (a ``typing.Protocol``; tests/test_backends.py checks every backend).
+
+``common.py`` holds what the backends share: which backend ``elasticflow.ops`` dispatches to
+(``active()``/``activate()``), the training flag, the checks of forward()'s output (each backend
+passes its own "how many elements has this tensor" test), host arrays, and parameter names.
+``ops`` imports the backends, never the reverse: an Engine calls ``common.activate`` with its own
+module on each micro-batch, so forward()'s ``elasticflow.ops`` calls reach it whichever backend
+another trainer in the process chose since.
+
+Adding a backend is one new file here and one name in ``PACKAGES``. The TensorFlow backend has
+four helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
+tensorflow.py exports), ``tensorflow_optim.py`` (torch.optim's update formulas for tf.Variables),
+``tensorflow_compiled.py`` (the cheaper call of a compiled step) and ``tensorflow_native.py``
+(keras models and tf.Modules). Backends know nothing of distribution: the layers above reduce
+``Engine.grad_view()`` in place.
 """
 from __future__ import annotations
 

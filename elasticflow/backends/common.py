@@ -1,21 +1,112 @@
-"""What every backend shares: nested parameter dicts <-> flat names, and reading forward()'s output."""
+"""What every backend shares: the active backend, the training flag, reading forward()'s output,
+host arrays, and nested parameter dicts <-> flat names.
+
+Imports no framework (describing a model must not import torch) and not ``elasticflow.ops``:
+``ops`` dispatches through ``active()`` here, so the backends below it never import it back.
+"""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..errors import ElasticFlowError
 
+# ---------------------------------------------------------------- the active backend
+# The backend module elasticflow.ops dispatches to; None until something chooses one. Here, not in
+# ops, so that an Engine can route forward()'s ops calls to its own backend without importing ops.
+_active: Optional[ModuleType] = None
 
+
+def active() -> Optional[ModuleType]:
+    """The backend module ``elasticflow.ops`` dispatches to, or None if none was chosen yet."""
+    return _active
+
+
+def activate(module: Optional[ModuleType]) -> None:
+    """Route ``elasticflow.ops`` to backend ``module`` (None: to none; the next op picks torch).
+
+    An Engine calls it on every micro-batch, nearly always with the module already active.
+    """
+    global _active
+    if _active is not module:  # the test, not the store: a module-global store costs ~25 ns more (CPython 3.11)
+        _active = module
+
+
+# ---------------------------------------------------------------- the training flag
+# One flag for the process, like the active backend: dropout and ops.training() read it, an
+# Engine's train_mode() sets it, and the trainer sets it at the start of every step and around
+# evaluation, so trainers taking turns in one process (a sweep, bench_overhead) each see their own.
+_training = True
+
+
+def training() -> bool:
+    """True while training, False in evaluation (the flag dropout reads)."""
+    return _training
+
+
+def set_training(training: bool) -> None:
+    global _training
+    _training = training
+
+
+# ---------------------------------------------------------------- forward()'s output
 def split_output(out: Any) -> Tuple[Any, Dict[str, Any]]:
-    """forward()'s output as (loss, {metric: value}); the backend then checks they are scalars."""
+    """forward()'s output as (loss, {metric: value}); ``check_loss`` then checks they are scalars."""
     if not isinstance(out, dict):
         return out, {}
     if "loss" not in out:
         raise ElasticFlowError(f"forward() returned a dict without a 'loss' key (keys: {sorted(out)})",
                                "return {'loss': loss, 'accuracy': acc, ...}")
-    return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+    metrics = dict(out)  # a copy, then pop: 0.5 us less per micro-batch than a dict comprehension
+    return metrics.pop("loss"), metrics
 
 
+def check_loss(out: Any, where: str, size: Callable[[Any], Optional[int]], framework: str
+               ) -> Tuple[Any, Dict[str, Any]]:
+    """Split forward()'s output into (loss, {metric: value}); reject what cannot be a loss.
+
+    Args:
+        where: the end of the error message ("for a micro-batch", "in evaluation").
+        size: the backend's check: the number of elements of one of its tensors, None for
+            anything else (a float, a numpy array, another framework's tensor).
+        framework: named in the hint ("... with elasticflow.ops (or torch) ...").
+
+    Returns the loss and metrics as forward() gave them; the backend reshapes them to scalars.
+    """
+    loss, metrics = split_output(out)
+    n = size(loss)
+    if n is None:
+        raise ElasticFlowError(
+            f"forward() returned a {type(loss).__name__} as the loss {where}",
+            f"compute the loss from params with elasticflow.ops (or {framework}) so gradients flow")
+    if n != 1:
+        raise ElasticFlowError(f"forward() returned a non-scalar loss of shape {tuple(loss.shape)} {where}",
+                               "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
+    for k, v in metrics.items():
+        if not isinstance(v, (float, int)) and size(v) != 1:
+            raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
+                                   "every value in forward()'s dict must be a single number")
+    return loss, metrics
+
+
+# ---------------------------------------------------------------- data
+def host_array(array: Any) -> np.ndarray:
+    """``array`` as numpy; float64 becomes float32 (the framework's parameter dtype), other dtypes keep theirs."""
+    array = np.asarray(array)
+    return array.astype(np.float32) if array.dtype == np.float64 else array
+
+
+def resident(to_tensor: Callable[[np.ndarray], Any], arrays: Iterable[np.ndarray]) -> Tuple[Any, ...]:
+    """The whole dataset as tensors, converted once; batches are then gathered by index.
+
+    A backend binds its own ``to_tensor``: ``resident = functools.partial(common.resident, to_tensor)``.
+    """
+    return tuple(to_tensor(a) for a in arrays)
+
+
+# ---------------------------------------------------------------- names
 def flatten(tree: Dict[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
     """[(name, leaf)] in insertion order; nested dicts join their keys with "/"."""
     items: List[Tuple[str, Any]] = []
@@ -32,3 +123,9 @@ def rebuild(tree: Dict[str, Any], leaves: Dict[str, Any], prefix: str = "") -> D
     """``tree``'s shape with each leaf replaced by ``leaves[name]``."""
     return {k: rebuild(v, leaves, f"{prefix}{k}/") if isinstance(v, dict) else leaves[f"{prefix}{k}"]
             for k, v in tree.items()}
+
+
+def state_names(params: Iterable[str], buffers: Iterable[str], slots: Sequence[str]) -> List[str]:
+    """The names ``Engine.state()`` returns: parameters, buffers, then ``optimizer/{param}/{slot}``."""
+    params = list(params)
+    return params + list(buffers) + [f"optimizer/{n}/{s}" for n in params for s in slots]

@@ -1,10 +1,11 @@
 """TensorFlow backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with GradientTape.
 
 The same names, semantics and layouts as ``backends/torch.py``, so one model file and its
-checkpoints move between backends. Three modules beside this one hold what takes TensorFlow more
+checkpoints move between backends. Four modules beside this one hold what takes TensorFlow more
 code than torch: the ops with torch's layouts and rules (``tensorflow_ops.py``, exported from here),
 SGD, Adam and AdamW with torch.optim's formulas, slot names and float32 rounding of the scalars
-(``tensorflow_optim.py``), and the cheaper call of a compiled step (``tensorflow_compiled.py``).
+(``tensorflow_optim.py``), the cheaper call of a compiled step (``tensorflow_compiled.py``), and
+keras models and tf.Modules with stable variable names (``tensorflow_native.py``).
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
@@ -14,27 +15,31 @@ per step, like a hand-written loop). ``backend.jit=false`` runs both eagerly for
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from .. import ops
+from . import common
 from . import tensorflow_optim as tf_optim
+from .common import activate, check_loss, flatten, host_array, rebuild, state_names
+from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
-from .tensorflow_ops import _generator, set_training
+from .tensorflow_native import is_native, native_kind, native_variables  # noqa: F401 - a backend's names
+from .tensorflow_ops import _generator
 # The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
 from .tensorflow_ops import (  # noqa: F401
     abs, accuracy, argmax, cast, concat, conv2d, cross_entropy, dropout, embedding, exp, gelu, layer_norm, log,
     log_softmax, matmul, max_pool2d, maximum, mean, mse, one_hot, relu, reshape, sigmoid, softmax, sqrt, square,
-    stop_gradient, sum, tanh, training, transpose)
+    stop_gradient, sum, tanh, transpose)
 from ..errors import ElasticFlowError
-from .common import flatten, rebuild, split_output
 from ..optim import OptimizerSpec
 
 NAME = "tensorflow"
+_SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
 _log = logging.getLogger("elasticflow")
 
 
@@ -54,41 +59,13 @@ def setup(threads: Optional[int], seed: int) -> None:
     _generator().reset_from_seed(seed)
 
 
-def _is_keras(obj: Any) -> bool:
-    keras = sys.modules.get("keras")  # a keras model means keras is imported already
-    return keras is not None and isinstance(obj, keras.Layer)
-
-
-def is_native(obj: Any) -> bool:
-    """A model object this backend trains as-is (forward() receives it instead of a params dict)."""
-    return isinstance(obj, tf.Module) or _is_keras(obj)
-
-
-def native_kind(obj: Any) -> Optional[str]:
-    """A description of ``obj`` when it is a framework-native model this backend cannot train.
-
-    Checks class module names only: describing a torch model must not import torch.
-    """
-    if is_native(obj):
-        return None
-    for cls in type(obj).__mro__:
-        if cls.__module__.split(".")[0] == "torch":
-            return f"a PyTorch model (torch.nn.Module subclass {type(obj).__qualname__!r})"
-    return None
-
-
 # ---------------------------------------------------------------- data
 def to_tensor(array: np.ndarray) -> tf.Tensor:
     """float64 becomes float32 (the framework's parameter dtype); other dtypes keep theirs."""
-    array = np.asarray(array)
-    if array.dtype == np.float64:
-        array = array.astype(np.float32)
-    return tf.constant(array)
+    return tf.constant(host_array(array))
 
 
-def resident(arrays: Sequence[np.ndarray]) -> Tuple[tf.Tensor, ...]:
-    """The whole dataset as tensors, converted once; batches are then gathered by index."""
-    return tuple(to_tensor(a) for a in arrays)
+resident = functools.partial(common.resident, to_tensor)
 
 
 def index(positions: np.ndarray) -> tf.Tensor:
@@ -150,51 +127,19 @@ def _view(variable: Any) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- engine
+def _size(x: Any) -> Optional[int]:
+    """check_loss's test: the number of elements of a TF tensor (-1 while a dimension is unknown),
+    None for anything else."""
+    if not tf.is_tensor(x):
+        return None
+    n = x.shape.num_elements()
+    return -1 if n is None else n
+
+
 def _check_loss(out: Any, where: str):
-    """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
-    out, metrics = split_output(out)
-    if not tf.is_tensor(out):
-        raise ElasticFlowError(f"forward() returned a {type(out).__name__} as the loss {where}",
-                               "compute the loss from params with elasticflow.ops (or tensorflow) so gradients flow")
-    if out.shape.num_elements() != 1:
-        raise ElasticFlowError(f"forward() returned a non-scalar loss of shape {tuple(out.shape)} {where}",
-                               "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
-    for k, v in metrics.items():
-        if not (isinstance(v, (float, int)) or (tf.is_tensor(v) and v.shape.num_elements() == 1)):
-            raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
-                                   "every value in forward()'s dict must be a single number")
-    return tf.reshape(out, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
-
-
-def _native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """(trainable, non-trainable) variables of a keras model or tf.Module, by stable unique name.
-
-    Keras: the variable path without the model's own name ("dense/kernel",
-    "batch_normalization/moving_mean"). tf.Module: the attribute path ("layers/0/w").
-    Note: keras numbers auto-named layers process-wide (dense, dense_1, ...); a model file that
-    builds other models first, or a keras model named by hand differently, changes the names a
-    checkpoint holds. Name layers explicitly (``Dense(10, name="out")``) for names that never move.
-    """
-    if _is_keras(model):
-        prefix = model.name + "/"
-        found = [(v.path[len(prefix):] if v.path.startswith(prefix) else v.path, v, v.trainable)
-                 for v in model.trainable_variables + model.non_trainable_variables]
-    else:
-        found = [("/".join(map(str, path)), v, v.trainable)
-                 for path, v in model._flatten(with_path=True, predicate=lambda x: isinstance(x, tf.Variable))]
-    params: Dict[str, Any] = {}
-    buffers: Dict[str, Any] = {}
-    seen, taken = set(), set()
-    for name, var, trainable in found:
-        if id(var) in seen:  # a shared layer's variable reached twice
-            continue
-        seen.add(id(var))
-        unique, n = name, 1
-        while unique in taken:
-            unique, n = f"{name}_{n}", n + 1
-        taken.add(unique)
-        (params if trainable else buffers)[unique] = var
-    return params, buffers
+    """forward()'s output as (scalar loss, {metric: float32 scalar}); see ``common.check_loss``."""
+    loss, metrics = check_loss(out, where, _size, NAME)
+    return tf.reshape(loss, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
 
 
 def _np_dtype(var: Any) -> np.dtype:
@@ -233,7 +178,7 @@ class Engine:
         self.buffers: Dict[str, Any] = {}
         arrays: Dict[str, np.ndarray] = {}
         if self.native is not None:
-            named, self.buffers = _native_variables(model)
+            named, self.buffers = native_variables(model)
             self.param_names = list(named)
             self._targets = list(named.values())  # the variables the optimizer updates
         else:
@@ -350,7 +295,7 @@ class Engine:
         return values[0], dict(zip(self._metric_names, values[1:]))
 
     def _grad_step(self, batch, fresh: bool, update: bool):
-        ops.use(NAME)  # forward()'s elasticflow.ops calls come here (at trace time), whichever backend ran last
+        activate(_SELF)  # forward()'s elasticflow.ops calls come here (at trace time), whichever backend ran last
         if update:
             # The previous step's update, then this step's gradient, in one call: the update reads
             # the gradient buffer before the assign below overwrites it (TF orders the two uses of
@@ -377,10 +322,6 @@ class Engine:
     def scale_grad(self, factor: float) -> None:
         self._settle()
         self.flat_grad.assign(self.flat_grad * tf.constant(factor, tf.float32))
-
-    def grad_finite(self) -> bool:
-        self._settle()
-        return bool(tf.reduce_all(tf.math.is_finite(self.flat_grad)))
 
     def grad_view(self):
         """The accumulated flat gradient as a 1-D float32 ``torch.Tensor`` sharing its memory (DLPack).
@@ -433,7 +374,7 @@ class Engine:
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
     def _eval_step(self, batch):
-        ops.use(NAME)
+        activate(_SELF)
         return _check_loss(self.forward(*batch, params=self._params()), "in evaluation")
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
@@ -484,8 +425,7 @@ class Engine:
         self._updates = optimizer_steps if self._slots_live else 0
 
     def state_names(self) -> List[str]:
-        names = self.param_names + list(self.buffers)
-        return names + [f"optimizer/{n}/{s}" for n in self.param_names for s in self.spec.slots()]
+        return state_names(self.param_names, self.buffers, self.spec.slots())
 
     def rng_state(self) -> Dict[str, np.ndarray]:
         return {"rng/tensorflow": _generator().state.numpy().copy()}

@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-_training = True  # read by dropout and ops.training(); the Engine flips it around evaluation
+from . import common
+
 _rng: Optional[tf.random.Generator] = None  # dropout's randomness; its state is checkpointed
 
 
@@ -22,16 +23,6 @@ def _generator() -> tf.random.Generator:
     if _rng is None:
         _rng = tf.random.Generator.from_seed(0, alg="philox")
     return _rng
-
-
-def training() -> bool:
-    """True while training; ``set_training`` (the Engine, around evaluation) flips it."""
-    return _training
-
-
-def set_training(training: bool) -> None:
-    global _training
-    _training = training
 
 
 relu = tf.nn.relu
@@ -178,7 +169,7 @@ def embedding(table, ids):
 
 
 def dropout(x, rate):
-    if not rate or not _training:
+    if not rate or not common._training:  # the process's training flag (common.set_training)
         return x
     x = tf.convert_to_tensor(x)
     if rate >= 1:

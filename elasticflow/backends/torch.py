@@ -5,20 +5,23 @@ distributed reduction is a single call on one tensor and zeroing is one ``zero_(
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import functools
+import sys
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from . import common
+from .common import activate, check_loss, flatten, host_array, rebuild, state_names
+from .common import set_training, training  # noqa: F401 - names every backend module provides
 from ..errors import ElasticFlowError
-from .common import flatten, rebuild, split_output
 from ..buffers import Rule, default_rule
 from ..optim import SGD, Adam, AdamW, OptimizerSpec
 
 NAME = "torch"
-_training = True  # read by dropout; the Engine flips it around evaluation
+_SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
 
 
 def setup(threads: Optional[int], seed: int) -> None:
@@ -35,15 +38,6 @@ def is_native(obj: Any) -> bool:
 def native_kind(obj: Any) -> Optional[str]:
     """A description of ``obj`` when it is a framework-native model this backend cannot train."""
     return None if isinstance(obj, torch.nn.Module) else _foreign_kind(obj)
-
-
-def training() -> bool:
-    return _training
-
-
-def set_training(training: bool) -> None:
-    global _training
-    _training = training
 
 
 def _foreign_kind(obj: Any) -> Optional[str]:
@@ -141,7 +135,7 @@ def embedding(table, ids):
 
 
 def dropout(x, rate):
-    return F.dropout(x, rate, training=_training) if rate else x
+    return F.dropout(x, rate, training=common._training) if rate else x
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
@@ -155,16 +149,12 @@ def cast(x, dtype):
 def to_tensor(array: np.ndarray) -> torch.Tensor:
     """float64 becomes float32 (the framework's parameter dtype); other dtypes keep theirs."""
     array = np.asarray(array)
-    if array.dtype == np.float64:
-        array = array.astype(np.float32)
-    elif not array.flags.writeable or not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array).copy()
-    return torch.from_numpy(array)
+    if array.dtype != np.float64 and (not array.flags.writeable or not array.flags.c_contiguous):
+        array = np.ascontiguousarray(array).copy()  # from_numpy shares memory: a read-only array warns
+    return torch.from_numpy(host_array(array))
 
 
-def resident(arrays: Sequence[np.ndarray]) -> Tuple[torch.Tensor, ...]:
-    """The whole dataset as tensors, converted once; batches are then gathered by index."""
-    return tuple(to_tensor(a) for a in arrays)
+resident = functools.partial(common.resident, to_tensor)
 
 
 def index(positions: np.ndarray) -> torch.Tensor:
@@ -180,20 +170,15 @@ def to_numpy(t: Any) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- engine
+def _size(x: Any) -> Optional[int]:
+    """check_loss's test: the number of elements of a torch tensor, None for anything else."""
+    return x.numel() if isinstance(x, torch.Tensor) else None
+
+
 def _check_loss(out: Any, where: str):
-    """Split forward()'s output into (loss, {metric: scalar}); reject what cannot be a loss."""
-    out, metrics = split_output(out)
-    if not isinstance(out, torch.Tensor):
-        raise ElasticFlowError(f"forward() returned a {type(out).__name__} as the loss {where}",
-                               "compute the loss from params with elasticflow.ops (or torch) so gradients flow")
-    if out.numel() != 1:
-        raise ElasticFlowError(f"forward() returned a non-scalar loss of shape {tuple(out.shape)} {where}",
-                               "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
-    for k, v in metrics.items():
-        if not isinstance(v, (torch.Tensor, float, int)) or (isinstance(v, torch.Tensor) and v.numel() != 1):
-            raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
-                                   "every value in forward()'s dict must be a single number")
-    return out.reshape(()), metrics
+    """forward()'s output as (scalar loss, {metric: scalar}); see ``common.check_loss``."""
+    loss, metrics = check_loss(out, where, _size, NAME)
+    return loss.reshape(()), metrics
 
 
 class Engine:
@@ -252,7 +237,10 @@ class Engine:
 
     def accumulate(self, batch: Tuple[torch.Tensor, ...], weight: float):
         """Backprop ``weight * loss`` of one micro-batch into the flat buffer; returns weighted (loss, metrics)."""
-        ops.use(NAME)  # forward()'s elasticflow.ops calls come here, whichever backend another trainer chose since
+        # forward()'s elasticflow.ops calls come here, whichever backend another trainer chose since.
+        # Set, not set-and-restored around forward(): one assignment per micro-batch instead of two
+        # and a try/finally, and ops stays on this backend after the step, as ops.use(NAME) left it.
+        activate(_SELF)
         loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
         if weight != 1.0:  # one micro-batch per step (weight 1) is the common case: skip three tensor ops
             loss = loss * weight
@@ -281,9 +269,6 @@ class Engine:
     def scale_grad(self, factor: float) -> None:
         self.flat_grad.mul_(factor)
 
-    def grad_finite(self) -> bool:
-        return bool(torch.isfinite(self.flat_grad).all())
-
     def apply(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -291,7 +276,7 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batch: Tuple[torch.Tensor, ...]) -> Dict[str, float]:
-        ops.use(NAME)
+        activate(_SELF)
         loss, metrics = _check_loss(self.forward(*batch, params=self.view), "in evaluation")
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
@@ -326,8 +311,7 @@ class Engine:
                 self.optimizer.state[p] = slots
 
     def state_names(self) -> List[str]:
-        names = list(self.params) + list(self.buffers)
-        return names + [f"optimizer/{n}/{s}" for n in self.params for s in self.spec.slots()]
+        return state_names(self.params, self.buffers, self.spec.slots())
 
     def rng_state(self) -> Dict[str, np.ndarray]:
         return {"rng/torch": torch.get_rng_state().numpy().copy()}

@@ -1,0 +1,71 @@
+"""The Engine contract: what the trainer, replica sync and checkpoints call on a backend's ``Engine``.
+
+Every backend module's ``Engine`` class satisfies ``Engine`` below (tests/test_backends.py checks
+each member and its signature), so the layers above never ask which backend they hold.
+The backends do not subclass it: a subclass would inherit these stubs and hide a missing method.
+
+Gradients live in one flat float32 buffer in parameter order; state is exchanged by name, as
+numpy arrays, so a checkpoint written by one backend loads on the other.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Protocol, Tuple, runtime_checkable
+
+import numpy as np
+
+from ..optim import OptimizerSpec
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Parameters, autodiff, the flat gradient buffer and the optimizer of one worker.
+
+    Typical step (the trainer's ``_attempt``): ``train_mode(True)``, ``zero_grad()``,
+    ``accumulate()`` per micro-batch, reduce ``grad_view()`` in place across workers, optionally
+    ``grad_norm()``/``scale_grad()``, then ``apply(lr)``.
+    """
+
+    num_params: int
+    """Number of trainable scalars: the length of ``grad_view()``."""
+
+    def __init__(self, model: Any, forward: Callable[..., Any], spec: OptimizerSpec, jit: bool = True) -> None:
+        """Build from what ``model(cfg)`` returned (params dict or native model), ``forward`` and the optimizer spec."""
+
+    def train_mode(self, training: bool) -> None:
+        """Switch training (dropout on, BatchNorm updates) or evaluation behaviour for what follows."""
+
+    def zero_grad(self) -> None:
+        """Clear the flat gradient buffer before a step's first micro-batch."""
+
+    def accumulate(self, batch: Any, weight: float) -> Tuple[Any, Dict[str, Any]]:
+        """Add the gradient of ``weight * loss`` of one micro-batch; returns the weighted (loss, metrics)."""
+
+    def grad_view(self) -> Any:
+        """The accumulated flat gradient as a 1-D float32 torch.Tensor; in-place edits are what ``apply`` uses."""
+
+    def grad_norm(self) -> float:
+        """L2 norm of the accumulated flat gradient (a sync point)."""
+
+    def scale_grad(self, factor: float) -> None:
+        """Multiply the accumulated gradient by ``factor`` in place (gradient clipping)."""
+
+    def apply(self, lr: float) -> None:
+        """One optimizer update with learning rate ``lr`` from the accumulated gradient."""
+
+    def evaluate(self, batch: Any) -> Dict[str, float]:
+        """forward() on ``batch`` without gradients: {"loss": ..., metric: ...} as Python floats."""
+
+    def state(self, copy: bool = True) -> Dict[str, np.ndarray]:
+        """Parameters, buffers and optimizer slots by name as numpy (``copy=False``: views, read them at once)."""
+
+    def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
+        """Overwrite parameters, buffers and slots from ``state``; ``optimizer_steps`` drives bias correction."""
+
+    def state_names(self) -> List[str]:
+        """The names ``state()`` returns once the optimizer has stepped (its slots included)."""
+
+    def rng_state(self) -> Dict[str, np.ndarray]:
+        """The backend's random generator state (dropout), as {"rng/<backend>": array}."""
+
+    def set_rng_state(self, state: Dict[str, np.ndarray]) -> None:
+        """Restore what ``rng_state()`` returned; a state without this backend's key is ignored."""
