@@ -61,14 +61,6 @@ def using(name: Optional[str] = None) -> Iterator[Optional[ModuleType]]:
         _registry.activate(previous)
 
 
-def __getattr__(name: str) -> Any:
-    # Only for names not defined here (no cost to the ops): trainer.py still reads ``ops._impl``
-    # (the active backend, or None). Remove once it calls ``ops.current()``.
-    if name == "_impl":
-        return _registry._active
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _activate_default() -> ModuleType:
     use("torch")
     return _registry._active

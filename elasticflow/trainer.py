@@ -148,16 +148,13 @@ class ElasticTrainer:
 
     # ------------------------------------------------------------------ the state, for checkpoints and replicas
     def state_dict(self) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
-        """(arrays, progress): the engine's tensors and RNG by name (views: read them before the next
-        update) and the TrainState's fields."""
-        arrays = self.engine.state(copy=False)
-        arrays.update(self.engine.rng_state())
-        return arrays, self.state.state_dict()
+        """(arrays, progress): the engine's tensors by name (views: read them before the next update) and
+        the TrainState's fields. No generator state: every micro-batch seeds its own (``data.micro_seed``)."""
+        return self.engine.state(copy=False), self.state.state_dict()
 
     def load_state_dict(self, arrays: Dict[str, np.ndarray], progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
         self.engine.load_state(arrays, self.state.step)
-        self.engine.set_rng_state(arrays)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:

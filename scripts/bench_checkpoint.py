@@ -116,9 +116,7 @@ def main() -> None:
 
 def trainer_state(engine) -> dict:
     """What ElasticTrainer.save_checkpoint hands the checkpointer."""
-    state = engine.state(copy=False)
-    state.update(engine.rng_state())
-    return state
+    return engine.state(copy=False)
 
 
 def run(args, root: Path) -> None:

@@ -25,7 +25,8 @@ STEPS = 60
 COMMON = ["trainer.global_batch_size=64", "trainer.micro_batch_size=16", f"trainer.max_steps={STEPS}",
           "trainer.log_every=1", "trainer.progress=false", "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5",
           "elastic.wait_s=30", "optimizer.lr=0.1"]  # plain SGD: momentum amplifies float32 summation-order noise
-KINDS = {"torch_bn": "backend=torch", "dict_dropout_torch": "backend=torch"}
+KINDS = {"torch_bn": "backend=torch", "dict_dropout_torch": "backend=torch",
+         "keras_bn": "backend=tensorflow", "dict_dropout_tf": "backend=tensorflow"}
 
 
 def _overrides(kind):
@@ -34,7 +35,12 @@ def _overrides(kind):
 
 def start(run_dir, kind, *overrides, env=None):
     cmd = ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run_dir}", *COMMON, *_overrides(kind), *overrides]
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if "tensorflow" in KINDS[kind]:  # forward() runs only while tracing: faults are injected at the fetch
+        record = Path(run_dir).parent / f"{Path(run_dir).name}-record"
+        record.mkdir(exist_ok=True)
+        env["EF_PROBE_RECORD"] = str(record)
+    return subprocess.Popen(cmd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
+from ..buffers import Rule
 from ..optim import OptimizerSpec
 
 
@@ -64,8 +65,16 @@ class Engine(Protocol):
     def state_names(self) -> List[str]:
         """The names ``state()`` returns once the optimizer has stepped (its slots included)."""
 
-    def rng_state(self) -> Dict[str, np.ndarray]:
-        """The backend's random generator state (dropout), as {"rng/<backend>": array}."""
+    # The same result for any number of workers (no random generator state is kept between steps: every
+    # micro-batch is seeded from its place in the global order).
+    def seed(self, value: int) -> None:
+        """Seed every generator forward() draws from (dropout) for the next micro-batch."""
 
-    def set_rng_state(self, state: Dict[str, np.ndarray]) -> None:
-        """Restore what ``rng_state()`` returned; a state without this backend's key is ignored."""
+    def buffer_rules(self) -> Dict[str, Rule]:
+        """How each buffer that is state combines across workers (``elasticflow.buffers``); {} if none."""
+
+    def buffer_arrays(self) -> Dict[str, np.ndarray]:
+        """The buffers named by ``buffer_rules()``, as numpy (views: read them before the next step)."""
+
+    def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
+        """Overwrite the named buffers (the reconciled ones, or a failed step's starting values)."""

@@ -28,13 +28,14 @@ from . import tensorflow_optim as tf_optim
 from .common import activate, check_loss, flatten, host_array, rebuild, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
-from .tensorflow_native import is_native, native_kind, native_variables  # noqa: F401 - a backend's names
+from .tensorflow_native import buffer_rules, is_native, native_kind, native_variables, seed_generators  # noqa: F401
 from .tensorflow_ops import _generator
 # The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
 from .tensorflow_ops import (  # noqa: F401
     abs, accuracy, argmax, cast, concat, conv2d, cross_entropy, dropout, embedding, exp, gelu, layer_norm, log,
     log_softmax, matmul, max_pool2d, maximum, mean, mse, one_hot, relu, reshape, sigmoid, softmax, sqrt, square,
     stop_gradient, sum, tanh, transpose)
+from ..buffers import Rule
 from ..errors import ElasticFlowError
 from ..optim import OptimizerSpec
 
@@ -177,6 +178,7 @@ class Engine:
         self.native = model if is_native(model) else None
         self.buffers: Dict[str, Any] = {}
         arrays: Dict[str, np.ndarray] = {}
+        self._seed, self._seed_generators = 0, seed_generators(model)
         if self.native is not None:
             named, self.buffers = native_variables(model)
             self.param_names = list(named)
@@ -282,17 +284,32 @@ class Engine:
         key = (training(), fresh, update, None if source is None else id(source))
         fn = self._grad_fns.get(key)
         if fn is None:
-            fn = self._grad_fns[key] = self._compile(_on_rows(lambda b: self._grad_step(b, fresh, update), source))
+            step = _on_rows(lambda b: self._grad_step(b, fresh, update), source)
+            fn = self._grad_fns[key] = self._compile(functools.partial(self._seeded, step, source is not None))
         if weight != self._weight_value:  # one micro-batch per step (weight 1): never
             self._weight.assign(weight)
             self._weight_value = weight
         self._zero_pending, self._pending_update = False, False
-        out = fn(inputs)
+        # The micro-batch's seed rides in as an input (~10 us to make the tensor); assigning it to a
+        # variable from Python instead would be an eager op of its own (~150 us here).
+        seed = tf.constant(self._seed, tf.int64)
+        out = fn((seed, inputs) if source is not None else (seed, *inputs))
         # numpy scalars, not tensors: the trainer sums them, and on TF's eager runtime each sum of
         # two tensors is an op dispatch (tens of microseconds); float32 numpy keeps torch's rounding.
         # One tensor for all of them: one conversion instead of one each.
         values = out.numpy()
         return values[0], dict(zip(self._metric_names, values[1:]))
+
+    def _seeded(self, step, rows: bool, packed):
+        """Reseed every generator forward() draws from with ``packed[0]``, then ``step`` on the batch."""
+        seed = packed[0]
+        # Philox's state is a 128-bit counter and a 64-bit key: the seed is the key, the counter starts at 0.
+        zero = tf.zeros([], tf.int64)
+        _generator().state.assign(tf.stack([zero, zero, seed]))
+        for i, generator in enumerate(self._seed_generators):  # keras layers' own (Dropout ...): one seed each
+            salted = tf.bitwise.bitwise_xor(seed, tf.constant((i + 1) * 0x9E3779B97F4A7C1 % (1 << 62), tf.int64))
+            generator.state.assign(tf.cast(tf.stack([salted, zero]), generator.state.dtype))
+        return step(packed[1] if rows else tuple(packed[1:]))
 
     def _grad_step(self, batch, fresh: bool, update: bool):
         activate(_SELF)  # forward()'s elasticflow.ops calls come here (at trace time), whichever backend ran last
@@ -427,9 +444,21 @@ class Engine:
     def state_names(self) -> List[str]:
         return state_names(self.param_names, self.buffers, self.spec.slots())
 
-    def rng_state(self) -> Dict[str, np.ndarray]:
-        return {"rng/tensorflow": _generator().state.numpy().copy()}
+    # -- the same result for any number of workers: randomness per micro-batch, buffers reconciled
+    def seed(self, value: int) -> None:
+        """The seed of the next micro-batch's generators (``ops.dropout``'s and keras layers'); it enters
+        the compiled step as an input, which reseeds them in-graph."""
+        self._seed = value
 
-    def set_rng_state(self, state: Dict[str, np.ndarray]) -> None:
-        if "rng/tensorflow" in state:
-            _generator().reset(np.asarray(state["rng/tensorflow"], np.int64))
+    def buffer_rules(self) -> Dict[str, Rule]:
+        """A native model's buffers by their rule (keras BatchNormalization: its moving statistics).
+        A dict model's integer arrays are constants forward() never changes: none."""
+        return {} if self.native is None else buffer_rules(self.native, self.buffers)
+
+    def buffer_arrays(self) -> Dict[str, np.ndarray]:
+        return {n: _view(v) for n, v in self.buffers.items()}
+
+    def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
+        for name, value in values.items():
+            var = self.buffers[name]
+            var.assign(np.asarray(value).astype(_np_dtype(var)).reshape(var.shape))

@@ -7,9 +7,13 @@ so their names are what a checkpoint holds and must not depend on the order laye
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
 
 import tensorflow as tf
+
+from ..buffers import Rule, default_rule
 
 
 def _is_keras(obj: Any) -> bool:
@@ -46,8 +50,9 @@ def native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """
     if _is_keras(model):
         prefix = model.name + "/"
+        reseeded = {id(g.state) for g in seed_generators(model)}  # not state: set at every micro-batch
         found = [(v.path[len(prefix):] if v.path.startswith(prefix) else v.path, v, v.trainable)
-                 for v in model.trainable_variables + model.non_trainable_variables]
+                 for v in model.trainable_variables + model.non_trainable_variables if id(v) not in reseeded]
     else:
         found = [("/".join(map(str, path)), v, v.trainable)
                  for path, v in model._flatten(with_path=True, predicate=lambda x: isinstance(x, tf.Variable))]
@@ -64,3 +69,32 @@ def native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         taken.add(unique)
         (params if trainable else buffers)[unique] = var
     return params, buffers
+
+
+def seed_generators(model: Any) -> List[Any]:
+    """The keras SeedGenerators of a model's layers (Dropout, GaussianNoise, ...), each once."""
+    if not _is_keras(model):
+        return []
+    found: Dict[int, Any] = {}
+    for layer in model._flatten_layers(include_self=True):
+        for generator in getattr(layer, "_seed_generators", []):
+            found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
+def buffer_rules(model: Any, buffers: Dict[str, Any]) -> Dict[str, Rule]:
+    """How a native model's buffers combine across workers: keras BatchNormalization's moving statistics
+    are an exponential average with weight ``1 - momentum`` per batch; others take the default rule."""
+    rules: Dict[str, Rule] = {}
+    if _is_keras(model):
+        import keras
+
+        name_of = {id(v): n for n, v in buffers.items()}
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                for var in (layer.moving_mean, layer.moving_variance):
+                    if id(var) in name_of:
+                        rules[name_of[id(var)]] = Rule("ema", momentum=1.0 - float(layer.momentum))
+    for name, var in buffers.items():
+        rules.setdefault(name, default_rule(np.zeros((), np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype)))))
+    return rules

@@ -313,12 +313,6 @@ class Engine:
     def state_names(self) -> List[str]:
         return state_names(self.params, self.buffers, self.spec.slots())
 
-    def rng_state(self) -> Dict[str, np.ndarray]:
-        return {"rng/torch": torch.get_rng_state().numpy().copy()}
-
-    def set_rng_state(self, state: Dict[str, np.ndarray]) -> None:
-        if "rng/torch" in state:
-            torch.set_rng_state(torch.from_numpy(np.array(state["rng/torch"], dtype=np.uint8)))
 
     # -- the same result for any number of workers: randomness per micro-batch, buffers reconciled
     def seed(self, value: int) -> None:

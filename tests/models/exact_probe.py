@@ -55,12 +55,23 @@ def model(cfg):
             "b2": np.zeros(_digits.CLASSES, np.float32)}
 
 
+def _save(arrays):
+    np.savez(Path(DUMP) / f"{os.getpid()}.npz", **arrays)
+
+
 def _dump(net):
     if hasattr(net, "named_buffers"):
-        arrays = {n: b.detach().numpy() for n, b in net.named_buffers()}
-    else:
-        arrays = {v.path: np.asarray(v) for v in net.non_trainable_variables}
-    np.savez(Path(DUMP) / f"{os.getpid()}.npz", **arrays)
+        _save({n: b.detach().numpy() for n, b in net.named_buffers()})
+        return
+    import tensorflow as tf
+
+    held = [v for v in net.non_trainable_variables if "seed_generator" not in v.path]  # reseeded, not state
+    names = [v.path for v in held]
+    if tf.executing_eagerly():
+        _save({n: np.asarray(v) for n, v in zip(names, held)})
+    else:  # traced (tf.function): save when the compiled evaluation runs, not when it is traced
+        tf.numpy_function(lambda *values: _save(dict(zip(names, values))) or np.int64(0),
+                          [tf.convert_to_tensor(v) for v in held], tf.int64, stateful=True)
 
 
 def forward(x, y, net):
