@@ -251,8 +251,9 @@ class ElasticTrainer:
             try:
                 return self._attempt(batch)
             except CommError as exc:
-                if self.reconciler is not None and self.reconciler.r0:  # the failed step's forwards moved them
-                    self.engine.set_buffers(self.reconciler.r0)
+                start = self.reconciler and self.reconciler.start_values()
+                if start:  # the failed step's forwards moved the buffers: it is redone from where it began
+                    self.engine.set_buffers(start)
                 self._recover(str(exc))
                 c = self.state.cursor
                 if c.epoch > batch.epoch or c.samples_in_epoch >= batch.end:

@@ -224,6 +224,7 @@ class Engine:
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
         self.optimizer = _make_optimizer(spec, plist)
+        self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
         self._checked = False
 
     # -- one step
@@ -343,13 +344,16 @@ class Engine:
         return rules
 
     def buffer_arrays(self) -> Dict[str, np.ndarray]:
-        """Every buffer by name, as numpy views of the live tensors."""
-        return {n: to_numpy(b) for n, b in self.buffers.items()}
+        """Every buffer by name, as numpy views of the live tensors (made once: BatchNorm, load_state and
+        set_buffers all write in place, so the views stay the buffers' own)."""
+        if self._buffer_views is None:
+            self._buffer_views = {n: b.detach().numpy() for n, b in self.buffers.items()}
+        return self._buffer_views
 
-    @torch.no_grad()
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
+        views = self.buffer_arrays()
         for name, value in values.items():
-            self.buffers[name].copy_(torch.from_numpy(np.asarray(value)).reshape(self.buffers[name].shape))
+            np.copyto(views[name], np.reshape(value, views[name].shape), casting="unsafe")
 
 
 def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor]) -> torch.optim.Optimizer:

@@ -165,7 +165,7 @@ class Checkpointer:
         _record_job(state_dir, Path(checkpoint_dir), name)
         timeout = float(cfg.elastic.timeout_s)
         coordinator = StoreCoordinator(membership.address, timeout) if membership is not None else None
-        return cls(job_dir, keep=c.keep, asynchronous=bool(c.get("async_save", True)), timeout_s=timeout,
+        return cls(job_dir, keep=c.keep, asynchronous=bool(c.async_save), timeout_s=timeout,
                    coordinator=coordinator, token=token)
 
     # ------------------------------------------------------------------ the training thread

@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 import elasticflow
+from elasticflow.distributed.protocol import ENV_WORKER_ID
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
 import digits_mlp  # noqa: E402
 
-WORKER = int(os.environ.get("ELASTICFLOW_WORKER_ID", "0"))
+WORKER = int(os.environ.get(ENV_WORKER_ID, "0"))
 KILLS = [tuple(k.split(":")) for k in os.environ.get("EF_PROBE_KILL", "").split(",") if k]
 PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.environ.get("EF_PROBE_PAUSE") else None
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
