@@ -6,7 +6,7 @@ whatever the number of workers, so every sample of every epoch is used exactly o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 

@@ -14,10 +14,11 @@ module on each micro-batch, so forward()'s ``elasticflow.ops`` calls reach it wh
 another trainer in the process chose since.
 
 Adding a backend is one new file here and one name in ``PACKAGES``. The TensorFlow backend has
-four helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
-tensorflow.py exports), ``tensorflow_optim.py`` (torch.optim's update formulas for tf.Variables),
+five helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
+tensorflow.py exports), ``tensorflow_data.py`` (tensors from numpy, and ``Rows``: a batch gathered
+inside the compiled step), ``tensorflow_optim.py`` (torch.optim's update formulas for tf.Variables),
 ``tensorflow_compiled.py`` (the cheaper call of a compiled step) and ``tensorflow_native.py``
-(keras models and tf.Modules). Backends know nothing of distribution: the layers above reduce
+(keras models and tf.Modules: variable names, seed generators, BatchNormalization's rules). Backends know nothing of distribution: the layers above reduce
 ``Engine.grad_view()`` in place.
 """
 from __future__ import annotations

@@ -23,11 +23,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from . import common
 from . import tensorflow_optim as tf_optim
-from .common import activate, check_loss, flatten, host_array, rebuild, state_names
+from .common import activate, check_loss, flatten, rebuild, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
+# The data path, under the names a backend module provides (Rows: a batch gathered inside the compiled step).
+from .tensorflow_data import Rows, _on_rows, _split, _view, gather, index, resident, to_numpy, to_tensor  # noqa: F401
 from .tensorflow_native import buffer_rules, is_native, native_kind, native_variables, seed_generators  # noqa: F401
 from .tensorflow_ops import _generator
 # The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
@@ -58,73 +59,6 @@ def setup(threads: Optional[int], seed: int) -> None:
                 _log.debug("tensorflow already initialised; thread settings unchanged")
     tf.random.set_seed(seed)
     _generator().reset_from_seed(seed)
-
-
-# ---------------------------------------------------------------- data
-def to_tensor(array: np.ndarray) -> tf.Tensor:
-    """float64 becomes float32 (the framework's parameter dtype); other dtypes keep theirs."""
-    return tf.constant(host_array(array))
-
-
-resident = functools.partial(common.resident, to_tensor)
-
-
-def index(positions: np.ndarray) -> tf.Tensor:
-    return tf.constant(np.asarray(positions, dtype=np.int64))
-
-
-class Rows:
-    """Rows ``idx`` of the resident tensors ``source``: a batch the Engine gathers inside its
-    compiled step. Gathered eagerly, each tensor would be an op dispatch of its own per step (tens
-    of microseconds each, a large share of a small step). Indexing or iterating gathers eagerly.
-    """
-    __slots__ = ("source", "idx")
-
-    def __init__(self, source: Tuple[tf.Tensor, ...], idx: tf.Tensor):
-        self.source, self.idx = source, idx
-
-    def tensors(self) -> Tuple[tf.Tensor, ...]:
-        return _gather(self.source, self.idx)
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, i):
-        return self.tensors()[i]
-
-
-def gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Rows:
-    return Rows(tuple(tensors), idx)
-
-
-def _gather(tensors: Tuple[tf.Tensor, ...], idx: tf.Tensor) -> Tuple[tf.Tensor, ...]:
-    return tuple(tf.gather(t, idx) for t in tensors)
-
-
-def _split(batch) -> Tuple[Optional[Tuple[tf.Tensor, ...]], Any]:
-    """(the resident tensors, or None; what the compiled step is called with: row indices, or the tensors)."""
-    if isinstance(batch, Rows):
-        return batch.source, batch.idx
-    return None, tuple(batch)
-
-
-def _on_rows(step, source: Optional[Tuple[tf.Tensor, ...]]):
-    """``step(batch)`` taking what ``_split`` gives: it gathers the rows of ``source`` first, if set.
-    The closure keeps ``source`` alive, so the ``id(source)`` in a compiled-function key stays its own."""
-    return step if source is None else (lambda idx: step(_gather(source, idx)))
-
-
-def to_numpy(t: Any) -> np.ndarray:
-    return np.asarray(t.numpy()) if hasattr(t, "numpy") else np.asarray(t)
-
-
-def _view(variable: Any) -> np.ndarray:
-    """A read-only numpy view of a CPU variable's current value: ``.numpy()`` would copy it."""
-    # convert_to_tensor reads tf and keras variables alike; _numpy() is private, but the one
-    # no-copy path from an eager tensor to numpy (a 0-d tensor gives a numpy scalar: a copy).
-    array = np.asarray(tf.convert_to_tensor(variable)._numpy())
-    array.flags.writeable = False
-    return array
 
 
 # ---------------------------------------------------------------- engine
