@@ -396,17 +396,17 @@ def fit(run_dir: Path, *overrides: str) -> ElasticTrainer:
 
 def test_job_directory_is_stable_across_restarts_and_new_for_resume_none(tmp_path):
     first = fit(tmp_path, "trainer.max_steps=3")
-    job = first.checkpointer.job_dir
+    job = first.checkpoints.job_dir
     assert job.parent == tmp_path / "checkpoints" and job.name.startswith("linear_")
     again = fit(tmp_path)
-    assert again.checkpointer.job_dir == job and again.resumed_from == str(job / "step_3")
+    assert again.checkpoints.job_dir == job and again.resumed_from == str(job / "step_3")
     fresh = fit(tmp_path, "resume=none")
-    assert fresh.checkpointer.job_dir != job and fresh.resumed_from is None
-    assert ckpt.latest(tmp_path / "checkpoints") == fresh.checkpointer.job_dir / "step_6"
+    assert fresh.checkpoints.job_dir != job and fresh.resumed_from is None
+    assert ckpt.latest(tmp_path / "checkpoints") == fresh.checkpoints.job_dir / "step_6"
     (tmp_path / ".elasticflow" / "checkpoint_job.json").unlink()  # without the record: the newest job
-    assert fit(tmp_path).checkpointer.job_dir == fresh.checkpointer.job_dir
+    assert fit(tmp_path).checkpoints.job_dir == fresh.checkpoints.job_dir
     named = fit(tmp_path, "checkpoint.job_name=exp1", "checkpoint.async_save=false")
-    assert named.checkpointer.job_dir.name.startswith("exp1_") and named.resumed_from is None
-    assert named.checkpointer.asynchronous is False  # checkpoint.async_save reached the checkpointer
+    assert named.checkpoints.job_dir.name.startswith("exp1_") and named.resumed_from is None
+    assert named.checkpoints.checkpointer.asynchronous is False  # checkpoint.async_save reached the checkpointer
     resumed = fit(tmp_path / "elsewhere", f"resume={job}")  # resume=PATH: a job dir means its newest
     assert resumed.resumed_from == str(job / "step_6")
