@@ -9,6 +9,7 @@ the ratio to the first (hand-written) row.
 
     .venv/bin/python scripts/bench_adam.py                                  # AdamW, vocab 1000 and 50257
     .venv/bin/python scripts/bench_adam.py --optimizer adam --vocab 1000 --chunks 30
+    .venv/bin/python scripts/bench_adam.py --update-only                    # the optimizer update alone
     .venv/bin/python scripts/bench_adam.py --profile                        # torch.profiler tables, no timing
 """
 from __future__ import annotations
@@ -121,6 +122,55 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
 ROWS = {"hand-written torch": handwritten_torch, "elasticflow torch": elasticflow_row}
 
 
+def _gradients(setup: Setup):
+    """The model and one fixed gradient per parameter (from one real backward), for the update-only rows."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import tiny_gpt
+
+    cfg = OmegaConf.create({"seed": setup.seed, "model_args": setup.model_args()})
+    net = tiny_gpt.model(cfg)
+    x, y = (torch.from_numpy(a[:setup.global_batch]) for a in tiny_gpt.data(cfg))
+    tiny_gpt.forward(x, y, net).backward()
+    return tiny_gpt, net, [p.grad.clone() for p in net.parameters()]
+
+
+def torch_optim_update(setup: Setup, total_steps: int) -> Iterator[None]:
+    """torch.optim's step alone on fixed gradients: the update a hand-written loop pays."""
+    import torch
+
+    torch.set_num_threads(setup.threads)
+    _, net, grads = _gradients(setup)
+    for p, g in zip(net.parameters(), grads):
+        p.grad = g
+    cls = torch.optim.AdamW if setup.optimizer == "adamw" else torch.optim.Adam
+    opt = cls(net.parameters(), lr=setup.lr, weight_decay=setup.weight_decay)
+    for _ in range(total_steps):
+        opt.step()
+        yield
+
+
+def engine_update(setup: Setup, total_steps: int) -> Iterator[None]:
+    """elasticflow's Engine.apply alone on the same fixed gradients."""
+    import torch
+
+    from elasticflow import optim
+    from elasticflow.backends.torch import Engine
+
+    torch.set_num_threads(setup.threads)
+    tiny_gpt, net, grads = _gradients(setup)
+    cls = optim.AdamW if setup.optimizer == "adamw" else optim.Adam
+    engine = Engine(net, tiny_gpt.forward, cls(setup.lr, weight_decay=setup.weight_decay))
+    engine.grad_view().copy_(torch.cat([g.reshape(-1) for g in grads]))
+    for _ in range(total_steps):
+        engine.apply(setup.lr)
+        yield
+
+
+UPDATE_ROWS = {"torch.optim step": torch_optim_update, "elasticflow apply": engine_update}
+
+
 def profile(setup: Setup, steps: int = 30) -> None:
     """torch.profiler's table for each row over ``steps`` steps after 20 warm-up steps."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -150,6 +200,8 @@ def main(argv=None) -> None:
     p.add_argument("--chunks", type=int, default=20)
     p.add_argument("--chunk-steps", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables instead of timing")
+    p.add_argument("--update-only", action="store_true",
+                   help="time the optimizer update alone (fixed gradients), torch.optim against Engine.apply")
     args = p.parse_args(argv)
     for vocab in args.vocab:
         setup = Setup(args.optimizer, vocab, args.width, args.layers, args.threads, args.global_batch)
@@ -159,6 +211,9 @@ def main(argv=None) -> None:
               f"{args.warmup} warm-up steps; ratios to the first row")
         if args.profile:
             profile(setup)
+        elif args.update_only:
+            print("  the update alone")
+            report(bench(setup, args.warmup, args.chunks, args.chunk_steps, UPDATE_ROWS))
         else:
             report(bench(setup, args.warmup, args.chunks, args.chunk_steps, ROWS))
 
