@@ -18,7 +18,8 @@ from .common import activate, check_loss, flatten, host_array, rebuild, state_na
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from ..errors import ElasticFlowError
 from ..buffers import Rule, default_rule
-from ..optim import SGD, Adam, AdamW, OptimizerSpec
+from ..optim import SGD, Adam, OptimizerSpec
+from .torch_adam import FlatAdam
 
 NAME = "torch"
 _SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
@@ -218,12 +219,22 @@ class Engine:
         plist = list(self.params.values())
         self.num_params = int(np.sum([p.numel() for p in plist]))
         self.flat_grad = torch.zeros(self.num_params, dtype=torch.float32)
+        self.flat_param: Optional[torch.Tensor] = None
+        if isinstance(spec, Adam):
+            # Parameters become views of one flat buffer too, so Adam runs once over the model
+            # (torch_adam.py). A copy of the model's values at start-up; the Parameter objects stay
+            # the module's own, only their storage moves (as .data, which autograd allows on leaves).
+            self.flat_param = torch.empty(self.num_params, dtype=torch.float32)
         offset = 0
         for p in plist:
             n = p.numel()
+            if self.flat_param is not None:
+                view = self.flat_param[offset:offset + n].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
-        self.optimizer = _make_optimizer(spec, plist)
+        self.optimizer = _make_optimizer(spec, plist, self.flat_param, self.flat_grad)
         self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
         self._checked = False
 
@@ -306,9 +317,9 @@ class Engine:
         for n, p in self.params.items():
             slots = {s: torch.from_numpy(np.array(state[f"optimizer/{n}/{s}"], dtype=np.float32)).reshape(p.shape)
                      for s in self.spec.slots() if f"optimizer/{n}/{s}" in state}
-            if isinstance(self.spec, Adam) and slots:
-                slots["step"] = torch.tensor(float(optimizer_steps), dtype=torch.float32)
-            if slots:
+            if slots and isinstance(self.optimizer, FlatAdam):
+                self.optimizer.load_slots(p, slots, optimizer_steps)
+            elif slots:
                 self.optimizer.state[p] = slots
 
     def state_names(self) -> List[str]:
@@ -356,9 +367,12 @@ class Engine:
             np.copyto(views[name], np.reshape(value, views[name].shape), casting="unsafe")
 
 
-def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor]) -> torch.optim.Optimizer:
+def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: Optional[torch.Tensor],
+                    flat_grad: torch.Tensor):
     if isinstance(spec, SGD):
         return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov,
                                weight_decay=spec.weight_decay)
-    cls = torch.optim.AdamW if isinstance(spec, AdamW) else torch.optim.Adam
-    return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    if isinstance(spec, Adam):
+        return FlatAdam(spec, flat_param, flat_grad, params)
+    raise ElasticFlowError(f"the torch backend has no optimizer for {type(spec).__name__}",
+                           "use elasticflow.optim.SGD, Adam or AdamW")
