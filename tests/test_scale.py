@@ -55,8 +55,12 @@ def test_grow_kill_shrink_matches_single_worker_and_uses_every_sample_once(tmp_p
                  env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_RECORD": str(record), "EF_PROBE_SLEEP": "0.01"})
     wait_for(lambda: logged_step(run) >= 14, 120, "step 14")
     with hold:
-        out = scale(run, 4).stdout
-    assert "4 workers" in out
+        scale(run, 4, wait=0)
+        # Joiners admitted while a generation forms enter the next one: the second waits for the first's
+        # generation, which forms only once the members leave the hold.
+        wait_for(lambda: all(w["state"] == "admitted" for w in json.loads((run / "workers.json").read_text())["joining"]),
+                 120, "both joiners admitted")
+    wait_for(lambda: len(members(run)) == 4, 60, "the 4-worker generation")
     wait_for(lambda: logged_step(run) >= 30, 120, "step 30")
     with hold:
         victim = members(run)[2]
