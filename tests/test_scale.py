@@ -55,8 +55,12 @@ def test_grow_kill_shrink_matches_single_worker_and_uses_every_sample_once(tmp_p
                  env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_RECORD": str(record), "EF_PROBE_SLEEP": "0.01"})
     wait_for(lambda: logged_step(run) >= 14, 120, "step 14")
     with hold:
-        out = scale(run, 4).stdout
-    assert "4 workers" in out
+        scale(run, 4, wait=0)
+        # Joiners admitted while a generation forms enter the next one: the second waits for the first's
+        # generation, which forms only once the members leave the hold.
+        wait_for(lambda: all(w["state"] == "admitted" for w in json.loads((run / "workers.json").read_text())["joining"]),
+                 120, "both joiners admitted")
+    wait_for(lambda: len(members(run)) == 4, 60, "the 4-worker generation")
     wait_for(lambda: logged_step(run) >= 30, 120, "step 30")
     with hold:
         victim = members(run)[2]
@@ -113,11 +117,15 @@ def test_restart_failed_replaces_dead_workers_up_to_max_restarts(tmp_path, refer
         with hold:
             victim = members(run)[-1]
             os.kill(victim["pid"], signal.SIGKILL)
+            # The survivor is held, so the generation without the victim cannot form yet; the replacement
+            # is admitted meanwhile and enters the generation after it, once the hold ends.
+            wait_for(lambda: len(members(run)) == 1, 30, "the generation without the victim")
             if i < replaced:
-                wait_for(lambda: len(members(run)) == 2 and members(run)[-1]["pid"] != victim["pid"], 120,
-                         "the replacement to join")
-            else:
-                wait_for(lambda: len(members(run)) == 1, 30, "the generation without the victim")
+                wait_for(lambda: len(members(run)) == 2 or any(
+                    w["state"] == "admitted" for w in json.loads((run / "workers.json").read_text())["joining"]), 120,
+                    "the replacement to be admitted")
+        if i < replaced:
+            wait_for(lambda: len(members(run)) == 2, 60, "the replacement to join")
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     kinds = [e["event"] for e in events(run)]

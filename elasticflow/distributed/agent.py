@@ -5,90 +5,38 @@ publishes the next generation in the store and rewrites RUN_DIR/workers.json; su
 relative order, so ranks stay dense. Workers enter through a join request signed with the job
 token; a refused request is logged to RUN_DIR/events.jsonl.
 
+A generation that fails to form (rendezvous.py says when) is superseded by the next one, with the
+members that arrived or reported; the others *wait* (alive, out of the generation) and re-enter a
+later one once they arrive. Joiners admitted while a generation forms enter the next one together.
+
 Health: a member whose heartbeat stops for ``elastic.heartbeat_timeout_s`` (a stopped process) is
 SIGKILLed; so is one that never reports when its peers' collectives of a generation failed (a
 deadlock or a stuck collective). Killing, not aborting, is what wakes peers blocked on it.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import OmegaConf
-from torch.distributed import TCPStore
 
 from ..errors import ElasticFlowError, TrainingInterrupted
 from ..fileio import append_event, write_atomic
-from . import protocol
+from . import protocol, scaling
+from .process import Worker, listening_store, local_launch
+from .rendezvous import Rendezvous, key
 
 log = logging.getLogger("elasticflow")
 WATCH_S = 0.01     # how often the agent polls its workers: a SIGKILLed worker is noticed within ~10 ms
 HEALTH_S = 0.1     # how often heartbeats and failure reports are read
 REPORT_GRACE_S = 2.0  # after a peer reports a failed collective, how long the others have to report too
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
-
-
-HOSTNAME = socket.gethostname()
-
-
-def local_launch(env: Dict[str, str]) -> subprocess.Popen:
-    """Start a worker process on this machine."""
-    # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
-    return subprocess.Popen([sys.executable, "-m", "elasticflow.distributed.worker"], env=env, start_new_session=True)
-
-
-def listening_store(host: str, timeout_s: float) -> "tuple[TCPStore, socket.socket]":
-    """A TCPStore listening on ``host`` only (TCPStore alone would listen on every interface)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(1024)
-    store = TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                     wait_for_workers=False, master_listen_fd=sock.fileno())
-    return store, sock
-
-
-@dataclass
-class Worker:
-    id: int
-    pid: int                                  # the worker process (behind srun: learned from its join request)
-    proc: Optional[subprocess.Popen] = None   # what we started (the worker, or its srun); None if started elsewhere
-    host: str = HOSTNAME
-    state: str = "joining"
-    spawned_at: float = field(default_factory=time.time)
-    hb_value: int = -1
-    hb_seen: float = field(default_factory=time.monotonic)
-
-    def poll(self) -> Optional[int]:
-        return self.proc.poll() if self.proc is not None else None
-
-    def signal(self, sig: int) -> None:
-        """Signal the worker itself; on another node, through its srun (which forwards USR1, and
-        cancels the step on TERM)."""
-        try:
-            if self.host == HOSTNAME or self.proc is None:
-                os.kill(self.pid, sig)
-            elif sig in (signal.SIGINT, signal.SIGUSR1):
-                self.proc.send_signal(signal.SIGUSR1)
-            else:
-                self.proc.terminate()
-        except ProcessLookupError:
-            pass
-
-    def describe(self, rank: Optional[int] = None) -> dict:
-        out = {"worker_id": self.id, "pid": self.pid, "host": self.host, "state": self.state}
-        return {"rank": rank, **out} if rank is not None else out
 
 
 class Agent:
@@ -109,6 +57,7 @@ class Agent:
         self.joining: Dict[int, Worker] = {}  # spawned, join request not yet accepted
         self.admitted: List[Worker] = []     # accepted, enter at the next generation
         self.retiring: List[Worker] = []     # dropped by a scale-down, exiting at a step boundary
+        self.waiting: List[Worker] = []      # alive, left out of a generation that failed to form
         self.finished: List[Worker] = []
         self.next_id = 0
         self.requests_seen = 0
@@ -119,6 +68,9 @@ class Agent:
         self.interrupted = False
         self.started = time.monotonic()
         self.failed_reports_since: Dict[int, float] = {}
+        self.rdv = Rendezvous(self.store, cfg.elastic.timeout_s)
+        self.supersede_at: Optional[float] = None  # a failed generation's successor is due then (back-off)
+        self.supersede_cause = ""
 
     # ------------------------------------------------------------------ workers
     def spawn(self) -> Worker:
@@ -134,7 +86,7 @@ class Agent:
         return worker
 
     def target_workers(self) -> int:
-        return len(self.members) + len(self.admitted) + len(self.joining)
+        return len(self.members) + len(self.admitted) + len(self.joining) + len(self.waiting)
 
     def publish(self, action: str = "train", reason: str = "") -> None:
         """Announce the next generation with the current members (admitted joiners enter now)."""
@@ -147,9 +99,18 @@ class Agent:
         self.admitted = []
         self.generation += 1
         g = self.generation
-        self.store.set(protocol.generation_key(g), protocol.encode([w.id for w in self.members], action, reason))
+        if self.rdv.forming:  # replaced before it formed: a member left, or the job stops
+            self.event("superseded", generation=self.rdv.generation, cause=reason or "a member left while it formed",
+                       after_s=round(time.monotonic() - self.rdv.published_at, 3), waiting=[], retry_in_s=0)
+        ids = [w.id for w in self.members]
+        # The generation's record goes in before gen/current names it: a worker reads them in that order.
+        self.store.set(protocol.generation_key(g), protocol.encode(ids, action, reason, [w.id for w in self.waiting]))
         self.store.set("gen/current", str(g))
+        self.rdv.opened(g, ids, time.monotonic())
         self.dirty = False
+        self.supersede_at = None
+        self.event("generation", generation=g, members=ids, waiting=[w.id for w in self.waiting], action=action,
+                   reason=reason)
         self.write_workers_json(action)
 
     def write_workers_json(self, action: str = "train") -> None:
@@ -157,6 +118,7 @@ class Agent:
                     "members": [w.describe(r) for r, w in enumerate(self.members)],
                     "joining": [w.describe() for w in [*self.joining.values(), *self.admitted]],
                     "retiring": [w.describe() for w in self.retiring],
+                    "waiting": [w.describe() for w in self.waiting],
                     "restarts": self.restarts, "max_restarts": self.cfg.launcher.max_restarts,
                     "agent_pid": os.getpid()}
         # Atomic: `elasticflow status` and `scale` read it while the job runs.
@@ -195,7 +157,7 @@ class Agent:
         log.warning("Ctrl-C: workers finish the current step and write a checkpoint (Ctrl-C again to abort)")
         for w in self.members:
             w.signal(signal.SIGINT)
-        for w in [*self.joining.values(), *self.admitted]:
+        for w in [*self.joining.values(), *self.admitted, *self.waiting]:
             w.signal(signal.SIGKILL)
 
     def _on_preempt(self, signum, frame) -> None:
@@ -208,7 +170,7 @@ class Agent:
         self._on_sigint(signum, frame)
 
     def live(self) -> List[Worker]:
-        return [*self.members, *self.joining.values(), *self.admitted, *self.retiring]
+        return [*self.members, *self.joining.values(), *self.admitted, *self.retiring, *self.waiting]
 
     def _watch(self) -> Dict[str, Any]:
         next_health = 0.0
@@ -223,7 +185,8 @@ class Agent:
                 self._check_health(now)
                 next_health = now + HEALTH_S
             self._maybe_publish(now)
-            if not self.members and self.generation >= 0 and (self.finished or not (self.joining or self.admitted)):
+            if not self.members and self.generation >= 0 and (
+                    self.finished or not (self.joining or self.admitted or self.waiting)):
                 return self._result()
             time.sleep(WATCH_S)
 
@@ -253,6 +216,19 @@ class Agent:
                 return w, rc
             self.event("join_failed", worker=w.id, pid=w.pid, exit_code=rc)
             self._maybe_restart(w)
+        for w in list(self.waiting):
+            rc = w.poll()
+            if rc is None:
+                continue
+            self.waiting.remove(w)
+            if rc in (1, 2, protocol.EXIT_REFUSED):
+                self.finished.append(w)
+                return w, rc
+            if rc in CLEAN_EXITS or rc == protocol.EXIT_REMOVED:
+                w.state = "finished"
+                self.finished.append(w)
+            else:  # not in the generation: its loss changes no group, so nothing to publish
+                self._lost(w, f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}", dirty=False)
         for w in list(self.retiring):
             rc = w.poll()
             if rc is not None:
@@ -261,10 +237,10 @@ class Agent:
                 self.write_workers_json()
         return None
 
-    def _lost(self, w: Worker, cause: str) -> None:
+    def _lost(self, w: Worker, cause: str, dirty: bool = True) -> None:
         log.warning("worker %d (pid %d) left (%s)", w.id, w.pid, cause)
         self.event("left", worker=w.id, pid=w.pid, cause=cause, generation=self.generation)
-        self.dirty = True
+        self.dirty = self.dirty or dirty
         self._maybe_restart(w)
 
     def _maybe_restart(self, w: Worker) -> None:
@@ -299,6 +275,8 @@ class Agent:
                             verdict["reason"])
                 self.event("refused", pid=request.get("pid"), host=request.get("host"), reason=verdict["reason"])
             self.store.set(f"join/verdict/{n}", json.dumps(verdict))
+            if verdict["ok"]:
+                self.write_workers_json()  # `status` and `scale` see it admitted (it enters the next generation)
 
     def _judge(self, n: int, request: dict) -> dict:
         wid, pid = int(request["id"]), int(request["pid"])
@@ -327,12 +305,17 @@ class Agent:
             if ready and (not self.joining or (now - self.started > el.wait_s and ready >= lc.min_workers)):
                 self.publish()
             return
-        if not (self.dirty or self.admitted) or not (self.members or self.admitted):
+        if not (self.members or self.admitted):
             return
+        if self.supersede_at is not None:
+            if now < self.supersede_at and not self.dirty:
+                return  # back-off after repeated failures to form
+        elif not self.dirty and (not self.admitted or self.rdv.forming):
+            return  # joiners admitted while a generation forms enter the next one, together
         if len(self.members) + len(self.admitted) >= lc.min_workers:
             if self.below_min_since is not None:
                 self.below_min_since = None
-            self.publish()
+            self.publish(reason=self.supersede_cause if self.supersede_at is not None else "")
             return
         if self.below_min_since is None:
             self.below_min_since = now
@@ -348,7 +331,7 @@ class Agent:
     # ------------------------------------------------------------------ health
     def _check_health(self, now: float) -> None:
         el = self.cfg.elastic
-        for w in list(self.members):
+        for w in [*self.members, *self.waiting]:
             if w.state == "killed":
                 continue
             beats = int(self.store.add(f"worker/{w.id}/hb", 0))
@@ -359,7 +342,20 @@ class Agent:
         g = self.generation
         if g < 0 or not self.members:
             return
-        reported = [w for w in self.members if self.store.check([f"gen/{g}/failed/{w.id}"])]
+        if self.supersede_at is None:
+            # A waiting worker that arrived at the newest generation is ready: it enters the next one. (Not
+            # while a successor is due: it arrived at the failed generation, before it was left out.)
+            for w in [w for w in self.waiting if self.store.check([key(g, "arrived", w.id)])]:
+                self.waiting.remove(w)
+                w.state = "admitted"
+                self.admitted.append(w)
+        if not self.dirty:  # when dirty, the next generation is published this round anyway
+            verdict = self.rdv.poll(now, [w.id for w in self.members if w.state != "killed"])
+            if verdict is not None:
+                self._judged(verdict, now)
+        if self.rdv.phase != "formed":
+            return
+        reported = [w for w in self.members if self.store.check([key(g, "failed", w.id)])]
         if not reported or len(reported) == len(self.members):
             self.failed_reports_since.pop(g, None)
             return
@@ -368,6 +364,31 @@ class Agent:
             for w in self.members:
                 if w not in reported and w.state != "killed":
                     self._cut_out(w, "its peers' collectives failed and it never reported (stuck or deadlocked)")
+
+    def _judged(self, v, now: float) -> None:
+        """The forming generation formed, or failed: then its successor is due (after the back-off)."""
+        if v.outcome == "formed":
+            for w in self.members:
+                w.has_state = True
+            self.event("formed", generation=v.generation, world=len(self.rdv.ids), formed_s=round(v.after_s, 3))
+            return
+        keep = [w for w in self.members if w.id in v.keep and w.state != "killed"]
+        alive = [w for w in self.members if w.state != "killed"]
+        if len(keep) < max(1, self.cfg.launcher.min_workers) or not any(w.has_state for w in keep):
+            # Too few to go on without the rest, or only joiners, who hold no training state: retry with
+            # every live member (after the back-off).
+            keep = alive
+        left_out = [w for w in alive if w not in keep]
+        for w in left_out:
+            w.state = "waiting"
+        self.waiting += left_out
+        self.members = [w for w in self.members if w not in left_out]
+        delay = self.rdv.backoff_s()
+        log.warning("generation %d did not form (%s); the next one in %.2fs with %d worker(s)",
+                    v.generation, v.cause, delay, len(keep))
+        self.event("superseded", generation=v.generation, cause=v.cause, after_s=round(v.after_s, 3),
+                   waiting=[w.id for w in left_out], retry_in_s=delay, failures=self.rdv.failures)
+        self.supersede_at, self.supersede_cause = now + delay, v.cause
 
     def _cut_out(self, w: Worker, why: str) -> None:
         log.warning("worker %d (pid %d): %s; killing it", w.id, w.pid, why)
@@ -380,54 +401,11 @@ class Agent:
 
     # ------------------------------------------------------------------ scale requests
     def _control(self) -> None:
-        if not self.store.check(["control/scale"]):
-            return
-        raw = self.store.get("control/scale")
-        self.store.delete_key("control/scale")
-        try:
-            req = protocol.decode(raw)
-            reply = self._scale(req)
-        except (ValueError, KeyError) as exc:
-            req, reply = {}, {"ok": False, "reason": f"malformed scale request ({exc})"}
-        self.store.set(f"control/reply/{req.get('nonce', 'none')}", json.dumps(reply))
-
-    def _scale(self, req: dict) -> dict:
-        target, nonce = int(req["workers"]), str(req["nonce"])
-        if not protocol.verify(self.token, f"scale:{target}:{nonce}", req.get("mac", "")):
-            self.event("refused", reason="scale request with a wrong or missing job token")
-            return {"ok": False, "reason": "wrong or missing job token"}
-        lc = self.cfg.launcher
-        if target < max(1, lc.min_workers):
-            return {"ok": False, "reason": f"{target} is below launcher.min_workers={lc.min_workers}"}
-        if lc.max_workers and target > lc.max_workers:
-            return {"ok": False, "reason": f"{target} is above launcher.max_workers={lc.max_workers}"}
-        current = self.target_workers()
-        self.event("scale", requested=target, current=current, generation=self.generation)
-        if target > current:
-            for _ in range(target - current):
-                self.spawn()
-        elif target < current:
-            surplus = current - target
-            for w in sorted(self.joining.values(), key=lambda w: -w.id)[:surplus]:  # cancel starts first
-                self.joining.pop(w.id)
-                w.signal(signal.SIGKILL)
-                surplus -= 1
-            while surplus and self.admitted:
-                self.admitted.pop().signal(signal.SIGKILL)
-                surplus -= 1
-            if surplus:
-                # The last-joined members leave; the rest keep their relative order.
-                leaving, self.members = self.members[-surplus:], self.members[:-surplus]
-                for w in leaving:
-                    w.state = "retiring"
-                self.retiring += leaving
-                self.dirty = True
-        self.write_workers_json()
-        return {"ok": True, "workers": target}
+        scaling.serve(self)
 
     # ------------------------------------------------------------------ the end
     def _result(self) -> Dict[str, Any]:
-        for w in [*self.joining.values(), *self.admitted]:  # training ended before they could join
+        for w in [*self.joining.values(), *self.admitted, *self.waiting]:  # training ended without them
             w.signal(signal.SIGKILL)
         codes = [w.poll() for w in self.finished]
         if protocol.EXIT_BELOW_MIN in codes:

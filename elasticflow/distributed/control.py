@@ -24,7 +24,8 @@ def _running_agent(run_dir: Path) -> dict:
 
 
 def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
-    """Ask the job's agent for ``workers`` workers; wait until the membership shows them."""
+    """Ask the job's agent for ``workers`` workers; return when the membership shows them (or after
+    ``wait_s``); raise when the agent refuses, or the job ends first."""
     from torch.distributed import TCPStore
 
     agent = _running_agent(run_dir)
@@ -47,13 +48,39 @@ def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
     if not reply["ok"]:
         raise ElasticFlowError(f"the agent refused to scale to {workers}: {reply['reason']}",
                                "choose a number within launcher.min_workers..launcher.max_workers")
+    return _await_target(run_dir, workers, wait_s)
+
+
+def _await_target(run_dir: Path, workers: int, wait_s: float) -> str:
+    """Watch workers.json until the job has ``workers`` members, or has ended, or ``wait_s`` passed.
+
+    Returns the line to print when the target is reached; raises when the job ended first (its agent
+    file is gone) or a worker was refused on the way in (e.g. the job is full).
+    """
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
+    refused_before = _count_refused(run_dir)
+    while True:
         snapshot = json.loads((run_dir / "workers.json").read_text())
-        if len(snapshot["members"]) == workers and not snapshot["joining"] and not snapshot["retiring"]:
-            return f"generation {snapshot['generation']}: {workers} workers"
+        if (len(snapshot["members"]) == workers and not snapshot["joining"] and not snapshot["retiring"]
+                and not snapshot.get("waiting")):
+            return f"reached: generation {snapshot['generation']} has {workers} workers"
+        if not protocol.agent_file(run_dir).is_file():
+            finished = (run_dir / "summary.json").is_file()
+            raise ElasticFlowError(f"the job ended ({'it finished training' if finished else 'it stopped'}) with "
+                                   f"{len(snapshot['members'])} worker(s), before reaching {workers}",
+                                   f"see `elasticflow status {run_dir}`", exit_code=1)
+        if _count_refused(run_dir) > refused_before:
+            raise ElasticFlowError(f"the agent refused a worker on the way to {workers} workers",
+                                   f"see the 'refused' events in `elasticflow status {run_dir}`", exit_code=1)
+        if time.monotonic() > deadline:
+            return (f"requested {workers} workers; still changing after {wait_s:g}s: generation "
+                    f"{snapshot['generation']} has {len(snapshot['members'])} (see `elasticflow status {run_dir}`)")
         time.sleep(0.1)
-    return f"requested {workers} workers; still changing after {wait_s:g}s (see `elasticflow status {run_dir}`)"
+
+
+def _count_refused(run_dir: Path) -> int:
+    events = run_dir / "events.jsonl"
+    return events.read_text().count('"event": "refused"') if events.is_file() else 0
 
 
 def status(run_dir: Path, events: int = 8) -> str:

@@ -21,6 +21,7 @@ from torch.distributed import TCPStore
 from . import protocol
 from .comm import Group
 from .protocol import CommError
+from .rendezvous import key
 
 log = logging.getLogger("elasticflow")
 POLL_S = 0.05
@@ -58,7 +59,7 @@ class Membership:
         address: the agent's store, "host:port".
         worker_id: this worker's id (stable for the life of the process).
         timeout_s: collective and rendezvous timeout (``elastic.timeout_s``).
-        wait_s: how long a worker waits for the agent's next generation (``elastic.wait_s``).
+        wait_s: ``elastic.wait_s`` (kept for the caller; the agent, not the worker, applies it).
     """
 
     def __init__(self, address: str, worker_id: Optional[int], timeout_s: float, wait_s: float,
@@ -102,7 +103,10 @@ class Membership:
         request["mac"] = protocol.sign(self.token, f"{n}:{wid}:{os.getpid()}") if self.token else ""
         self.store.set(f"join/request/{n}", json.dumps(request))
         try:
-            self.store.wait([f"join/verdict/{n}"], datetime.timedelta(seconds=self.wait_s + self.timeout_s))
+            # The agent answers within its next round (~10 ms); poll rather than wait with a deadline,
+            # so only a store that stops answering ends this.
+            while not self.store.check([f"join/verdict/{n}"]):
+                time.sleep(0.01)
             verdict = protocol.decode(self.store.get(f"join/verdict/{n}"))
         except Exception as exc:
             raise AgentLost(f"the agent at {self.address} did not answer the join request ({exc})") from exc
@@ -113,17 +117,20 @@ class Membership:
         self._poller.start()
         self.rebuild(after=-1)
 
-    def report_failure(self) -> None:
-        """Tell the agent a collective of this generation failed (it hunts for hung members)."""
+    def report_failure(self, generation: Optional[int] = None) -> None:
+        """Tell the agent that building ``generation``'s group, or a collective of the current one, failed."""
+        g = self.generation if generation is None else generation
         try:
-            self.store.set(f"gen/{self.generation}/failed/{self.worker_id}", str(time.time()))
+            self.store.set(key(g, "failed", self.worker_id), str(time.time()))
         except Exception:
             pass  # the agent is gone; the rebuild that follows will say so
 
     def rebuild(self, after: int) -> None:
         """Drop the current group; build the group of the first generation newer than ``after``.
 
-        Raises StopRequested, Removed or AgentLost; retries when a member vanishes mid-build.
+        Waits as long as the agent's store answers: the agent, not this worker, decides when a
+        generation failed (it publishes the next) or when the job stops. Raises StopRequested,
+        Removed or AgentLost.
         """
         if self.group is not None:
             self.group.close()
@@ -131,25 +138,55 @@ class Membership:
         while True:
             g, info = self._next_generation(after)
             members = info["members"]
+            after = g
             if self.worker_id not in members:
-                if self.generation < 0:  # admitted, but not yet in a published generation
-                    after = g
-                    continue
-                raise Removed(f"generation {g} does not include worker {self.worker_id}")
-            self.generation, self.members = g, members
-            self.rank, self.world = members.index(self.worker_id), len(members)
-            try:
-                self.group = Group(self.store, g, self.rank, self.world, self.timeout_s, self.host)
-            except CommError as exc:
-                log.warning("worker %d: %s; waiting for the next generation", self.worker_id, exc)
-                after = g
+                # A joiner not yet let in, or a worker left out of a generation that failed to form: say
+                # we are ready, so the agent lets us into the next one.
+                if self.generation >= 0 and self.worker_id not in info.get("waiting", []):
+                    raise Removed(f"generation {g} does not include worker {self.worker_id}")
+                self._mark(g, "arrived")
                 continue
+            self._mark(g, "arrived")
+            if not self._everyone_arrived(g, members):
+                continue  # superseded before it formed
+            rank, world = members.index(self.worker_id), len(members)
+            try:
+                group = Group(self.store, g, rank, world, self.timeout_s, self.host)
+            except CommError as exc:
+                log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc)
+                self.report_failure(g)
+                continue
+            self._mark(g, "formed")
+            self.group, self.generation, self.members, self.rank, self.world = group, g, members, rank, world
             if info.get("action") == "stop":
                 raise StopRequested(info.get("reason", "the agent stopped the job"))
             return
 
+    def _mark(self, g: int, what: str) -> None:
+        try:
+            self.store.set(key(g, what, self.worker_id), str(time.time()))
+        except Exception as exc:
+            raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
+
+    def _everyone_arrived(self, g: int, members: List[int]) -> bool:
+        """Wait until every member of ``g`` arrived (True) or the agent published a newer one (False).
+
+        Gloo's rendezvous starts only then, so its timeout is not spent on a peer still busy in an
+        older generation. Unbounded here on purpose: the agent supersedes g after elastic.timeout_s.
+        """
+        keys = [key(g, "arrived", i) for i in members]
+        while True:
+            try:
+                if self.store.check(keys):
+                    return True
+                if int(self.store.get("gen/current")) > g:
+                    return False
+            except Exception as exc:
+                raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
+            time.sleep(0.005)
+
     def _next_generation(self, after: int):
-        deadline = time.monotonic() + self.wait_s + self.timeout_s
+        """The newest generation after ``after``; waits while the store answers (the agent decides)."""
         while True:
             try:
                 g = int(self.store.get("gen/current"))
@@ -157,6 +194,6 @@ class Membership:
                     return g, protocol.decode(self.store.get(protocol.generation_key(g)))
             except Exception as exc:
                 raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
-            if time.monotonic() > deadline:
-                raise AgentLost(f"no new generation after {after} within elastic.wait_s + elastic.timeout_s")
+            if self.agent_lost:  # the heartbeat thread's connection failed too
+                raise AgentLost(f"the agent's store at {self.address} stopped answering")
             time.sleep(0.005)

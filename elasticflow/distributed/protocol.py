@@ -2,8 +2,12 @@
 
 Store keys:
     gen/current                 the newest generation number g
-    gen/<g>                     JSON {"members": [worker ids in rank order], "action": "train" | "stop", "reason"}
-    gen/<g>/failed/<id>         a member's report that a collective of generation g failed
+    gen/<g>                     JSON {"members": [worker ids in rank order], "action": "train" | "stop", "reason",
+                                "waiting": [ids alive but left out: they re-enter a later generation]}
+    gen/<g>/arrived/<id>        a worker is ready to build generation g's group (members build once all arrived;
+                                a waiting worker's arrival asks the agent to let it in again)
+    gen/<g>/formed/<id>         a member built generation g's group
+    gen/<g>/failed/<id>         a member's report that building g's group, or a collective of g, failed
     join/count                  join requests so far (a counter); join/request/<n> is request n (JSON)
     join/verdict/<n>            the agent's answer: {"ok": true, "id": assigned id} or {"ok": false, "reason"}
     worker/<id>/hb              heartbeat counter, bumped by the worker's membership thread
@@ -45,8 +49,8 @@ def generation_key(g: int) -> str:
     return f"gen/{g}"
 
 
-def encode(members, action: str = "train", reason: str = "") -> str:
-    return json.dumps({"members": list(members), "action": action, "reason": reason})
+def encode(members, action: str = "train", reason: str = "", waiting=()) -> str:
+    return json.dumps({"members": list(members), "action": action, "reason": reason, "waiting": list(waiting)})
 
 
 def decode(raw: Any) -> Dict[str, Any]:

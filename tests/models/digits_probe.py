@@ -10,6 +10,11 @@ Environment (read by every worker):
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
     EF_PROBE_HOLD    a file path: forward blocks while that file exists (a test holds training still
                      while it scales or kills, then removes the file).
+    EF_PROBE_STALL_BUILD "worker:seconds:file": that worker, about to build the gloo group of its first
+                     generation with peers, writes time.time() to file and sleeps first: it arrived, heartbeats,
+                     and never connects (the others' rendezvous times out). The test may SIGSTOP it meanwhile.
+    EF_PROBE_SLOW_START "first_id:seconds": workers with that id or higher (joiners) sleep that long when
+                     the model file loads, before they ask to join.
     (Under backend=tensorflow set EF_PROBE_RECORD: the injections then happen at the data fetch.)
     EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, ids} to
                      <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt.
@@ -36,6 +41,7 @@ PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.e
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
 HOLD = os.environ.get("EF_PROBE_HOLD")
 RECORD = os.environ.get("EF_PROBE_RECORD")
+STALL = os.environ.get("EF_PROBE_STALL_BUILD", "").split(":") if os.environ.get("EF_PROBE_STALL_BUILD") else None
 _seen_steps = set()
 
 model = digits_mlp.model
@@ -69,6 +75,30 @@ def _inject(ctx):
     deadline = time.monotonic() + 120
     while HOLD and ctx.step > 0 and os.path.exists(HOLD) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _stall_first_build():
+    from elasticflow.distributed import comm
+
+    build = comm.Group.__init__
+    stalled = []
+
+    def stalling(self, store, generation, rank, world, *args, **kwargs):
+        if world > 1 and not stalled:
+            stalled.append(generation)
+            Path(STALL[2]).write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "generation": generation}))
+            time.sleep(float(STALL[1]))
+        build(self, store, generation, rank, world, *args, **kwargs)
+
+    comm.Group.__init__ = stalling
+
+
+if STALL and int(STALL[0]) == WORKER:
+    _stall_first_build()
+if os.environ.get("EF_PROBE_SLOW_START"):
+    _first, _seconds = os.environ["EF_PROBE_SLOW_START"].split(":")
+    if WORKER >= int(_first):
+        time.sleep(float(_seconds))
 
 
 def forward(x, y, params):

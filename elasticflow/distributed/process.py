@@ -1,0 +1,67 @@
+"""The agent's handle on one worker process, and how the agent starts workers and its store."""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from torch.distributed import TCPStore
+
+HOSTNAME = socket.gethostname()
+
+
+def local_launch(env: Dict[str, str]) -> subprocess.Popen:
+    """Start a worker process on this machine."""
+    # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
+    return subprocess.Popen([sys.executable, "-m", "elasticflow.distributed.worker"], env=env, start_new_session=True)
+
+
+def listening_store(host: str, timeout_s: float) -> "tuple[TCPStore, socket.socket]":
+    """A TCPStore listening on ``host`` only (TCPStore alone would listen on every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    store = TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                     wait_for_workers=False, master_listen_fd=sock.fileno())
+    return store, sock
+
+
+@dataclass
+class Worker:
+    id: int
+    pid: int                                  # the worker process (behind srun: learned from its join request)
+    proc: Optional[subprocess.Popen] = None   # what we started (the worker, or its srun); None if started elsewhere
+    host: str = HOSTNAME
+    state: str = "joining"
+    spawned_at: float = field(default_factory=time.time)
+    hb_value: int = -1
+    hb_seen: float = field(default_factory=time.monotonic)
+    has_state: bool = False                   # was a member of a generation that formed (holds the training state)
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll() if self.proc is not None else None
+
+    def signal(self, sig: int) -> None:
+        """Signal the worker itself; on another node, through its srun (which forwards USR1, and
+        cancels the step on TERM)."""
+        try:
+            if self.host == HOSTNAME or self.proc is None:
+                os.kill(self.pid, sig)
+            elif sig in (signal.SIGINT, signal.SIGUSR1):
+                self.proc.send_signal(signal.SIGUSR1)
+            else:
+                self.proc.terminate()
+        except ProcessLookupError:
+            pass
+
+    def describe(self, rank: Optional[int] = None) -> dict:
+        out = {"worker_id": self.id, "pid": self.pid, "host": self.host, "state": self.state}
+        return {"rank": rank, **out} if rank is not None else out

@@ -1,0 +1,110 @@
+"""The agent's view of the newest generation while its group forms, and when to give up on it.
+
+A generation goes through three phases, each visible in the store (protocol.py lists the keys):
+every member *arrives* (it is ready to build, no longer busy in an older generation), every member
+builds the gloo group, every member reports it *formed*. Workers start the gloo build only once all
+have arrived, so no member spends its rendezvous timeout waiting for a peer that is still finishing
+an older generation -- the cascade that used to lose whole jobs.
+
+The agent, not the workers, decides that a generation failed to form, and then supersedes it:
+- a member reports that building the group failed (others get ``REPORT_WINDOW_S`` to report too);
+- a member has not arrived ``elastic.timeout_s`` after the publish;
+- every member arrived, yet the group neither formed nor failed within ``elastic.timeout_s``
+  (gloo's own connect timeout) plus the report window;
+- after forming, every member reported a failed collective and nobody left (nothing else would
+  publish a new generation).
+The next generation keeps the members that reported or arrived; the others wait for a later one.
+Repeated failures back off (``backoff_s``), but never give up: only launcher.min_workers stops a job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
+
+REPORT_WINDOW_S = 0.5  # after the first report of a failed build, how long the other members have to report
+BACKOFF_FIRST_S = 0.25  # the second failure in a row waits this long before the next publish; doubles after
+
+
+@dataclass
+class Verdict:
+    """What became of the forming generation: "formed", or "failed" with the members to keep."""
+    outcome: str
+    generation: int
+    after_s: float                     # since the publish
+    keep: Set[int] = field(default_factory=set)
+    cause: str = ""
+
+
+def key(g: int, what: str, worker_id: int) -> str:
+    """gen/<g>/arrived|formed|failed/<id>: a member's progress through generation g (see protocol.py)."""
+    return f"gen/{g}/{what}/{worker_id}"
+
+
+class Rendezvous:
+    """Tracks one generation at a time: ``opened`` at each publish, ``poll``ed every health tick."""
+
+    def __init__(self, store, timeout_s: float):
+        self.store, self.timeout_s = store, timeout_s
+        self.generation = -1
+        self.ids: List[int] = []
+        self.phase = "none"            # arriving | building | formed | failed
+        self.published_at = 0.0
+        self.arrived_at: Optional[float] = None
+        self.first_report: Optional[float] = None
+        self.failures = 0              # generations in a row that failed to form
+
+    @property
+    def forming(self) -> bool:
+        return self.phase in ("arriving", "building")
+
+    def opened(self, g: int, ids: List[int], now: float) -> None:
+        self.generation, self.ids, self.phase, self.published_at = g, list(ids), "arriving", now
+        self.arrived_at = self.first_report = None
+
+    def backoff_s(self) -> float:
+        """How long to wait before publishing the generation that replaces a failed one."""
+        if self.failures <= 1:
+            return 0.0  # the first failure is retried at once: most are a single dead or stuck member
+        return min(BACKOFF_FIRST_S * 2 ** (self.failures - 2), self.timeout_s)
+
+    def _with(self, what: str, ids: List[int]) -> Set[int]:
+        # One round trip per member; at a health tick (0.1 s) this is cheap next to a step.
+        return {i for i in ids if self.store.check([key(self.generation, what, i)])}
+
+    def poll(self, now: float, ids: List[int]) -> Optional[Verdict]:
+        """``ids``: the generation's members still alive. Returns a verdict once, when there is one."""
+        if self.phase not in ("arriving", "building", "formed") or not ids:
+            return None
+        after = now - self.published_at
+        failed = self._with("failed", ids)
+        if self.phase == "formed":
+            if failed == set(ids):
+                return self._fail(after, set(ids), f"every member's collective failed in generation {self.generation}")
+            return None
+        formed = self._with("formed", ids)
+        if formed == set(ids):
+            self.phase, self.failures = "formed", 0
+            return Verdict("formed", self.generation, after)
+        if failed:
+            self.first_report = self.first_report or now
+            if set(ids) - failed - formed and now - self.first_report < REPORT_WINDOW_S:
+                return None
+            return self._fail(after, failed | formed, f"building the group failed on worker(s) {sorted(failed)}")
+        if self.phase == "arriving":
+            arrived = self._with("arrived", ids)
+            if arrived != set(ids):
+                if after > self.timeout_s:
+                    late = sorted(set(ids) - arrived)
+                    return self._fail(after, arrived, f"worker(s) {late} did not arrive within "
+                                                      f"elastic.timeout_s={self.timeout_s:g}s")
+                return None
+            self.phase, self.arrived_at = "building", now
+        if now - self.arrived_at > self.timeout_s + REPORT_WINDOW_S:
+            return self._fail(after, formed, f"the group neither formed nor failed within "
+                                             f"elastic.timeout_s={self.timeout_s:g}s of every member arriving")
+        return None
+
+    def _fail(self, after: float, keep: Set[int], cause: str) -> Verdict:
+        self.phase = "failed"
+        self.failures += 1
+        return Verdict("failed", self.generation, after, keep, cause)
