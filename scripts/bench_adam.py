@@ -15,7 +15,6 @@ the ratio to the first (hand-written) row.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_overhead import bench, report  # noqa: E402  the same interleaved driver and table
+from bench_overhead import _logger, bench, elasticflow_row, report  # noqa: E402  the same driver, rows, log
 
 
 @dataclass
@@ -53,36 +52,7 @@ class Setup:
                 [f"optimizer={self.optimizer}", f"backend.threads={self.threads}", f"seed={self.seed}",
                  f"trainer.global_batch_size={self.global_batch}", f"optimizer.lr={self.lr}",
                  f"optimizer.weight_decay={self.weight_decay}", "checkpoint.interval.steps=1000000000",
-                 "trainer.progress=false", "resume=none", "backend=torch"])
-
-
-def _logger(setup: Setup) -> logging.Logger:
-    log = logging.getLogger("elasticflow")
-    if not log.handlers:
-        handler = logging.FileHandler(setup.log_file)
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
-
-
-def elasticflow_row(setup: Setup, total_steps: int) -> Iterator[None]:
-    from elasticflow.config import compose
-    from elasticflow.trainer import ElasticTrainer
-
-    _logger(setup)
-    with tempfile.TemporaryDirectory() as run_dir:
-        cfg = compose(str(MODEL), setup.overrides() + [f"trainer.max_steps={total_steps}"])
-        t = ElasticTrainer(str(MODEL), cfg, run_dir=run_dir)
-        t.prepare()
-        for epoch in t.epoch_range():
-            with t.epoch(epoch):
-                for batch in t.batches():
-                    with t.step():
-                        t.train_step(batch)
-                    yield
-        t.finish()
+                 "trainer.progress=false", "resume=none"])
 
 
 def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
@@ -119,7 +89,7 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
         epoch += 1
 
 
-ROWS = {"hand-written torch": handwritten_torch, "elasticflow torch": elasticflow_row}
+ROWS = {"hand-written torch": handwritten_torch, "elasticflow torch": elasticflow_row("torch", MODEL)}
 
 
 def _gradients(setup: Setup):
