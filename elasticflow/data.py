@@ -118,14 +118,11 @@ def deal(batch_positions: Tuple[int, int], rank: int, world: int, micro_batch_si
     """
     start, end = batch_positions
     if not micro_batch_size:
-        lo, hi = worker_share(batch_positions, rank, world)
-        return Share([(lo, hi)] if hi > lo else [], rank, min(world, end - start))
-    total = -(-(end - start) // micro_batch_size)
-    counts = split_evenly(total, world)
+        return Share(micro_batches(*worker_share(batch_positions, rank, world), None), rank, min(world, end - start))
+    cut = micro_batches(start, end, micro_batch_size)
+    counts = split_evenly(len(cut), world)
     first = sum(counts[:rank])
-    micro = [(start + k * micro_batch_size, min(start + (k + 1) * micro_batch_size, end))
-             for k in range(first, first + counts[rank])]
-    return Share(micro, first, total)
+    return Share(cut[first:first + counts[rank]], first, len(cut))
 
 
 _MASK64 = (1 << 64) - 1
