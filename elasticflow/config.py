@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from .errors import ElasticFlowError
 
 
@@ -74,6 +75,9 @@ class TrainerConfig:
     on_nonfinite: str = "stop"               # stop | skip
     drop_last: bool = False                  # true: skip an epoch's last, smaller global batch
     progress: Optional[bool] = None          # progress bar; null = only on a terminal
+    device: str = "auto"                     # auto | cpu | cuda (auto: a GPU where the worker sees one)
+    precision: str = "32"                    # 32 | bf16 | 16 (mixed: float32 weights; 16 adds loss scaling)
+    data_on_device: Optional[bool] = None    # array datasets on the GPU; null = when they fit in a quarter of it
 
 
 @dataclass
@@ -101,6 +105,11 @@ class ElasticConfig:
 
 
 @dataclass
+class CommConfig:
+    backend: str = "auto"          # auto | gloo | nccl (auto: NCCL where every worker has its own GPU)
+
+
+@dataclass
 class Config:
     model: str = MISSING           # path to the model file (set by `elasticflow train PATH`)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -109,6 +118,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     seed: int = 0
     resume: str = "auto"           # auto | none | PATH to a checkpoint directory
     # Free-form section for the model file's own settings (model(cfg) / data(cfg) read cfg.model_args).
@@ -141,6 +151,11 @@ def refuse_renamed(overrides: List[str]) -> None:
                                    f"pass {new}={value}" if has_value else f"use {new} instead")
 
 
+def _choice(value: Any, choices: tuple, key: str, hint: str) -> None:
+    if str(value) not in choices:
+        raise ElasticFlowError(f"{key} must be one of {', '.join(choices)}, got {value!r}", hint)
+
+
 def _positive_int(value: Any, key: str, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ElasticFlowError(f"{key} must be a positive integer, got {value!r}", hint)
@@ -163,6 +178,10 @@ def validate(cfg: Any) -> None:
     if t.on_nonfinite not in ("stop", "skip"):
         raise ElasticFlowError(f"trainer.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}",
                                "set trainer.on_nonfinite=skip to skip steps whose loss is NaN or inf")
+    _choice(t.device, DEVICES, "trainer.device", "pass trainer.device=auto (a GPU where there is one) or cpu")
+    _choice(precision_name(t.precision), PRECISIONS, "trainer.precision",
+            "pass trainer.precision=bf16 for mixed precision (16: float16 with loss scaling, 32: none)")
+    _choice(cfg.comm.backend, COMM_BACKENDS, "comm.backend", "pass comm.backend=auto")
     if cfg.backend.name not in BACKENDS:
         raise ElasticFlowError(f"unknown backend {cfg.backend.name!r}; expected one of {', '.join(BACKENDS)}",
                                "pass backend=torch or backend=tensorflow")

@@ -76,12 +76,16 @@ class Agent:
     def spawn(self) -> Worker:
         wid = self.next_id
         self.next_id += 1
-        env = {**os.environ, **self.worker_env, protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
+        # The lowest slot no live worker holds: a replacement binds the GPU of the worker it replaces.
+        held = {w.slot for w in self.members + self.admitted + list(self.joining.values()) + self.waiting}
+        slot = next(i for i in range(len(held) + 1) if i not in held)
+        env = {**os.environ, **self.worker_env, protocol.ENV_LOCAL_SLOT: str(slot),
+               protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
                protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
                protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, self.target_workers() + 1)),
                protocol.ENV_SPAWNED_AT: str(time.time())}
         proc = self.launch(env)
-        worker = Worker(wid, proc.pid, proc)
+        worker = Worker(wid, proc.pid, proc, slot=slot)
         self.joining[wid] = worker
         return worker
 

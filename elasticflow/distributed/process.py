@@ -45,6 +45,7 @@ class Worker:
     hb_value: int = -1
     hb_seen: float = field(default_factory=time.monotonic)
     has_state: bool = False                   # was a member of a generation that formed (holds the training state)
+    slot: int = 0                             # its slot on the host: which GPU it binds (devices.local_slot)
 
     def poll(self) -> Optional[int]:
         return self.proc.poll() if self.proc is not None else None

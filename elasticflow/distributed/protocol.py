@@ -31,6 +31,7 @@ ENV_LOCAL_WORKERS = "ELASTICFLOW_LOCAL_WORKERS"
 ENV_TOKEN = "ELASTICFLOW_TOKEN"
 ENV_BIND = "ELASTICFLOW_BIND"              # the address gloo listens on ("auto": see worker.bind_address)
 ENV_SPAWNED_AT = "ELASTICFLOW_SPAWNED_AT"  # time.time() when the agent started the worker (start-up cost)
+ENV_LOCAL_SLOT = "ELASTICFLOW_LOCAL_SLOT"    # the worker's slot on its host: which GPU it binds (devices.py)
 ENV_DEBUG = "ELASTICFLOW_DEBUG"            # "1": tracebacks, not one line; set by `--debug`, inherited by children
 
 EXIT_OK = 0
