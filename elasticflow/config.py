@@ -77,7 +77,7 @@ class TrainerConfig:
     progress: Optional[bool] = None          # progress bar; null = only on a terminal
     device: str = "auto"                     # auto | cpu | cuda (auto: a GPU where the worker sees one)
     precision: str = "32"                    # 32 | bf16 | 16 (mixed: float32 weights; 16 adds loss scaling)
-    data_on_device: Optional[bool] = None    # array datasets on the GPU; null = when they fit in a quarter of it
+    data_on_device: Optional[bool] = None    # array datasets on the GPU; null = when they total <= 2 GiB
 
 
 @dataclass

@@ -224,6 +224,9 @@ class Schedule:
             yield GlobalBatch(epoch, start, min(start + self.global_batch, self.epoch_samples))
 
 
+ON_DEVICE_MAX_BYTES = 2 << 30  # trainer.data_on_device=null: array datasets up to 2 GiB live on the GPU
+
+
 class Source:
     """A dataset as the backend's tensors: positions in, a batch (tuple of tensors) out.
 
@@ -231,14 +234,22 @@ class Source:
     indexable one is fetched and converted batch by batch. ``backend`` is the backend module.
     """
 
-    def __init__(self, dataset: Dataset, backend: Any):
+    def __init__(self, dataset: Dataset, backend: Any, placement: Any = None, on_device: Optional[bool] = None):
         self.dataset, self.backend = dataset, backend
-        self.resident = backend.resident(dataset.arrays) if dataset.arrays is not None else None
+        gpu = placement if placement is not None and placement.kind != "cpu" else None
+        arrays = dataset.arrays
+        if on_device is None:  # null: on the GPU when the arrays are small next to any GPU's memory
+            on_device = arrays is not None and sum(np.asarray(a).nbytes for a in arrays) <= ON_DEVICE_MAX_BYTES
+        self.resident = None if arrays is None else backend.resident(arrays, gpu if on_device else None)
+        # Where batches are made on the host, they travel to the GPU one at a time (pinned, non-blocking).
+        self.move_to = gpu if gpu is not None and (arrays is None or not on_device) else None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def rows(self, positions: np.ndarray):
         if self.resident is not None:
-            return self.backend.gather(self.resident, self.backend.index(positions))
-        return tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions))
+            batch = self.backend.gather(self.resident, self.backend.index(positions))
+        else:
+            batch = tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions))
+        return batch if self.move_to is None else self.backend.to_device(batch, self.move_to)

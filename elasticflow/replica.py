@@ -148,9 +148,9 @@ class Replica:
             # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
             # in float32 after the gradient (exact for the flags and generations); the price is copying
             # the gradient in and out.
-            parts = [grad, torch.tensor(votes, dtype=grad.dtype)]
+            parts = [grad, torch.tensor(votes, dtype=grad.dtype).to(grad.device)]
             if buffers is not None:
-                parts.append(torch.from_numpy(buffers).to(grad.dtype))
+                parts.append(torch.from_numpy(buffers).to(grad.device, grad.dtype))
             buf = torch.cat(parts)
             m.group.allreduce_(buf)
             grad.copy_(buf[:grad.numel()])
@@ -161,11 +161,11 @@ class Replica:
             if buffers is not None:
                 tail = torch.cat([tail, torch.from_numpy(buffers)])
             m.group.allreduce_(tail)
-        out = tail[:n].tolist()
+        out = tail[:n].tolist()  # on a GPU: the sync point of the reduction
         k = len(scalars)
         # Every member summed the same numbers, so every member reaches the same verdict.
         agreed = Agreed(out[k] != generation * self.world, out[k + 1] > 0, out[k + 2] > 0)
-        return out[:k], agreed, None if buffers is None else tail[n:].to(torch.float64).numpy()
+        return out[:k], agreed, None if buffers is None else tail[n:].to("cpu", torch.float64).numpy()
 
     def reduce_sum(self, values: List[float]) -> List[float]:
         """Sum ``values`` over the members (float64)."""

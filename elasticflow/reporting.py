@@ -20,8 +20,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def last_logged_step(path: Path) -> int:
-    """The highest training step already in metrics.jsonl (-1 if none); a torn last line is ignored."""
+def last_logged_step(path: Path, field: str = "step") -> int:
+    """The highest training step already in metrics.jsonl (-1 if none); a torn last line is ignored.
+
+    ``field="samples_seen"``: the samples of that record instead (it also moves on a skipped step).
+    """
     if not path.is_file():
         return -1
     with open(path, "rb") as f:
@@ -33,8 +36,8 @@ def last_logged_step(path: Path) -> int:
             record = json.loads(line)
         except ValueError:
             continue
-        if "loss" in record and "step" in record:
-            return int(record["step"])
+        if "loss" in record and field in record:
+            return int(record[field])
     return -1
 
 
@@ -69,7 +72,7 @@ class RunLog:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self._writer: Optional[MetricsWriter] = None
-        self._written_step = -1
+        self._written = -1  # samples_seen of the newest record in metrics.jsonl
 
     def _metrics(self) -> MetricsWriter:
         if self._writer is None:
@@ -78,14 +81,18 @@ class RunLog:
 
     def take_over(self) -> None:
         """This worker became rank 0 in place of one that left: it may have logged steps we have not."""
-        self._written_step = max(self._written_step, last_logged_step(self.run_dir / "metrics.jsonl"))
+        self._written = max(self._written, last_logged_step(self.run_dir / "metrics.jsonl", "samples_seen"))
 
     def step(self, record: Dict[str, Any]) -> None:
-        """Append a training step's record, unless that step is in the file already."""
-        if record.get("step", -1) <= self._written_step:
+        """Append a training step's record, unless that step is in the file already.
+
+        A step is known by its samples_seen, not its step number: a skipped step (an overflow, a
+        non-finite loss) keeps the step number of the one before it, and is logged too.
+        """
+        if record.get("samples_seen", -1) <= self._written:
             return
         self._metrics().write(record)
-        self._written_step = record["step"]
+        self._written = record["samples_seen"]
 
     def eval(self, record: Dict[str, Any]) -> None:
         self._metrics().write(record)
@@ -131,12 +138,12 @@ def accumulation_steps(global_batch: int, world: int, micro: Optional[int]) -> i
     return math.ceil(math.ceil(global_batch / micro) / world) if micro else 1
 
 
-def banner(*, backend: str, world: int, global_batch: int, micro: Optional[int], optimizer: str,
+def banner(*, backend: str, device: str, world: int, global_batch: int, micro: Optional[int], optimizer: str,
            samples: int, steps_per_epoch: int, total_steps: Optional[int], run_dir: Path, resumed: Optional[str]) -> str:
     micro_eff = min(micro, global_batch) if micro else math.ceil(global_batch / world)
     accum = accumulation_steps(global_batch, world, micro)
     lines = [
-        f"elasticflow | backend {backend} | workers {world} | "
+        f"elasticflow | backend {backend} | {device} | workers {world} | "
         f"global batch {global_batch} = micro {micro_eff} x accumulation {accum} x workers {world}",
         f"  optimizer {optimizer} | {samples} samples, {steps_per_epoch} steps/epoch"
         + (f", {total_steps} steps in all" if total_steps else ""),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from .data import Cursor
+from .loss_scale import INIT as LOSS_SCALE_INIT
 
 
 @dataclass
@@ -29,7 +30,9 @@ class TrainState:
     """
     step: int = 0                  # optimizer steps completed
     micro_step: int = 0            # micro-batches processed (forward + backward calls)
-    skipped_steps: int = 0         # steps dropped by trainer.on_nonfinite=skip (no update applied)
+    skipped_steps: int = 0         # steps dropped: trainer.on_nonfinite=skip, or a float16 overflow
+    loss_scale: float = LOSS_SCALE_INIT  # trainer.precision=16: the dynamic loss scale (loss_scale.py) ...
+    loss_scale_good_steps: int = 0  # ... and the steps without overflow since it last changed
     cursor: Cursor = field(default_factory=Cursor)  # the next sample of the global order
     last_saved_step: Optional[int] = None   # the step of the newest checkpoint saved (None: none)
     last_metrics: Dict[str, Any] = field(default_factory=dict)  # the newest step record (for logging)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import numpy as np
 from omegaconf import OmegaConf
 
-from . import data, modelfile, ops, optim
+from . import data, devices, loss_scale, modelfile, ops, optim
 from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config import TrainerConfig, compose
 from .data import GlobalBatch
@@ -95,17 +95,21 @@ class ElasticTrainer:
         ops.use(cfg.backend.name)  # the backend is resolved once, before anything imports a framework
         self.backend = ops.current()
         local_workers = int(os.environ.get(protocol.ENV_LOCAL_WORKERS, "1"))
-        self.backend.setup(cfg.backend.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)), cfg.seed)
+        self.placement = devices.resolve(cfg, self.backend, local_workers)
+        self.backend.setup(cfg.backend.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)), cfg.seed,
+                           self.placement)
         np.random.seed(cfg.seed)
         mf = self.model_file = self.model_file or modelfile.load(cfg.model)
         built = modelfile.build(mf, cfg, self.backend)
         self.spec = built.optimizer
-        self.engine = self.backend.Engine(built.model, mf.forward, self.spec, jit=cfg.backend.jit)
+        self.engine = self.backend.Engine(built.model, mf.forward, self.spec, jit=cfg.backend.jit,
+                                          placement=self.placement)
         self.seed = int(cfg.seed)  # read every micro-batch: not through OmegaConf (40-100 us a read)
         rules = self.engine.buffer_rules()
         self.reconciler = Reconciler(rules) if rules else None
 
-        self.source = data.Source(data.Dataset(mf.call("data", cfg), "data()"), self.backend)
+        self.source = data.Source(data.Dataset(mf.call("data", cfg), "data()"), self.backend, self.placement,
+                                  t.data_on_device)
         data.check_size(len(self.source), t.global_batch_size)
         self.schedule = data.Schedule(len(self.source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs)
         eval_dataset = data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None
@@ -120,10 +124,12 @@ class ElasticTrainer:
         self.evaluation = None if eval_dataset is None else Evaluation(
             eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size)
         self._join()
+        if self.membership is not None:  # once joined: a worker started by srun learns its id on joining
+            self.membership.report_device(self.placement.describe())  # for `elasticflow status`
         self.checkpoints.reserve(self.rank, self.world)
         self._prepared = True
         if self.rank == 0:
-            log.info(banner(backend=self.backend.NAME, world=self.world, global_batch=t.global_batch_size,
+            log.info(banner(backend=self.backend.NAME, device=self.placement.describe(), world=self.world, global_batch=t.global_batch_size,
                             micro=t.micro_batch_size, optimizer=optim.describe(self.spec)
                             + (" (from the model file)" if built.optimizer_from_model else ""),
                             samples=len(self.source), steps_per_epoch=self.schedule.steps_per_epoch,
@@ -268,6 +274,9 @@ class ElasticTrainer:
             reconciler.begin(engine.buffer_arrays())
         engine.train_mode(True)
         engine.zero_grad()
+        scaling = self.placement.loss_scaling
+        if scaling:
+            engine.grad_scale = s.loss_scale
         loss_sum, metric_sums = None, {}
         for i, (a, b) in enumerate(share.micro):
             # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
@@ -292,14 +301,23 @@ class ElasticTrainer:
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
         finite = math.isfinite(loss)
-        grad_norm = None
-        if finite and t.grad_clip is not None:
-            grad_norm = engine.grad_norm()
+        grad_norm, overflow = None, False
+        if finite and (t.grad_clip is not None or scaling):
+            grad_norm = engine.grad_norm()  # a sync point on accelerators
+            if scaling:  # every member checks the same summed gradient: the same verdict everywhere
+                overflow = not math.isfinite(grad_norm)
+                engine.scale_grad(1.0 / s.loss_scale)
+                grad_norm /= s.loss_scale
             finite = math.isfinite(grad_norm)
-            if finite and grad_norm > t.grad_clip:
+            if finite and t.grad_clip is not None and grad_norm > t.grad_clip:
                 engine.scale_grad(t.grad_clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
         lr = optim.lr_at(self.spec, s.step, self.schedule.total_steps)
-        if not finite:
+        if overflow:  # float16 overflowed: skip the update, as torch's GradScaler does, and lower the scale
+            s.skipped_steps += 1
+            log.debug("float16 gradient overflow at step %d; loss scale %g -> %g", s.step + 1, s.loss_scale,
+                      s.loss_scale * loss_scale.BACKOFF)
+            record.update(skipped=True, overflow=True)
+        elif not finite:
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
             if t.on_nonfinite == "stop":
                 raise ElasticFlowError(
@@ -312,6 +330,10 @@ class ElasticTrainer:
         else:
             engine.apply(lr)
             s.step += 1
+        if scaling:
+            record["loss_scale"] = s.loss_scale
+            s.loss_scale, s.loss_scale_good_steps = loss_scale.next_scale(s.loss_scale, s.loss_scale_good_steps,
+                                                                         overflow)
         # Committed: from here on this worker's state includes the step.
         self._agreed = agreed
         s.cursor.samples_in_epoch = batch.end

@@ -64,8 +64,10 @@ def forward(x, y, params):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def data(cfg, samples: int = 2048):
-    """(x, y): random token windows and the same shifted by one, int64 (samples, SEQ)."""
+def data(cfg):
+    """(x, y): random token windows and the same shifted by one, int64 (samples, SEQ);
+    ``model_args.samples`` windows (2048)."""
     vocab = _args(cfg)[0]
+    samples = int((cfg.get("model_args", {}) or {}).get("samples", 2048))
     ids = np.random.default_rng(0).integers(0, vocab, (samples, SEQ + 1))
     return np.ascontiguousarray(ids[:, :-1]), np.ascontiguousarray(ids[:, 1:])

@@ -230,8 +230,8 @@ def _gpt_and_batches(seed=0, steps=12):
     spec = importlib.util.spec_from_file_location("tiny_gpt_for_optim", MODELS / "tiny_gpt.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    cfg = OmegaConf.create({"seed": seed, "model_args": {"vocab": 50, "width": 16, "layers": 2}})
-    x, y = (torch.from_numpy(a) for a in mod.data(cfg, samples=8 * steps))
+    cfg = OmegaConf.create({"seed": seed, "model_args": {"vocab": 50, "width": 16, "layers": 2, "samples": 8 * steps}})
+    x, y = (torch.from_numpy(a) for a in mod.data(cfg))
     return mod, (lambda: mod.model(cfg)), [(x[8 * k:8 * k + 8], y[8 * k:8 * k + 8]) for k in range(steps)]
 
 

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from . import common
-from .common import activate, check_loss, flatten, host_array, rebuild, state_names
+from .common import activate, check_loss, flatten, host_array, rebuild, split_output, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from ..errors import ElasticFlowError
 from ..buffers import Rule, default_rule
+from ..devices import Placement
 from ..optim import SGD, Adam, OptimizerSpec
 from .torch_adam import FlatAdam
 
@@ -25,10 +26,25 @@ NAME = "torch"
 _SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
 
 
-def setup(threads: Optional[int], seed: int) -> None:
+def setup(threads: Optional[int], seed: int, placement: Optional[Placement] = None) -> None:
     if threads:
         torch.set_num_threads(threads)
+    if placement is not None and placement.kind == "cuda":
+        # Before anything allocates: otherwise a context (~500 MB) lands on GPU 0 for every worker.
+        torch.cuda.set_device(placement.index)
     torch.manual_seed(seed)
+
+
+def gpus() -> List[str]:
+    """The names of the GPUs this process sees ([] without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def bf16_supported() -> bool:
+    """Whether the first visible GPU computes in bfloat16 (True without a GPU: the CPU does)."""
+    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
 
 
 def is_native(obj: Any) -> bool:
@@ -155,7 +171,20 @@ def to_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(host_array(array))
 
 
-resident = functools.partial(common.resident, to_tensor)
+def resident(arrays, placement: Optional[Placement] = None) -> Tuple[torch.Tensor, ...]:
+    """The whole dataset as tensors, converted once: on ``placement``'s device, else on the host."""
+    tensors = common.resident(to_tensor, arrays)
+    if placement is None or placement.kind == "cpu":
+        return tensors
+    return tuple(t.to(placement.device) for t in tensors)
+
+
+def to_device(batch: Tuple[torch.Tensor, ...], placement: Optional[Placement] = None) -> Tuple[torch.Tensor, ...]:
+    """A host batch on ``placement``'s device: through pinned memory, so the copy runs beside the
+    GPU's queued work instead of stalling for it (the copy is ordered before the step's kernels)."""
+    if placement is None or placement.kind == "cpu":
+        return batch
+    return tuple(t.pin_memory().to(placement.device, non_blocking=True) for t in batch)
 
 
 def index(positions: np.ndarray) -> torch.Tensor:
@@ -163,6 +192,8 @@ def index(positions: np.ndarray) -> torch.Tensor:
 
 
 def gather(tensors: Tuple[torch.Tensor, ...], idx: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    if tensors and tensors[0].is_cuda:  # a resident dataset on the GPU: the positions go there (small)
+        idx = idx.to(tensors[0].device, non_blocking=True)
     return tuple(t.index_select(0, idx) for t in tensors)
 
 
@@ -171,6 +202,10 @@ def to_numpy(t: Any) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- engine
+def _float32(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
 def _size(x: Any) -> Optional[int]:
     """check_loss's test: the number of elements of a torch tensor, None for anything else."""
     return x.numel() if isinstance(x, torch.Tensor) else None
@@ -190,14 +225,27 @@ class Engine:
             arrays/tensors, or a ``torch.nn.Module``.
         forward: the user's ``forward(*batch, params)``.
         spec: the optimizer spec.
+        placement: the device and precision (``devices.Placement``; None: the CPU in float32).
+            Parameters, the flat gradient, optimizer slots and buffers live on the device, in float32;
+            forward() runs under autocast in bf16/float16, backward() outside it (as torch recommends).
+
+    ``grad_scale`` multiplies the loss before backward (float16's loss scale; the trainer sets it and
+    unscales the reduced gradient with ``scale_grad``).
     """
 
-    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True):
+    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True,
+                 placement: Optional[Placement] = None):
         self.forward = forward
         self.spec = spec
+        self.placement = placement = placement or Placement()
+        self.device = torch.device(placement.device)
+        dtype = placement.compute_dtype
+        self.autocast = None if dtype is None else functools.partial(
+            torch.autocast, self.device.type, dtype=getattr(torch, dtype))
+        self.grad_scale = 1.0
         self.module: Optional[torch.nn.Module] = None
         if isinstance(model, torch.nn.Module):
-            self.module = model
+            self.module = model.to(self.device)
             self.params = dict(model.named_parameters())
             self.buffers = dict(model.named_buffers())
             self.view = model
@@ -206,6 +254,7 @@ class Engine:
             self.params, self.buffers = {}, {}
             for name, value in flatten(model):
                 t = value.detach().clone() if isinstance(value, torch.Tensor) else to_tensor(np.array(value))
+                t = t.to(self.device)
                 if t.is_floating_point():
                     t = t.to(torch.float32).requires_grad_(True)
                     self.params[name] = t
@@ -218,13 +267,13 @@ class Engine:
                                    "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
         plist = list(self.params.values())
         self.num_params = int(np.sum([p.numel() for p in plist]))
-        self.flat_grad = torch.zeros(self.num_params, dtype=torch.float32)
+        self.flat_grad = torch.zeros(self.num_params, dtype=torch.float32, device=self.device)
         self.flat_param: Optional[torch.Tensor] = None
         if isinstance(spec, Adam):
             # Parameters become views of one flat buffer too, so Adam runs once over the model
             # (torch_adam.py). A copy of the model's values at start-up; the Parameter objects stay
             # the module's own, only their storage moves (as .data, which autograd allows on leaves).
-            self.flat_param = torch.empty(self.num_params, dtype=torch.float32)
+            self.flat_param = torch.empty(self.num_params, dtype=torch.float32, device=self.device)
         offset = 0
         for p in plist:
             n = p.numel()
@@ -236,6 +285,7 @@ class Engine:
             offset += n
         self.optimizer = _make_optimizer(spec, plist, self.flat_param, self.flat_grad)
         self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
+        self._host: Optional[Dict[str, torch.Tensor]] = None  # state(copy=False) on a GPU: pinned mirrors
         self._checked = False
 
     # -- one step
@@ -253,14 +303,22 @@ class Engine:
         # Set, not set-and-restored around forward(): one assignment per micro-batch instead of two
         # and a try/finally, and ops stays on this backend after the step, as ops.use(NAME) left it.
         activate(_SELF)
-        loss, metrics = _check_loss(self.forward(*batch, params=self.view), "for a micro-batch")
+        loss, metrics = _check_loss(self._forward(batch), "for a micro-batch")
         if weight != 1.0:  # one micro-batch per step (weight 1) is the common case: skip three tensor ops
             loss = loss * weight
             metrics = {k: v * weight for k, v in metrics.items()}
-        loss.backward()
+        (loss * self.grad_scale if self.grad_scale != 1.0 else loss).backward()
         if not self._checked:
             self._check_grad_views()
         return loss.detach(), {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+
+    def _forward(self, batch: Tuple[torch.Tensor, ...]):
+        if self.autocast is None:
+            return self.forward(*batch, params=self.view)
+        with self.autocast():
+            loss, metrics = split_output(self.forward(*batch, params=self.view))
+        # The step's numbers in float32, whatever autocast computed them in (a float16 sum overflows).
+        return {"loss": _float32(loss), **{k: _float32(v) for k, v in metrics.items()}}
 
     def _check_grad_views(self) -> None:
         # Autograd accumulates in place into an existing .grad; verify once that it kept our views.
@@ -289,7 +347,7 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch: Tuple[torch.Tensor, ...]) -> Dict[str, float]:
         activate(_SELF)
-        loss, metrics = _check_loss(self.forward(*batch, params=self.view), "in evaluation")
+        loss, metrics = _check_loss(self._forward(batch), "in evaluation")
         return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
@@ -300,22 +358,36 @@ class Engine:
         model): they change with the next ``apply``/``load_state``, so read them before that (a
         checkpoint snapshot, a state transfer) and never write to them.
         """
-        take = (lambda t: to_numpy(t).copy()) if copy else to_numpy
-        out = {n: take(p) for n, p in self.params.items()}
-        out.update({n: take(b) for n, b in self.buffers.items()})
+        tensors = {n: p for n, p in self.params.items()}
+        tensors.update(self.buffers)
         for n, p in self.params.items():
             slots = self.optimizer.state.get(p, {})
             for slot in self.spec.slots():
                 if slot in slots and slots[slot] is not None:
-                    out[f"optimizer/{n}/{slot}"] = take(slots[slot])
-        return out
+                    tensors[f"optimizer/{n}/{slot}"] = slots[slot]
+        if self.device.type != "cpu" and not copy:
+            return self._mirror(tensors)
+        take = (lambda t: to_numpy(t).copy()) if copy else to_numpy
+        return {n: take(t) for n, t in tensors.items()}
+
+    def _mirror(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
+        """The device's tensors copied into pinned host mirrors, allocated once: every copy is queued
+        at once and waited for once (a sync point), so the stall is the transfer at the link's speed,
+        not one pageable round trip per tensor."""
+        if self._host is None or self._host.keys() != tensors.keys():
+            self._host = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for n, t in tensors.items()}
+        for n, t in tensors.items():
+            self._host[n].copy_(t.detach(), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return {n: h.numpy() for n, h in self._host.items()}
 
     @torch.no_grad()
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
         for n, t in list(self.params.items()) + list(self.buffers.items()):
             t.copy_(torch.from_numpy(np.asarray(state[n])).to(t.dtype).reshape(t.shape))
         for n, p in self.params.items():
-            slots = {s: torch.from_numpy(np.array(state[f"optimizer/{n}/{s}"], dtype=np.float32)).reshape(p.shape)
+            slots = {s: torch.from_numpy(np.array(state[f"optimizer/{n}/{s}"], dtype=np.float32))
+                     .reshape(p.shape).to(self.device)
                      for s in self.spec.slots() if f"optimizer/{n}/{s}" in state}
             if slots and isinstance(self.optimizer, FlatAdam):
                 self.optimizer.load_slots(p, slots, optimizer_steps)
@@ -330,8 +402,12 @@ class Engine:
     def seed(self, value: int) -> None:
         """Seed the generator behind dropout (``ops.dropout``, ``nn.Dropout``, ``F.dropout``, attention
         dropout) for the next micro-batch. The default generator's own seeding (~2 us), not
-        ``torch.manual_seed`` (~350 us: it visits every device's generator)."""
-        torch.default_generator.manual_seed(value)
+        ``torch.manual_seed`` (~350 us: it visits every device's generator). On a GPU, the GPU's
+        generator: dropout there draws from it."""
+        if self.device.type == "cpu":
+            torch.default_generator.manual_seed(value)
+        else:
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(value)
 
     def buffer_rules(self) -> Dict[str, Rule]:
         """How each buffer combines across workers (``elasticflow.buffers``): BatchNorm's running
@@ -356,12 +432,21 @@ class Engine:
 
     def buffer_arrays(self) -> Dict[str, np.ndarray]:
         """Every buffer by name, as numpy views of the live tensors (made once: BatchNorm, load_state and
-        set_buffers all write in place, so the views stay the buffers' own)."""
+        set_buffers all write in place, so the views stay the buffers' own). On a GPU, host copies taken
+        now (a sync point); ``set_buffers`` copies back."""
+        if self.device.type != "cpu":
+            return {n: b.detach().cpu().numpy() for n, b in self.buffers.items()}
         if self._buffer_views is None:
             self._buffer_views = {n: b.detach().numpy() for n, b in self.buffers.items()}
         return self._buffer_views
 
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
+        if self.device.type != "cpu":
+            with torch.no_grad():
+                for name, value in values.items():
+                    b = self.buffers[name]
+                    b.copy_(torch.from_numpy(np.asarray(value)).reshape(b.shape))  # copy_ casts to b's dtype
+            return
         views = self.buffer_arrays()
         for name, value in values.items():
             np.copyto(views[name], np.reshape(value, views[name].shape), casting="unsafe")

@@ -27,6 +27,7 @@ class Group:
 
     def __init__(self, store, generation: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1"):
         self.generation, self.rank, self.world = generation, rank, world
+        self._stage = None  # allreduce_'s pinned host buffer for GPU tensors
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -49,13 +50,30 @@ class Group:
             raise CommError(f"{what} failed in generation {self.generation}: {str(exc).splitlines()[0][:300]}") from exc
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place allreduce of one tensor (pass one flat buffer, not many small ones)."""
+        """In-place allreduce of one tensor (pass one flat buffer, not many small ones).
+
+        A GPU tensor travels through a pinned host buffer (gloo reduces host memory): one copy down, the
+        reduction, one copy up, queued behind the tensor's producers on its stream.
+        """
         if self.world == 1:
             return tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        self._run("allreduce", lambda: self.pg.allreduce([tensor], opts).wait())
+        host = self._staged(tensor) if tensor.is_cuda else tensor
+        self._run("allreduce", lambda: self.pg.allreduce([host], opts).wait())
+        if host is not tensor:
+            tensor.copy_(host, non_blocking=True)  # the next step's copy down waits for it on the same stream
         return tensor
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values in a pinned host buffer, reused while the size fits (a sync point)."""
+        n = tensor.numel()
+        if self._stage is None or self._stage.dtype != tensor.dtype or self._stage.numel() < n:
+            self._stage = torch.empty(n, dtype=tensor.dtype, pin_memory=True)
+        host = self._stage[:n].view(tensor.shape)
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return host
 
     def share_state(self, state: Dict[str, np.ndarray], meta: dict, src: int,
                     receivers: Sequence[int]) -> Tuple[Dict[str, np.ndarray], dict]:

@@ -117,6 +117,13 @@ class Membership:
         self._poller.start()
         self.rebuild(after=-1)
 
+    def report_device(self, text: str) -> None:
+        """Publish the device this worker computes on (``worker/<id>/device``), for `elasticflow status`."""
+        try:
+            self.store.set(f"worker/{self.worker_id}/device", text)
+        except Exception:
+            pass  # status is a convenience: a store that stopped answering shows up elsewhere
+
     def report_failure(self, generation: Optional[int] = None) -> None:
         """Tell the agent that building ``generation``'s group, or a collective of the current one, failed."""
         g = self.generation if generation is None else generation
