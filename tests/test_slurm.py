@@ -1,6 +1,7 @@
 """launcher=slurm against a real SLURM cluster on this machine (tests/slurm_cluster.py starts it).
 
-Skipped, with the reason, where SLURM cannot be started (not root, no apt).
+Skipped, with the reason, where SLURM cannot be started (not root, no apt). The tests of the generated
+script, the srun command line, each task's GPU placement and the GPU settings' validation need no cluster.
 """
 import json
 import os
