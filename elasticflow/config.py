@@ -203,6 +203,22 @@ def validate(cfg: Any) -> None:
         if not re.fullmatch(r"[A-Z0-9]+@\d+", lc.signal):
             raise ElasticFlowError(f"launcher.signal={lc.signal!r} is not SIGNAL@SECONDS",
                                    "pass e.g. launcher.signal=USR1@90")
+        # Each worker's srun step binds one GPU of its own (launchers/slurm.py srun_launch).
+        gpus = lc.gpus_per_node
+        if gpus is None and t.device == "cuda":
+            raise ElasticFlowError("trainer.device=cuda with launcher=slurm but launcher.gpus_per_node is not set, "
+                                   "so the job would be given no GPU",
+                                   "pass launcher.gpus_per_node=N (N GPUs on each node, one per task)")
+        if gpus is not None:
+            _positive_int(gpus, "launcher.gpus_per_node", "pass e.g. launcher.gpus_per_node=4, or null for no GPUs")
+        if gpus is not None and lc.tasks_per_node > gpus:
+            # Refused for every comm.backend, not only nccl: each step asks for a GPU of its own, so the
+            # steps beyond the node's GPUs would wait in srun ("Requested nodes are busy") until one frees.
+            why = ("NCCL cannot put two workers on one GPU" if cfg.comm.backend == "nccl" else
+                   f"each worker's srun step takes a GPU of its own, so {lc.tasks_per_node - gpus} per node would wait")
+            raise ElasticFlowError(f"launcher.tasks_per_node={lc.tasks_per_node} is more than "
+                                   f"launcher.gpus_per_node={gpus}: {why}",
+                                   f"pass launcher.tasks_per_node={gpus}, or launcher.gpus_per_node={lc.tasks_per_node}")
     _positive_int(lc.workers, "launcher.workers", "pass launcher.workers=1 for a single worker")
     _positive_int(lc.min_workers, "launcher.min_workers", "pass launcher.min_workers=1")
     if lc.max_workers is not None and lc.max_workers < lc.workers and lc.name == "local":

@@ -8,6 +8,7 @@ hold use HOLD_TIMEOUT.
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import time
@@ -20,7 +21,9 @@ from conftest import ELASTICFLOW, metrics, run_cli
 from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
                           start, tf_reference, wait_for)
 
-from elasticflow.distributed import protocol
+from elasticflow.distributed import control, protocol
+from elasticflow.distributed.membership import Membership
+from elasticflow.distributed.process import listening_store
 
 
 HOLD_TIMEOUT = ["elastic.timeout_s=90", "elastic.heartbeat_timeout_s=10"]
@@ -170,6 +173,13 @@ def test_status_and_scale_errors(tmp_path):
         assert "running" in out and "generation 0" in out and "samples consumed" in out
         for m in members(run):
             assert str(m["pid"]) in out
+        # What the trainer reports once it has chosen its device, through a real Membership of worker 1.
+        reporter = Membership(json.loads(protocol.agent_file(run).read_text())["address"], 1, 10.0, 30.0, None)
+        reporter.report_device("cuda:1 (NVIDIA A100), bf16 mixed, nccl")
+        reporter.close()
+        rank = next(m["rank"] for m in members(run) if m["worker_id"] == 1)
+        out = run_cli(["status", run], check=True).stdout
+        assert f"  worker 1: rank {rank}, cuda:1 (NVIDIA A100), bf16 mixed, nccl" in out.splitlines(), out
         too_many = run_cli(["scale", run, "--workers", "5"])
         assert too_many.returncode != 0 and "launcher.max_workers=3" in too_many.stderr
     finish(proc)
@@ -177,6 +187,32 @@ def test_status_and_scale_errors(tmp_path):
     assert "not running" in run_cli(["status", run], check=True).stdout
     gone = run_cli(["scale", run, "--workers", "2"])
     assert gone.returncode == 2 and "no running agent" in gone.stderr and "Traceback" not in gone.stderr
+
+
+def test_status_shows_the_devices_reported_and_nothing_for_the_others(tmp_path):
+    store, listener = listening_store("127.0.0.1", 5.0)
+    try:
+        (tmp_path / ".elasticflow").mkdir()
+        protocol.agent_file(tmp_path).write_text(json.dumps({"address": f"127.0.0.1:{store.port}", "pid": 1}))
+        worker = {"pid": 100, "host": "node1", "state": "training"}
+        (tmp_path / "workers.json").write_text(json.dumps({
+            "generation": 2, "members": [{"rank": 0, "worker_id": 4, **worker}, {"rank": 1, "worker_id": 2, **worker}],
+            "joining": [{"worker_id": 5, "pid": 101, "host": "node1", "state": "joining"}], "retiring": []}))
+        store.set(protocol.device_key(2), "cuda:1 (NVIDIA A100), bf16 mixed, nccl")
+        store.set(protocol.device_key(5), "cuda:0 (NVIDIA A100), bf16 mixed, nccl")
+        lines = control.status(tmp_path).splitlines()
+        assert lines[lines.index("devices:") + 1:][:2] == ["  worker 2: rank 1, cuda:1 (NVIDIA A100), bf16 mixed, nccl",
+                                                           "  worker 5: joining, cuda:0 (NVIDIA A100), bf16 mixed, nccl"]
+        assert not any("worker 4:" in line for line in lines)  # worker 4 has not reported (yet)
+    finally:
+        listener.close()
+    # An agent file left by an agent that died: status answers all the same, without devices.
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    protocol.agent_file(tmp_path).write_text(json.dumps({"address": f"127.0.0.1:{dead.getsockname()[1]}", "pid": 1}))
+    dead.close()
+    out = control.status(tmp_path)
+    assert "devices:" not in out and "generation 2  workers 2" in out
 
 
 def test_heartbeat_longer_than_collective_timeout_is_refused(tmp_path):

@@ -6,7 +6,7 @@ import json
 import secrets
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, Iterable, List
 
 from ..errors import ElasticFlowError
 from . import protocol
@@ -83,8 +83,30 @@ def _count_refused(run_dir: Path) -> int:
     return events.read_text().count('"event": "refused"') if events.is_file() else 0
 
 
+def _devices(run_dir: Path, worker_ids: Iterable[int]) -> Dict[int, str]:
+    """Each worker's ``worker/<id>/device`` in the running job's store; missing ones are left out.
+
+    Empty when the store does not answer (the job ended while we read): status then shows no devices.
+    Costs a store connection and two round trips per worker.
+    """
+    from torch.distributed import TCPStore
+
+    try:
+        host, port = json.loads(protocol.agent_file(run_dir).read_text())["address"].rsplit(":", 1)
+        store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=2))
+        found = {}
+        for wid in worker_ids:
+            key = protocol.device_key(wid)
+            if store.check([key]):  # check first: get() on a missing key waits for the whole timeout
+                found[wid] = store.get(key).decode()
+        return found
+    except Exception:
+        return {}
+
+
 def status(run_dir: Path, events: int = 8) -> str:
-    """Generation, members, progress and recent membership events of a run (running or not)."""
+    """Generation, members (and, while the job runs, each one's device), progress and recent membership
+    events of a run (running or not)."""
     from ..reporting import last_logged_step
 
     if not (run_dir / "workers.json").is_file() and not (run_dir / "metrics.jsonl").is_file():
@@ -99,8 +121,16 @@ def status(run_dir: Path, events: int = 8) -> str:
         lines.append(f"  {'rank':>4}  {'worker':>6}  {'pid':>8}  {'host':<16} state")
         for m in snap["members"]:
             lines.append(f"  {m['rank']:>4}  {m['worker_id']:>6}  {m['pid']:>8}  {m['host']:<16} {m['state']}")
-        for m in snap.get("joining", []) + snap.get("retiring", []):
+        others = snap.get("joining", []) + snap.get("retiring", [])
+        for m in others:
             lines.append(f"  {'-':>4}  {m['worker_id']:>6}  {m['pid']:>8}  {m['host']:<16} {m['state']}")
+        devices = _devices(run_dir, [m["worker_id"] for m in snap["members"] + others]) if running else {}
+        if devices:
+            lines.append("devices:")
+        for m in snap["members"] + others:
+            if m["worker_id"] in devices:
+                where = f"rank {m['rank']}" if m.get("rank") is not None else m["state"]
+                lines.append(f"  worker {m['worker_id']}: {where}, {devices[m['worker_id']]}")
     metrics = run_dir / "metrics.jsonl"
     step = last_logged_step(metrics)
     if step >= 0:

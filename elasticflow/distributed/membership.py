@@ -73,6 +73,7 @@ class Membership:
         self.group: Optional[Group] = None
         self.latest_generation = 0
         self.agent_lost = False
+        self.device: Optional[str] = None   # what report_device was given
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="elasticflow-membership", daemon=True)
 
@@ -112,17 +113,27 @@ class Membership:
             raise AgentLost(f"the agent at {self.address} did not answer the join request ({exc})") from exc
         if not verdict.get("ok"):
             raise Refused(verdict.get("reason", "refused"))
+        unreported = self.worker_id is None and self.device is not None
         self.worker_id = int(verdict["id"])
+        if unreported:
+            self.report_device(self.device)
         self.admitted_at = time.time()
         self._poller.start()
         self.rebuild(after=-1)
 
     def report_device(self, text: str) -> None:
-        """Publish the device this worker computes on (``worker/<id>/device``), for `elasticflow status`."""
+        """Publish where this worker computes (``Placement.describe()``) for `elasticflow status`.
+
+        Sets store key ``worker/<id>/device``. Before ``join`` a worker started without an id (not by
+        the agent) has no key yet: the text is published when the agent assigns one.
+        """
+        self.device = text
+        if self.worker_id is None:
+            return
         try:
-            self.store.set(f"worker/{self.worker_id}/device", text)
+            self.store.set(protocol.device_key(self.worker_id), text)
         except Exception:
-            pass  # status is a convenience: a store that stopped answering shows up elsewhere
+            pass  # only `status` reads it; a store that stopped answering is the next rebuild's to report
 
     def report_failure(self, generation: Optional[int] = None) -> None:
         """Tell the agent that building ``generation``'s group, or a collective of the current one, failed."""

@@ -11,6 +11,8 @@ Store keys:
     join/count                  join requests so far (a counter); join/request/<n> is request n (JSON)
     join/verdict/<n>            the agent's answer: {"ok": true, "id": assigned id} or {"ok": false, "reason"}
     worker/<id>/hb              heartbeat counter, bumped by the worker's membership thread
+    worker/<id>/device          where the worker computes, ``Placement.describe()`` ("cuda:1 (NVIDIA A100), bf16
+                                mixed, nccl"); set once its device is chosen, read by `elasticflow status`
     control/scale               a signed request from `elasticflow scale` (JSON)
     gen<g>/...                  the gloo rendezvous of generation g (PrefixStore, see comm.py)
 
@@ -48,6 +50,10 @@ class CommError(RuntimeError):
 
 def generation_key(g: int) -> str:
     return f"gen/{g}"
+
+
+def device_key(worker_id: int) -> str:
+    return f"worker/{worker_id}/device"
 
 
 def encode(members, action: str = "train", reason: str = "", waiting=()) -> str:

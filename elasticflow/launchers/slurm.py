@@ -3,7 +3,8 @@
 Outside an allocation, `elasticflow train ... launcher=slurm` writes RUN_DIR/slurm/job.sbatch and submits
 it. The batch script runs the agent on the first node of the allocation (`python -m
 elasticflow.launchers.slurm RUN_DIR`); the agent hosts the store on that node's address and starts each
-worker as its own `srun --exact` job step, so one task's death ends only its step. Inside an allocation
+worker as its own `srun --exact` job step, so one task's death ends only its step; with
+``launcher.gpus_per_node`` each step binds one GPU of its own (see srun_launch). Inside an allocation
 (an salloc shell, or your own batch script) the same agent runs in place of a submission.
 
 Preemption and time limits: the job asks for a warning signal (``launcher.signal``, USR1 90 s before the
@@ -82,7 +83,14 @@ def srun_launch(cfg: Any):
         if cfg.launcher.cpus_per_task:
             cmd.append(f"--cpus-per-task={cfg.launcher.cpus_per_task}")
         if cfg.launcher.gpus_per_node:
-            cmd.append("--gpus=1")
+            # One GPU of the node's launcher.gpus_per_node, held by this step alone until it ends: a
+            # concurrent step takes another, a replacement the one its predecessor freed. Per task, not
+            # --gpus=1 (a count for the whole step): --gpus-per-task also binds the task to it
+            # (--tres-bind=gres/gpu:per_task:1), so CUDA_VISIBLE_DEVICES names that one GPU and the
+            # worker takes cuda:0 (devices.resolve). Binding by SLURM_LOCALID or --gpu-bind=single:1
+            # cannot spread workers: each worker is the only task of its own step, so SLURM_LOCALID is 0
+            # everywhere and the binding chooses only among the GPUs the step already holds.
+            cmd.append("--gpus-per-task=1")
         cmd += [sys.executable, "-m", "elasticflow.distributed.worker"]
         return subprocess.Popen(cmd, env=env, start_new_session=True)
 

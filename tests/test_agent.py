@@ -1,0 +1,47 @@
+"""The agent's bookkeeping, at unit level: a real Agent (its store, events, workers.json) whose launch
+callable records each worker's environment instead of starting a process."""
+import json
+
+from elasticflow.config import compose
+from elasticflow.distributed import protocol
+from elasticflow.distributed.agent import Agent
+
+
+class FakeProc:
+    """Stands in for a worker process: alive until the test sets ``rc``."""
+
+    def __init__(self, pid: int):
+        self.pid, self.rc = pid, None
+
+    def poll(self):
+        return self.rc
+
+
+def test_a_replacement_takes_the_local_slot_of_the_worker_it_replaces(tmp_path):
+    cfg = compose("models/linear.py", ["launcher.workers=3", "launcher.restart_failed=true"])
+    envs, procs = [], []
+
+    def launch(env):
+        envs.append(env)
+        procs.append(FakeProc(10_000 + len(procs)))
+        return procs[-1]
+
+    agent = Agent(cfg, tmp_path, launch=launch)
+    try:
+        for _ in range(3):
+            agent.spawn()
+        assert [e[protocol.ENV_LOCAL_SLOT] for e in envs] == ["0", "1", "2"]
+        agent.admitted, agent.joining = list(agent.joining.values()), {}  # all three joined
+        agent.publish()
+        procs[1].rc = -9  # the worker in slot 1 is SIGKILLed
+        assert agent._reap() is None
+        assert len(envs) == 4, "no replacement was spawned"
+        assert envs[3][protocol.ENV_WORKER_ID] == "3" and envs[3][protocol.ENV_LOCAL_SLOT] == "1"
+        restart = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()][-1]
+        assert restart["event"] == "restart" and restart["replacing"] == 1 and restart["worker"] == 3
+        # Two gone at once: their replacements take the two free slots, lowest first.
+        procs[0].rc = procs[2].rc = -9
+        agent._reap()
+        assert [e[protocol.ENV_LOCAL_SLOT] for e in envs[4:]] == ["0", "2"]
+    finally:
+        agent._listener.close()
