@@ -18,7 +18,7 @@ STEPS, REL = 20, 2e-2
 
 @pytest.fixture
 def tfb():
-    from elasticflow import backends, ops
+    from elasticflow import ops
 
     with ops.using("tensorflow") as module:
         yield module

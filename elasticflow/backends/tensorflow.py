@@ -74,23 +74,23 @@ def bf16_supported() -> bool:
     return capability is not None and tuple(capability) >= (8, 0)
 
 
-def _bind_gpu(index: int) -> None:
-    """Make GPU ``index`` the only one TF uses, growing its memory as needed (several workers may
+def _bind_gpu(number: int) -> None:
+    """Make GPU ``number`` the only one TF uses, growing its memory as needed (several workers may
     share a GPU under gloo, and one that grabbed all memory would starve the others)."""
     found = tf.config.list_physical_devices("GPU")
-    if index >= len(found):
-        raise ElasticFlowError(f"placement cuda:{index} but TensorFlow sees {len(found)} GPUs",
+    if number >= len(found):
+        raise ElasticFlowError(f"placement cuda:{number} but TensorFlow sees {len(found)} GPUs",
                                "check CUDA_VISIBLE_DEVICES, or pass trainer.device=cpu")
     try:
-        tf.config.experimental.set_memory_growth(found[index], True)
-        tf.config.set_visible_devices([found[index]], "GPU")
+        tf.config.experimental.set_memory_growth(found[number], True)
+        tf.config.set_visible_devices([found[number]], "GPU")
     except RuntimeError:
         # TF fixes its devices when its runtime starts: a second trainer in the same process keeps
         # the first one's, which is right only if they bound the same GPU.
         visible = [d.name for d in tf.config.get_visible_devices("GPU")]
-        if visible != [found[index].name]:
+        if visible != [found[number].name]:
             raise ElasticFlowError(
-                f"TensorFlow started on {visible or 'the CPU'} before this trainer could bind {found[index].name}",
+                f"TensorFlow started on {visible or 'the CPU'} before this trainer could bind {found[number].name}",
                 "run one trainer per process on a GPU, or pass trainer.device=cpu") from None
 
 
@@ -212,7 +212,8 @@ class Engine:
     which then means the compute dtype. A ``tf.Module`` computes in its variables' dtype: float32 only.
     """
 
-    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True, placement: Placement = None):
+    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True,
+                 placement: Placement = None):
         self.forward = forward
         self.spec = spec
         self.jit = jit
