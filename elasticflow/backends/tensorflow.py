@@ -12,6 +12,10 @@ one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy)
 per-micro-batch gradient step is a ``tf.function`` (called through its flat entry point:
 ``tensorflow_compiled.py``), and the optimizer update runs inside the next step's call (one dispatch
 per step, like a hand-written loop). ``backend.jit=false`` runs both eagerly for debugging.
+
+Mixed precision (``trainer.precision=bf16|16``) keeps float32 variables and optimizer slots and
+computes forward() and its backward in the low dtype: a keras model through keras's mixed policy,
+a params dict by casting the parameters and the inputs' floats inside the step.
 """
 from __future__ import annotations
 
@@ -23,12 +27,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from . import tensorflow_data as tf_data
+from . import tensorflow_ops as tf_ops
 from . import tensorflow_optim as tf_optim
 from .common import activate, check_loss, flatten, rebuild, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
 # The data path, under the names a backend module provides (Rows: a batch gathered inside the compiled step).
-from .tensorflow_data import Rows, _on_rows, _split, _view, gather, index, resident, to_numpy, to_tensor  # noqa: F401
+from .tensorflow_data import (  # noqa: F401
+    Rows, _on_rows, _split, _view, gather, index, resident, to_device, to_numpy, to_tensor)
 from .tensorflow_native import buffer_rules, is_native, native_kind, native_variables, seed_generators  # noqa: F401
 from .tensorflow_ops import _generator
 # The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
@@ -37,15 +44,81 @@ from .tensorflow_ops import (  # noqa: F401
     log_softmax, matmul, max_pool2d, maximum, mean, mse, one_hot, relu, reshape, sigmoid, softmax, sqrt, square,
     stop_gradient, sum, tanh, transpose)
 from ..buffers import Rule
+from ..devices import Placement
 from ..errors import ElasticFlowError
 from ..optim import OptimizerSpec
 
 NAME = "tensorflow"
 _SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
 _log = logging.getLogger("elasticflow")
+_LOW = {"bfloat16": tf.bfloat16, "float16": tf.float16}
+_POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}  # keras's mixed policies by trainer.precision
 
 
-def setup(threads: Optional[int], seed: int) -> None:
+# ---------------------------------------------------------------- devices
+def gpus() -> List[str]:
+    """Names of the GPUs this process sees ("NVIDIA H100 80GB HBM3"); [] on a CPU-only host or build.
+    Listing physical devices does not start TF's runtime, so setup() can still choose among them."""
+    return [tf.config.experimental.get_device_details(d).get("device_name", d.name)
+            for d in tf.config.list_physical_devices("GPU")]
+
+
+def bf16_supported() -> bool:
+    """Whether the first visible GPU computes in bfloat16 (compute capability 8.0, Ampere, or newer);
+    True without a GPU (TF's CPU kernels take bfloat16). A GPU that reports no capability counts as
+    unable: refusing bf16 with a hint beats kernels that fail mid-run."""
+    found = tf.config.list_physical_devices("GPU")
+    if not found:
+        return True
+    capability = tf.config.experimental.get_device_details(found[0]).get("compute_capability")
+    return capability is not None and tuple(capability) >= (8, 0)
+
+
+def _bind_gpu(number: int) -> None:
+    """Make GPU ``number`` the only one TF uses, growing its memory as needed (several workers may
+    share a GPU under gloo, and one that grabbed all memory would starve the others)."""
+    found = tf.config.list_physical_devices("GPU")
+    if number >= len(found):
+        raise ElasticFlowError(f"placement cuda:{number} but TensorFlow sees {len(found)} GPUs",
+                               "check CUDA_VISIBLE_DEVICES, or pass trainer.device=cpu")
+    try:
+        tf.config.experimental.set_memory_growth(found[number], True)
+        tf.config.set_visible_devices([found[number]], "GPU")
+    except RuntimeError:
+        # TF fixes its devices when its runtime starts: a second trainer in the same process keeps
+        # the first one's, which is right only if they bound the same GPU.
+        visible = [d.name for d in tf.config.get_visible_devices("GPU")]
+        if visible != [found[number].name]:
+            raise ElasticFlowError(
+                f"TensorFlow started on {visible or 'the CPU'} before this trainer could bind {found[number].name}",
+                "run one trainer per process on a GPU, or pass trainer.device=cpu") from None
+
+
+def _keras_policy(precision: str) -> None:
+    """Keras's global dtype policy for model() to build its layers with: mixed for bf16/16, else
+    float32. Only set where needed: importing keras costs a dict model seconds."""
+    if precision not in _POLICIES and "keras" not in sys.modules:
+        return
+    import keras
+
+    current = keras.config.dtype_policy().name
+    wanted = _POLICIES.get(precision, "float32")
+    # float32 undoes only our own mixed policy (an earlier trainer's), not one the user chose.
+    if current != wanted and (precision in _POLICIES or current in _POLICIES.values()):
+        keras.config.set_dtype_policy(wanted)
+
+
+def setup(threads: Optional[int], seed: int, placement: Placement = None) -> None:
+    """Threads, seeds and the placement, before anything starts TF's runtime or model() builds layers.
+
+    ``placement`` None: the CPU in float32. On a GPU only ``placement.index`` is made visible, so
+    TF calls it "/GPU:0".
+    """
+    placement = placement or Placement()
+    if placement.kind == "cuda":
+        _bind_gpu(placement.index or 0)
+    tf_data.record(placement)
+    _keras_policy(placement.precision)
     if threads:
         # inter-op 1: on a few cores, running independent graph ops side by side only
         # oversubscribes the intra-op pool that each matmul/conv already fills.
@@ -62,6 +135,31 @@ def setup(threads: Optional[int], seed: int) -> None:
 
 
 # ---------------------------------------------------------------- engine
+def _mixed_native(model: Any, precision: str) -> None:
+    """A native model computing in ``precision``'s keras mixed policy; its variables stay float32.
+
+    A model built under the mixed global policy (setup() sets it before model()) is left as built,
+    float32 layers the user asked for included (a final softmax, as keras's guide advises). One built
+    in float32 (an Engine made without setup()) has each layer's policy switched: keras reads a
+    layer's policy at every call, and variables created in float32 stay float32.
+    """
+    if not _is_keras_model(model):
+        raise ElasticFlowError(
+            f"trainer.precision={precision} needs a keras model or a params dict; a tf.Module computes in its "
+            "variables' dtype", "pass trainer.precision=32, or build the model with keras")
+    layers = list(model._flatten_layers(include_self=True))
+    if any(layer.dtype_policy.name == _POLICIES[precision] for layer in layers):
+        return
+    for layer in layers:
+        if layer.dtype_policy.name == "float32":
+            layer.dtype_policy = _POLICIES[precision]
+
+
+def _is_keras_model(model: Any) -> bool:
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(model, keras.Layer)
+
+
 def _size(x: Any) -> Optional[int]:
     """check_loss's test: the number of elements of a TF tensor (-1 while a dimension is unknown),
     None for anything else."""
@@ -91,6 +189,7 @@ class Engine:
         forward: the user's ``forward(*batch, params)``.
         spec: the optimizer spec.
         jit: compile the gradient step and the update with ``tf.function``.
+        placement: device and precision (``devices.Placement``); None: the CPU in float32.
 
     A dict model's float arrays live in ONE flat variable; forward() receives a dict of views
     (tensors) of it, sliced inside the compiled step. Its gradient then arrives flat, and the
@@ -99,17 +198,32 @@ class Engine:
     cost). Integer arrays are buffers, kept as they are. A native model's variables stay its own:
     its gradients are concatenated into the flat buffer and updated variable by variable.
 
+    In bf16/16 the variables and slots stay float32. A dict model's parameters and the batch's
+    float tensors are cast to the compute dtype inside the step (a cast's gradient is float32
+    again); a keras model computes under keras's mixed policy (its layers cast inputs and read
+    variables in the low dtype). The loss enters the backward as float32, times ``grad_scale``
+    (float16's loss scaling, set by the trainer): an overflow shows up as inf/nan in the gradient.
+
     Note: under jit, forward() is traced once per micro-batch shape, training flag and
     first-or-later micro-batch of a step, not run on every call: Python control flow on tensor
-    values and Python side effects need ``backend.jit=false``.
+    values and Python side effects need ``backend.jit=false``. In bf16/16 a dict model's float
+    inputs are rounded to the compute dtype (float targets of a regression included), and TF does
+    not promote dtypes: a float32 tensor forward() makes itself needs ``ops.cast(t, "float32")``,
+    which then means the compute dtype. A ``tf.Module`` computes in its variables' dtype: float32 only.
     """
 
-    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True):
+    def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True,
+                 placement: Placement = None):
         self.forward = forward
         self.spec = spec
         self.jit = jit
+        self.placement = placement or Placement()
+        self._compute = _LOW.get(self.placement.compute_dtype)  # None: float32 throughout
+        self.grad_scale = 1.0  # the backward runs on loss * grad_scale (float16 loss scaling)
         _generator()
         self.native = model if is_native(model) else None
+        if self.native is not None and self._compute is not None:
+            _mixed_native(self.native, self.placement.precision)
         self.buffers: Dict[str, Any] = {}
         arrays: Dict[str, np.ndarray] = {}
         self._seed, self._seed_generators = 0, seed_generators(model)
@@ -158,6 +272,12 @@ class Engine:
         self._metric_names: List[str] = []  # forward()'s metrics, in the order the step returns them
         self._weight_value = 1.0
         self._weight = tf.Variable(1.0, trainable=False)
+        # grad_scale: a variable like the weight, assigned only when it changes (dynamic loss scaling
+        # changes it every few thousand steps), so it costs no argument per call and no retrace.
+        # Compiled in only where used: float32's step stays the graph it was.
+        self._scaling = self.placement.loss_scaling
+        self._scale_value = 1.0
+        self._scale = tf.Variable(1.0, trainable=False)
         # Variants are separate functions, not Python arguments: binding a Python value costs
         # as much per call as a small step. The training flag is read at trace time.
         # key: (training, first micro-batch, runs the update, id of the resident tensors or None)
@@ -177,7 +297,10 @@ class Engine:
         """What forward() receives: the native model, or the dict of views of the flat variable."""
         if self.native is not None:
             return self.native
-        pieces = tf.split(tf.convert_to_tensor(self._targets[0]), self._sizes)
+        flat = tf.convert_to_tensor(self._targets[0])
+        if self._compute is not None:  # one cast of the flat variable, not one per parameter
+            flat = tf.cast(flat, self._compute)
+        pieces = tf.split(flat, self._sizes)
         leaves = {n: tf.reshape(p, s) for n, p, s in zip(self.param_names, pieces, self._shapes)}
         leaves.update(self.buffers)
         return rebuild(self._tree, leaves)
@@ -214,6 +337,7 @@ class Engine:
         if update and not fresh:  # not the trainer's order; keep it correct anyway
             self._flush()
             update = False
+        self._set_scale()
         source, inputs = _split(batch)
         key = (training(), fresh, update, None if source is None else id(source))
         fn = self._grad_fns.get(key)
@@ -233,6 +357,16 @@ class Engine:
         # One tensor for all of them: one conversion instead of one each.
         values = out.numpy()
         return values[0], dict(zip(self._metric_names, values[1:]))
+
+    def _set_scale(self) -> None:
+        """Bring ``grad_scale`` into the compiled steps (an eager assign, only when it changed)."""
+        if self.grad_scale == self._scale_value:
+            return
+        if not self._scaling:  # scaling outside float16: the steps are traced again with it, once
+            self._scaling = True
+            self._grad_fns.clear()
+        self._scale.assign(self.grad_scale)
+        self._scale_value = self.grad_scale
 
     def _seeded(self, step, rows: bool, packed):
         """Reseed every generator forward() draws from with ``packed[0]``, then ``step`` on the batch."""
@@ -254,9 +388,10 @@ class Engine:
             self._apply_step()
         weight = tf.convert_to_tensor(self._weight)
         with tf.GradientTape() as tape:
-            loss, metrics = _check_loss(self.forward(*batch, params=self._params()), "for a micro-batch")
+            loss, metrics = self._forward(batch, "for a micro-batch")
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
-        grads = tape.gradient(weighted, self._targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            scaled = weighted * tf.convert_to_tensor(self._scale) if self._scaling else weighted
+        grads = tape.gradient(scaled, self._targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         # convert_to_tensor: a native embedding's gradient arrives as IndexedSlices.
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
         if fresh:  # the step's first micro-batch overwrites: zero_grad() costs nothing
@@ -326,7 +461,18 @@ class Engine:
 
     def _eval_step(self, batch):
         activate(_SELF)
-        return _check_loss(self.forward(*batch, params=self._params()), "in evaluation")
+        return self._forward(batch, "in evaluation")
+
+    def _forward(self, batch, where: str):
+        """forward() on ``batch`` as (float32 scalar loss, float32 metrics), in the compute dtype."""
+        if self._compute is None:
+            return _check_loss(self.forward(*batch, params=self._params()), where)
+        if self.native is None:  # keras casts a layer's inputs itself: a float target keeps its float32
+            batch = tuple(tf.cast(t, self._compute) if tf.is_tensor(t) and t.dtype.is_floating else t
+                          for t in batch)
+        with tf_ops.computing(self._compute):
+            loss, metrics = _check_loss(self.forward(*batch, params=self._params()), where)
+        return tf.cast(loss, tf.float32), metrics
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
     def _by_name(self, variables: List[Any], copy: bool = True) -> Dict[str, np.ndarray]:

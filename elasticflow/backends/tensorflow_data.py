@@ -1,15 +1,32 @@
 """The TensorFlow backend's data path: numpy to tensors, the resident dataset, and ``Rows`` -- a batch the
-Engine gathers inside its compiled step -- plus the one no-copy view of a variable."""
+Engine gathers inside its compiled step -- plus the one no-copy view of a variable.
+
+On a GPU (``setup`` made only the placement's GPU visible, so TF calls it "/GPU:0") the resident
+dataset is copied to it once; a batch needs no copy of its own (``to_device``).
+"""
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from . import common
 from .common import host_array
+from ..devices import Placement
+
+_placement = Placement()  # what setup() recorded: the default of resident() and to_device()
+
+
+def record(placement: Optional[Placement]) -> None:
+    global _placement
+    _placement = placement or Placement()
+
+
+def _gpu(placement: Optional[Placement]) -> Optional[str]:
+    """The TF device name of ``placement``'s GPU, None on the CPU. setup() left that one GPU visible
+    alone, so it is the first logical GPU whatever its CUDA index."""
+    return "/GPU:0" if (placement or _placement).kind == "cuda" else None
 
 
 def to_tensor(array: np.ndarray) -> tf.Tensor:
@@ -17,7 +34,23 @@ def to_tensor(array: np.ndarray) -> tf.Tensor:
     return tf.constant(host_array(array))
 
 
-resident = functools.partial(common.resident, to_tensor)
+def resident(arrays: Iterable[np.ndarray], placement: Optional[Placement] = None) -> Tuple[tf.Tensor, ...]:
+    """The whole dataset as tensors, converted once, on ``placement``'s device (None: setup()'s)."""
+    gpu = _gpu(placement)
+    if gpu is None:
+        return common.resident(to_tensor, arrays)
+    with tf.device(gpu):  # identity: a constant made from numpy may stay in host memory
+        return tuple(tf.identity(t) for t in common.resident(to_tensor, arrays))
+
+
+def to_device(batch: tuple, placement: Optional[Placement] = None) -> tuple:
+    """``batch`` where the step computes: as it is, on any device.
+
+    A compiled step copies its inputs to the device its ops run on, so an eager copy here would
+    be one op dispatch more per tensor for the same copy. (Rows of a resident dataset are on the
+    GPU already: resident() put them there.)
+    """
+    return batch
 
 
 def index(positions: np.ndarray) -> tf.Tensor:

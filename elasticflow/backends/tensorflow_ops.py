@@ -4,16 +4,47 @@
 more code than their torch twins: images are NCHW and conv weights OIHW at the API (TF's CPU
 convolution only takes NHWC, so conv2d and max_pool2d transpose inside), ``maximum`` splits a tie's
 gradient as torch does, and dropout draws from a generator whose state is checkpointed.
+
+Under mixed precision (an Engine with precision bf16/16 traces forward() inside ``computing``) the
+ops torch's autocast keeps in float32 do so here too: softmax, log_softmax and layer_norm compute in
+float32 and hand back the input's dtype (TF does not promote, so the next matmul needs it), the
+losses return float32, and "float32" in ``cast``/``one_hot`` means the compute dtype.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import tensorflow as tf
 
 from . import common
 
 _rng: Optional[tf.random.Generator] = None  # dropout's randomness; its state is checkpointed
+_compute: Optional[tf.DType] = None  # the low dtype while a mixed-precision Engine traces forward()
+_LOW = (tf.bfloat16, tf.float16)
+
+
+@contextlib.contextmanager
+def computing(dtype: Optional[tf.DType]) -> Iterator[None]:
+    """forward()'s ops compute in ``dtype`` (None: as given) inside the block; read at trace time."""
+    global _compute
+    previous, _compute = _compute, dtype
+    try:
+        yield
+    finally:
+        _compute = previous
+
+
+def _wide(x):
+    """``x`` as float32 when it is bfloat16/float16: the ops autocast keeps in float32 (a sum of exps
+    in bfloat16 keeps 8 bits), the cost of a cast each way."""
+    return tf.cast(x, tf.float32) if tf.is_tensor(x) and x.dtype in _LOW else x  # numpy: as before
+
+
+def _float32() -> tf.DType:
+    """What "float32" means in forward(): the compute dtype under mixed precision. A float32 mask added
+    to bfloat16 scores would be a dtype error in TF (torch promotes instead)."""
+    return _compute or tf.float32
 
 
 def _generator() -> tf.random.Generator:
@@ -97,24 +128,30 @@ def concat(xs, axis=0):
 
 
 def softmax(x, axis=-1):
-    return tf.nn.softmax(x, axis=axis)
+    x = tf.convert_to_tensor(x)
+    return tf.cast(tf.nn.softmax(_wide(x), axis=axis), x.dtype) if x.dtype in _LOW else tf.nn.softmax(x, axis=axis)
 
 
 def log_softmax(x, axis=-1):
+    x = tf.convert_to_tensor(x)
+    if x.dtype in _LOW:
+        return tf.cast(tf.nn.log_softmax(_wide(x), axis=axis), x.dtype)
     return tf.nn.log_softmax(x, axis=axis)
 
 
 def one_hot(ids, num_classes):
-    return tf.one_hot(tf.cast(ids, tf.int64), num_classes, dtype=tf.float32)
+    return tf.one_hot(tf.cast(ids, tf.int64), num_classes, dtype=_float32())
 
 
 def cross_entropy(logits, labels):
+    """Mean cross-entropy, in float32 whatever the logits' dtype."""
     return tf.math.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int64), logits=logits))
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int64), logits=_wide(logits)))
 
 
 def mse(pred, target):
-    return tf.math.reduce_mean(tf.math.square(pred - target))
+    """Mean squared error, in float32 whatever the operands' dtypes."""
+    return tf.math.reduce_mean(tf.math.square(_wide(pred) - _wide(target)))
 
 
 def accuracy(logits, labels):
@@ -153,10 +190,20 @@ def max_pool2d(x, size, stride):
 
 
 def layer_norm(x, gamma, beta, eps):
+    x = tf.convert_to_tensor(x)
+    if x.dtype in _LOW:  # the statistics in float32, the affine part in the input's dtype
+        return _affine(tf.cast(_normalise(_wide(x), eps), x.dtype), gamma, beta)
+    return _affine(_normalise(x, eps), gamma, beta)
+
+
+def _normalise(x, eps):
     mu = tf.math.reduce_mean(x, axis=-1, keepdims=True)
     centred = x - mu
     var = tf.math.reduce_mean(tf.math.square(centred), axis=-1, keepdims=True)  # biased, as torch
-    y = centred * tf.math.rsqrt(var + eps)
+    return centred * tf.math.rsqrt(var + eps)
+
+
+def _affine(y, gamma, beta):
     if gamma is not None:
         y = y * gamma
     if beta is not None:
@@ -182,4 +229,4 @@ _DTYPES = {"float32": tf.float32, "float64": tf.float64, "int32": tf.int32, "int
 
 
 def cast(x, dtype):
-    return tf.cast(x, _DTYPES[dtype])
+    return tf.cast(x, _float32() if dtype == "float32" else _DTYPES[dtype])
