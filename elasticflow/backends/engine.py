@@ -29,8 +29,12 @@ class Engine(Protocol):
     num_params: int
     """Number of trainable scalars: the length of ``grad_view()``."""
 
-    def __init__(self, model: Any, forward: Callable[..., Any], spec: OptimizerSpec, jit: bool = True) -> None:
-        """Build from what ``model(cfg)`` returned (params dict or native model), ``forward`` and the optimizer spec."""
+    grad_scale: float  # multiplies the loss before backward (float16's loss scale); 1.0 otherwise
+
+    def __init__(self, model: Any, forward: Callable[..., Any], spec: OptimizerSpec, jit: bool = True,
+                 placement: Any = None) -> None:
+        """Build from what ``model(cfg)`` returned (params dict or native model), ``forward`` and the optimizer
+        spec, on ``placement``'s device and precision (a ``devices.Placement``; None: the CPU in float32)."""
 
     def train_mode(self, training: bool) -> None:
         """Switch training (dropout on, BatchNorm updates) or evaluation behaviour for what follows."""
