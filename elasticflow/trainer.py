@@ -115,6 +115,8 @@ class ElasticTrainer:
         eval_dataset = data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None
 
         self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict)
+        if self.membership is not None and self.placement.comm == "nccl":
+            self.membership.nccl_device = self.placement.device  # GPU tensors reduce over NCCL from the first group
         self.checkpoints = CheckpointManager(Checkpointer.for_run(self.ckpt_dir, cfg, self.run_dir, self.membership),
                                              cfg, self.spec.name, self.backend.NAME, self.state_dict,
                                              self.load_state_dict)

@@ -1,4 +1,5 @@
-"""Fault-tolerant collectives: one gloo process group per membership generation.
+"""Fault-tolerant collectives: one gloo process group per membership generation (plus an NCCL one for
+GPU tensors with ``comm.backend=nccl``).
 
 The group is built directly as ``ProcessGroupGloo(PrefixStore(f"gen{g}/", store), rank, world, opts)``:
 ``init_process_group``/``new_group`` are process-global and cannot grow. Every call has an explicit
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -23,11 +24,19 @@ BIG = 1 << 20  # bytes: a tensor this large travels as its own message in share_
 
 
 class Group:
-    """The collectives of one generation. Not reusable after a CommError: build the next one."""
+    """The collectives of one generation. Not reusable after a CommError: build the next one.
 
-    def __init__(self, store, generation: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1"):
+    Args:
+        nccl_device: with ``comm.backend=nccl``, this worker's GPU ("cuda:N"): GPU tensors are then reduced by an
+            NCCL group of the same generation (host tensors, and the state transfer, stay on gloo).
+    """
+
+    def __init__(self, store, generation: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1",
+                 nccl_device: Optional[str] = None):
         self.generation, self.rank, self.world = generation, rank, world
         self._stage = None  # allreduce_'s pinned host buffer for GPU tensors
+        self.nccl = None
+        self.aborted = False
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -35,10 +44,30 @@ class Group:
             self.pg = dist.ProcessGroupGloo(PrefixStore(f"gen{generation}/", store), rank, world, opts)
         except Exception as exc:  # a member died or never arrived while the group was forming
             raise CommError(f"building the group of generation {generation} failed: {exc}") from exc
+        if nccl_device is not None and world > 1:
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = datetime.timedelta(seconds=timeout_s)
+            # The communicator itself is made at the first collective (ncclCommInitRank, ~0.1-1 s).
+            self.nccl = dist.ProcessGroupNCCL(PrefixStore(f"gen{generation}/nccl/", store), rank, world, nccl_opts)
 
     def close(self) -> None:
         # Dropping the last reference destroys the gloo context and closes its sockets.
         self.pg = None
+        if self.nccl is not None:
+            self.abort()
+            self.nccl = None
+
+    def abort(self) -> None:
+        """Abort the NCCL communicator: a collective spinning on the GPU for a dead peer returns, and the
+        waiting call raises CommError. Safe from another thread (the membership poller calls it when
+        the agent publishes a generation without a member of this one)."""
+        nccl = self.nccl
+        if nccl is not None and not self.aborted:
+            self.aborted = True
+            try:
+                nccl.abort()  # ncclCommAbort; torchft found it reliable enough with a timeout behind it
+            except Exception:
+                pass
 
     def _run(self, what: str, fn):
         if self.pg is None:
@@ -59,11 +88,22 @@ class Group:
             return tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        if tensor.is_cuda and self.nccl is not None:
+            self._run("allreduce", lambda: self._nccl_allreduce(tensor, opts))
+            return tensor
         host = self._staged(tensor) if tensor.is_cuda else tensor
         self._run("allreduce", lambda: self.pg.allreduce([host], opts).wait())
         if host is not tensor:
             tensor.copy_(host, non_blocking=True)  # the next step's copy down waits for it on the same stream
         return tensor
+
+    def _nccl_allreduce(self, tensor: torch.Tensor, opts) -> None:
+        self.nccl.allreduce([tensor], opts).wait()
+        # wait() only orders the GPU stream; finish here so that a peer's death surfaces in this call
+        # (as an abort, below) and not at some later sync point. A sync point, as float(loss) is anyway.
+        torch.cuda.current_stream(tensor.device).synchronize()
+        if self.aborted:
+            raise RuntimeError("NCCL communicator aborted: a member of this generation left")
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s values in a pinned host buffer, reused while the size fits (a sync point)."""

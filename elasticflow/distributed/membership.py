@@ -71,6 +71,7 @@ class Membership:
         self.rank, self.world = 0, 1
         self.members: List[int] = []
         self.group: Optional[Group] = None
+        self.nccl_device = None  # this worker's GPU when comm.backend=nccl (set by the trainer before join)
         self.latest_generation = 0
         self.agent_lost = False
         self.device: Optional[str] = None   # what report_device was given
@@ -85,9 +86,21 @@ class Membership:
             while not self._stop.wait(POLL_S):
                 store.add(beat, 1)
                 self.latest_generation = int(store.get("gen/current"))
+                if self.nccl_device is not None and self.latest_generation > self.generation:
+                    self._abort_if_a_member_left(store)
         except Exception:  # the agent's store is gone
             if not self._stop.is_set():
                 self.agent_lost = True
+
+    def _abort_if_a_member_left(self, store) -> None:
+        """A dead peer leaves NCCL spinning on the GPU until its timeout; the agent sees the death within
+        milliseconds and publishes a generation without it. Abort then, so the collective returns now."""
+        group, members = self.group, set(self.members)
+        if group is None or group.aborted:
+            return
+        newest = protocol.decode(store.get(protocol.generation_key(self.latest_generation)))
+        if not members <= set(newest.get("members", [])):
+            group.abort()
 
     def close(self) -> None:
         self._stop.set()
@@ -169,7 +182,7 @@ class Membership:
                 continue  # superseded before it formed
             rank, world = members.index(self.worker_id), len(members)
             try:
-                group = Group(self.store, g, rank, world, self.timeout_s, self.host)
+                group = Group(self.store, g, rank, world, self.timeout_s, self.host, self.nccl_device)
             except CommError as exc:
                 log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc)
                 self.report_failure(g)

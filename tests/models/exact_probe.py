@@ -61,7 +61,7 @@ def _save(arrays):
 
 def _dump(net):
     if hasattr(net, "named_buffers"):
-        _save({n: b.detach().numpy() for n, b in net.named_buffers()})
+        _save({n: b.detach().cpu().numpy() for n, b in net.named_buffers()})
         return
     import tensorflow as tf
 
