@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #16 on a machine with a CUDA GPU: tests/test_gpu.py (and the suite's device
-# and precision tests), then scripts/bench_gpu.py. Writes REPORT_DIR/gpu_report.txt (REPORT_DIR: $OUT
+# The GPU checks of issue #16 on a machine with a CUDA GPU: tests/test_gpu.py, then scripts/bench_gpu.py.
+# Writes REPORT_DIR/gpu_report.txt (REPORT_DIR: $OUT
 # where set, else ./gpu_report). Runs on that machine's own torch (any 2.x with CUDA); Hydra and
 # OmegaConf may travel as wheels in .whl/ (the accelerator machines have no package index).
 #
@@ -24,7 +24,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   $PY -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| GPUs', torch.cuda.device_count())"
 } | tee "$REPORT"
 rc=0
-$PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_precision.py 2>&1 | tee -a "$REPORT" || rc=1
+$PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2> tests/test_gpu.py tests/test_precision.py 2>&11 | tee -a "$REPORT" || rc=1
 if [ "${1:-}" != "--tests-only" ]; then
   $PY scripts/bench_gpu.py 2>&1 | tee -a "$REPORT" || rc=1
 fi
