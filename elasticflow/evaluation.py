@@ -44,7 +44,8 @@ class Evaluation:
         Raises CommError when a peer fails: the caller recovers and runs it again.
         """
         if self._source is None:
-            self._source = data.Source(self.dataset, self.backend)
+            # The engine's device: eval batches go where the parameters are.
+            self._source = data.Source(self.dataset, self.backend, engine.placement)
         source, totals = self._source, [0.0] * len(self.names)
         lo, hi = data.worker_share((0, len(source)), replica.rank, replica.world)
         engine.train_mode(False)

@@ -44,7 +44,7 @@ def test_the_contract_lists_what_the_trainer_calls():
     # A test that cannot fail is a defect: an empty or shrunken contract would pass the one below.
     assert {"train_mode", "zero_grad", "accumulate", "grad_view", "grad_norm", "scale_grad", "apply", "evaluate",
             "state", "load_state", "state_names", "seed", "buffer_rules", "buffer_arrays", "set_buffers"} <= set(METHODS)
-    assert ATTRIBUTES == ["num_params"]
+    assert ATTRIBUTES == ["grad_scale", "num_params"]
     assert _problems(inspect.signature(Contract.state), inspect.signature(lambda self: None)) == [
         "no argument 'copy'"]
     assert _problems(inspect.signature(Contract.apply), inspect.signature(lambda self, lr=0.1, extra=1: None)) == []
