@@ -43,8 +43,12 @@ def gpus() -> List[str]:
 
 
 def bf16_supported() -> bool:
-    """Whether the first visible GPU computes in bfloat16 (True without a GPU: the CPU does)."""
-    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    """Whether the visible GPUs compute in bfloat16 (True without a GPU: the CPU does).
+
+    Compute capability 8.0 (Ampere) or newer. Not ``torch.cuda.is_bf16_supported()``: it counts
+    emulation as support, and may allocate on GPU 0 before this worker has bound its own GPU.
+    """
+    return all(torch.cuda.get_device_properties(i).major >= 8 for i in range(torch.cuda.device_count()))
 
 
 def is_native(obj: Any) -> bool:
