@@ -1,11 +1,11 @@
 """ElasticFlow: write model(), forward() and data(); the framework trains it.
 
 Public names: ``ElasticTrainer``, ``CheckpointInterval``, ``context``, and the modules ``ops``,
-``optim`` and ``checkpoint``. Heavy imports (torch, TensorFlow) happen only when a backend is used.
+``optim``, ``checkpoint`` and ``data`` (dataset forms, per-sample seeds). Heavy imports (torch, TensorFlow) happen only when a backend is used.
 """
 __version__ = "0.1.0"
 
-__all__ = ["ElasticTrainer", "CheckpointInterval", "context", "ops", "optim", "checkpoint"]
+__all__ = ["ElasticTrainer", "CheckpointInterval", "context", "ops", "optim", "checkpoint", "data"]
 
 
 def __getattr__(name):
@@ -19,10 +19,10 @@ def __getattr__(name):
 
         return CheckpointInterval
     if name == "context":
-        from .state import context
+        from .context import context
 
         return context
-    if name in ("ops", "optim", "checkpoint"):
+    if name in ("ops", "optim", "checkpoint", "data"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

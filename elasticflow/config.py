@@ -105,6 +105,13 @@ class ElasticConfig:
 
 
 @dataclass
+class DataConfig:
+    prefetch: int = 2              # micro-batches read ahead in the background (0: read when trained on)
+    workers: int = 1               # readers at once: threads, or forked processes with worker_type=process
+    worker_type: str = "thread"    # thread | process (CPU-heavy decoding in Python, out of the GIL's way)
+
+
+@dataclass
 class CommConfig:
     backend: str = "auto"          # auto | gloo | nccl (auto: NCCL where every worker has its own GPU)
 
@@ -119,6 +126,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     seed: int = 0
     resume: str = "auto"           # auto | none | PATH to a checkpoint directory
     # Free-form section for the model file's own settings (model(cfg) / data(cfg) read cfg.model_args).
@@ -132,6 +140,7 @@ RENAMED = {"checkpoint.async": "checkpoint.async_save"}
 BACKENDS = ("torch", "tensorflow")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "step")
+WORKER_TYPES = ("thread", "process")
 
 
 def register() -> None:
@@ -242,6 +251,13 @@ def validate(cfg: Any) -> None:
             "elastic.heartbeat_timeout_s=10 elastic.timeout_s=30")
     if not el.wait_s >= 0:
         raise ElasticFlowError(f"elastic.wait_s must be >= 0, got {el.wait_s!r}", "pass e.g. elastic.wait_s=60")
+    d = cfg.data
+    if isinstance(d.prefetch, bool) or not isinstance(d.prefetch, int) or d.prefetch < 0:
+        raise ElasticFlowError(f"data.prefetch must be an integer >= 0, got {d.prefetch!r}",
+                               "pass e.g. data.prefetch=2 (micro-batches read ahead), or 0 to read on demand")
+    _positive_int(d.workers, "data.workers", "pass e.g. data.workers=2")
+    _choice(d.worker_type, WORKER_TYPES, "data.worker_type",
+            "pass data.worker_type=process for CPU-heavy decoding in Python, else thread")
     iv = cfg.checkpoint.interval
     if iv.steps is not None and iv.epochs is not None:
         raise ElasticFlowError("checkpoint.interval.steps and checkpoint.interval.epochs are both set",

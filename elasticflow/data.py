@@ -5,20 +5,27 @@ whatever the number of workers, so every sample of every epoch is used exactly o
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from . import forms
+from .context import _context
 from .errors import ElasticFlowError
+from .forms import Columns, Mapped, NpyShards  # noqa: F401 - public: elasticflow.data.Mapped, ...
 
 
 class Dataset:
-    """A checked view of what ``data(cfg)`` returned: a tuple of equal-length arrays, or an indexable."""
+    """A checked view of what ``data(cfg)`` returned: ``arrays`` (a tuple of equal-length arrays held
+    in memory) or a reader fetched batch by batch (see :mod:`elasticflow.forms` for every form)."""
 
     def __init__(self, raw: Any, what: str = "data()"):
         self.what = what
         self.arrays: Tuple[np.ndarray, ...] | None = None
+        self.reader: Any = None
+        self._layout: Optional[List[Tuple[np.dtype, tuple]]] = None  # the first batch's dtypes and row shapes
         if isinstance(raw, np.ndarray):
             raw = (raw,)
         if isinstance(raw, dict):
@@ -26,7 +33,7 @@ class Dataset:
             raise ElasticFlowError(f"{what} returned a dict (keys: {', '.join(map(str, raw))})",
                                    "return a tuple of arrays in forward()'s argument order, e.g. (x, y)")
         if isinstance(raw, (tuple, list)):
-            arrays = tuple(np.asarray(a) for a in raw)
+            arrays = tuple(a if isinstance(a, np.ndarray) else np.asarray(a) for a in raw)
             if not arrays:
                 raise ElasticFlowError(f"{what} returned an empty tuple", "return a tuple of arrays, e.g. (x, y)")
             lengths = [len(a) if a.ndim else -1 for a in arrays]
@@ -34,29 +41,101 @@ class Dataset:
                 shown = ", ".join(f"#{i}: {n if n >= 0 else 'a scalar'}" for i, n in enumerate(lengths))
                 raise ElasticFlowError(f"{what} returned arrays of unequal length ({shown} rows)",
                                        "every array must have one row per sample (same first dimension)")
-            self.arrays = arrays
             self.length = lengths[0]
-        elif hasattr(raw, "__len__") and hasattr(raw, "__getitem__"):
-            self.source = raw
-            self.length = len(raw)
-        else:
+            if any(isinstance(a, np.memmap) for a in arrays):  # on disk: read per batch, never all at once
+                self.reader = forms.Mmapped(arrays)
+            else:
+                self.arrays = arrays
+            return
+        self.reader = forms.adapt(raw, what)
+        if self.reader is None and hasattr(raw, "__len__") and hasattr(raw, "__getitem__"):
+            self.reader = forms.Indexed(raw)
+        if self.reader is None:
             raise ElasticFlowError(f"{what} returned a {type(raw).__name__}",
-                                   "return a tuple of equal-length numpy arrays, or an object with "
-                                   "__len__ and __getitem__(indices) returning such a tuple")
+                                   "return a tuple of equal-length numpy arrays, a map-style dataset (torch "
+                                   "Dataset, Hugging Face datasets.Dataset), or an object with __len__ and "
+                                   "__getitem__(indices) returning such a tuple")
+        self.length = len(self.reader)
 
     def __len__(self) -> int:
         return self.length
 
-    def fetch(self, indices: np.ndarray) -> Tuple[np.ndarray, ...]:
-        """The rows at ``indices`` as a tuple of numpy arrays (only for indexable datasets)."""
-        rows = self.source[indices]
-        if isinstance(rows, np.ndarray):
+    def fetch(self, indices: np.ndarray, epoch: Optional[int] = None) -> Tuple[np.ndarray, ...]:
+        """The rows at ``indices`` as a tuple of numpy arrays (only for datasets read batch by batch).
+
+        ``epoch`` is the epoch the rows are for: :func:`sample_rng` seeds augmentation with it.
+        """
+        _fetching.epoch = _context.epoch if epoch is None else epoch
+        try:
+            rows = self.reader.read(indices)
+        except ElasticFlowError:
+            raise
+        except Exception as exc:
+            raise self._read_error(indices, exc) from exc
+        if isinstance(rows, np.ndarray) or not isinstance(rows, (tuple, list)):
             rows = (rows,)
-        rows = tuple(np.asarray(r) for r in rows)
-        if any(len(r) != len(indices) for r in rows):
-            raise ElasticFlowError(f"{self.what}[indices] returned arrays whose length is not len(indices)={len(indices)}",
-                                   "__getitem__ must return one row per requested index in every array")
+        rows = tuple(forms._as_array(r) for r in rows)
+        if any(r.ndim == 0 or len(r) != len(indices) for r in rows):
+            raise ElasticFlowError(
+                f"{self.what} returned a batch whose arrays do not have len(indices)={len(indices)} rows "
+                f"({', '.join(str(r.shape) for r in rows)}) for samples {_shown(indices)}",
+                "reading a batch must return one row per requested index in every array")
+        layout = [(r.dtype, r.shape[1:]) for r in rows]
+        if self._layout is None:
+            self._layout = layout
+        elif layout != self._layout:
+            raise ElasticFlowError(
+                f"{self.what}'s batch of samples {_shown(indices)} has fields {_describe(layout)}, but earlier "
+                f"batches had {_describe(self._layout)}",
+                "every sample must have the same dtype and row shape in each field (pad or cast in data())")
         return rows
+
+    def _read_error(self, indices: np.ndarray, exc: Exception) -> ElasticFlowError:
+        """The error naming the first sample whose read fails alone (found by reading one at a time)."""
+        culprit = None
+        for i in indices[:4096]:
+            try:
+                self.reader.read(np.asarray([i]))
+            except Exception:
+                culprit = int(i)
+                break
+        where = f"sample {culprit}" if culprit is not None else f"the batch of samples {_shown(indices)}"
+        return ElasticFlowError(f"{self.what}: reading {where} raised {type(exc).__name__}: {exc}",
+                                "fix the dataset's __getitem__ for that index (run with --debug for the traceback)")
+
+
+def _shown(indices: np.ndarray) -> str:
+    head = ", ".join(str(int(i)) for i in indices[:5])
+    return f"[{head}{', ...' if len(indices) > 5 else ''}]"
+
+
+def _describe(layout: List[Tuple[np.dtype, tuple]]) -> str:
+    return ", ".join(f"#{i} {d} {s}" for i, (d, s) in enumerate(layout))
+
+
+_fetching = threading.local()  # the epoch a fetch is for, per thread: prefetch threads read ahead of training
+
+
+def sample_seed(index: int, epoch: Optional[int] = None) -> int:
+    """A seed for sample ``index``'s randomness (augmentation): a function of the run's seed, the epoch
+    and the sample index only, so an augmented sample is the same for any number of workers, with
+    prefetch, and when a step is redone. Call it inside the dataset's ``__getitem__``.
+
+    Example::
+
+        def __getitem__(self, i):
+            rng = np.random.default_rng(elasticflow.data.sample_seed(i))
+            return random_crop(self.images[i], rng), self.labels[i]
+    """
+    context = _context
+    if epoch is None:
+        epoch = getattr(_fetching, "epoch", context.epoch)
+    return micro_seed(context.seed, epoch, int(index), -1)
+
+
+def sample_rng(index: int, epoch: Optional[int] = None) -> np.random.Generator:
+    """A numpy generator seeded by :func:`sample_seed`."""
+    return np.random.default_rng(sample_seed(index, epoch))
 
 
 def permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -247,9 +326,13 @@ class Source:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def rows(self, positions: np.ndarray):
+    def rows(self, positions: np.ndarray, epoch: Optional[int] = None):
         if self.resident is not None:
             batch = self.backend.gather(self.resident, self.backend.index(positions))
-        else:
-            batch = tuple(self.backend.to_tensor(x) for x in self.dataset.fetch(positions))
+            return batch if self.move_to is None else self.backend.to_device(batch, self.move_to)
+        return self.convert(self.dataset.fetch(positions, epoch))
+
+    def convert(self, rows: Tuple[np.ndarray, ...]):
+        """Host rows as the backend's tensors, on the training device."""
+        batch = tuple(self.backend.to_tensor(x) for x in rows)
         return batch if self.move_to is None else self.backend.to_device(batch, self.move_to)

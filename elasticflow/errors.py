@@ -17,6 +17,9 @@ class ElasticFlowError(Exception):
     def __str__(self) -> str:
         return f"{self.message} (hint: {self.hint})" if self.hint else self.message
 
+    def __reduce__(self):  # keeps the hint across processes (a data loader's error reaches the trainer)
+        return self.__class__, (self.message, self.hint, self.exit_code)
+
 
 class CheckpointMismatch(ElasticFlowError):
     """A checkpoint written by another model or optimizer: no older checkpoint of the job fits either,

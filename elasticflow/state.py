@@ -1,5 +1,5 @@
-"""Where training is: ``TrainState`` (the progress every replica shares and every checkpoint keeps) and
-``Context`` (this process's view of it, for data sources and hooks: ``elasticflow.context()``).
+"""Where training is: ``TrainState``, the progress every replica shares and every checkpoint keeps
+(this process's view of it, for data sources and hooks, is ``context.Context``: ``elasticflow.context()``).
 
 Counters, never mixed: ``step`` counts optimizer steps, ``micro_step`` micro-batches,
 ``cursor.samples_seen`` samples, ``generation`` (in Context) membership changes.
@@ -61,24 +61,3 @@ class TrainState:
             elif isinstance(default, int) and value is not None:
                 value = int(value)
             setattr(self, f.name, value)
-
-
-@dataclass
-class Context:
-    """Where training is right now, for data sources and logging hooks (``elasticflow.context()``).
-
-    ``step`` is the optimizer step being computed (completed steps + 1 inside a train step).
-    """
-    rank: int = 0
-    world_size: int = 1
-    generation: int = 0
-    step: int = 0
-    epoch: int = 0
-
-
-_context = Context()
-
-
-def context() -> Context:
-    """The calling process's current rank, world size, generation, step and epoch."""
-    return _context

@@ -14,7 +14,7 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -28,10 +28,12 @@ from .distributed.protocol import CommError
 from .errors import ElasticFlowError, TrainingInterrupted
 from .buffers import Reconciler
 from .evaluation import Evaluation, probe_metric_names
+from .prefetch import Key, Prefetcher
 from .replica import Agreed, Replica
 from .reporting import Progress, RunLog, banner, step_line
 from .signals import StopSignal
-from .state import TrainState, _context, context  # noqa: F401 - context: elasticflow.context()
+from .context import _context, context  # noqa: F401 - context: elasticflow.context()
+from .state import TrainState
 
 log = logging.getLogger("elasticflow")
 __all__ = ["ElasticTrainer", "CheckpointInterval", "GlobalBatch", "context"]
@@ -105,12 +107,15 @@ class ElasticTrainer:
         self.engine = self.backend.Engine(built.model, mf.forward, self.spec, jit=cfg.backend.jit,
                                           placement=self.placement)
         self.seed = int(cfg.seed)  # read every micro-batch: not through OmegaConf (40-100 us a read)
+        _context.seed = self.seed
         rules = self.engine.buffer_rules()
         self.reconciler = Reconciler(rules) if rules else None
 
         self.source = data.Source(data.Dataset(mf.call("data", cfg), "data()"), self.backend, self.placement,
                                   t.data_on_device)
         data.check_size(len(self.source), t.global_batch_size)
+        d = cfg.data
+        self.prefetch = Prefetcher(self.source, self.seed, d.prefetch, d.workers, d.worker_type)
         self.schedule = data.Schedule(len(self.source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs)
         eval_dataset = data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None
 
@@ -180,6 +185,7 @@ class ElasticTrainer:
                                 self.train_step(batch)
         finally:
             self.progress.close()
+            self.prefetch.close()
         return self.finish()
 
     def epoch_range(self) -> Iterator[int]:
@@ -192,7 +198,7 @@ class ElasticTrainer:
         cursor = self.state.cursor
         if epoch != cursor.epoch:
             raise ValueError(f"epoch({epoch}) called while the data cursor is at epoch {cursor.epoch}")
-        self._order = data.permutation(len(self.source), self.cfg.seed, epoch)
+        self._order = self.prefetch.order(epoch)
         yield
         cursor = self.state.cursor  # a recovery may have adopted another member's cursor ...
         if cursor.epoch == epoch and cursor.samples_in_epoch >= self.schedule.epoch_samples:  # ... in the next epoch
@@ -280,10 +286,12 @@ class ElasticTrainer:
         if scaling:
             engine.grad_scale = s.loss_scale
         loss_sum, metric_sums = None, {}
+        keys = self._upcoming(batch, share)
         for i, (a, b) in enumerate(share.micro):
             # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
             engine.seed(data.micro_seed(self.seed, batch.epoch, batch.start, share.first + i))
-            loss_w, metrics_w = engine.accumulate(self.source.rows(self._order[a:b]), (b - a) / batch.size)
+            rows = self.prefetch.take(keys[i], keys[i + 1:]) if keys else self.source.rows(self._order[a:b])
+            loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
             if loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)
             else:
@@ -347,6 +355,19 @@ class ElasticTrainer:
             record["grad_norm"] = grad_norm
         s.last_metrics = record
         return record
+
+    def _upcoming(self, batch: GlobalBatch, share: data.Share) -> List[Key]:
+        """This worker's micro-batches of this global batch and of the next, as the prefetcher names
+        them; empty when nothing is read ahead (arrays held in memory)."""
+        if not self.prefetch.depth:
+            return []
+        keys = [(batch.epoch, a, b) for a, b in share.micro]
+        epoch, start, end = batch.epoch, batch.end, self.schedule.epoch_samples
+        if start >= end:  # the next global batch opens the next epoch
+            epoch, start = epoch + 1, 0
+        nxt = data.deal((start, min(start + self.tcfg.global_batch_size, end)), self.rank, self.world,
+                        self.tcfg.micro_batch_size)
+        return keys + [(epoch, a, b) for a, b in nxt.micro]
 
     # ------------------------------------------------------------------ membership
     def _entered_generation(self) -> None:

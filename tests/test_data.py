@@ -1,5 +1,6 @@
 """The global sample order and how a global batch is cut: every sample exactly once per epoch."""
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -132,15 +133,25 @@ def fit(path, run_dir, *overrides):
     return summary, [r for r in records if "loss" in r]
 
 
-@pytest.mark.parametrize("micro", ["null", 5])
-def test_every_sample_once_per_epoch_including_the_last_partial_batch(tmp_path, write_model, micro):
+@pytest.mark.parametrize("micro,prefetch", [("null", 0), (5, 0), ("null", 2), (5, 3)])
+def test_every_sample_once_per_epoch_including_the_last_partial_batch(tmp_path, write_model, micro, prefetch):
     path = write_model(RECORDING)
-    summary, records = fit(path, tmp_path / "run", "trainer.epochs=2", "seed=7", f"trainer.micro_batch_size={micro}")
+    summary, records = fit(path, tmp_path / "run", "trainer.epochs=2", "seed=7", f"trainer.micro_batch_size={micro}",
+                           f"data.prefetch={prefetch}")
     order = np.concatenate([data.permutation(70, 7, 0), data.permutation(70, 7, 1)]).tolist()
     trained = [i for chunk in read_ids(tmp_path / "trained.txt") for i in chunk]
     assert trained == order  # each epoch: its permutation, in order, every id exactly once
-    served = [i for chunk in read_ids(tmp_path / "served.txt") for i in chunk]
-    assert served[-len(order):] == order  # ...fetched through __getitem__(indices)
+    served_chunks = read_ids(tmp_path / "served.txt")[1:]  # the first: the metric probe's two samples
+    if prefetch == 0:
+        served = [i for chunk in served_chunks for i in chunk]
+        assert served == order  # ...fetched through __getitem__(indices), when trained
+    else:  # read ahead in a thread: every trained micro-batch read once, plus at most `prefetch` read
+        # beyond the end (the third epoch's first micro-batches, never trained)
+        served, trained_chunks = Counter(map(tuple, served_chunks)), Counter(map(tuple, read_ids(tmp_path / "trained.txt")))
+        assert not trained_chunks - served and max(served.values()) == 1
+        extra = [i for chunk in (served - trained_chunks) for i in chunk]
+        assert 0 < len(extra) <= prefetch * (5 if micro == 5 else 16)
+        assert extra == data.permutation(70, 7, 2)[:len(extra)].tolist()
     # 70 = 4 x 16 + 6: five steps per epoch, the fifth a global batch of 6
     assert [r["step"] for r in records] == list(range(1, 11))
     assert [r["epoch"] for r in records] == [0] * 5 + [1] * 5

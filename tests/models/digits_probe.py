@@ -131,4 +131,9 @@ class RecordingDataset:
 
 def data(cfg):
     arrays = digits_mlp.data(cfg)
-    return RecordingDataset(arrays) if RECORD else arrays
+    if not RECORD:
+        return arrays
+    # A record means "what this worker consumed for that step attempt", written at the fetch: so fetch
+    # on demand, not ahead (tests/test_data_forms.py checks exactly-once with prefetch from forward()).
+    cfg.data.prefetch = 0
+    return RecordingDataset(arrays)

@@ -1,0 +1,142 @@
+"""This worker's next micro-batches, read and converted to tensors in the background.
+
+A batch is named by its place in the global order, ``(epoch, start, end)`` positions of that epoch's
+permutation, never by a step or a rank. So exactly-once does not depend on prefetch: when the
+membership changes, the shares change, the plan names other batches, and what was read for the old
+share is dropped unread; a redone step asks for its batches again and reads them again.
+
+``data.workers`` threads read (and convert) ahead; with ``data.worker_type=process`` the reading
+(the user's ``__getitem__``, decoding) runs in as many forked processes, out of the GIL's way, and
+only the conversion to tensors stays in this process.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from . import data
+from .errors import ElasticFlowError
+
+log = logging.getLogger("elasticflow")
+
+Key = Tuple[int, int, int]  # (epoch, start, end): positions [start, end) of the epoch's permutation
+
+
+class Prefetcher:
+    """Batches by :data:`Key`: ``take(key, ahead)`` returns ``key``'s batch and starts reading the
+    first ``depth`` keys of ``ahead``.
+
+    Args:
+        source: the training ``data.Source``.
+        seed: the run's seed (the epochs' permutations).
+        depth: micro-batches read ahead of the one being trained (0: read on demand, in this thread).
+        workers: threads (or processes) reading at once.
+        worker_type: ``thread`` or ``process``.
+    """
+
+    def __init__(self, source: data.Source, seed: int, depth: int, workers: int, worker_type: str = "thread"):
+        self.source, self.seed = source, seed
+        # Arrays held in memory are gathered in microseconds: reading ahead would only add a thread hop.
+        self.depth = depth if source.resident is None else 0
+        self.workers, self.worker_type = max(1, workers), worker_type
+        self.pending: "OrderedDict[Key, Future]" = OrderedDict()
+        self._orders: Dict[int, np.ndarray] = {}
+        self._orders_lock = threading.Lock()  # reader threads ask for the next epoch's order
+        self._threads: Optional[ThreadPoolExecutor] = None
+        self._processes: Any = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's permutation (two kept: the current epoch and the next, read ahead into)."""
+        with self._orders_lock:
+            if epoch not in self._orders:
+                if len(self._orders) >= 2:
+                    self._orders.pop(min(self._orders))
+                self._orders[epoch] = data.permutation(len(self.source), self.seed, epoch)
+            return self._orders[epoch]
+
+    def take(self, key: Key, ahead: List[Key] = ()):
+        """``key``'s batch as tensors; the first ``depth`` keys of ``ahead`` start reading."""
+        if self.depth == 0:
+            return self._load(key)
+        if self.worker_type == "process":
+            self._process_pool()  # started from this (the main) thread: loaders die with it, not a helper thread
+        wanted = [k for k in ahead[:self.depth] if k != key]
+        for k in list(self.pending):  # no longer this worker's (the shares changed), or already passed
+            if k != key and k not in wanted:
+                self.pending.pop(k).cancel()
+        for k in wanted:
+            if k not in self.pending:
+                self.pending[k] = self._pool().submit(self._load, k)
+        future = self.pending.pop(key, None)
+        return self._load(key) if future is None else future.result()
+
+    def close(self) -> None:
+        for future in self.pending.values():
+            future.cancel()
+        self.pending.clear()
+        if self._threads is not None:
+            self._threads.shutdown(wait=True, cancel_futures=True)
+            self._threads = None
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
+            self._processes = None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="elasticflow-data")
+        return self._threads
+
+    def _load(self, key: Key):
+        epoch, start, end = key
+        positions = self.order(epoch)[start:end]
+        if self.source.resident is not None or self.worker_type != "process":
+            return self.source.rows(positions, epoch)
+        try:
+            rows = self._process_pool().submit(_read_in_loader, positions, epoch).result()
+        except BrokenProcessPool as exc:
+            self._processes = None
+            raise ElasticFlowError(
+                f"a data loader process died while reading samples of epoch {epoch} (positions {start}..{end})",
+                "a process killed for memory or crashed inside the dataset's __getitem__; lower data.workers, "
+                "or use data.worker_type=thread to see the error in this process") from exc
+        return self.source.convert(rows)
+
+    def _process_pool(self):
+        if self._processes is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # fork: the loaders inherit the dataset object (a model file's class need not be importable
+            # by name, so spawn could not unpickle it). torch.utils.data.DataLoader forks too.
+            self._processes = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"),
+                                                  initializer=_loader_init, initargs=(self.source.dataset,))
+            self._processes.submit(int).result()  # fork now, from the calling thread (PR_SET_PDEATHSIG's parent)
+        return self._processes
+
+
+_loader_dataset: Any = None
+
+
+def _loader_init(dataset: data.Dataset) -> None:
+    global _loader_dataset
+    _loader_dataset = dataset
+    if sys.platform.startswith("linux"):  # die with the worker: a SIGKILLed worker leaves no loaders behind
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if "torch" in sys.modules:  # one thread per loader, as DataLoader's workers: the cores are the trainer's
+        sys.modules["torch"].set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    os.environ["ELASTICFLOW_DATA_LOADER"] = "1"
+
+
+def _read_in_loader(positions: np.ndarray, epoch: int) -> Tuple[np.ndarray, ...]:
+    return _loader_dataset.fetch(positions, epoch)
