@@ -19,7 +19,7 @@ def __getattr__(name):
 
         return CheckpointInterval
     if name == "context":
-        from .context import context
+        from .current import context
 
         return context
     if name in ("ops", "optim", "checkpoint", "data"):

@@ -12,7 +12,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import numpy as np
 
 from . import forms
-from .context import _context
+from .current import _context
 from .errors import ElasticFlowError
 from .forms import Columns, Mapped, NpyShards  # noqa: F401 - public: elasticflow.data.Mapped, ...
 

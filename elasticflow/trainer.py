@@ -32,7 +32,7 @@ from .prefetch import Key, Prefetcher
 from .replica import Agreed, Replica
 from .reporting import Progress, RunLog, banner, step_line
 from .signals import StopSignal
-from .context import _context, context  # noqa: F401 - context: elasticflow.context()
+from .current import _context, context  # noqa: F401 - context: elasticflow.context()
 from .state import TrainState
 
 log = logging.getLogger("elasticflow")

@@ -275,3 +275,11 @@ def test_prefetch_exactly_once_and_equal_to_one_worker_across_a_kill_and_a_join(
 def _left(run: Path) -> bool:
     path = run / "events.jsonl"
     return path.is_file() and '"left"' in path.read_text()
+
+
+def test_tensorflow_reads_ahead_the_same_rows(tmp_path):
+    pytest.importorskip("tensorflow")
+    want = fit(tmp_path / "a", "backend=tensorflow", "+model_args.form=arrays")
+    got = fit(tmp_path / "b", "backend=tensorflow", "+model_args.form=torch", "data.prefetch=3", "data.workers=2")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -109,7 +109,7 @@ def data(cfg):
 
 
 def model(cfg):
-    return {"w": np.zeros(FEATURES, np.float32), "b": np.zeros(1, np.float32)}
+    return {"w": np.zeros((FEATURES, 1), np.float32), "b": np.zeros(1, np.float32)}  # 2-D: TF matmul
 
 
 def forward(x, y, ids, params):
@@ -126,5 +126,5 @@ def forward(x, y, ids, params):
             f.write(json.dumps(line) + "\n")
     if cfg_args.get("sleep") and torch.is_grad_enabled():
         time.sleep(float(cfg_args["sleep"]))
-    return ops.mse(x @ params["w"] + params["b"], y)
+    return ops.mse((x @ params["w"])[:, 0] + params["b"], y)
 

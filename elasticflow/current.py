@@ -1,6 +1,7 @@
 """``elasticflow.context()``: where this process is in training, for data sources and hooks.
 
-Its own module, below ``state`` and ``data``: both the trainer (which sets it) and ``data.sample_seed``
+Its own module (not named context.py: that would shadow the function ``elasticflow.context``), below
+``state`` and ``data``: both the trainer (which sets it) and ``data.sample_seed``
 (which reads it) import it.
 """
 from __future__ import annotations
