@@ -97,14 +97,14 @@ class NpyShards:
     def __init__(self, *patterns: str):
         if not patterns:
             raise ElasticFlowError("NpyShards() got no pattern", 'pass one glob per array, e.g. "x-*.npy", "y-*.npy"')
-        self.arrays: List[List[np.ndarray]] = []
+        self.arrays: List[List[DiskRows]] = []
         self.offsets: List[np.ndarray] = []
         for pattern in patterns:
             files = sorted(glob.glob(os.path.expanduser(pattern)))
             if not files:
                 raise ElasticFlowError(f"NpyShards(): no file matches {pattern!r}",
                                        "check the path (relative paths start where elasticflow train was run)")
-            shards = [np.load(f, mmap_mode="r") for f in files]
+            shards = [DiskRows(np.load(f, mmap_mode="r")) for f in files]
             for f, s in zip(files, shards):
                 if s.shape[1:] != shards[0].shape[1:] or s.dtype != shards[0].dtype:
                     raise ElasticFlowError(
@@ -127,34 +127,67 @@ class NpyShards:
         return tuple(_read_sharded(shards, offsets, indices) for shards, offsets in zip(self.arrays, self.offsets))
 
 
-def _read_sharded(shards: List[np.ndarray], offsets: np.ndarray, indices: np.ndarray) -> np.ndarray:
+class DiskRows:
+    """Rows of a memory-mapped array read with ``pread`` into the batch's own buffer.
+
+    Not through the mapping: a fault maps at least a page and, where the page cache holds the file in
+    large folios (a file just written), a whole folio, so 40 random batches brought a 2 GiB file
+    into the resident set (measured, scripts/bench_data.py). pread leaves the file in the page
+    cache, which the kernel may drop, and maps nothing. Runs of consecutive rows are one call each.
+    """
+
+    def __init__(self, array: np.memmap):
+        self.array = array  # kept: the mapping stays valid as the fallback and for non-contiguous files
+        self.fd = None
+        if getattr(array, "filename", None) and array.flags.c_contiguous and array.ndim >= 1:
+            self.fd = os.open(array.filename, os.O_RDONLY)
+            self.offset, self.row_bytes = int(array.offset), int(array.strides[0]) if array.ndim > 1 else array.itemsize
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        order = np.argsort(indices, kind="stable")
+        rows = np.empty((len(indices),) + self.shape[1:], dtype=self.dtype)
+        wanted = indices[order]
+        if self.fd is None:
+            rows[order] = self.array[wanted]
+            return rows
+        sorted_rows = np.empty_like(rows)
+        flat = sorted_rows.reshape(len(indices), -1).view(np.uint8)
+        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1  # runs of consecutive rows
+        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(wanted)]):
+            view = memoryview(flat[lo:hi]).cast("B")
+            got = os.preadv(self.fd, [view], self.offset + int(wanted[lo]) * self.row_bytes)
+            if got != len(view):
+                raise ElasticFlowError(f"{self.array.filename} is shorter than its header says (rows {wanted[lo]}.."
+                                       f"{wanted[hi - 1]} read {got} of {len(view)} bytes)",
+                                       "the file was truncated or is being rewritten; write it again")
+        rows[order] = sorted_rows
+        return rows
+
+
+def _read_sharded(shards: List[DiskRows], offsets: np.ndarray, indices: np.ndarray) -> np.ndarray:
     which = np.searchsorted(offsets, indices, side="right") - 1
     out = np.empty((len(indices),) + shards[0].shape[1:], dtype=shards[0].dtype)
     for s in np.unique(which):
         hit = which == s
-        out[hit] = _read_rows(shards[s], indices[hit] - offsets[s])
+        out[hit] = shards[s].read(indices[hit] - offsets[s])
     return out
-
-
-def _read_rows(array: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """Rows of a memory-mapped array: read in file order (sequential pages), returned in ``indices``' order."""
-    order = np.argsort(indices, kind="stable")
-    rows = np.empty((len(indices),) + array.shape[1:], dtype=array.dtype)
-    rows[order] = array[indices[order]]
-    return rows
 
 
 class Mmapped:
     """A tuple of arrays of which at least one is memory-mapped: rows are read per batch, never all."""
 
     def __init__(self, arrays: Sequence[np.ndarray]):
-        self.arrays = tuple(arrays)
+        self.arrays = tuple(DiskRows(a) if isinstance(a, np.memmap) else a for a in arrays)
 
     def __len__(self) -> int:
         return len(self.arrays[0])
 
     def read(self, indices: np.ndarray) -> Rows:
-        return tuple(_read_rows(a, indices) if isinstance(a, np.memmap) else a[indices] for a in self.arrays)
+        return tuple(a.read(indices) if isinstance(a, DiskRows) else a[indices] for a in self.arrays)
 
 
 class Indexed:
@@ -171,25 +204,36 @@ class Indexed:
 
 
 def _stack(items: List[Any], indices: np.ndarray) -> Rows:
-    """Items (arrays, tuples of arrays, or dicts) stacked field by field into a batch."""
+    """Items (arrays, tensors, tuples of them, or dicts) stacked field by field into a batch."""
     first = items[0]
     if isinstance(first, dict):
         keys = list(first)
         items = [tuple(item[k] for k in keys) for item in items]
     elif not isinstance(first, (tuple, list)):
         items = [(item,) for item in items]
-    fields = []
-    for f in range(len(items[0])):
-        values = [_as_array(item[f]) for item in items]
-        for i, v in zip(indices, values):
-            if v.shape != values[0].shape or v.dtype != values[0].dtype:
-                raise ElasticFlowError(
-                    f"sample {int(i)}'s field #{f} is {v.dtype} of shape {v.shape}, but sample {int(indices[0])}'s "
-                    f"is {values[0].dtype} of shape {values[0].shape}",
-                    "every sample's field must have one shape and dtype; pad or resize in __getitem__, or pass "
-                    "collate_fn= to Mapped()")
-        fields.append(np.stack(values))
-    return tuple(fields)
+    return tuple(_stack_field([item[f] for item in items], f, indices) for f in range(len(items[0])))
+
+
+def _stack_field(values: List[Any], field: int, indices: np.ndarray) -> np.ndarray:
+    # One C call when the items agree (torch.stack for tensors, as default_collate does; np.stack
+    # else); the item-by-item look for the odd one out only when they do not.
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
+        if len({(v.dtype, v.shape) for v in values}) == 1:
+            return torch.stack(values).numpy()
+    else:
+        arrays = [np.asarray(v) for v in values]
+        if len({(a.dtype, a.shape) for a in arrays}) == 1:
+            return np.stack(arrays)
+    arrays = [_as_array(v) for v in values]
+    for i, a in zip(indices, arrays):
+        if a.shape != arrays[0].shape or a.dtype != arrays[0].dtype:
+            raise ElasticFlowError(
+                f"sample {int(i)}'s field #{field} is {a.dtype} of shape {a.shape}, but sample {int(indices[0])}'s "
+                f"is {arrays[0].dtype} of shape {arrays[0].shape}",
+                "every sample's field must have one shape and dtype; pad or resize in __getitem__, or pass "
+                "collate_fn= to Mapped()")
+    return np.stack(arrays)
 
 
 def _as_array(value: Any) -> np.ndarray:

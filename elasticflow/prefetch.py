@@ -67,18 +67,16 @@ class Prefetcher:
     def take(self, key: Key, ahead: List[Key] = ()):
         """``key``'s batch as tensors; the first ``depth`` keys of ``ahead`` start reading."""
         if self.depth == 0:
-            return self._load(key)
-        if self.worker_type == "process":
-            self._process_pool()  # started from this (the main) thread: loaders die with it, not a helper thread
+            return self._ready(key, self._start(key)) if self.worker_type == "process" else self._load(key)
         wanted = [k for k in ahead[:self.depth] if k != key]
         for k in list(self.pending):  # no longer this worker's (the shares changed), or already passed
             if k != key and k not in wanted:
                 self.pending.pop(k).cancel()
         for k in wanted:
             if k not in self.pending:
-                self.pending[k] = self._pool().submit(self._load, k)
-        future = self.pending.pop(key, None)
-        return self._load(key) if future is None else future.result()
+                self.pending[k] = self._start(k)
+        future = self.pending.pop(key, None) or self._start(key)
+        return self._ready(key, future)
 
     def close(self) -> None:
         for future in self.pending.values():
@@ -91,25 +89,33 @@ class Prefetcher:
             self._processes.shutdown(wait=False, cancel_futures=True)
             self._processes = None
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="elasticflow-data")
-        return self._threads
-
-    def _load(self, key: Key):
+    def _start(self, key: Key) -> Future:
+        """Start reading ``key``: in a thread (read and convert), or in a loader process (read only:
+        its task queue stays full, so a loader never idles while this process converts)."""
+        if self.worker_type != "process":
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="elasticflow-data")
+            return self._threads.submit(self._load, key)
         epoch, start, end = key
-        positions = self.order(epoch)[start:end]
-        if self.source.resident is not None or self.worker_type != "process":
-            return self.source.rows(positions, epoch)
+        return self._process_pool().submit(_read_in_loader, self.order(epoch)[start:end], epoch)
+
+    def _ready(self, key: Key, future: Future):
+        """The batch of a started read, as tensors (a loader's rows are converted here: from_numpy, no copy)."""
+        if self.worker_type != "process":
+            return future.result()
         try:
-            rows = self._process_pool().submit(_read_in_loader, positions, epoch).result()
+            return self.source.convert(_as_numpy(future.result()))
         except BrokenProcessPool as exc:
             self._processes = None
+            epoch, start, end = key
             raise ElasticFlowError(
                 f"a data loader process died while reading samples of epoch {epoch} (positions {start}..{end})",
                 "a process killed for memory or crashed inside the dataset's __getitem__; lower data.workers, "
                 "or use data.worker_type=thread to see the error in this process") from exc
-        return self.source.convert(rows)
+
+    def _load(self, key: Key):
+        epoch, start, end = key
+        return self.source.rows(self.order(epoch)[start:end], epoch)
 
     def _process_pool(self):
         if self._processes is None:
@@ -120,7 +126,7 @@ class Prefetcher:
             # by name, so spawn could not unpickle it). torch.utils.data.DataLoader forks too.
             self._processes = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"),
                                                   initializer=_loader_init, initargs=(self.source.dataset,))
-            self._processes.submit(int).result()  # fork now, from the calling thread (PR_SET_PDEATHSIG's parent)
+            self._processes.submit(int).result()  # fork now, from this (the main) thread: PR_SET_PDEATHSIG's parent
         return self._processes
 
 
@@ -138,5 +144,22 @@ def _loader_init(dataset: data.Dataset) -> None:
     os.environ["ELASTICFLOW_DATA_LOADER"] = "1"
 
 
-def _read_in_loader(positions: np.ndarray, epoch: int) -> Tuple[np.ndarray, ...]:
-    return _loader_dataset.fetch(positions, epoch)
+def _read_in_loader(positions: np.ndarray, epoch: int) -> Tuple[Any, ...]:
+    rows = _loader_dataset.fetch(positions, epoch)
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return rows
+    # As torch tensors, the rows travel as shared memory (torch's reducers for multiprocessing move the
+    # storage there and pass its file descriptor), as DataLoader's do, rather than being pickled through
+    # the result pipe and copied twice: 0.84x DataLoader's throughput before, on a decode-bound bench.
+    out = []
+    for r in rows:
+        try:
+            out.append(torch.from_numpy(r))
+        except TypeError:  # a dtype torch has no tensor for: pickled as it is
+            out.append(r)
+    return tuple(out)
+
+
+def _as_numpy(rows: Tuple[Any, ...]) -> Tuple[np.ndarray, ...]:
+    return tuple(r if isinstance(r, np.ndarray) else r.numpy() for r in rows)  # a view of the shared memory
