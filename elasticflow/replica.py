@@ -6,6 +6,8 @@ the membership, the engine and two accessors of the state, and returns what happ
 - ``reduce_step``: the per-step reduction, one allreduce: the gradient (one flat buffer) followed by
   the loss, the metrics, three agreement flags and the buffers' contributions, so every member decides the same thing at the
   same step: a newer generation is waiting, a stop was asked (Ctrl-C, SIGUSR1), the agent is gone.
+  With ``comm.bucket_mb`` the gradient goes in buckets instead, each started during backward
+  (``begin_backward``), the last one carrying the scalars and flags.
 - ``recover``: after a failed collective, drop the group, enter the agent's next generation and
   ``sync_state``: the members compare how many samples each has committed, and if one is ahead
   (it finished the step's reduction before the peer died) its full state is sent to the members
@@ -75,9 +77,16 @@ class Replica:
         load_state_dict: takes (arrays, progress) from the most advanced member.
     """
 
-    def __init__(self, membership: Any, engine: Any, state_dict: StateDict, load_state_dict: LoadStateDict):
+    def __init__(self, membership: Any, engine: Any, state_dict: StateDict, load_state_dict: LoadStateDict,
+                 bucket_mb: Optional[float] = None):
         self.membership, self.engine = membership, engine
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
+        self.bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb else 0
+        self._ranges: Optional[List[Tuple[int, int]]] = None  # the gradient's buckets (engine.buckets)
+        self._started: List[Any] = []        # this step's bucket allreduces, in flight
+        self._ready: set = set()             # buckets whose gradients backward has finished
+        self._next = 0                       # buckets are started in index order, on every member alike
+        self._start_error: Optional[Exception] = None
 
     @property
     def rank(self) -> int:
@@ -123,6 +132,42 @@ class Replica:
                       rebuild_s=joined_at - m.admitted_at, transfer_s=time.time() - joined_at, state_received=moved)
 
     # ------------------------------------------------------------------ every step
+    def begin_backward(self) -> None:
+        """Before this worker's last backward of the step: from here on each gradient bucket starts its
+        allreduce as soon as backward has finished it, while backward goes on (``comm.bucket_mb``)."""
+        self._reset_buckets()
+        ranges = self._buckets()
+        if ranges:
+            self.engine.arm(ranges, self._bucket_ready)
+
+    def _buckets(self) -> Optional[List[Tuple[int, int]]]:
+        """The buckets, when the step reduces in more than one (the same answer on every member: it
+        depends on the model and the settings only). Host gradients only: a GPU's go over NCCL whole."""
+        if not self.bucket_bytes or self.membership is None or self.world == 1 or not hasattr(self.engine, "arm"):
+            return None
+        if self._ranges is None:
+            self._ranges = [] if self.engine.grad_view().is_cuda else self.engine.buckets(self.bucket_bytes)
+        return self._ranges if len(self._ranges) > 1 else None
+
+    def _reset_buckets(self) -> None:
+        self._started, self._ready, self._next, self._start_error = [], set(), 0, None
+
+    def _bucket_ready(self, k: int) -> None:  # called from backward (a hook): never raise into autograd
+        self._ready.add(k)
+        self._start_ready(len(self._ranges) - 1)
+
+    def _start_ready(self, upto: int) -> None:
+        """Start buckets ``_next .. upto - 1`` in order, as far as they are ready."""
+        grad, group = self.engine.grad_view(), self.membership.group
+        while self._next < upto and self._next in self._ready and self._start_error is None:
+            lo, hi = self._ranges[self._next]
+            try:
+                self._started.append(group.allreduce_start(grad[lo:hi]))
+            except protocol.CommError as exc:
+                self._start_error = exc
+                return
+            self._next += 1
+
     def reduce_step(self, scalars: List[float], interrupt: bool,
                     buffers: Optional[np.ndarray] = None) -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
         """Sum the gradient, ``scalars`` and ``buffers`` (the buffers' contributions, ``buffers.Reconciler``)
@@ -143,7 +188,10 @@ class Replica:
         grad = self.engine.grad_view()
         votes = scalars + [float(seen), float(interrupt), float(m.agent_lost)]
         n = len(votes)
-        if grad.numel() <= FOLD_MAX:
+        ranges = self._buckets()
+        if ranges:
+            tail = self._reduce_buckets(grad, ranges, votes, buffers)
+        elif grad.numel() <= FOLD_MAX:
             # One collective, not two: each is a round trip every member must be scheduled for, which on
             # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
             # in float32 after the gradient (exact for the flags and generations); the price is copying
@@ -166,6 +214,33 @@ class Replica:
         # Every member summed the same numbers, so every member reaches the same verdict.
         agreed = Agreed(out[k] != generation * self.world, out[k + 1] > 0, out[k + 2] > 0)
         return out[:k], agreed, None if buffers is None else tail[n:].to("cpu", torch.float64).numpy()
+
+    def _reduce_buckets(self, grad, ranges: List[Tuple[int, int]], votes: List[float], buffers) -> Any:
+        """Finish the bucketed reduction: start what backward did not (unused parameters, an empty
+        share), then the last bucket (the first parameters, which backward finishes last) with the
+        votes and buffers folded in, and wait for all. Returns the reduced votes and buffers."""
+        import torch
+
+        try:
+            self.engine.arm(ranges, None)
+            last = len(ranges) - 1
+            self._ready.update(range(last))
+            self._start_ready(last)
+            if self._start_error is not None:
+                raise self._start_error
+            lo, hi = ranges[last]
+            parts = [grad[lo:hi], torch.tensor(votes, dtype=grad.dtype)]
+            if buffers is not None:
+                parts.append(torch.from_numpy(buffers).to(grad.dtype))
+            buf = torch.cat(parts)
+            group = self.membership.group
+            group.allreduce_(buf)
+            for work in self._started:
+                group.wait(work)
+        finally:
+            self._reset_buckets()
+        grad[lo:hi].copy_(buf[:hi - lo])
+        return buf[hi - lo:]
 
     def reduce_sum(self, values: List[float]) -> List[float]:
         """Sum ``values`` over the members (float64)."""

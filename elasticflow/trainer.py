@@ -119,7 +119,8 @@ class ElasticTrainer:
         self.schedule = data.Schedule(len(self.source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs)
         eval_dataset = data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None
 
-        self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict)
+        self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict,
+                               cfg.comm.bucket_mb)
         if self.membership is not None and self.placement.comm == "nccl":
             self.membership.nccl_device = self.placement.device  # GPU tensors reduce over NCCL from the first group
         self.checkpoints = CheckpointManager(Checkpointer.for_run(self.ckpt_dir, cfg, self.run_dir, self.membership),
@@ -291,6 +292,8 @@ class ElasticTrainer:
             # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
             engine.seed(data.micro_seed(self.seed, batch.epoch, batch.start, share.first + i))
             rows = self.prefetch.take(keys[i], keys[i + 1:]) if keys else self.source.rows(self._order[a:b])
+            if i == len(share.micro) - 1:
+                self.replica.begin_backward()  # the gradient is final as backward finishes each bucket
             loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
             if loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -291,6 +292,9 @@ class Engine:
         self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
         self._host: Optional[Dict[str, torch.Tensor]] = None  # state(copy=False) on a GPU: pinned mirrors
         self._checked = False
+        self._bucket_of: Optional[List[int]] = None  # parameter index -> bucket (arm())
+        self._on_ready: Optional[Any] = None
+        self._waiting: Counter = Counter()
 
     # -- one step
     def train_mode(self, training: bool) -> None:
@@ -332,6 +336,44 @@ class Engine:
             if p.grad is None or not (base <= p.grad.data_ptr() < end):
                 raise RuntimeError(f"gradient of {name!r} left the flat buffer; do not replace .grad in forward()")
         self._checked = True
+
+    # -- gradient buckets: reductions that start while backward still runs
+    def buckets(self, bucket_bytes: int) -> List[Tuple[int, int]]:
+        """Ranges [lo, hi) of the flat gradient, whole parameters each, in the order backward finishes
+        them (the last parameters first: backward runs from the loss towards the inputs), each of at
+        least ``bucket_bytes`` but the last."""
+        sizes = [p.numel() for p in self.params.values()]
+        ends = np.cumsum(sizes).tolist()
+        ranges, hi = [], self.num_params
+        for i in range(len(sizes) - 1, -1, -1):
+            lo = ends[i] - sizes[i]
+            if (hi - lo) * 4 >= bucket_bytes or i == 0:
+                ranges.append((lo, hi))
+                hi = lo
+        return ranges
+
+    def arm(self, ranges: List[Tuple[int, int]], on_ready: Optional[Any]) -> None:
+        """Call ``on_ready(k)`` when every parameter of bucket k (``ranges[k]``) has its gradient
+        accumulated in the next backward; None disarms. The hooks are registered once, at the first arm.
+
+        Note: a parameter that takes no part in the forward pass never reports: its bucket is the
+        caller's to start after backward.
+        """
+        if on_ready is not None and self._bucket_of is None:
+            starts = np.cumsum([0] + [p.numel() for p in self.params.values()])[:-1].tolist()
+            self._bucket_of = [next(k for k, (lo, hi) in enumerate(ranges) if lo <= at < hi) for at in starts]
+            for i, p in enumerate(self.params.values()):
+                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, self._bucket_of[i]))
+        self._on_ready = on_ready
+        if on_ready is not None:
+            self._waiting = Counter(self._bucket_of)
+
+    def _accumulated(self, bucket: int, _param: torch.Tensor) -> None:
+        if self._on_ready is None:
+            return
+        self._waiting[bucket] -= 1
+        if self._waiting[bucket] == 0:
+            self._on_ready(bucket)
 
     def grad_view(self) -> torch.Tensor:
         """The accumulated flat gradient (1-D float32); in-place edits (an allreduce) are what apply() uses."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -96,6 +96,17 @@ class Group:
         if host is not tensor:
             tensor.copy_(host, non_blocking=True)  # the next step's copy down waits for it on the same stream
         return tensor
+
+    def allreduce_start(self, tensor: torch.Tensor) -> Any:
+        """Start a sum-allreduce of a host tensor in place and return its work, for :meth:`wait`. The
+        members must start the same allreduces in the same order (gloo matches them by sequence)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._run("allreduce", lambda: self.pg.allreduce([tensor], opts))
+
+    def wait(self, work: Any) -> None:
+        """Wait for a started collective (the group's timeout bounds it); CommError if it failed."""
+        self._run("allreduce", work.wait)
 
     def _nccl_allreduce(self, tensor: torch.Tensor, opts) -> None:
         self.nccl.allreduce([tensor], opts).wait()

@@ -1,0 +1,126 @@
+"""Gradient buckets reduced while backward runs (comm.bucket_mb): the same updates as one reduction,
+and the same recovery when a worker dies with buckets in flight.
+
+Tolerance as tests/test_elastic.py: float32 sums over another number of workers (or another split of
+the buffer) round differently in the last bits.
+"""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import elasticflow.checkpoint as ckpt
+from conftest import losses, metrics, train
+
+PROBE = Path(__file__).parent / "models" / "overlap_probe.py"
+COMMON = ["trainer.global_batch_size=64", "trainer.max_steps=30", "trainer.log_every=1", "optimizer.lr=0.1",
+          "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5", "elastic.wait_s=30"]
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def final(run: Path) -> dict:
+    return ckpt.load(ckpt.latest(run / "checkpoints"))
+
+
+def assert_same(run: Path, ref: Path, exact: bool = False) -> None:
+    got, want = final(run), final(ref)
+    names = [k for k in want if not k.startswith("rng/")]
+    assert any("weight" in k for k in names), names
+    for k in names:
+        if exact:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=k)
+    assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, 31))
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    run = tmp_path_factory.mktemp("one")
+    train(PROBE, run, *COMMON, "comm.bucket_mb=null")
+    return run
+
+
+def test_buckets_on_one_worker_are_bit_identical(tmp_path, one_worker):
+    train(PROBE, tmp_path / "run", *COMMON, "comm.bucket_mb=0.1")
+    assert_same(tmp_path / "run", one_worker, exact=True)
+
+
+def test_three_buckets_on_three_workers_match_one_reduction(tmp_path, one_worker):
+    train(PROBE, tmp_path / "b", *COMMON, "comm.bucket_mb=0.1", "launcher.workers=3")
+    train(PROBE, tmp_path / "n", *COMMON, "comm.bucket_mb=null", "launcher.workers=3")
+    assert_same(tmp_path / "b", tmp_path / "n")
+    assert_same(tmp_path / "b", one_worker)
+    np.testing.assert_allclose(losses(tmp_path / "b"), losses(one_worker), rtol=RTOL)
+
+
+@pytest.mark.parametrize("kill", ["1:12:3", "2:12:1", "0:20:0", "1:8:reduction"],
+                         ids=["first-bucket-not-started", "two-buckets-in-flight", "rank0-last-layer",
+                              "during-the-fold"])
+def test_a_kill_with_buckets_in_flight_ends_on_the_one_worker_parameters(tmp_path, one_worker, kill):
+    run = tmp_path / "run"
+    train(PROBE, run, *COMMON, "comm.bucket_mb=0.1", "launcher.workers=3", env={"EF_OVERLAP_KILL": kill})
+    assert_same(run, one_worker)
+    worlds = [r["world_size"] for r in metrics(run) if "loss" in r]
+    assert worlds[0] == 3 and worlds[-1] == 2
+
+
+class RecordingGroup:
+    """A 2-member group that sums nothing (the peer's values are zeros) and records when each
+    bucket's allreduce started: during backward (hooks) or after it (reduce_step)."""
+
+    def __init__(self):
+        self.events = []
+
+    def allreduce_start(self, tensor):
+        self.events.append(("start", tensor.numel()))
+        return tensor
+
+    def wait(self, work):
+        self.events.append(("wait", work.numel()))
+
+    def allreduce_(self, tensor):
+        self.events.append(("fold", tensor.numel()))
+        return tensor
+
+
+def test_buckets_start_while_backward_runs_in_order_and_the_last_carries_the_votes():
+    import torch
+    from types import SimpleNamespace
+
+    from elasticflow.backends import torch as backend
+    from elasticflow.optim import SGD
+    from elasticflow.replica import Replica
+
+    cfg = SimpleNamespace(seed=0)
+    probe = {}
+    exec(compile(PROBE.read_text(), str(PROBE), "exec"), probe)
+    engine = backend.Engine(probe["model"](cfg), lambda x, y, params: probe["forward"](x, y, params), SGD(0.1))
+    group = RecordingGroup()
+    member = SimpleNamespace(group=group, generation=1, latest_generation=1, world=2, rank=0, agent_lost=False)
+    replica = Replica(member, engine, None, None, bucket_mb=0.1)
+    x, y = (torch.from_numpy(a[:16]) for a in probe["data"](cfg))
+    sizes = [hi - lo for lo, hi in engine.buckets(int(0.1 * 2**20))]
+    assert len(sizes) == 3 and sum(sizes) == engine.num_params
+
+    engine.zero_grad()
+    engine.accumulate((x, y), 0.5)              # an earlier micro-batch: nothing starts
+    assert group.events == []
+    replica.begin_backward()
+    engine.accumulate((x, y), 0.5)              # the last: the first two buckets start inside backward
+    assert group.events == [("start", sizes[0]), ("start", sizes[1])]
+    scalars, agreed, _ = replica.reduce_step([1.5], False)
+    assert group.events[2:] == [("fold", sizes[2] + 4), ("wait", sizes[0]), ("wait", sizes[1])]
+    assert scalars == [1.5] and not agreed.interrupt  # the votes rode in the fold (peer: zeros here)
+
+    group.events.clear()                        # an empty share: no backward, every bucket at reduce time
+    replica.reduce_step([0.0], False)
+    assert [e[0] for e in group.events] == ["start", "start", "fold", "wait", "wait"]
+
+
+def test_a_negative_bucket_size_is_refused(tmp_path):
+    from conftest import run_cli
+
+    proc = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path}", "comm.bucket_mb=-1"], timeout=60)
+    assert proc.returncode == 2 and "error: comm.bucket_mb must be a size in MiB >= 0, got -1" in proc.stderr
+    assert "hint:" in proc.stderr
