@@ -445,6 +445,7 @@ class ElasticTrainer:
     def finish(self) -> Dict[str, Any]:
         """Evaluate (if eval_data exists and the last step was not just evaluated) and write the final checkpoint."""
         s, ev = self.state, self.tcfg.eval_every
+        self.prefetch.close()  # your own loop (README) ends here, not in fit(): no readers left behind
         if self.evaluation is not None and not (self.last_eval and ev and s.step % ev == 0):
             self.evaluate()
         final = None
