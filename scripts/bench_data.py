@@ -181,17 +181,41 @@ def bench_decode(model: Path, tmp: Path, rounds: int, steps: int = 60, batch: in
 
     rows = {"DataLoader(num_workers=2, pin_memory) loop": [], "elasticflow processes=2": [],
             "elasticflow threads=2": []}
+    runs = {"DataLoader(num_workers=2, pin_memory) loop": lambda r: handwritten(),
+            "elasticflow processes=2": lambda r: ours(tmp / f"d{r}", "data.worker_type=process", "data.workers=2",
+                                                      "data.prefetch=4"),
+            "elasticflow threads=2": lambda r: ours(tmp / f"t{r}", "data.workers=2", "data.prefetch=4")}
+    for r in range(rounds):  # the order alternates: no row always follows the same one
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            rows[name].append(runs[name](r))
+    def loaders_only(kind: str) -> float:  # the readers alone, nothing trained: batches per second read
+        if kind == "DataLoader":
+            loader = torch.utils.data.DataLoader(spec["Encoded"](n), batch_size=batch, shuffle=True, num_workers=2)
+            stamps = [time.perf_counter() for _ in loader]
+        else:
+            from elasticflow import data
+            from elasticflow.backends import torch as backend
+            from elasticflow.prefetch import Prefetcher
+
+            reader = Prefetcher(data.Source(data.Dataset(spec["Encoded"](n)), backend), 0, 4, 2, "process")
+            keys = [(0, k * batch, (k + 1) * batch) for k in range(steps)]
+            stamps = []
+            for i, k in enumerate(keys):
+                reader.take(k, keys[i + 1:])
+                stamps.append(time.perf_counter())
+            reader.close()
+        return batch * (len(stamps) - 1 - WARMUP) / (stamps[-1] - stamps[WARMUP])
+
     for r in range(rounds):
-        rows["DataLoader(num_workers=2, pin_memory) loop"].append(handwritten())
-        rows["elasticflow processes=2"].append(ours(tmp / f"d{r}", "data.worker_type=process", "data.workers=2",
-                                                    "data.prefetch=4"))
-        rows["elasticflow threads=2"].append(ours(tmp / f"t{r}", "data.workers=2", "data.prefetch=4"))
+        for kind in (("DataLoader", "elasticflow") if r % 2 == 0 else ("elasticflow", "DataLoader")):
+            rows.setdefault(f"loaders only, no training: {kind}", []).append(loaders_only(kind))
     base = statistics.median(rows["DataLoader(num_workers=2, pin_memory) loop"])
     print(f"\nPython-decoded 3x32x32 records, 1 worker, {steps} steps of {batch}, samples/s over {rounds} rounds "
           f"(steady state: after {WARMUP + 1} steps):")
     for name, values in rows.items():
         v = statistics.median(values)
-        print(f"  {name:44s} {v:8.0f}/s   {v / base:5.2f}x")
+        ref = base if not name.startswith("loaders") else statistics.median(rows["loaders only, no training: DataLoader"])
+        print(f"  {name:44s} {v:8.0f}/s   {v / ref:5.2f}x")
 
 
 def bench_mmap(model: Path, tmp: Path) -> None:
