@@ -38,6 +38,7 @@ class Setup:
     layers: int
     threads: int
     global_batch: int = 16
+    heads: int = 2
     lr: float = 1e-3
     weight_decay: float = 0.01
     seed: int = 0
@@ -45,13 +46,14 @@ class Setup:
     log_file: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_adam_")) / "train.log")
 
     def model_args(self):
-        return {"vocab": self.vocab, "width": self.width, "layers": self.layers}
+        return {"vocab": self.vocab, "width": self.width, "layers": self.layers, "heads": self.heads}
 
     def overrides(self) -> List[str]:
         return ([f"+model_args.{k}={v}" for k, v in self.model_args().items()] +
                 [f"optimizer={self.optimizer}", f"backend.threads={self.threads}", f"seed={self.seed}",
                  f"trainer.global_batch_size={self.global_batch}", f"optimizer.lr={self.lr}",
                  f"optimizer.weight_decay={self.weight_decay}", "checkpoint.interval.steps=1000000000",
+                 *(["optimizer.momentum=0.9"] if self.optimizer == "sgd" else []),
                  "trainer.progress=false", "resume=none"])
 
 
@@ -68,8 +70,7 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
     cfg = OmegaConf.create({"seed": setup.seed, "model_args": setup.model_args()})
     net = tiny_gpt.model(cfg)
     x, y = (torch.from_numpy(a) for a in tiny_gpt.data(cfg))
-    cls = torch.optim.AdamW if setup.optimizer == "adamw" else torch.optim.Adam
-    opt = cls(net.parameters(), lr=setup.lr, weight_decay=setup.weight_decay)
+    opt = _torch_optimizer(setup, net.parameters())
     n, b = len(x), setup.global_batch
     step, epoch = 0, 0
     while step < total_steps:
@@ -87,6 +88,15 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
             if step == total_steps:
                 return
         epoch += 1
+
+
+def _torch_optimizer(setup: Setup, params):
+    import torch
+
+    if setup.optimizer == "sgd":  # the same row for SGD with momentum 0.9 (--optimizer sgd)
+        return torch.optim.SGD(params, lr=setup.lr, momentum=0.9, weight_decay=setup.weight_decay)
+    cls = torch.optim.AdamW if setup.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=setup.lr, weight_decay=setup.weight_decay)
 
 
 ROWS = {"hand-written torch": handwritten_torch, "elasticflow torch": elasticflow_row("torch", MODEL)}
@@ -160,10 +170,12 @@ def profile(setup: Setup, steps: int = 30) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+                   help="sgd: with momentum 0.9, on both rows (not with --update-only)")
     p.add_argument("--vocab", type=int, nargs="+", default=[1000, 50257])
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--warmup", type=int, default=20)
@@ -174,8 +186,8 @@ def main(argv=None) -> None:
                    help="time the optimizer update alone (fixed gradients), torch.optim against Engine.apply")
     args = p.parse_args(argv)
     for vocab in args.vocab:
-        setup = Setup(args.optimizer, vocab, args.width, args.layers, args.threads, args.global_batch)
-        print(f"tiny_gpt vocab={vocab} width={args.width} layers={args.layers} seq=64, global batch "
+        setup = Setup(args.optimizer, vocab, args.width, args.layers, args.threads, args.global_batch, heads=args.heads)
+        print(f"tiny_gpt vocab={vocab} width={args.width} layers={args.layers} heads={args.heads} seq=64, global batch "
               f"{setup.global_batch}, {args.optimizer}(lr={setup.lr}, weight_decay={setup.weight_decay}), "
               f"{args.threads} thread(s); {args.chunks} interleaved chunks of {args.chunk_steps} steps after "
               f"{args.warmup} warm-up steps; ratios to the first row")
