@@ -78,6 +78,7 @@ class TrainerConfig:
     device: str = "auto"                     # auto | cpu | cuda (auto: a GPU where the worker sees one)
     precision: str = "32"                    # 32 | bf16 | 16 (mixed: float32 weights; 16 adds loss scaling)
     data_on_device: Optional[bool] = None    # array datasets on the GPU; null = when they total <= 2 GiB
+    tensorboard: bool = True                 # rank 0 writes RUN_DIR/tensorboard/ (scalars, membership events)
 
 
 @dataclass

@@ -69,10 +69,15 @@ class RunLog:
     already in the file (``take_over``).
     """
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
         self.run_dir = run_dir
         self._writer: Optional[MetricsWriter] = None
         self._written = -1  # samples_seen of the newest record in metrics.jsonl
+        self._board = None
+        if tensorboard:
+            from .tensorboard import TensorBoard
+
+            self._board = TensorBoard(run_dir)  # a sidecar that follows metrics.jsonl, started by rank 0
 
     def _metrics(self) -> MetricsWriter:
         if self._writer is None:
@@ -93,6 +98,8 @@ class RunLog:
             return
         self._metrics().write(record)
         self._written = record["samples_seen"]
+        if self._board is not None and self._board.proc is None:
+            self._board.start()
 
     def eval(self, record: Dict[str, Any]) -> None:
         self._metrics().write(record)
@@ -104,10 +111,12 @@ class RunLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._board is not None:
+            self._board.close()
 
 
 class Progress:
-    """A tqdm bar over optimizer steps (step, loss, samples/s); silent when disabled."""
+    """A tqdm bar over optimizer steps (step, ETA, loss, samples/s, workers, generation); silent when disabled."""
 
     def __init__(self, enabled: Optional[bool], total: Optional[int], initial: int):
         if enabled is None:
@@ -122,9 +131,12 @@ class Progress:
     def active(self) -> bool:
         return self.bar is not None
 
-    def update(self, loss: float, samples_per_s: float) -> None:
+    def update(self, loss: float, samples_per_s: float, world: int = 1, generation: int = 0) -> None:
+        """One optimizer step; the bar shows the loss, samples/s, the workers and the membership
+        generation (tqdm adds the ETA from the steps left)."""
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{samples_per_s:,.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{samples_per_s:,.0f}", workers=world,
+                                 gen=generation, refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:

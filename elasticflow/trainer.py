@@ -75,7 +75,7 @@ class ElasticTrainer:
         self.ckpt_dir = Path(self.cfg.checkpoint.dir).expanduser() if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.membership = membership
         self.state = TrainState()
-        self.run_log = RunLog(self.run_dir)
+        self.run_log = RunLog(self.run_dir, tensorboard=self.tcfg.tensorboard)
         self.stop_signal = StopSignal()
         self.metric_names: list = []
         self.progress: Optional[Progress] = None  # fit()'s bar; None in a custom loop
@@ -228,7 +228,7 @@ class ElasticTrainer:
                 if bar is None or not bar.active:
                     log.info(step_line(m))
             if bar is not None:
-                bar.update(m["loss"], m["global_batch"] / max(elapsed, 1e-9))
+                bar.update(m["loss"], m["global_batch"] / max(elapsed, 1e-9), self.world, self.generation)
         ev = self.tcfg.eval_every
         if ev and self.evaluation is not None and s.step % ev == 0 and not m.get("skipped"):
             self.evaluate()

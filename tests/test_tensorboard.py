@@ -1,0 +1,60 @@
+"""RUN_DIR/tensorboard/, read back with TensorBoard's own reader (EventAccumulator)."""
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ELASTICFLOW, metrics, train
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+PROBE = Path(__file__).parent / "models" / "digits_probe.py"
+
+
+def board(run: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_scalars_equal_the_metrics_records(tmp_path):
+    run = tmp_path / "run"
+    train("digits_mlp.py", run, "trainer.max_steps=25", "trainer.log_every=5", "trainer.eval_every=10",
+          "trainer.grad_clip=5.0")
+    acc = board(run)
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/accuracy", "train/grad_norm", "train/skipped", "speed/samples_per_s",
+            "speed/step_time_s", "elastic/world_size", "elastic/generation", "eval/loss",
+            "eval/accuracy"} <= tags, tags
+    steps = [r for r in metrics(run) if "loss" in r]
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in steps] == [5, 10, 15, 20, 25]
+    np.testing.assert_allclose([e.value for e in loss], [r["loss"] for r in steps], rtol=1e-6)
+    evals = [r for r in metrics(run) if "eval_loss" in r]
+    assert [e.step for e in acc.Scalars("eval/loss")] == [r["step"] for r in evals] and evals
+    assert {e.value for e in acc.Scalars("elastic/world_size")} == {1.0}
+
+
+def test_off_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    train("digits_mlp.py", run, "trainer.max_steps=5", "trainer.tensorboard=false")
+    assert not (run / "tensorboard").exists()
+
+
+def test_a_kill_shows_as_a_membership_event_and_the_world_size_drops(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run(ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", "trainer.progress=false",
+                                         "trainer.max_steps=40", "trainer.log_every=1", "launcher.workers=3",
+                                         "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5"],
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_KILL": "1:15:forward"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    acc = board(run)
+    world = {e.step: e.value for e in acc.Scalars("elastic/world_size")}
+    assert world[1] == 3.0 and world[40] == 2.0
+    left = acc.Tensors("events/left")
+    assert left and b"left" in left[0].tensor_proto.string_val[0]
+    assert "events/recovered" in acc.Tags()["tensors"]
