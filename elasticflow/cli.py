@@ -1,4 +1,4 @@
-"""`elasticflow train|inspect`: parse, hand over to Hydra or the checkpoint reader, nothing else."""
+"""`elasticflow train|scale|status|plot|inspect`: parse, hand over, nothing else."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ from .exits import debug_requested, fail, print_done, report
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
        elasticflow scale RUN_DIR --workers N
        elasticflow status RUN_DIR
+       elasticflow plot RUN_DIR [-o FILE.png]
        elasticflow inspect CHECKPOINT_DIR
        elasticflow --version
 
@@ -115,6 +116,22 @@ def status_command(args: List[str]) -> None:
     print(status(Path(args[0])))
 
 
+def plot_command(args: List[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="elasticflow plot", description="loss, throughput and workers of a run")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("-o", "--output", type=Path, help="the image to write (default RUN_DIR/run.png)")
+    ns = parser.parse_args(args)
+    try:
+        import matplotlib  # noqa: F401 - an optional dependency: say so before anything else
+    except ImportError:
+        fail("elasticflow plot needs matplotlib, which is not installed", "pip install 'elasticflow[plot]'")
+    from .plot import plot
+
+    print(f"wrote {plot(ns.run_dir, ns.output)}")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -131,7 +148,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest),
-                "scale": lambda: scale_command(rest), "status": lambda: status_command(rest)}
+                "scale": lambda: scale_command(rest), "status": lambda: status_command(rest),
+                "plot": lambda: plot_command(rest)}
     if command not in commands:
         fail(f"unknown command {command!r}", f"use one of: {', '.join(commands)} (elasticflow --help)")
     try:
