@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import subprocess
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,7 +22,7 @@ from conftest import ELASTICFLOW, metrics, run_cli
 from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
                           start, tf_reference, wait_for)
 
-from elasticflow.distributed import control, protocol
+from elasticflow.distributed import control, protocol, scaling
 from elasticflow.distributed.membership import Membership
 from elasticflow.distributed.process import listening_store
 
@@ -213,6 +214,39 @@ def test_status_shows_the_devices_reported_and_nothing_for_the_others(tmp_path):
     dead.close()
     out = control.status(tmp_path)
     assert "devices:" not in out and "generation 2  workers 2" in out
+
+
+def test_two_scale_commands_at_once_both_get_an_answer(tmp_path):
+    """Both requests are written before the agent reads either: the second must wait for the slot, not
+    overwrite the first (whose client would then wait 30 s for a reply and fail)."""
+    from omegaconf import OmegaConf
+
+    store, listener = listening_store("127.0.0.1", 5.0)
+    token = protocol.new_token(tmp_path)
+    protocol.agent_file(tmp_path).write_text(json.dumps({"address": f"127.0.0.1:{store.port}", "pid": 1}))
+    (tmp_path / "workers.json").write_text(json.dumps({"generation": 0, "members": [{}, {}], "joining": [],
+                                                       "retiring": []}))
+    seen = []
+    agent = type("StubAgent", (), {  # just what scaling.rescale reads when the target is the current size
+        "store": store, "token": token, "cfg": OmegaConf.create({"launcher": {"min_workers": 1, "max_workers": 4}}),
+        "event": lambda self, kind, **f: seen.append(f["requested"]), "target_workers": lambda self: 2,
+        "generation": 0, "write_workers_json": lambda self: None})()
+    results = []
+    clients = [threading.Thread(target=lambda: results.append(control.scale(tmp_path, 2, wait_s=0)), daemon=True)
+               for _ in range(2)]
+    try:
+        for c in clients:
+            c.start()
+        time.sleep(3.0)  # both clients have connected and asked (a client connects in milliseconds)
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            scaling.serve(agent)
+            time.sleep(0.01)
+        for c in clients:
+            c.join(40)
+    finally:
+        listener.close()
+    assert seen == [2, 2] and results == ["reached: generation 0 has 2 workers"] * 2
 
 
 def test_heartbeat_longer_than_collective_timeout_is_refused(tmp_path):
