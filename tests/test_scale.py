@@ -110,6 +110,30 @@ def test_sigstopped_worker_is_cut_out_within_the_timeout(tmp_path, reference):
     assert_equivalent(run, reference)
 
 
+def test_a_stopped_retiring_worker_is_cut_out_not_waited_for(tmp_path, reference):
+    """A worker retired by a scale-down stays in the current group until the step boundary, and its peers'
+    allreduce waits for it. Stopped there, the agent must cut it out after the heartbeat timeout, as it
+    does members, not leave the peers waiting elastic.timeout_s (found by scripts/chaos.py)."""
+    run, hold = tmp_path / "run", Hold(tmp_path / "hold")
+    proc = start(run, "launcher.workers=3", "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=2",
+                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_SLEEP": "0.01"})
+    wait_for(lambda: logged_step(run) >= 10, 120, "step 10")
+    with hold:
+        scale(run, 2, wait=0)
+        retiring = json.loads((run / "workers.json").read_text())["retiring"]
+        assert len(retiring) == 1, retiring
+        victim = retiring[0]["pid"]
+        os.kill(victim, signal.SIGSTOP)  # in the hold: its peers will wait for it in the step's allreduce
+        stopped_at = time.time()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    hung = [e for e in events(run) if e["event"] == "hung"]
+    assert [e["pid"] for e in hung] == [victim]
+    assert hung[0]["time"] - stopped_at <= 2 + 2  # heartbeat_timeout_s + the agent's rounds, not timeout_s
+    assert world_sizes(run)[-1] == 2
+    assert_equivalent(run, reference)
+
+
 @pytest.mark.parametrize("max_restarts,replaced", [(3, 3), (2, 2)])
 def test_restart_failed_replaces_dead_workers_up_to_max_restarts(tmp_path, reference, max_restarts, replaced):
     run, hold = tmp_path / "run", Hold(tmp_path / "hold")

@@ -335,7 +335,9 @@ class Agent:
     # ------------------------------------------------------------------ health
     def _check_health(self, now: float) -> None:
         el = self.cfg.elastic
-        for w in [*self.members, *self.waiting]:
+        # Retiring workers too: until a retiring worker leaves at the step boundary it is still in the current
+        # group, and its peers' allreduce waits for it; stopped, it would hold them for elastic.timeout_s.
+        for w in [*self.members, *self.waiting, *self.retiring]:
             if w.state == "killed":
                 continue
             beats = int(self.store.add(f"worker/{w.id}/hb", 0))
@@ -400,8 +402,13 @@ class Agent:
         w.state = "killed"
         w.signal(signal.SIGKILL)
         if w.proc is None:  # not our child: we cannot wait for its exit code
-            self.members.remove(w)
-            self._lost(w, "killed: hung")
+            if w in self.retiring:
+                self.retiring.remove(w)
+                self.event("retired", worker=w.id, pid=w.pid, exit_code=-int(signal.SIGKILL))
+                return
+            member = w in self.members
+            (self.members if member else self.waiting).remove(w)
+            self._lost(w, "killed: hung", dirty=member)  # a waiting worker is in no group: nothing to publish
 
     # ------------------------------------------------------------------ scale requests
     def _control(self) -> None:
