@@ -15,7 +15,9 @@ Events, one every 1-5 s, half of them chained to the one before (0.05-0.5 s afte
 workers.json shows the next generation: during a recovery, a joiner's state transfer, a forming group):
   kill         SIGKILL a live worker: a member, a joiner still starting, one left waiting, one retiring
   stop_short   SIGSTOP a member for 0.1-0.5x heartbeat_timeout_s, then SIGCONT: peers wait, nobody is cut out
-  stop_long    SIGSTOP a member for 1.3-2x heartbeat_timeout_s: the agent must cut it out (SIGKILL)
+  stop_long    SIGSTOP a member or a waiting worker for 1.3-2x heartbeat_timeout_s: the agent must cut it out
+  stop_retiring  the same, the moment workers.json shows a worker retired by a scale-down (it is still in
+               the current group until the step boundary: its peers wait for it in the allreduce)
   stop_joiner  SIGSTOP a starting worker for longer than elastic.timeout_s (no heartbeat before it joins)
   scale        `elasticflow scale RUN --workers N`, N in [min_workers, max_workers]; `--wait 0` or `--wait 30`
   scale_pair   scale to 2 more at once: the second join arrives while the first one's generation forms
@@ -122,6 +124,7 @@ class Soak:
         self.stopped: Dict[int, float] = {}       # pid -> when to SIGCONT it
         self.ever_stopped: set = set()
         self.doomed: set = set()                  # stopped past the heartbeat timeout: the agent kills them
+        self.retirees: set = set()                # retiring pids already considered for stop_retiring
         self.scales: List[tuple] = []             # (Popen, started, target)
         self.scale_results: Counter = Counter()
         self.t0 = 0.0
@@ -175,13 +178,12 @@ class Soak:
         # A kill or a long stop must leave a state holder alive, or the job would restart from scratch.
         killable = [w for w in alive if holders - {w["worker_id"]}]
         members = [w for w in alive if w["role"] == "members" and w["pid"] not in self.stopped]
+        idle = [w for w in alive if w["role"] == "waiting" and w["pid"] not in self.stopped]
         starting = [w for w in alive if w["role"] == "joining" and w["state"] == "joining"
                     and w["pid"] not in self.stopped]
-        scaling = any(p.poll() is None for p, _, _ in self.scales)
-        if len(staying) < MIN_W and not scaling:
-            return self.scale(self.rng.randint(MIN_W, MAX_W), "restore", 0, chained)
+        scaling = sum(p.poll() is None for p, _, _ in self.scales) >= 2  # two at once, no more
         choices = {k: wt for k, wt in KINDS.items() if {
-            "kill": killable, "stop_short": members, "stop_long": [w for w in members if w in killable],
+            "kill": killable, "stop_short": members, "stop_long": [w for w in members + idle if w in killable],
             "stop_joiner": starting, "scale": not scaling, "scale_pair": not scaling and len(staying) + 2 <= MAX_W,
         }[k]}
         if not choices:
@@ -193,27 +195,43 @@ class Soak:
                 self.killed.add(w["pid"])
                 self.note(kind, chained, worker=w["worker_id"], pid=w["pid"], role=w["role"], state=w["state"])
         elif kind.startswith("stop"):
-            pool = {"stop_short": members, "stop_long": [w for w in members if w in killable],
+            pool = {"stop_short": members, "stop_long": [w for w in members + idle if w in killable],
                     "stop_joiner": starting}[kind]
-            w = self.rng.choice(pool)
-            seconds = {"stop_short": HEARTBEAT_S * self.rng.uniform(0.1, 0.5),
-                       "stop_long": HEARTBEAT_S * self.rng.uniform(1.3, 2.0),
-                       "stop_joiner": TIMEOUT_S + self.rng.uniform(1.0, 5.0)}[kind]
-            if self.signal(w["pid"], signal.SIGSTOP):
-                self.stopped[w["pid"]] = time.monotonic() + seconds
-                self.ever_stopped.add(w["pid"])
-                if kind == "stop_long":
-                    self.doomed.add(w["pid"])
-                self.note(kind, chained, worker=w["worker_id"], pid=w["pid"], role=w["role"], seconds=round(seconds, 2))
+            self.stop(self.rng.choice(pool), kind, chained)
         elif kind == "scale":
             self.scale(self.rng.randint(MIN_W, MAX_W), kind, self.rng.choice([0, 0, 30]), chained)
         else:
             self.scale(len(staying) + 2, kind, 0, chained)
 
+    def stop(self, w: dict, kind: str, chained: bool) -> None:
+        seconds = {"stop_short": HEARTBEAT_S * self.rng.uniform(0.1, 0.5),
+                   "stop_joiner": TIMEOUT_S + self.rng.uniform(1.0, 5.0)}.get(kind, HEARTBEAT_S * self.rng.uniform(1.3, 2.0))
+        if self.signal(w["pid"], signal.SIGSTOP):
+            self.stopped[w["pid"]] = time.monotonic() + seconds
+            self.ever_stopped.add(w["pid"])
+            if kind in ("stop_long", "stop_retiring"):
+                self.doomed.add(w["pid"])
+            self.note(kind, chained, worker=w["worker_id"], pid=w["pid"], role=w["role"], seconds=round(seconds, 2))
+
+    def retiring(self, snap: dict) -> None:
+        """Half the workers retired by a scale-down are stopped the moment workers.json lists them."""
+        for w in self.alive(snap, roles=("retiring",)):
+            if w["pid"] not in self.retirees | set(self.stopped):
+                self.retirees.add(w["pid"])
+                if self.rng.random() < 0.5:
+                    self.stop(w, "stop_retiring", True)
+
+    def restore(self, snap: dict) -> None:
+        """Fewer than min_workers left (counting joiners): scale back up, unless a restore is under way.
+        The agent waits elastic.wait_s for them; a join takes ~5-10 s here."""
+        staying = [w for w in self.alive(snap) if w["role"] != "retiring"]
+        if len(staying) < MIN_W and not any(p.poll() is None and kind == "restore" for p, _, kind in self.scales):
+            self.scale(self.rng.randint(MIN_W, MAX_W), "restore", 0, False)
+
     def scale(self, target: int, kind: str, wait: int, chained: bool) -> None:
         p = subprocess.Popen(CLI + ["scale", str(self.run), "--workers", str(target), "--wait", str(wait)],
                              env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.scales.append((p, time.monotonic(), target))
+        self.scales.append((p, time.monotonic(), kind))
         self.note(kind, chained, workers=target, wait=wait)
 
     def note(self, kind: str, chained: bool, **fields) -> None:
@@ -229,7 +247,7 @@ class Soak:
                 self.signal(pid, signal.SIGCONT)
                 del self.stopped[pid]
         for item in list(self.scales):
-            p, started, target = item
+            p, started, _ = item
             if p.poll() is None and now - started > 120:
                 p.kill()
             if p.poll() is not None:
@@ -251,6 +269,9 @@ class Soak:
         while time.monotonic() < end and self.proc.poll() is None:
             self.tick()
             snap = self.snapshot()
+            if snap["generation"] >= 0:
+                self.restore(snap)
+                self.retiring(snap)
             now = time.monotonic()
             chained = follow is not None and snap["generation"] > follow
             if chained or now >= next_at:
@@ -276,8 +297,8 @@ class Soak:
             time.sleep(0.1)
         self.tick()
         time.sleep(2 * HEARTBEAT_S)  # the agent cuts out what a long stop left behind
-        if self.proc.poll() is None and len([w for w in self.alive(self.snapshot()) if w["role"] != "retiring"]) < MIN_W:
-            self.scale(MAX_W, "restore", 0, False)
+        if self.proc.poll() is None:
+            self.restore(self.snapshot())
         self.pace.unlink(missing_ok=True)
         try:
             out, _ = self.proc.communicate(timeout=timeout)
@@ -360,9 +381,19 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
     bound = 2 * TIMEOUT_S + FORM_SLACK_S
     published = [e["generation"] for e in events if e["event"] == "generation"]
     ended = {e["generation"]: e for e in events if e["event"] in ("formed", "superseded")}
-    slow = [e for e in ended.values() if e.get("formed_s", e.get("after_s", 0)) > bound]
+    # A generation is done forming when it formed, was superseded, or lost a member (then the agent waits,
+    # up to elastic.wait_s, for enough workers to publish the next one: a wait for workers, not formation).
+    slow = []
+    for e in events:
+        if e["event"] != "generation" or e["generation"] not in ended:
+            continue
+        done = min([ended[e["generation"]]["time"]] + [x["time"] for x in events if x["event"] in ("left", "hung")
+                                                       and x["worker"] in e["members"] and x["time"] >= e["time"]])
+        if done - e["time"] > bound:
+            slow.append((e["generation"], round(done - e["time"], 1), ended[e["generation"]].get("cause", "formed")))
     if slow:
-        problems.append(f"{len(slow)} generation(s) took longer than {bound:g}s to form or be superseded: {slow[:3]}")
+        problems.append(f"{len(slow)} generation(s) took longer than {bound:g}s to form or be superseded "
+                        f"(generation, seconds, cause): {slow[:3]}")
     if published and published[-1] not in ended or ended.get(published[-1], {}).get("event") != "formed":
         problems.append(f"the last generation ({published[-1] if published else None}) never formed")
     hanging = [g for g in published[:-1] if g not in ended]
@@ -371,6 +402,11 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
     hung = {e["pid"] for e in events if e["event"] == "hung"}
     if hung - soak.ever_stopped:
         problems.append(f"worker(s) {sorted(hung - soak.ever_stopped)} were cut out as hung but never stopped")
+    # Stopped past the heartbeat timeout: cut out -- unless it had already left (a retiree's exit 5).
+    gone = {e["pid"] for e in events if e["event"] == "retired" and e.get("exit_code") == 5}
+    missed = soak.doomed - hung - gone
+    if missed:
+        problems.append(f"worker(s) {sorted(missed)} stopped past elastic.heartbeat_timeout_s were never cut out")
     left = {e["pid"] for e in events if e["event"] == "left"}
     if left - soak.killed - hung:
         problems.append(f"worker(s) {sorted(left - soak.killed - hung)} left without being killed")
