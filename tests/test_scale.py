@@ -134,6 +134,25 @@ def test_a_stopped_retiring_worker_is_cut_out_not_waited_for(tmp_path, reference
     assert_equivalent(run, reference)
 
 
+def test_a_joiner_that_died_halfway_does_not_block_later_joins(tmp_path, reference):
+    """A joiner counts itself (join/count) and then writes its request: killed in between, its request
+    never comes. The agent used to read requests strictly in order, so every later join waited for it
+    forever. Here the count is taken exactly as such a joiner would, then a real one is asked for."""
+    from torch.distributed import TCPStore
+
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=2", "launcher.max_workers=3", env={"EF_PROBE_SLEEP": "0.25"})
+    wait_for(lambda: logged_step(run) >= 3, 120, "step 3")
+    host, port = json.loads(protocol.agent_file(run).read_text())["address"].rsplit(":", 1)
+    TCPStore(host, int(port), None, False).add("join/count", 1)  # the half-done join
+    out = scale(run, 3, wait=60).stdout
+    assert "reached: generation" in out and "has 3 workers" in out, out
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert world_sizes(run)[-1] == 3
+    assert_equivalent(run, reference)
+
+
 @pytest.mark.parametrize("max_restarts,replaced", [(3, 3), (2, 2)])
 def test_restart_failed_replaces_dead_workers_up_to_max_restarts(tmp_path, reference, max_restarts, replaced):
     run, hold = tmp_path / "run", Hold(tmp_path / "hold")

@@ -60,7 +60,8 @@ class Agent:
         self.waiting: List[Worker] = []      # alive, left out of a generation that failed to form
         self.finished: List[Worker] = []
         self.next_id = 0
-        self.requests_seen = 0
+        self.requests_seen = 0                # join requests counted so far (join/count) ...
+        self.unread: List[int] = []           # ... of which these have not been written yet
         self.restarts = 0
         self.dirty = False                    # members changed since the last publish
         self.below_min_since: Optional[float] = None
@@ -262,12 +263,16 @@ class Agent:
     # ------------------------------------------------------------------ joins
     def _admit(self) -> None:
         count = int(self.store.add("join/count", 0))
-        while self.requests_seen < count:
-            n = self.requests_seen + 1
+        self.unread += range(self.requests_seen + 1, count + 1)
+        self.requests_seen = count
+        # Each counted request is read when it is written, in any order: a joiner killed or stopped between
+        # counting itself and writing its request must not hold up every join behind it. (A dead one's number
+        # stays in the list: one store round trip per round each, no more.)
+        for n in list(self.unread):
             key = f"join/request/{n}"
             if not self.store.check([key]):
-                return  # counted but not written yet; next round
-            self.requests_seen = n
+                continue  # counted but not written yet; next round
+            self.unread.remove(n)
             try:
                 request = protocol.decode(self.store.get(key))
                 verdict = self._judge(n, request)
