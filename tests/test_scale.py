@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import subprocess
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,7 +22,7 @@ from conftest import ELASTICFLOW, metrics, run_cli
 from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
                           start, tf_reference, wait_for)
 
-from elasticflow.distributed import control, protocol
+from elasticflow.distributed import control, protocol, scaling
 from elasticflow.distributed.membership import Membership
 from elasticflow.distributed.process import listening_store
 
@@ -106,6 +107,49 @@ def test_sigstopped_worker_is_cut_out_within_the_timeout(tmp_path, reference):
     hung = [e for e in events(run) if e["event"] == "hung"]
     assert [e["pid"] for e in hung] == [victim["pid"]]
     assert hung[0]["time"] - stopped_at <= timeout_s + 2
+    assert_equivalent(run, reference)
+
+
+def test_a_stopped_retiring_worker_is_cut_out_not_waited_for(tmp_path, reference):
+    """A worker retired by a scale-down stays in the current group until the step boundary, and its peers'
+    allreduce waits for it. Stopped there, the agent must cut it out after the heartbeat timeout, as it
+    does members, not leave the peers waiting elastic.timeout_s (found by scripts/chaos.py)."""
+    run, hold = tmp_path / "run", Hold(tmp_path / "hold")
+    proc = start(run, "launcher.workers=3", "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=2",
+                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_SLEEP": "0.01"})
+    wait_for(lambda: logged_step(run) >= 10, 120, "step 10")
+    with hold:
+        scale(run, 2, wait=0)
+        retiring = json.loads((run / "workers.json").read_text())["retiring"]
+        assert len(retiring) == 1, retiring
+        victim = retiring[0]["pid"]
+        os.kill(victim, signal.SIGSTOP)  # in the hold: its peers will wait for it in the step's allreduce
+        stopped_at = time.time()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    hung = [e for e in events(run) if e["event"] == "hung"]
+    assert [e["pid"] for e in hung] == [victim]
+    assert hung[0]["time"] - stopped_at <= 2 + 2  # heartbeat_timeout_s + the agent's rounds, not timeout_s
+    assert world_sizes(run)[-1] == 2
+    assert_equivalent(run, reference)
+
+
+def test_a_joiner_that_died_halfway_does_not_block_later_joins(tmp_path, reference):
+    """A joiner counts itself (join/count) and then writes its request: killed in between, its request
+    never comes. The agent used to read requests strictly in order, so every later join waited for it
+    forever. Here the count is taken exactly as such a joiner would, then a real one is asked for."""
+    from torch.distributed import TCPStore
+
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=2", "launcher.max_workers=3", env={"EF_PROBE_SLEEP": "0.25"})
+    wait_for(lambda: logged_step(run) >= 3, 120, "step 3")
+    host, port = json.loads(protocol.agent_file(run).read_text())["address"].rsplit(":", 1)
+    TCPStore(host, int(port), None, False).add("join/count", 1)  # the half-done join
+    out = scale(run, 3, wait=60).stdout
+    assert "reached: generation" in out and "has 3 workers" in out, out
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert world_sizes(run)[-1] == 3
     assert_equivalent(run, reference)
 
 
@@ -213,6 +257,39 @@ def test_status_shows_the_devices_reported_and_nothing_for_the_others(tmp_path):
     dead.close()
     out = control.status(tmp_path)
     assert "devices:" not in out and "generation 2  workers 2" in out
+
+
+def test_two_scale_commands_at_once_both_get_an_answer(tmp_path):
+    """Both requests are written before the agent reads either: the second must wait for the slot, not
+    overwrite the first (whose client would then wait 30 s for a reply and fail)."""
+    from omegaconf import OmegaConf
+
+    store, listener = listening_store("127.0.0.1", 5.0)
+    token = protocol.new_token(tmp_path)
+    protocol.agent_file(tmp_path).write_text(json.dumps({"address": f"127.0.0.1:{store.port}", "pid": 1}))
+    (tmp_path / "workers.json").write_text(json.dumps({"generation": 0, "members": [{}, {}], "joining": [],
+                                                       "retiring": []}))
+    seen = []
+    agent = type("StubAgent", (), {  # just what scaling.rescale reads when the target is the current size
+        "store": store, "token": token, "cfg": OmegaConf.create({"launcher": {"min_workers": 1, "max_workers": 4}}),
+        "event": lambda self, kind, **f: seen.append(f["requested"]), "target_workers": lambda self: 2,
+        "generation": 0, "write_workers_json": lambda self: None})()
+    results = []
+    clients = [threading.Thread(target=lambda: results.append(control.scale(tmp_path, 2, wait_s=0)), daemon=True)
+               for _ in range(2)]
+    try:
+        for c in clients:
+            c.start()
+        time.sleep(3.0)  # both clients have connected and asked (a client connects in milliseconds)
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            scaling.serve(agent)
+            time.sleep(0.01)
+        for c in clients:
+            c.join(40)
+    finally:
+        listener.close()
+    assert seen == [2, 2] and results == ["reached: generation 0 has 2 workers"] * 2
 
 
 def test_heartbeat_longer_than_collective_timeout_is_refused(tmp_path):

@@ -60,7 +60,8 @@ class Agent:
         self.waiting: List[Worker] = []      # alive, left out of a generation that failed to form
         self.finished: List[Worker] = []
         self.next_id = 0
-        self.requests_seen = 0
+        self.requests_seen = 0                # join requests counted so far (join/count) ...
+        self.unread: List[int] = []           # ... of which these have not been written yet
         self.restarts = 0
         self.dirty = False                    # members changed since the last publish
         self.below_min_since: Optional[float] = None
@@ -262,12 +263,16 @@ class Agent:
     # ------------------------------------------------------------------ joins
     def _admit(self) -> None:
         count = int(self.store.add("join/count", 0))
-        while self.requests_seen < count:
-            n = self.requests_seen + 1
+        self.unread += range(self.requests_seen + 1, count + 1)
+        self.requests_seen = count
+        # Each counted request is read when it is written, in any order: a joiner killed or stopped between
+        # counting itself and writing its request must not hold up every join behind it. (A dead one's number
+        # stays in the list: one store round trip per round each, no more.)
+        for n in list(self.unread):
             key = f"join/request/{n}"
             if not self.store.check([key]):
-                return  # counted but not written yet; next round
-            self.requests_seen = n
+                continue  # counted but not written yet; next round
+            self.unread.remove(n)
             try:
                 request = protocol.decode(self.store.get(key))
                 verdict = self._judge(n, request)
@@ -335,7 +340,9 @@ class Agent:
     # ------------------------------------------------------------------ health
     def _check_health(self, now: float) -> None:
         el = self.cfg.elastic
-        for w in [*self.members, *self.waiting]:
+        # Retiring workers too: until a retiring worker leaves at the step boundary it is still in the current
+        # group, and its peers' allreduce waits for it; stopped, it would hold them for elastic.timeout_s.
+        for w in [*self.members, *self.waiting, *self.retiring]:
             if w.state == "killed":
                 continue
             beats = int(self.store.add(f"worker/{w.id}/hb", 0))
@@ -400,8 +407,13 @@ class Agent:
         w.state = "killed"
         w.signal(signal.SIGKILL)
         if w.proc is None:  # not our child: we cannot wait for its exit code
-            self.members.remove(w)
-            self._lost(w, "killed: hung")
+            if w in self.retiring:
+                self.retiring.remove(w)
+                self.event("retired", worker=w.id, pid=w.pid, exit_code=-int(signal.SIGKILL))
+                return
+            member = w in self.members
+            (self.members if member else self.waiting).remove(w)
+            self._lost(w, "killed: hung", dirty=member)  # a waiting worker is in no group: nothing to publish
 
     # ------------------------------------------------------------------ scale requests
     def _control(self) -> None:

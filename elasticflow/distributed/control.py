@@ -41,8 +41,16 @@ def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
         raise ElasticFlowError(f"the agent at {agent['address']} does not answer ({exc})",
                                "the job may have just ended; see `elasticflow status RUN_DIR`") from exc
     nonce = secrets.token_hex(8)
-    store.set("control/scale", json.dumps({"workers": workers, "nonce": nonce,
-                                           "mac": protocol.sign(token, f"scale:{workers}:{nonce}")}))
+    request = json.dumps({"workers": workers, "nonce": nonce, "mac": protocol.sign(token, f"scale:{workers}:{nonce}")})
+    # One request slot, taken only while free: a plain set would overwrite another `scale` command's request
+    # not yet read (two at once: one was lost and its client waited 30 s for a reply that never came).
+    deadline = time.monotonic() + 30
+    while store.compare_set("control/scale", "", request).decode() != request:
+        if time.monotonic() > deadline:
+            raise ElasticFlowError(f"the agent at {agent['address']} did not take the scale request within 30s "
+                                   "(another request is still pending)",
+                                   "the agent may be stopped or overloaded; see `elasticflow status RUN_DIR`")
+        time.sleep(0.02)
     store.wait([f"control/reply/{nonce}"], datetime.timedelta(seconds=30))
     reply = json.loads(store.get(f"control/reply/{nonce}"))
     if not reply["ok"]:

@@ -13,7 +13,8 @@ Store keys:
     worker/<id>/hb              heartbeat counter, bumped by the worker's membership thread
     worker/<id>/device          where the worker computes, ``Placement.describe()`` ("cuda:1 (NVIDIA A100), bf16
                                 mixed, nccl"); set once its device is chosen, read by `elasticflow status`
-    control/scale               a signed request from `elasticflow scale` (JSON)
+    control/scale               a signed request from `elasticflow scale` (JSON); one slot: a client sets it only
+                                while absent (compare_set), the agent deletes it once read
     gen<g>/...                  the gloo rendezvous of generation g (PrefixStore, see comm.py)
 
 The job token never crosses the wire: requests carry an HMAC of their fields keyed by it.

@@ -8,6 +8,8 @@ Environment (read by every worker):
     EF_PROBE_PAUSE   "step:seconds": every worker sleeps that long in forward at that step (generation 0),
                      a window for a test to kill a pid from workers.json.
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
+    EF_PROBE_PACE    a file path: with it set, EF_PROBE_SLEEP applies only while that file exists (a soak
+                     paces the job while it injects faults, then lets it run to the end at full speed).
     EF_PROBE_HOLD    a file path: forward blocks while that file exists (a test holds training still
                      while it scales or kills, then removes the file).
     EF_PROBE_STALL_BUILD "worker:seconds:file": that worker, about to build the gloo group of its first
@@ -39,6 +41,7 @@ WORKER = int(os.environ.get(ENV_WORKER_ID, "0"))
 KILLS = [tuple(k.split(":")) for k in os.environ.get("EF_PROBE_KILL", "").split(",") if k]
 PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.environ.get("EF_PROBE_PAUSE") else None
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
+PACE = os.environ.get("EF_PROBE_PACE")
 HOLD = os.environ.get("EF_PROBE_HOLD")
 RECORD = os.environ.get("EF_PROBE_RECORD")
 STALL = os.environ.get("EF_PROBE_STALL_BUILD", "").split(":") if os.environ.get("EF_PROBE_STALL_BUILD") else None
@@ -70,7 +73,7 @@ def _inject(ctx):
             time.sleep(0.4)  # the victim reaches the allreduce first and dies there
     if PAUSE and ctx.step == int(PAUSE[0]) and ctx.generation == 0:
         time.sleep(PAUSE[1])
-    if SLEEP:
+    if SLEEP and (not PACE or os.path.exists(PACE)):
         time.sleep(SLEEP)
     deadline = time.monotonic() + 120
     while HOLD and ctx.step > 0 and os.path.exists(HOLD) and time.monotonic() < deadline:

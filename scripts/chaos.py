@@ -1,0 +1,467 @@
+"""Chaos soak (issue #13): random faults against a running elastic job for a bounded time, then proof
+that it finished with the model one worker trains, used every sample once, and formed every
+generation within its timeouts.
+
+    .venv/bin/python scripts/chaos.py --duration 75 --seed 1      # tests/test_chaos.py runs this
+    .venv/bin/python scripts/chaos.py --duration 600 --seed 13    # the long soak in README
+
+The job: ``elasticflow train tests/models/digits_probe.py`` (digits MLP, SGD lr 0.1, global batch 64,
+every step logged) with launcher.workers=3 min_workers=2 max_workers=4, elastic.timeout_s=15,
+heartbeat_timeout_s=5, wait_s=60. While the soak runs every forward sleeps ``--step-sleep`` seconds
+(EF_PROBE_PACE) and trainer.max_steps = duration / step-sleep, so the job cannot end before the soak
+does; then the pace is lifted and it trains to its end at full speed.
+
+Events, one every 1-5 s, half of them chained to the one before (0.05-0.5 s after it, or the moment
+workers.json shows the next generation: during a recovery, a joiner's state transfer, a forming group):
+  kill         SIGKILL a live worker: a member, a joiner still starting, one left waiting, one retiring
+  stop_short   SIGSTOP a member for 0.1-0.5x heartbeat_timeout_s, then SIGCONT: peers wait, nobody is cut out
+  stop_long    SIGSTOP a member or a waiting worker for 1.3-2x heartbeat_timeout_s: the agent must cut it out
+  stop_retiring  the same, the moment workers.json shows a worker retired by a scale-down (it is still in
+               the current group until the step boundary: its peers wait for it in the allreduce)
+  stop_joiner  SIGSTOP a starting worker for longer than elastic.timeout_s (no heartbeat before it joins)
+  scale        `elasticflow scale RUN --workers N`, N in [min_workers, max_workers]; `--wait 0` or `--wait 30`
+  scale_pair   scale to 2 more at once: the second join arrives while the first one's generation forms
+  restore      scale back to min_workers..max_workers when fewer than min_workers are left
+The job is kept alive: a kill or a long stop never takes the last live worker that holds the training
+state (a member of a generation that committed a step).
+
+Checks: the job exits 0; its final parameters equal an uninterrupted 1-worker run's (per tensor
+||got - want|| / ||want|| <= 1e-5); metrics.jsonl logs steps 1..N once each with the data cursor
+(epoch, samples_seen) of the fixed global order, and the sample ids the workers fetched in each
+step's committing generation (the probe's records under RUN_DIR/samples/) are exactly that step's
+slice of the epoch's permutation: every sample of every epoch once; every generation formed or was
+superseded within 2 x elastic.timeout_s + 2.5 s of its publish (arrival, then the gloo rendezvous,
+each bounded by timeout_s); the newest formed; only stopped workers were cut out as hung, and every
+worker that left was one the soak killed or the agent cut out.
+
+Seeded: ``--seed`` replays the same choices (targets, kinds, durations), not the same timings.
+Exit 0 when every check passed, 1 otherwise; 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "tests" / "models" / "digits_probe.py"
+CLI = [sys.executable, "-m", "elasticflow.cli"]
+RTOL = 1e-5
+MIN_W, START_W, MAX_W = 2, 3, 4
+TIMEOUT_S, HEARTBEAT_S, WAIT_S = 15.0, 5.0, 60.0
+FORM_SLACK_S = 2.5      # beyond 2 x timeout_s: rendezvous.REPORT_WINDOW_S (0.5 s), health ticks, a loaded machine
+KINDS = {"kill": 25, "stop_short": 20, "stop_long": 10, "stop_joiner": 5, "scale": 30, "scale_pair": 10}
+
+
+def common(steps: int) -> List[str]:
+    return [f"trainer.max_steps={steps}", "trainer.global_batch_size=64", "trainer.log_every=1",
+            "trainer.progress=false", "optimizer.lr=0.1"]
+
+
+def elastic() -> List[str]:
+    return [f"launcher.workers={START_W}", f"launcher.min_workers={MIN_W}", f"launcher.max_workers={MAX_W}",
+            f"elastic.timeout_s={TIMEOUT_S:g}", f"elastic.heartbeat_timeout_s={HEARTBEAT_S:g}",
+            f"elastic.wait_s={WAIT_S:g}"]
+
+
+def jsonl(path: Path) -> List[dict]:
+    """The parseable lines of a JSONL file (a writer SIGKILLed mid-line leaves a torn last line)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def steps_logged(run: Path) -> List[dict]:
+    return [r for r in jsonl(run / "metrics.jsonl") if "loss" in r]
+
+
+def final_params(run: Path) -> Dict[str, np.ndarray]:
+    import elasticflow.checkpoint as ckpt
+
+    state = ckpt.load(ckpt.latest(run / "checkpoints"))
+    return {k: np.asarray(v) for k, v in state.items() if not k.startswith("rng/")}
+
+
+def start_time(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks (/proc/PID/stat field 22): tells a pid from its reuse."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class Soak:
+    """One soak: the job, the events fired at it, and the bookkeeping the checks need."""
+
+    def __init__(self, run: Path, duration: float, step_sleep: float, seed: int):
+        self.run, self.duration, self.rng = run, duration, random.Random(seed)
+        self.steps = max(50, int(duration / step_sleep))
+        self.pace = run.parent / f"{run.name}.pace"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_SLEEP": str(step_sleep),
+                    "EF_PROBE_PACE": str(self.pace), "EF_PROBE_RECORD": str(run / "samples"),
+                    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self.proc: Optional[subprocess.Popen] = None
+        self.log: List[dict] = []                 # the events fired
+        self.seen: Dict[int, str] = {}            # pid -> start time, every worker pid ever listed
+        self.killed: set = set()                  # pids this soak SIGKILLed
+        self.stopped: Dict[int, float] = {}       # pid -> when to SIGCONT it
+        self.ever_stopped: set = set()
+        self.doomed: set = set()                  # stopped past the heartbeat timeout: the agent kills them
+        self.retirees: set = set()                # retiring pids already considered for stop_retiring
+        self.scales: List[tuple] = []             # (Popen, started, target)
+        self.scale_results: Counter = Counter()
+        self.t0 = 0.0
+
+    # ------------------------------------------------------------------ the job
+    def start(self) -> None:
+        (self.run / "samples").mkdir(parents=True)
+        self.pace.touch()
+        self.proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={self.run}", *common(self.steps),
+                                            *elastic()], env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def snapshot(self) -> dict:
+        try:
+            snap = json.loads((self.run / "workers.json").read_text())
+        except (OSError, ValueError):
+            return {"generation": -1, "members": [], "joining": [], "retiring": [], "waiting": []}
+        for role in ("members", "joining", "retiring", "waiting"):
+            for w in snap.get(role, []):
+                w["role"] = role
+                if w["pid"] not in self.seen:
+                    self.seen[w["pid"]] = start_time(w["pid"])
+        return snap
+
+    def alive(self, snap: dict, roles=("members", "joining", "waiting", "retiring")) -> List[dict]:
+        """Listed workers neither killed by us nor doomed by a long stop."""
+        return [w for r in roles for w in snap.get(r, []) if w["pid"] not in self.killed | self.doomed
+                and self.seen.get(w["pid"]) is not None and start_time(w["pid"]) == self.seen[w["pid"]]]
+
+    def veterans(self) -> set:
+        """Worker ids that hold the training state: members of a generation that committed a step."""
+        published = {e["generation"]: e["members"] for e in jsonl(self.run / "events.jsonl")
+                     if e["event"] == "generation"}
+        committed = {r.get("generation") for r in steps_logged(self.run)[-200:]}
+        return {wid for g in committed for wid in published.get(g, [])}
+
+    def signal(self, pid: int, sig: int) -> bool:
+        if start_time(pid) != self.seen.get(pid):
+            return False  # gone (and maybe its pid reused): never signal a stranger
+        try:
+            os.kill(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    # ------------------------------------------------------------------ events
+    def fire(self, snap: dict, chained: bool) -> None:
+        alive = self.alive(snap)
+        staying = [w for w in alive if w["role"] != "retiring"]
+        holders = {w["worker_id"] for w in alive if w["role"] in ("members", "waiting")} & self.veterans()
+        # A kill or a long stop must leave a state holder alive, or the job would restart from scratch.
+        killable = [w for w in alive if holders - {w["worker_id"]}]
+        members = [w for w in alive if w["role"] == "members" and w["pid"] not in self.stopped]
+        idle = [w for w in alive if w["role"] == "waiting" and w["pid"] not in self.stopped]
+        starting = [w for w in alive if w["role"] == "joining" and w["state"] == "joining"
+                    and w["pid"] not in self.stopped]
+        scaling = sum(p.poll() is None for p, _, _ in self.scales) >= 2  # two at once, no more
+        choices = {k: wt for k, wt in KINDS.items() if {
+            "kill": killable, "stop_short": members, "stop_long": [w for w in members + idle if w in killable],
+            "stop_joiner": starting, "scale": not scaling, "scale_pair": not scaling and len(staying) + 2 <= MAX_W,
+        }[k]}
+        if not choices:
+            return
+        kind = self.rng.choices(list(choices), weights=list(choices.values()))[0]
+        if kind == "kill":
+            w = self.rng.choice(killable)
+            if self.signal(w["pid"], signal.SIGKILL):
+                self.killed.add(w["pid"])
+                self.note(kind, chained, worker=w["worker_id"], pid=w["pid"], role=w["role"], state=w["state"])
+        elif kind.startswith("stop"):
+            pool = {"stop_short": members, "stop_long": [w for w in members + idle if w in killable],
+                    "stop_joiner": starting}[kind]
+            self.stop(self.rng.choice(pool), kind, chained)
+        elif kind == "scale":
+            self.scale(self.rng.randint(MIN_W, MAX_W), kind, self.rng.choice([0, 0, 30]), chained)
+        else:
+            self.scale(len(staying) + 2, kind, 0, chained)
+
+    def stop(self, w: dict, kind: str, chained: bool) -> None:
+        seconds = {"stop_short": HEARTBEAT_S * self.rng.uniform(0.1, 0.5),
+                   "stop_joiner": TIMEOUT_S + self.rng.uniform(1.0, 5.0)}.get(kind, HEARTBEAT_S * self.rng.uniform(1.3, 2.0))
+        if self.signal(w["pid"], signal.SIGSTOP):
+            self.stopped[w["pid"]] = time.monotonic() + seconds
+            self.ever_stopped.add(w["pid"])
+            if kind in ("stop_long", "stop_retiring"):
+                self.doomed.add(w["pid"])
+            self.note(kind, chained, worker=w["worker_id"], pid=w["pid"], role=w["role"], seconds=round(seconds, 2))
+
+    def retiring(self, snap: dict) -> None:
+        """Half the workers retired by a scale-down are stopped the moment workers.json lists them."""
+        for w in self.alive(snap, roles=("retiring",)):
+            if w["pid"] not in self.retirees | set(self.stopped):
+                self.retirees.add(w["pid"])
+                if self.rng.random() < 0.5:
+                    self.stop(w, "stop_retiring", True)
+
+    def restore(self, snap: dict) -> None:
+        """Fewer than min_workers left (counting joiners): scale back up, unless a restore is under way.
+        The agent waits elastic.wait_s for them; a join takes ~5-10 s here."""
+        staying = [w for w in self.alive(snap) if w["role"] != "retiring"]
+        if len(staying) < MIN_W and not any(p.poll() is None and kind == "restore" for p, _, kind in self.scales):
+            self.scale(self.rng.randint(MIN_W, MAX_W), "restore", 0, False)
+
+    def scale(self, target: int, kind: str, wait: int, chained: bool) -> None:
+        p = subprocess.Popen(CLI + ["scale", str(self.run), "--workers", str(target), "--wait", str(wait)],
+                             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.scales.append((p, time.monotonic(), kind))
+        self.note(kind, chained, workers=target, wait=wait)
+
+    def note(self, kind: str, chained: bool, **fields) -> None:
+        entry = {"t": round(time.monotonic() - self.t0, 2), "kind": kind, "chained": chained, **fields}
+        self.log.append(entry)
+        print("  " + " ".join(f"{k}={v}" for k, v in entry.items()), flush=True)
+
+    def tick(self) -> None:
+        """SIGCONT the stops that are due; reap finished `scale` commands (each bounded in time)."""
+        now = time.monotonic()
+        for pid, due in list(self.stopped.items()):
+            if now >= due:
+                self.signal(pid, signal.SIGCONT)
+                del self.stopped[pid]
+        for item in list(self.scales):
+            p, started, _ = item
+            if p.poll() is None and now - started > 120:
+                p.kill()
+            if p.poll() is not None:
+                out = p.communicate()[0]
+                self.scales.remove(item)
+                # exit 0: reached or "still changing"; 1: a joiner refused / the job ended; 2: refused
+                self.scale_results[f"exit {p.returncode}" + (" reached" if "reached" in out else "")] += 1
+                if "Traceback" in out:
+                    self.scale_results["traceback"] += 1
+                    print(out[-2000:], flush=True)
+
+    # ------------------------------------------------------------------ the soak
+    def drive(self) -> None:
+        deadline = time.monotonic() + 300
+        while not steps_logged(self.run) and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # faults start once training has: before, no worker holds any state
+        self.t0 = time.monotonic()
+        end, next_at, follow = self.t0 + self.duration, self.t0 + 1.0, None
+        while time.monotonic() < end and self.proc.poll() is None:
+            self.tick()
+            snap = self.snapshot()
+            if snap["generation"] >= 0:
+                self.restore(snap)
+                self.retiring(snap)
+            now = time.monotonic()
+            chained = follow is not None and snap["generation"] > follow
+            if chained or now >= next_at:
+                self.fire(snap, chained)
+                follow, r = None, self.rng.random()
+                if r < 0.25:
+                    next_at = now + self.rng.uniform(0.05, 0.5)
+                elif r < 0.5:
+                    follow, next_at = snap["generation"], now + 10.0  # or at the next generation
+                else:
+                    next_at = now + self.rng.uniform(1.0, 5.0)
+            time.sleep(0.02)
+
+    def settle(self, timeout: float) -> Optional[str]:
+        """Release every stop, let the scale commands finish, restore min_workers, lift the pace, and
+        wait for the job to end. Returns its output (None if it did not end in ``timeout``)."""
+        for pid in list(self.stopped):
+            self.signal(pid, signal.SIGCONT)
+        self.stopped.clear()
+        deadline = time.monotonic() + 150
+        while any(p.poll() is None for p, _, _ in self.scales) and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.1)
+        self.tick()
+        time.sleep(2 * HEARTBEAT_S)  # the agent cuts out what a long stop left behind
+        if self.proc.poll() is None:
+            self.restore(self.snapshot())
+        self.pace.unlink(missing_ok=True)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.tick()
+        return out
+
+    def reap(self) -> None:
+        """Leave nothing behind: SIGCONT what we stopped, kill the agent and every worker still alive."""
+        for pid in self.ever_stopped:
+            self.signal(pid, signal.SIGCONT)
+        for p, _, _ in self.scales:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # the workers see the agent's port closed and exit (4)
+            self.proc.communicate()
+        time.sleep(1.0)
+        for pid in self.seen:
+            self.signal(pid, signal.SIGKILL)
+        self.pace.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------- checks
+def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
+    """Every check on a finished soak; returns the failures (empty: passed)."""
+    from elasticflow.data import permutation
+
+    run, problems = soak.run, []
+    if out is None:
+        return [f"the job did not end after the soak (pid {soak.proc.pid})"]
+    if soak.proc.returncode != 0:
+        return [f"the job exited {soak.proc.returncode}: {out.strip()[-1500:]}"]
+    want = final_params(reference)
+    got = final_params(run)
+    diff = max(float(np.linalg.norm(got[k] - w) / max(np.linalg.norm(w), 1e-12)) for k, w in want.items()
+               if w.dtype.kind == "f")
+    print(f"max relative difference to the 1-worker parameters: {diff:.2e}")
+    if not diff <= RTOL:
+        problems.append(f"final parameters differ from the 1-worker run's by {diff:.2e} > {RTOL:g}")
+
+    # The data cursor: steps 1..N logged once each, at the epoch and samples_seen of the fixed global order.
+    ref_steps = steps_logged(reference)
+    n_samples = max(r["samples_seen"] for r in ref_steps if r["epoch"] == 0)
+    batch, per_epoch = 64, -(-n_samples // 64)
+    steps = steps_logged(run)
+    if [r["step"] for r in steps] != list(range(1, soak.steps + 1)):
+        problems.append("metrics.jsonl does not log steps 1..N exactly once each")
+    seen, committed = 0, {}
+    for r in steps:
+        epoch, pos = divmod(r["step"] - 1, per_epoch)
+        seen += min(batch, n_samples - pos * batch)
+        if (r["epoch"], r["samples_seen"]) != (epoch, seen):
+            problems.append(f"step {r['step']}: cursor at epoch {r['epoch']}, samples_seen {r['samples_seen']}; "
+                            f"expected {epoch}, {seen}")
+            break
+        committed[r["step"]] = (r["generation"], epoch, pos * batch)
+    # The samples: what the committing generation's workers fetched is the step's slice of the permutation.
+    fetched: Dict[int, list] = {k: [] for k in committed}
+    for f in (run / "samples").glob("*.jsonl"):
+        for r in jsonl(f):
+            if committed.get(r["step"], (None, None))[:2] == (r["generation"], r["epoch"]):
+                fetched[r["step"]] += r["ids"]
+    orders: Dict[int, np.ndarray] = {}
+    wrong = []
+    for k, (g, epoch, start) in committed.items():
+        order = orders.setdefault(epoch, permutation(n_samples, 0, epoch))
+        if sorted(fetched[k]) != sorted(order[start:start + batch].tolist()):
+            wrong.append(k)
+    if wrong:
+        problems.append(f"{len(wrong)} step(s) did not use their slice of the sample order exactly once "
+                        f"(first: step {wrong[0]})")
+    epochs = Counter(e for _, e, _ in committed.values())
+    print(f"samples: {len(committed)} steps over {len(epochs)} epoch(s) checked, {len(wrong)} wrong")
+
+    # Membership: every generation formed or was superseded within its timeouts; no innocent cut out.
+    events = jsonl(run / "events.jsonl")
+    bound = 2 * TIMEOUT_S + FORM_SLACK_S
+    published = [e["generation"] for e in events if e["event"] == "generation"]
+    ended = {e["generation"]: e for e in events if e["event"] in ("formed", "superseded")}
+    # A generation is done forming when it formed, was superseded, or lost a member (then the agent waits,
+    # up to elastic.wait_s, for enough workers to publish the next one: a wait for workers, not formation).
+    slow = []
+    for e in events:
+        if e["event"] != "generation" or e["generation"] not in ended:
+            continue
+        done = min([ended[e["generation"]]["time"]] + [x["time"] for x in events if x["event"] in ("left", "hung")
+                                                       and x["worker"] in e["members"] and x["time"] >= e["time"]])
+        if done - e["time"] > bound:
+            slow.append((e["generation"], round(done - e["time"], 1), ended[e["generation"]].get("cause", "formed")))
+    if slow:
+        problems.append(f"{len(slow)} generation(s) took longer than {bound:g}s to form or be superseded "
+                        f"(generation, seconds, cause): {slow[:3]}")
+    if published and published[-1] not in ended or ended.get(published[-1], {}).get("event") != "formed":
+        problems.append(f"the last generation ({published[-1] if published else None}) never formed")
+    hanging = [g for g in published[:-1] if g not in ended]
+    if hanging:
+        problems.append(f"generation(s) {hanging[:5]} neither formed nor were superseded")
+    hung = {e["pid"] for e in events if e["event"] == "hung"}
+    if hung - soak.ever_stopped:
+        problems.append(f"worker(s) {sorted(hung - soak.ever_stopped)} were cut out as hung but never stopped")
+    # Stopped past the heartbeat timeout: cut out -- unless it had already left (a retiree's exit 5).
+    gone = {e["pid"] for e in events if e["event"] == "retired" and e.get("exit_code") == 5}
+    missed = soak.doomed - hung - gone
+    if missed:
+        problems.append(f"worker(s) {sorted(missed)} stopped past elastic.heartbeat_timeout_s were never cut out")
+    left = {e["pid"] for e in events if e["event"] == "left"}
+    if left - soak.killed - hung:
+        problems.append(f"worker(s) {sorted(left - soak.killed - hung)} left without being killed")
+    kinds = Counter(e["event"] for e in events)
+    formed = [e["formed_s"] for e in events if e["event"] == "formed"]
+    print(f"membership: {len(published)} generations published, {kinds['formed']} formed (slowest "
+          f"{max(formed or [0]):.2f}s), {kinds['superseded']} superseded, {kinds['joined']} joins, "
+          f"{kinds['recovered']} recoveries, {kinds['hung']} cut out as hung, {kinds['left']} left")
+    if soak.scale_results["traceback"]:
+        problems.append("an `elasticflow scale` command crashed with a traceback")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=75.0, help="seconds of faults (default 75)")
+    ap.add_argument("--seed", type=int, default=1, help="replays the same choices (default 1)")
+    ap.add_argument("--step-sleep", type=float, default=0.1, help="seconds per forward while the soak runs")
+    ap.add_argument("--keep", type=Path, help="keep the run directories here (must not exist)")
+    args = ap.parse_args()
+    if not args.duration > 0 or not args.step_sleep > 0:
+        print(f"error: --duration and --step-sleep must be positive seconds, got {args.duration:g} and "
+              f"{args.step_sleep:g}\nhint: e.g. scripts/chaos.py --duration 75 --seed 1", file=sys.stderr)
+        return 2
+    if args.keep is not None and args.keep.exists():
+        print(f"error: --keep {args.keep} already exists\nhint: name a new directory (the soak writes two runs "
+              "there)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO))
+    root = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
+    soak = Soak(root / "run", args.duration, args.step_sleep, args.seed)
+    print(f"chaos soak: {args.duration:g}s of faults, seed {args.seed}, {soak.steps} steps, run {soak.run}", flush=True)
+    began = time.monotonic()
+    try:
+        ref = root / "reference"
+        plain = {k: v for k, v in soak.env.items() if not k.startswith("EF_PROBE_")}
+        subprocess.run(CLI + ["train", str(PROBE), f"hydra.run.dir={ref}", *common(soak.steps)], env=plain,
+                       check=True, capture_output=True, timeout=900)
+        soak.start()
+        soak.drive()
+        out = soak.settle(timeout=300 + soak.steps * 0.05)
+        problems = check(soak, ref, out)
+    finally:
+        soak.reap()
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    counts = Counter(e["kind"] for e in soak.log)
+    print(f"events: {len(soak.log)} ({', '.join(f'{k} {n}' for k, n in sorted(counts.items()))}; "
+          f"{sum(e['chained'] for e in soak.log)} chained)")
+    print(f"scale commands: {dict(sorted(soak.scale_results.items()))}")
+    print(f"outcome: {'PASS' if not problems else 'FAIL'} in {time.monotonic() - began:.0f}s")
+    for p in problems:
+        print(f"  - {p}")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
