@@ -8,8 +8,8 @@ without TensorFlow (~55 us an event), and a thread would take that from the step
 The training thread pays nothing beyond the metrics.jsonl line it writes anyway.
 
 Rank 0 starts the sidecar (``TensorBoard.start``); it remembers how far it read (tensorboard/.read),
-so a worker that becomes rank 0 starts one that goes on from there, and it drains and exits when
-told to (``close``) or when its parent is gone.
+so a worker that becomes rank 0 starts one that goes on from there, and it drains and exits when its
+stdin closes (``close``, or the trainer's death).
 
     python -m elasticflow.tensorboard RUN_DIR --parent PID     # what start() runs
 """
@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -60,14 +61,16 @@ class TensorBoard:
 
     def start(self) -> None:
         if self.proc is None:
+            # Its stdin is the stop request: closed by close(), or by the kernel when this process dies.
+            # (Not a signal: one sent while the sidecar is still starting would kill it before it wrote.)
             self.proc = subprocess.Popen([sys.executable, "-m", "elasticflow.tensorboard", str(self.run_dir),
-                                          "--parent", str(os.getpid())], stdin=subprocess.DEVNULL)
+                                          "--parent", str(os.getpid())], stdin=subprocess.PIPE)
 
     def close(self, timeout_s: float = 15.0) -> None:
         """Let the sidecar write what is left and exit (bounded: a stuck disk does not hold the exit)."""
         if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.stdin.close()
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -165,9 +168,9 @@ def main(argv=None) -> None:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--parent", type=int, required=True, help="exit (after a last drain) when this pid is gone")
     args = p.parse_args(argv)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it sends SIGTERM when done
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes our stdin when done
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.buffer.read(), stop.set()), daemon=True).start()  # EOF: stop
     try:
         follower = _Follower(args.run_dir)
     except ImportError:
@@ -175,9 +178,10 @@ def main(argv=None) -> None:
               "(pip install tensorboard, or pass trainer.tensorboard=false)", file=sys.stderr)
         return
     try:
-        while not stop and os.getppid() == args.parent:
+        while os.getppid() == args.parent:
             follower.poll()
-            time.sleep(POLL_S)
+            if stop.wait(POLL_S):
+                break
         follower.poll()  # the last lines, written before the trainer asked us to stop
     finally:
         follower.writer.close()
