@@ -76,9 +76,13 @@ def one(run: Path, steps: int, at_step: int, reference: dict, env: dict) -> dict
         while logged_step(run) < at_step and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         asked = time.time()
-        scaled = subprocess.run(CLI + ["scale", str(run), "--workers", "4", "--wait", "120"], env=env,
-                                capture_output=True, text=True, timeout=200)
-        out, _ = proc.communicate(timeout=600)
+        try:
+            scaled = subprocess.run(CLI + ["scale", str(run), "--workers", "4", "--wait", "120"], env=env,
+                                    capture_output=True, text=True, timeout=200)
+            out, _ = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired as exc:  # a hung repetition is a failed one, not the end of the bench
+            scaled = subprocess.CompletedProcess(exc.cmd, 124, "", f"timed out after {exc.timeout}s")
+            out = f"timed out: {exc.cmd}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -88,7 +92,7 @@ def one(run: Path, steps: int, at_step: int, reference: dict, env: dict) -> dict
               if '"loss"' in x]
     diff = max_rel_diff(final_params(run), reference) if proc.returncode == 0 else float("inf")
     ok = (scaled.returncode == 0 and "4 workers" in scaled.stdout and proc.returncode == 0
-          and worlds[-1] == 4 and diff <= RTOL)
+          and worlds and worlds[-1] == 4 and diff <= RTOL)
     return {"ok": ok, "at_step": at_step, "scale_s": (formed[0]["time"] - asked) if formed else None,
             "rel_diff": diff, "scale_out": (scaled.stdout + scaled.stderr).strip()[-300:],
             "tail": "" if ok else out[-3000:], "superseded": sum(e["event"] == "superseded" for e in events(run))}

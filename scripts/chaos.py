@@ -178,9 +178,12 @@ class Soak:
         # A kill or a long stop must leave a state holder alive, or the job would restart from scratch.
         killable = [w for w in alive if holders - {w["worker_id"]}]
         members = [w for w in alive if w["role"] == "members" and w["pid"] not in self.stopped]
+        if len([w for w in alive if w["role"] == "members"]) < MIN_W:
+            # Below min_workers the agent stops the job after elastic.wait_s: the joiners that restore it are spared.
+            killable = [w for w in killable if w["role"] != "joining"]
         idle = [w for w in alive if w["role"] == "waiting" and w["pid"] not in self.stopped]
         starting = [w for w in alive if w["role"] == "joining" and w["state"] == "joining"
-                    and w["pid"] not in self.stopped]
+                    and w["pid"] not in self.stopped and len(members) >= MIN_W]
         scaling = sum(p.poll() is None for p, _, _ in self.scales) >= 2  # two at once, no more
         choices = {k: wt for k, wt in KINDS.items() if {
             "kill": killable, "stop_short": members, "stop_long": [w for w in members + idle if w in killable],
