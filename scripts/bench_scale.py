@@ -68,9 +68,12 @@ def events(run: Path) -> list:
 
 
 def one(run: Path, steps: int, at_step: int, reference: dict, env: dict) -> dict:
-    proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={run}", *common(steps),
-                                   "launcher.workers=2", "launcher.max_workers=4"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output to a file: a pipe read only at the end fills (64 KiB of step lines) and blocks every writer.
+    output = run.parent / f"{run.name}.log"
+    with open(output, "w") as sink:
+        proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={run}", *common(steps),
+                                       "launcher.workers=2", "launcher.max_workers=4"],
+                                env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while logged_step(run) < at_step and proc.poll() is None and time.monotonic() < deadline:
@@ -79,14 +82,15 @@ def one(run: Path, steps: int, at_step: int, reference: dict, env: dict) -> dict
         try:
             scaled = subprocess.run(CLI + ["scale", str(run), "--workers", "4", "--wait", "120"], env=env,
                                     capture_output=True, text=True, timeout=200)
-            out, _ = proc.communicate(timeout=600)
+            proc.wait(timeout=600)
+            out = output.read_text()
         except subprocess.TimeoutExpired as exc:  # a hung repetition is a failed one, not the end of the bench
             scaled = subprocess.CompletedProcess(exc.cmd, 124, "", f"timed out after {exc.timeout}s")
             out = f"timed out: {exc.cmd}"
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
     formed = [e for e in events(run) if e["event"] == "formed" and e.get("world") == 4]
     worlds = [json.loads(x).get("world_size") for x in (run / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in x]

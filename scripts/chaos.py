@@ -133,9 +133,13 @@ class Soak:
     def start(self) -> None:
         (self.run / "samples").mkdir(parents=True)
         self.pace.touch()
-        self.proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={self.run}", *common(self.steps),
-                                            *elastic()], env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        # The job's output goes to a file, not a pipe read at the end: a pipe nobody reads fills (64 KiB) and
+        # every write to it blocks, in the agent and in every worker that inherited it.
+        self.output = self.run.parent / "job.log"
+        with open(self.output, "w") as out:
+            self.proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={self.run}",
+                                                *common(self.steps), *elastic()],
+                                         env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
     def snapshot(self) -> dict:
         try:
@@ -304,11 +308,11 @@ class Soak:
             self.restore(self.snapshot())
         self.pace.unlink(missing_ok=True)
         try:
-            out, _ = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
         self.tick()
-        return out
+        return self.output.read_text()
 
     def reap(self) -> None:
         """Leave nothing behind: SIGCONT what we stopped, kill the agent and every worker still alive."""
@@ -320,7 +324,7 @@ class Soak:
             p.communicate()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()  # the workers see the agent's port closed and exit (4)
-            self.proc.communicate()
+            self.proc.wait()
         time.sleep(1.0)
         for pid in self.seen:
             self.signal(pid, signal.SIGKILL)

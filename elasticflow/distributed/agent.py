@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from ..console import DetachedConsole
 from ..errors import ElasticFlowError, TrainingInterrupted
 from ..fileio import append_event, write_atomic
 from . import protocol, scaling
@@ -36,6 +37,7 @@ log = logging.getLogger("elasticflow")
 WATCH_S = 0.01     # how often the agent polls its workers: a SIGKILLed worker is noticed within ~10 ms
 HEALTH_S = 0.1     # how often heartbeats and failure reports are read
 REPORT_GRACE_S = 2.0  # after a peer reports a failed collective, how long the others have to report too
+CONSOLE_DRAIN_S = 30.0  # at the end, how long the agent waits for a console that is not read (then writes on)
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
 
@@ -145,6 +147,7 @@ class Agent:
         self.event("started", workers=list(self.joining), pids=[w.pid for w in self.joining.values()])
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         previous_usr1 = signal.signal(signal.SIGUSR1, self._on_preempt)
+        console = DetachedConsole()  # a console nobody reads must not stop the watch (console.py)
         try:
             return self._watch()
         finally:
@@ -152,6 +155,7 @@ class Agent:
             signal.signal(signal.SIGUSR1, previous_usr1)
             self._reap_all()
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
+            console.close(timeout_s=CONSOLE_DRAIN_S)
 
     def _on_sigint(self, signum, frame) -> None:
         if self.interrupted:  # second Ctrl-C: stop everything now

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..console import DetachedConsole
 from ..fileio import write_atomic
 from . import protocol
 
@@ -27,7 +28,7 @@ class _RankFilter(logging.Filter):
         return record.levelno >= logging.WARNING or (trainer is not None and trainer.rank == 0)
 
 
-def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> None:
+def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> DetachedConsole:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
@@ -39,6 +40,7 @@ def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> None:
     file.setFormatter(logging.Formatter(f"[%(asctime)s][worker {worker_id}][%(levelname)s] %(message)s"))
     root.addHandler(console)
     root.addHandler(file)
+    return DetachedConsole(root)  # a console nobody reads must not stop training (console.py)
 
 
 def bind_address(interface) -> str:
@@ -73,7 +75,7 @@ def main() -> None:
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
     worker_id = int(os.environ[protocol.ENV_WORKER_ID]) if os.environ.get(protocol.ENV_WORKER_ID) else None
     holder = {"trainer": None}
-    _setup_logging(run_dir, worker_id, lambda: holder["trainer"])
+    console = _setup_logging(run_dir, worker_id, lambda: holder["trainer"])
     code = protocol.EXIT_OK
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
@@ -110,6 +112,7 @@ def main() -> None:
                      f"see {run_dir}/logs/worker-{worker_id}.log for the traceback")
         code = 1
     # A process whose gloo group failed can abort in its exit handlers: flush, then leave at once.
+    console.close(timeout_s=5.0)  # bounded: the agent waits for this exit
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

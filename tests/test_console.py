@@ -1,0 +1,150 @@
+"""A console nobody reads must not stop the job (console.py).
+
+The chaos soak once read the job's output only at the end: the 64 KiB pipe filled, the agent blocked in a
+log call on its way to cutting out a stopped worker, and a generation waited 481 s. These tests fill a
+small pipe and leave it unread.
+"""
+import fcntl
+import logging
+import os
+import signal
+import struct
+import subprocess
+import termios
+import threading
+import time
+from pathlib import Path
+
+from conftest import ELASTICFLOW
+from test_elastic import COMMON, PROBE, events, logged_step, members, wait_for
+
+from elasticflow.console import DetachedConsole
+
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+ on Linux); spelled out for older fcntl modules
+
+
+def small_pipe():
+    """(read fd, write fd) of a pipe that holds one page: it is full after a few lines."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    return r, w
+
+
+def drain(fd: int, into: bytearray) -> threading.Thread:
+    def run():
+        while chunk := os.read(fd, 65536):
+            into.extend(chunk)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_logging_returns_while_the_console_is_not_read_and_nothing_is_lost_below_the_bound():
+    r, w = small_pipe()
+    stream = os.fdopen(w, "w", buffering=1)
+    logger = logging.getLogger("test-console-bounded")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(logging.StreamHandler(stream))
+    console = DetachedConsole(logger, records=5000)
+    lines = [f"line {i:05d} " + "x" * 80 for i in range(3000)]  # ~270 KB: 66 times the pipe
+    writer = threading.Thread(target=lambda: [logger.info(s) for s in lines], daemon=True)
+    writer.start()
+    writer.join(30)
+    assert not writer.is_alive(), "logging blocked on a console nobody reads"
+    got = bytearray()
+    reader = drain(r, got)
+    assert console.close(timeout_s=30)
+    stream.close()
+    reader.join(10)
+    assert got.decode().splitlines() == lines  # all of them, in order
+
+
+def test_a_full_queue_drops_lines_and_says_how_many():
+    r, w = small_pipe()
+    stream = os.fdopen(w, "w", buffering=1)
+    logger = logging.getLogger("test-console-drops")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(logging.StreamHandler(stream))
+    console = DetachedConsole(logger, records=20)
+    for i in range(2000):
+        logger.info("line %d %s", i, "y" * 80)
+    got = bytearray()
+    reader = drain(r, got)
+    deadline = time.monotonic() + 30
+    while not console.queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the console moves again: the queue empties
+    logger.info("after the console moved again")
+    assert console.close(timeout_s=30)
+    stream.close()
+    reader.join(10)
+    text = got.decode()
+    assert "line 0 " in text and "line 1999 " not in text
+    assert "log line(s) dropped: the console was not read" in text
+    assert text.splitlines()[-1] == "after the console moved again"
+
+
+def test_filters_run_when_the_line_is_logged():
+    r, w = small_pipe()
+    stream = os.fdopen(w, "w", buffering=1)
+    logger = logging.getLogger("test-console-filters")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logging.StreamHandler(stream)
+    rank = {"now": 1}
+    handler.addFilter(lambda record: rank["now"] == 0)  # like the workers' "rank 0 only"
+    logger.addHandler(handler)
+    console = DetachedConsole(logger)
+    logger.info("as rank 1")
+    rank["now"] = 0
+    logger.info("as rank 0")
+    rank["now"] = 1  # before the console thread writes: the verdict was taken when the line was logged
+    got = bytearray()
+    reader = drain(r, got)
+    assert console.close(timeout_s=30)
+    stream.close()
+    reader.join(10)
+    assert got.decode().splitlines() == ["as rank 0"]
+    assert handler in logger.handlers and handler.filters  # given back as it was
+
+
+def queued_bytes(fd: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_a_stopped_worker_is_cut_out_while_nobody_reads_the_jobs_output(tmp_path: Path):
+    """The job's stdout and stderr are a one-page pipe, unread until the end. Once rank 0's step lines have
+    filled it, a member is SIGSTOPped: the agent must still cut it out (it logs a warning on the way), and
+    the job must finish."""
+    run, steps = tmp_path / "run", 150
+    r, w = small_pipe()
+    overrides = [o for o in COMMON if not o.startswith("trainer.max_steps=")] + [f"trainer.max_steps={steps}"]
+    cmd = ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", *overrides, "launcher.workers=3",
+                         "launcher.min_workers=2"]
+    proc = subprocess.Popen(cmd, stdout=w, stderr=w, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                          "EF_PROBE_SLEEP": "0.05"})
+    os.close(w)
+    got, victim = bytearray(), None
+    try:
+        wait_for(lambda: queued_bytes(r) >= 4096 - 100, 120, "the pipe to fill")
+        assert logged_step(run) < steps
+        victim = members(run)[1]
+        os.kill(victim["pid"], signal.SIGSTOP)
+        hung = wait_for(lambda: [e for e in events(run) if e["event"] == "hung"], 30, "the stopped worker cut out")
+        assert hung[0]["worker"] == victim["worker_id"]
+        reader = drain(r, got)
+        proc.wait(240)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if victim is not None:
+            try:
+                os.kill(victim["pid"], signal.SIGKILL)  # a failed run must not leave it stopped forever
+            except ProcessLookupError:
+                pass
+        os.close(r)
+    assert proc.returncode == 0, got.decode()[-3000:]
+    assert logged_step(run) == steps
