@@ -39,74 +39,72 @@ def drain(fd: int, into: bytearray) -> threading.Thread:
     return t
 
 
+class UnreadConsole:
+    """A logger of its own whose one console handler writes to a one-page pipe nobody reads (yet)."""
+
+    def __init__(self, name: str):
+        self.r, w = small_pipe()
+        self.stream = os.fdopen(w, "w", buffering=1)
+        self.logger = logging.getLogger(name)
+        self.logger.propagate = False
+        self.logger.setLevel(logging.INFO)
+        self.handler = logging.StreamHandler(self.stream)
+        self.logger.addHandler(self.handler)
+        self.got = bytearray()
+        self.reader = None
+
+    def start_reading(self) -> None:
+        self.reader = drain(self.r, self.got)
+
+    def close(self, console: DetachedConsole) -> list:
+        """Read the pipe, close the detached console (asserting it drained); the lines the console got."""
+        if self.reader is None:
+            self.start_reading()
+        assert console.close(timeout_s=30)
+        self.stream.close()
+        self.reader.join(10)
+        return self.got.decode().splitlines()
+
+
 def test_logging_returns_while_the_console_is_not_read_and_nothing_is_lost_below_the_bound():
-    r, w = small_pipe()
-    stream = os.fdopen(w, "w", buffering=1)
-    logger = logging.getLogger("test-console-bounded")
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    logger.addHandler(logging.StreamHandler(stream))
-    console = DetachedConsole(logger, records=5000)
+    pipe = UnreadConsole("test-console-bounded")
+    console = DetachedConsole(pipe.logger, records=5000)
     lines = [f"line {i:05d} " + "x" * 80 for i in range(3000)]  # ~270 KB: 66 times the pipe
-    writer = threading.Thread(target=lambda: [logger.info(s) for s in lines], daemon=True)
+    writer = threading.Thread(target=lambda: [pipe.logger.info(s) for s in lines], daemon=True)
     writer.start()
     writer.join(30)
     assert not writer.is_alive(), "logging blocked on a console nobody reads"
-    got = bytearray()
-    reader = drain(r, got)
-    assert console.close(timeout_s=30)
-    stream.close()
-    reader.join(10)
-    assert got.decode().splitlines() == lines  # all of them, in order
+    assert pipe.close(console) == lines  # all of them, in order
 
 
 def test_a_full_queue_drops_lines_and_says_how_many():
-    r, w = small_pipe()
-    stream = os.fdopen(w, "w", buffering=1)
-    logger = logging.getLogger("test-console-drops")
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    logger.addHandler(logging.StreamHandler(stream))
-    console = DetachedConsole(logger, records=20)
+    pipe = UnreadConsole("test-console-drops")
+    console = DetachedConsole(pipe.logger, records=20)
     for i in range(2000):
-        logger.info("line %d %s", i, "y" * 80)
-    got = bytearray()
-    reader = drain(r, got)
+        pipe.logger.info("line %d %s", i, "y" * 80)
+    pipe.start_reading()
     deadline = time.monotonic() + 30
     while not console.queue.empty() and time.monotonic() < deadline:
         time.sleep(0.01)  # the console moves again: the queue empties
-    logger.info("after the console moved again")
-    assert console.close(timeout_s=30)
-    stream.close()
-    reader.join(10)
-    text = got.decode()
+    pipe.logger.info("after the console moved again")
+    lines = pipe.close(console)
+    text = "\n".join(lines)
     assert "line 0 " in text and "line 1999 " not in text
     assert "log line(s) dropped: the console was not read" in text
-    assert text.splitlines()[-1] == "after the console moved again"
+    assert lines[-1] == "after the console moved again"
 
 
 def test_filters_run_when_the_line_is_logged():
-    r, w = small_pipe()
-    stream = os.fdopen(w, "w", buffering=1)
-    logger = logging.getLogger("test-console-filters")
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    handler = logging.StreamHandler(stream)
+    pipe = UnreadConsole("test-console-filters")
     rank = {"now": 1}
-    handler.addFilter(lambda record: rank["now"] == 0)  # like the workers' "rank 0 only"
-    logger.addHandler(handler)
-    console = DetachedConsole(logger)
-    logger.info("as rank 1")
+    pipe.handler.addFilter(lambda record: rank["now"] == 0)  # like the workers' "rank 0 only"
+    console = DetachedConsole(pipe.logger)
+    pipe.logger.info("as rank 1")
     rank["now"] = 0
-    logger.info("as rank 0")
+    pipe.logger.info("as rank 0")
     rank["now"] = 1  # before the console thread writes: the verdict was taken when the line was logged
-    got = bytearray()
-    reader = drain(r, got)
-    assert console.close(timeout_s=30)
-    stream.close()
-    reader.join(10)
-    assert got.decode().splitlines() == ["as rank 0"]
-    assert handler in logger.handlers and handler.filters  # given back as it was
+    assert pipe.close(console) == ["as rank 0"]
+    assert pipe.handler in pipe.logger.handlers and pipe.handler.filters  # given back as it was
 
 
 def queued_bytes(fd: int) -> int:
