@@ -2,9 +2,12 @@
 callable records each worker's environment instead of starting a process."""
 import json
 
+import pytest
+
 from elasticflow.config import compose
 from elasticflow.distributed import protocol
 from elasticflow.distributed.agent import Agent
+from elasticflow.errors import ElasticFlowError
 
 
 class FakeProc:
@@ -45,3 +48,19 @@ def test_a_replacement_takes_the_local_slot_of_the_worker_it_replaces(tmp_path):
         assert [e[protocol.ENV_LOCAL_SLOT] for e in envs[4:]] == ["0", "2"]
     finally:
         agent._listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_worker_dying_before_the_first_generation_ends_the_job(tmp_path):
+    """Before, the agent waited forever: nothing was published, so its "no members left" check never ran."""
+    cfg = compose("models/linear.py", ["launcher.workers=2", "launcher.restart_failed=false"])
+
+    def launch(env):
+        proc = FakeProc(10_000)
+        proc.rc = -9  # SIGKILLed while starting, before it asked to join
+        return proc
+
+    with pytest.raises(ElasticFlowError, match="every worker died"):
+        Agent(cfg, tmp_path, launch=launch).run()
+    kinds = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert kinds.count("join_failed") == 2

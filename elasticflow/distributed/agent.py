@@ -197,6 +197,8 @@ class Agent:
             if not self.members and self.generation >= 0 and (
                     self.finished or not (self.joining or self.admitted or self.waiting)):
                 return self._result()
+            if self.generation < 0 and not self.live():  # every worker died before the first generation
+                return self._result()
             time.sleep(WATCH_S)
 
     # ------------------------------------------------------------------ exits
