@@ -11,7 +11,7 @@ from .exits import debug_requested, fail, print_done, report
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
        elasticflow scale RUN_DIR --workers N
-       elasticflow status RUN_DIR
+       elasticflow status RUN_DIR [--json]
        elasticflow plot RUN_DIR [-o FILE.png]
        elasticflow inspect CHECKPOINT_DIR
        elasticflow --version
@@ -35,12 +35,13 @@ def _train_task(cfg) -> None:
     try:
         # The one validation for `elasticflow train` (every job of a -m sweep gets its own).
         validate(cfg)
-        summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        summary = run(cfg, run_dir)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes one reported line
         if isinstance(exc, SystemExit):
             raise
         report(exc, debug_requested())
-    print_done(summary)
+    print_done(summary, run_dir)
 
 
 def train(args: List[str], debug: bool) -> None:
@@ -109,11 +110,17 @@ def scale_command(args: List[str]) -> None:
 
 
 def status_command(args: List[str]) -> None:
-    from .distributed.control import status
+    import json
 
-    if len(args) != 1:
-        fail("status takes one run directory", "e.g. elasticflow status outputs/2026-11-22/10-00-00")
-    print(status(Path(args[0])))
+    from .distributed.control import status, status_record
+
+    as_json = "--json" in args
+    args = [a for a in args if a != "--json"]
+    if len(args) != 1 or args[0].startswith("-"):
+        fail(f"status takes one run directory and optionally --json, got {' '.join(args) or 'nothing'}",
+             "e.g. elasticflow status outputs/2026-11-22/10-00-00 --json")
+    run_dir = Path(args[0])
+    print(json.dumps(status_record(run_dir), indent=1) if as_json else status(run_dir))
 
 
 def plot_command(args: List[str]) -> None:

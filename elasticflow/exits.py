@@ -2,14 +2,16 @@
 
 Shared by the CLI and the SLURM batch entry (``python -m elasticflow.launchers.slurm``). It lives
 apart from cli.py so that a launcher can end its process the same way without importing the CLI
-(which imports the launchers): it depends on errors.py and protocol.py only.
+(which imports the launchers): it depends on errors.py, protocol.py and goodput.py only.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
-from typing import Any, Dict, NoReturn
+from pathlib import Path
+from typing import Any, Dict, NoReturn, Optional
 
 from .distributed.protocol import ENV_DEBUG
 from .errors import ElasticFlowError, TrainingInterrupted
@@ -51,7 +53,18 @@ def report(exc: BaseException, debug: bool) -> NoReturn:
     fail(f"{type(exc).__name__}: {exc}{where}", "run with --debug for the full traceback", 1)
 
 
-def print_done(summary: Dict[str, Any]) -> None:
-    """The last line of a finished run on stdout: ``done: k=v ...``, floats to 4 significant digits."""
+def print_done(summary: Dict[str, Any], run_dir: Optional[Path] = None) -> None:
+    """The last line of a finished run on stdout: ``done: k=v ...``, floats to 4 significant digits.
+
+    With ``run_dir``: the goodput ledger the job wrote (RUN_DIR/goodput.json) comes first, as a block.
+    """
+    ledger = Path(run_dir) / "goodput.json" if run_dir is not None else None
+    if ledger is not None and ledger.is_file():
+        from .goodput import render
+
+        try:
+            print(render(json.loads(ledger.read_text())))
+        except (ValueError, KeyError, TypeError):
+            pass  # a report, not the result: the done line still comes
     shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
     print(f"done: {shown}", flush=True)

@@ -62,7 +62,8 @@ class Recovery:
     previous_generation: int
     previous_world: int
     rolled_forward: bool       # a member had committed the failed step; the rest adopted its state
-    recovery_s: float
+    recovery_s: float          # from the call until the state is in sync (every attempt) ...
+    transfer_s: float = 0.0    # ... of which comparing progress and sending the state (sync_state)
     stop: Optional[str] = None
     stop_reason: str = ""
 
@@ -292,14 +293,18 @@ class Replica:
         previous_generation, previous_world = self.generation, self.world
         if failure is not None:
             m.report_failure()
-        stop, stop_reason, moved = None, "", False
+        stop, stop_reason, moved, transfer_s = None, "", False, 0.0
         while True:
             try:
                 try:
                     m.rebuild(after=self.generation)
                 except StopRequested as exc:
                     stop, stop_reason = "below_min", exc.reason
-                moved = self.sync_state(samples_seen)
+                synced = time.time()
+                try:
+                    moved = self.sync_state(samples_seen)
+                finally:
+                    transfer_s += time.time() - synced
                 break
             except protocol.CommError as exc:
                 log.warning("recovery in generation %d failed (%s); waiting for the next", self.generation, exc)
@@ -312,4 +317,5 @@ class Replica:
                 stop, stop_reason = "removed", str(exc)
                 break
         return Recovery(previous_generation=previous_generation, previous_world=previous_world,
-                        rolled_forward=moved, recovery_s=time.time() - failed_at, stop=stop, stop_reason=stop_reason)
+                        rolled_forward=moved, recovery_s=time.time() - failed_at, transfer_s=transfer_s, stop=stop,
+                        stop_reason=stop_reason)

@@ -167,6 +167,7 @@ def banner(*, backend: str, device: str, world: int, global_batch: int, micro: O
 def step_line(record: Dict[str, Any]) -> str:
     extra = " ".join(f"{k}={v:.4g}" for k, v in record.items()
                      if k not in ("step", "epoch", "loss", "lr", "samples_seen", "world_size", "generation",
-                                  "step_time_s", "micro_step", "time", "global_batch") and isinstance(v, float))
+                                  "step_time_s", "train_s", "micro_step", "time", "global_batch")
+                     and isinstance(v, float))
     return (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.5g} lr {record['lr']:.3g} "
             f"samples {record['samples_seen']} {record['step_time_s'] * 1e3:.1f} ms {extra}").rstrip()

@@ -32,7 +32,7 @@ OFFSETS = ".read"  # tensorboard/.read: bytes of metrics.jsonl and events.jsonl 
 
 # The record keys of metrics.jsonl that are not scalars worth a chart (or are charted under another name).
 _NOT_CHARTED = {"step", "epoch", "samples_seen", "time", "micro_step", "global_batch", "step_time_s", "world_size",
-                "generation", "skipped", "overflow"}
+                "generation", "skipped", "overflow", "train_s"}  # train_s: the goodput ledger's (goodput.py)
 
 
 def scalars_of(record: Dict[str, Any]) -> Dict[str, float]:

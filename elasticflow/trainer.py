@@ -2,7 +2,8 @@
 
 The trainer is the one place that knows every part; each part returns results and never calls back:
 ``state.TrainState`` (progress), ``replica.Replica`` (reductions, recovery), ``checkpoint.CheckpointManager``
-(saves, resume), ``evaluation.Evaluation``, ``reporting.RunLog`` (metrics.jsonl, events.jsonl).
+(saves, resume), ``evaluation.Evaluation``, ``reporting.RunLog`` (metrics.jsonl, events.jsonl),
+``goodput.Meter`` (productive time against the costs it measures: goodput.py defines the accounting).
 Counters, never mixed: ``step`` counts optimizer steps, ``micro_step`` micro-batches,
 ``cursor.samples_seen`` samples, ``generation`` membership changes.
 """
@@ -28,6 +29,7 @@ from .distributed.protocol import CommError
 from .errors import ElasticFlowError, TrainingInterrupted
 from .buffers import Reconciler
 from .evaluation import Evaluation, probe_metric_names
+from .goodput import Meter
 from .prefetch import Key, Prefetcher
 from .replica import Agreed, Replica
 from .reporting import Progress, RunLog, banner, step_line
@@ -82,6 +84,8 @@ class ElasticTrainer:
         self.last_eval: Dict[str, float] = {}
         self.resumed_from: Optional[str] = None
         self._agreed = Agreed()  # what the members agreed on in the last step's reduction
+        self.meter = Meter()
+        self._reduce_started = 0.0  # perf_counter() when this step attempt's reduction began
         self._prepared = False
 
     # Where this worker sits (the replica follows the membership through every regroup).
@@ -136,7 +140,9 @@ class ElasticTrainer:
             self.membership.report_device(self.placement.describe())  # for `elasticflow status`
         self.checkpoints.reserve(self.rank, self.world)
         self._prepared = True
+        self.meter.start()  # from here every second is productive or a measured cost (goodput.py)
         if self.rank == 0:
+            self.run_log.event("ready", step=self.state.step, world_size=self.world, resumed_from=self.resumed_from)
             log.info(banner(backend=self.backend.NAME, device=self.placement.describe(), world=self.world, global_batch=t.global_batch_size,
                             micro=t.micro_batch_size, optimizer=optim.describe(self.spec)
                             + (" (from the model file)" if built.optimizer_from_model else ""),
@@ -184,6 +190,10 @@ class ElasticTrainer:
                         for batch in self.batches():
                             with self.step():
                                 self.train_step(batch)
+        except BaseException as exc:
+            self._trained("interrupted" if isinstance(exc, TrainingInterrupted) else
+                          "stopped" if isinstance(exc, ElasticFlowError) else "failed")
+            raise
         finally:
             self.progress.close()
             self.prefetch.close()
@@ -221,9 +231,12 @@ class ElasticTrainer:
         elapsed = time.perf_counter() - started
         s, m = self.state, self.state.last_metrics
         m["step_time_s"] = elapsed
+        logged = self._should_log(m)
+        if logged:  # on every rank: a worker that becomes rank 0 goes on from the same logged step
+            m["train_s"] = self.meter.flush()  # productive seconds since the previous logged step
         if self.rank == 0:
             bar = self.progress
-            if self._should_log(m):
+            if logged:
                 self.run_log.step(m)
                 if bar is None or not bar.active:
                     log.info(step_line(m))
@@ -263,13 +276,17 @@ class ElasticTrainer:
         which case its state is adopted (``Replica.sync_state``) and nothing is redone.
         """
         while True:
+            attempt_started = time.perf_counter()
             try:
                 return self._attempt(batch)
             except CommError as exc:
+                failed = time.perf_counter()
+                # The attempt's compute, then the time blocked in the collective that failed (detection).
+                reduced = self._reduce_started if self._reduce_started >= attempt_started else failed
                 start = self.reconciler and self.reconciler.start_values()
                 if start:  # the failed step's forwards moved the buffers: it is redone from where it began
                     self.engine.set_buffers(start)
-                self._recover(str(exc))
+                self._recover(str(exc), (reduced - attempt_started, failed - reduced))
                 c = self.state.cursor
                 if c.epoch > batch.epoch or c.samples_in_epoch >= batch.end:
                     return self.state.last_metrics
@@ -307,6 +324,7 @@ class ElasticTrainer:
         scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
         contribution = None if reconciler is None else reconciler.contribution(
             engine.buffer_arrays(), share.first, len(share.micro), share.total, self.rank, self.world)
+        self._reduce_started = time.perf_counter()
         scalars, agreed, buffers = self.replica.reduce_step(scalars, self.stop_signal.requested, contribution)
         if buffers is not None:
             engine.set_buffers(reconciler.finish(buffers))
@@ -379,13 +397,20 @@ class ElasticTrainer:
             self.run_log.take_over()  # a rank 0 that left may have logged steps this worker has not
         _context.rank, _context.world_size, _context.generation = self.rank, self.world, self.generation
 
-    def _recover(self, failure: Optional[str]) -> None:
-        """Regroup after a failed collective (``failure``: what failed) or an agreed membership change."""
+    def _recover(self, failure: Optional[str], attempt: Tuple[float, float] = (0.0, 0.0)) -> float:
+        """Regroup after a failed collective (``failure``: what failed) or an agreed membership change.
+
+        ``attempt``: (compute, blocked) seconds of the step attempt the failure ended. Returns the
+        seconds the recovery took.
+        """
         s = self.state
         if failure is not None:
             log.warning("worker step %d: %s; rebuilding", s.step + 1, failure)
         before = s.cursor.samples_seen
         r = self.replica.recover(failure, before)
+        # Rolled forward: a member had committed the attempt's step, so its compute was kept, not redone.
+        redone_s = 0.0 if r.rolled_forward else attempt[0]
+        self.meter.lose(redone_s + attempt[1] + r.recovery_s)
         if r.stop == "removed":
             log.info("worker %s retired by the agent (%s)", self.replica.worker_id, r.stop_reason)
             raise ElasticFlowError(f"worker {self.replica.worker_id} retired: {r.stop_reason}", "",
@@ -404,7 +429,9 @@ class ElasticTrainer:
             self.run_log.event("regrouped" if failure is None else "recovered", generation=self.generation,
                                previous_generation=r.previous_generation, world_size=self.world,
                                previous_world_size=r.previous_world, reason=reason.splitlines()[0][:200],
-                               recovery_s=round(r.recovery_s, 4), rolled_forward=r.rolled_forward,
+                               recovery_s=round(r.recovery_s, 4), transfer_s=round(r.transfer_s, 4),
+                               redone_s=round(redone_s, 4), detect_s=round(attempt[1], 4),
+                               rolled_forward=r.rolled_forward,
                                # An unplanned failure interrupts one step, which the members redo -- unless
                                # one of them had committed it and the rest adopted its state (rolled forward).
                                steps_redone=0 if failure is None or r.rolled_forward else 1,
@@ -414,28 +441,47 @@ class ElasticTrainer:
             raise ElasticFlowError(f"{r.stop_reason}; checkpoint written",
                                    "resume with the same command (resume=auto), or lower launcher.min_workers",
                                    exit_code=protocol.EXIT_BELOW_MIN)
+        return r.recovery_s
 
     # ------------------------------------------------------------------ evaluation, checkpoints, end
     def evaluate(self) -> Dict[str, float]:
         """Mean loss and metrics over eval_data(), logged as eval_<name>; each worker evaluates a share."""
         if self.evaluation is None:
             return {}
+        started, recovering = time.perf_counter(), 0.0
         while True:
             try:
                 self.last_eval = self.evaluation.run(self.engine, self.replica)
                 break
             except CommError as exc:
-                self._recover(str(exc))
+                recovering += self._recover(str(exc))  # a cost of its own, not the evaluation's
+        seconds = time.perf_counter() - started - recovering
+        self.meter.lose(seconds)
         if self.rank == 0:
-            self.run_log.eval({"step": self.state.step, "epoch": self.state.cursor.epoch, **self.last_eval})
+            self.run_log.eval({"step": self.state.step, "epoch": self.state.cursor.epoch, **self.last_eval,
+                               "evaluation_s": round(seconds, 4), "time": time.time()})
             log.info("eval at step %d: %s", self.state.step,
                      " ".join(f"{k}={v:.4g}" for k, v in self.last_eval.items()))
         return self.last_eval
 
     def save_checkpoint(self, name: str, wait: bool = True) -> Optional[Path]:
         """Save the state as checkpoint ``name`` (see ``CheckpointManager.save``); its path on rank 0."""
+        started = time.perf_counter()
         self.state.last_saved_step = self.state.step
-        return self.checkpoints.save(name, self.replica, wait=wait)
+        path = self.checkpoints.save(name, self.replica, wait=wait)
+        self._stalled(name, time.perf_counter() - started, wait)
+        return path
+
+    def _stalled(self, name: str, seconds: float, wait: bool) -> None:
+        """Training stood still ``seconds`` for checkpoint ``name`` (one event line per save)."""
+        self.meter.lose(seconds)
+        if self.rank == 0:
+            self.run_log.event("checkpoint", name=name, step=self.state.step, stall_s=round(seconds, 4), wait=wait)
+
+    def _trained(self, outcome: str) -> None:
+        """The loop's end (the ledger's ``trained``): the productive seconds not yet on a logged step."""
+        if self.rank == 0 and self.meter.started:
+            self.run_log.event("trained", step=self.state.step, train_s=round(self.meter.flush(), 4), outcome=outcome)
 
     def load_checkpoint(self, path: Path) -> None:
         """Load checkpoint ``path`` (written by any number of workers, on either backend)."""
@@ -448,11 +494,14 @@ class ElasticTrainer:
         self.prefetch.close()  # your own loop (README) ends here, not in fit(): no readers left behind
         if self.evaluation is not None and not (self.last_eval and ev and s.step % ev == 0):
             self.evaluate()
-        final = None
+        final, started = None, time.perf_counter()
         if s.last_saved_step != s.step:
-            final = self.save_checkpoint(f"step_{s.step}")
+            s.last_saved_step = s.step
+            final = self.checkpoints.save(f"step_{s.step}", self.replica)
         # An interval save may still be in flight; a failed background write is raised here.
         final = self.checkpoints.close() or final
+        self._stalled(f"step_{s.step}" if final else "in flight", time.perf_counter() - started, True)
+        self._trained("finished")
         self.run_log.close()
         return {"step": s.step, "epochs_completed": s.epochs_completed, "samples_seen": s.cursor.samples_seen,
                 "loss": s.last_metrics.get("loss"), **self.last_eval,

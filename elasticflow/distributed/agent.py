@@ -329,7 +329,7 @@ class Agent:
             return  # joiners admitted while a generation forms enter the next one, together
         if len(self.members) + len(self.admitted) >= lc.min_workers:
             if self.below_min_since is not None:
-                self.below_min_since = None
+                self._below_min_ended(now, "resumed")
             self.publish(reason=self.supersede_cause if self.supersede_at is not None else "")
             return
         if self.below_min_since is None:
@@ -339,9 +339,15 @@ class Agent:
         elif now - self.below_min_since > el.wait_s:
             self.stop_reason = (f"only {len(self.members)} worker(s) left, fewer than launcher.min_workers="
                                 f"{lc.min_workers}, for elastic.wait_s={el.wait_s:g}s")
+            self._below_min_ended(now, "stopped")
             self.event("stop", reason=self.stop_reason, generation=self.generation + 1)
             self.publish("stop", self.stop_reason)
-            self.below_min_since = None
+
+    def _below_min_ended(self, now: float, outcome: str) -> None:
+        """The wait below launcher.min_workers is over (the goodput ledger's ``below_min``)."""
+        self.event("below_min", waited_s=round(now - self.below_min_since, 4), outcome=outcome,
+                   min_workers=self.cfg.launcher.min_workers, workers=len(self.members) + len(self.admitted))
+        self.below_min_since = None
 
     # ------------------------------------------------------------------ health
     def _check_health(self, now: float) -> None:

@@ -112,14 +112,68 @@ def _devices(run_dir: Path, worker_ids: Iterable[int]) -> Dict[int, str]:
         return {}
 
 
-def status(run_dir: Path, events: int = 8) -> str:
-    """Generation, members (and, while the job runs, each one's device), progress and recent membership
-    events of a run (running or not)."""
-    from ..reporting import last_logged_step
-
+def _check_run_dir(run_dir: Path) -> None:
     if not (run_dir / "workers.json").is_file() and not (run_dir / "metrics.jsonl").is_file():
         raise ElasticFlowError(f"'{run_dir}' is not a run directory (no workers.json or metrics.jsonl)",
                                "pass the run's hydra.run.dir, e.g. outputs/2026-11-22/10-00-00")
+
+
+def _last_step(run_dir: Path) -> dict:
+    """The newest training step's record of metrics.jsonl ({} before the first)."""
+    from ..reporting import last_logged_step
+
+    metrics = run_dir / "metrics.jsonl"
+    step = last_logged_step(metrics)
+    last = {}
+    if step >= 0:
+        for line in metrics.read_text().splitlines()[-50:]:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step") == step and "loss" in record:
+                last = record
+    return last
+
+
+def _recent_events(run_dir: Path, events: int) -> List[dict]:
+    """The newest ``events`` membership events (the goodput ledger's own records left out)."""
+    from ..goodput import ACCOUNTING_EVENTS
+
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for raw in reversed(path.read_text().splitlines()):
+        try:
+            e = json.loads(raw)
+        except ValueError:
+            continue
+        if e.get("event") not in ACCOUNTING_EVENTS:
+            out.append(e)
+        if len(out) == events:
+            break
+    return out[::-1]
+
+
+def status_record(run_dir: Path, events: int = 8) -> dict:
+    """What `status --json` prints: running, workers.json, the newest step, recent events, the goodput ledger."""
+    from .. import goodput
+
+    _check_run_dir(run_dir)
+    workers = run_dir / "workers.json"
+    return {"run_dir": str(run_dir), "running": protocol.agent_file(run_dir).is_file(),
+            "workers": json.loads(workers.read_text()) if workers.is_file() else None,
+            "last_step": _last_step(run_dir) or None, "recent_events": _recent_events(run_dir, events),
+            "goodput": goodput.load(run_dir)}
+
+
+def status(run_dir: Path, events: int = 8) -> str:
+    """Generation, members (and, while the job runs, each one's device), progress, recent membership
+    events and the goodput ledger of a run (running or not)."""
+    from .. import goodput
+
+    _check_run_dir(run_dir)
     running = protocol.agent_file(run_dir).is_file()
     lines: List[str] = [f"run {run_dir}: {'running' if running else 'not running'}"]
     if (run_dir / "workers.json").is_file():
@@ -139,30 +193,19 @@ def status(run_dir: Path, events: int = 8) -> str:
             if m["worker_id"] in devices:
                 where = f"rank {m['rank']}" if m.get("rank") is not None else m["state"]
                 lines.append(f"  worker {m['worker_id']}: {where}, {devices[m['worker_id']]}")
-    metrics = run_dir / "metrics.jsonl"
-    step = last_logged_step(metrics)
-    if step >= 0:
-        last = {}
-        for line in metrics.read_text().splitlines()[-50:]:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("step") == step and "loss" in record:
-                last = record
-        lines.append(f"step {step}  epoch {last.get('epoch')}  samples consumed {last.get('samples_seen')}  "
+    last = _last_step(run_dir)
+    if last:
+        lines.append(f"step {last['step']}  epoch {last.get('epoch')}  samples consumed {last.get('samples_seen')}  "
                      f"loss {last.get('loss', float('nan')):.5g}")
-    events_file = run_dir / "events.jsonl"
-    if events_file.is_file():
-        recent = events_file.read_text().splitlines()[-events:]
+    recent = _recent_events(run_dir, events)
+    if recent:
         lines.append("recent events:")
-        for raw in recent:
-            try:
-                e = json.loads(raw)
-            except ValueError:
-                continue
-            when = datetime.datetime.fromtimestamp(e.pop("time")).strftime("%H:%M:%S.%f")[:-3]
-            kind = e.pop("event")
-            e.pop("source", None)
-            lines.append(f"  {when} {kind:<10} " + " ".join(f"{k}={v}" for k, v in e.items()))
+    for e in recent:
+        when = datetime.datetime.fromtimestamp(e.pop("time")).strftime("%H:%M:%S.%f")[:-3]
+        kind = e.pop("event")
+        e.pop("source", None)
+        lines.append(f"  {when} {kind:<10} " + " ".join(f"{k}={v}" for k, v in e.items()))
+    ledger = goodput.load(run_dir)
+    if ledger is not None:
+        lines.append(("so far: " if running else "") + goodput.render(ledger))
     return "\n".join(lines)

@@ -11,10 +11,13 @@ from typing import Any, Dict
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     # cfg arrives validated (cli._train_task): nothing here checks it again.
-    if cfg.launcher.workers == 1 and not cfg.launcher.max_workers:
-        from ..trainer import ElasticTrainer
+    from ..goodput import job
 
-        return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
-    from ..distributed.agent import Agent
+    with job(run_dir):  # the job's start and end, for the goodput ledger
+        if cfg.launcher.workers == 1 and not cfg.launcher.max_workers:
+            from ..trainer import ElasticTrainer
 
-    return Agent(cfg, run_dir).run()
+            return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
+        from ..distributed.agent import Agent
+
+        return Agent(cfg, run_dir).run()

@@ -101,12 +101,14 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """The agent, here, with workers as srun steps; requeues the job after a preemption warning."""
     from ..distributed.agent import Agent
     from ..distributed.netif import address_of
+    from ..goodput import job
 
     cfg.launcher.workers = total_workers(cfg)
     agent = Agent(cfg, run_dir, host=address_of(cfg.launcher.interface), launch=srun_launch(cfg),
                   worker_env={protocol.ENV_BIND: "auto"})
     try:
-        return agent.run()
+        with job(run_dir):  # the job's start and end, for the goodput ledger (a requeue starts another)
+            return agent.run()
     except TrainingInterrupted:
         if not agent.preempted or not cfg.launcher.requeue:
             raise
@@ -178,7 +180,7 @@ def main(argv: List[str] | None = None) -> None:
         raise
     except BaseException as exc:  # noqa: BLE001 - one line, as in the CLI
         report(exc, debug_requested())
-    print_done(summary)
+    print_done(summary, run_dir)
 
 
 if __name__ == "__main__":
