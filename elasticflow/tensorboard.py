@@ -49,6 +49,8 @@ def scalars_of(record: Dict[str, Any]) -> Dict[str, float]:
         if k in record:
             out[f"elastic/{k}"] = float(record[k])
     out["train/skipped"] = 1.0 if record.get("skipped") else 0.0
+    for worker, mib in (record.get("memory_mib") or {}).items():
+        out[f"memory/worker_{worker}_mib"] = float(mib)  # resident memory of each worker, by worker id
     return out
 
 

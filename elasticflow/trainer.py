@@ -32,7 +32,7 @@ from .evaluation import Evaluation, probe_metric_names
 from .goodput import Meter
 from .prefetch import Key, Prefetcher
 from .replica import Agreed, Replica
-from .reporting import Progress, RunLog, banner, step_line
+from .reporting import Progress, RunLog, banner, rss_mib, step_line
 from .signals import StopSignal
 from .current import _context, context  # noqa: F401 - context: elasticflow.context()
 from .state import TrainState
@@ -85,6 +85,7 @@ class ElasticTrainer:
         self.resumed_from: Optional[str] = None
         self._agreed = Agreed()  # what the members agreed on in the last step's reduction
         self.meter = Meter()
+        self._own_memory = (-1e9, 0.0)  # (monotonic time read, resident MiB): this process's, for _memory
         self._reduce_started = 0.0  # perf_counter() when this step attempt's reduction began
         self._prepared = False
 
@@ -237,7 +238,7 @@ class ElasticTrainer:
         if self.rank == 0:
             bar = self.progress
             if logged:
-                self.run_log.step(m)
+                self.run_log.step({**m, "memory_mib": self._memory()})
                 if bar is None or not bar.active:
                     log.info(step_line(m))
             if bar is not None:
@@ -396,6 +397,17 @@ class ElasticTrainer:
         if self.rank == 0 and self.generation > 0:
             self.run_log.take_over()  # a rank 0 that left may have logged steps this worker has not
         _context.rank, _context.world_size, _context.generation = self.rank, self.world, self.generation
+
+    def _memory(self) -> Dict[str, float]:
+        """Resident MiB of each worker, by worker id, for rank 0's step records (TensorBoard's memory/)."""
+        m = self.membership
+        if m is not None and m.memory:
+            return {str(k): v for k, v in m.memory.items()}  # gathered by rank 0's membership thread
+        read_at, mib = self._own_memory
+        if time.monotonic() - read_at > 2.0:  # a /proc read: not on every logged step
+            mib = round(rss_mib(), 1)
+            self._own_memory = (time.monotonic(), mib)
+        return {str(self.replica.worker_id or 0): mib}
 
     def _recover(self, failure: Optional[str], attempt: Tuple[float, float] = (0.0, 0.0)) -> float:
         """Regroup after a failed collective (``failure``: what failed) or an agreed membership change.

@@ -28,7 +28,8 @@ def test_scalars_equal_the_metrics_records(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/accuracy", "train/grad_norm", "train/skipped", "speed/samples_per_s",
             "speed/step_time_s", "elastic/world_size", "elastic/generation", "eval/loss",
-            "eval/accuracy"} <= tags, tags
+            "eval/accuracy", "memory/worker_0_mib"} <= tags, tags
+    assert all(e.value > 50 for e in acc.Scalars("memory/worker_0_mib"))  # a process with torch loaded: MiB
     steps = [r for r in metrics(run) if "loss" in r]
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == [r["step"] for r in steps] == [5, 10, 15, 20, 25]
@@ -49,7 +50,8 @@ def test_a_kill_shows_as_a_membership_event_and_the_world_size_drops(tmp_path):
     proc = subprocess.run(ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", "trainer.progress=false",
                                          "trainer.max_steps=40", "trainer.log_every=1", "launcher.workers=3",
                                          "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5"],
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_KILL": "1:15:forward"},
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_KILL": "1:15:forward",
+                               "EF_PROBE_SLEEP": "0.05"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     acc = board(run)
@@ -58,3 +60,7 @@ def test_a_kill_shows_as_a_membership_event_and_the_world_size_drops(tmp_path):
     left = acc.Tensors("events/left")
     assert left and b"left" in left[0].tensor_proto.string_val[0]
     assert "events/recovered" in acc.Tags()["tensors"]
+    # Each worker's resident memory, by worker id: worker 1's series ends at the kill, the others go on.
+    memory = {w: acc.Scalars(f"memory/worker_{w}_mib") for w in (0, 1, 2)}
+    assert all(e.value > 50 for series in memory.values() for e in series)
+    assert max(e.step for e in memory[1]) < 16 and max(e.step for e in memory[0]) == max(e.step for e in memory[2]) == 40

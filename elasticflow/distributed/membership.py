@@ -14,10 +14,11 @@ import os
 import socket
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from torch.distributed import TCPStore
 
+from ..reporting import rss_mib
 from . import protocol
 from .comm import Group
 from .protocol import CommError
@@ -25,6 +26,7 @@ from .rendezvous import key
 
 log = logging.getLogger("elasticflow")
 POLL_S = 0.05
+MEMORY_POLLS = 40  # every 40 polls (2 s): the workers' resident memory
 
 
 class StopRequested(Exception):
@@ -75,6 +77,7 @@ class Membership:
         self.latest_generation = 0
         self.agent_lost = False
         self.device: Optional[str] = None   # what report_device was given
+        self.memory: Dict[int, float] = {}  # rank 0: resident MiB by member id, refreshed every 2 s (_share_memory)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="elasticflow-membership", daemon=True)
 
@@ -83,14 +86,30 @@ class Membership:
         try:
             store = _connect(self.address, self.timeout_s)
             beat = f"worker/{self.worker_id}/hb"
+            polls, gathered_in = 0, None
             while not self._stop.wait(POLL_S):
                 store.add(beat, 1)
                 self.latest_generation = int(store.get("gen/current"))
                 if self.nccl_device is not None and self.latest_generation > self.generation:
                     self._abort_if_a_member_left(store)
+                if polls % MEMORY_POLLS == 0 or gathered_in != self.generation:  # and at once for new members
+                    generation = self.generation
+                    if self._share_memory(store):
+                        gathered_in = generation
+                polls += 1
         except Exception:  # the agent's store is gone
             if not self._stop.is_set():
                 self.agent_lost = True
+
+    def _share_memory(self, store) -> bool:
+        """Publish this worker's resident memory; on rank 0, read every member's (``memory``) for the step
+        records. Here, not in the step: a store round trip per member would cost the training thread."""
+        store.set(protocol.memory_key(self.worker_id), f"{rss_mib():.1f}")
+        if self.rank != 0 or self.generation < 0:
+            return True
+        keys = {i: protocol.memory_key(i) for i in self.members}
+        self.memory = {i: float(store.get(k)) for i, k in keys.items() if store.check([k])}
+        return len(self.memory) == len(keys)  # False: a member has not published yet; again at the next poll
 
     def _abort_if_a_member_left(self, store) -> None:
         """A dead peer leaves NCCL spinning on the GPU until its timeout; the agent sees the death within

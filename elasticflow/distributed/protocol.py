@@ -13,6 +13,8 @@ Store keys:
     worker/<id>/hb              heartbeat counter, bumped by the worker's membership thread
     worker/<id>/device          where the worker computes, ``Placement.describe()`` ("cuda:1 (NVIDIA A100), bf16
                                 mixed, nccl"); set once its device is chosen, read by `elasticflow status`
+    worker/<id>/memory          the worker's resident MiB, set by its membership thread every few seconds; rank 0's
+                                thread reads its members' into the step records (``memory_mib``)
     control/scale               a signed request from `elasticflow scale` (JSON); one slot: a client sets it only
                                 while absent (compare_set), the agent deletes it once read
     gen<g>/...                  the gloo rendezvous of generation g (PrefixStore, see comm.py)
@@ -55,6 +57,10 @@ def generation_key(g: int) -> str:
 
 def device_key(worker_id: int) -> str:
     return f"worker/{worker_id}/device"
+
+
+def memory_key(worker_id: int) -> str:
+    return f"worker/{worker_id}/memory"
 
 
 def encode(members, action: str = "train", reason: str = "", waiting=()) -> str:
