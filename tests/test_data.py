@@ -83,6 +83,7 @@ def test_a_dict_of_arrays_is_refused_not_read_as_two_samples():
 # ids run 0..69; __getitem__(indices) appends what it served to served.txt; forward() appends
 # the ids it trained on (with autograd on: not the trainer's evaluation passes) to trained.txt.
 RECORDING = '''
+import time
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,7 @@ def forward(x, y, params):
     if torch.is_grad_enabled():
         with open(HERE / "trained.txt", "a") as f:
             f.write(" ".join(str(int(i)) for i in x[:, 0].tolist()) + "\\n")
+        time.sleep(0.01)  # a step that takes time, as real ones do: the readers get to read ahead meanwhile
     return ops.mse(x @ params["w"] * 0.001, y)
 
 
