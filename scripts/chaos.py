@@ -2,7 +2,7 @@
 that it finished with the model one worker trains, used every sample once, and formed every
 generation within its timeouts.
 
-    .venv/bin/python scripts/chaos.py --duration 75 --seed 1      # tests/test_chaos.py runs this
+    .venv/bin/python scripts/chaos.py --duration 60 --seed 1 --min-events 20   # tests/test_chaos.py runs this
     .venv/bin/python scripts/chaos.py --duration 600 --seed 13    # the long soak in README
 
 The job: ``elasticflow train tests/models/digits_probe.py`` (digits MLP, SGD lr 0.1, global batch 64,
@@ -110,9 +110,11 @@ def start_time(pid: int) -> Optional[str]:
 class Soak:
     """One soak: the job, the events fired at it, and the bookkeeping the checks need."""
 
-    def __init__(self, run: Path, duration: float, step_sleep: float, seed: int):
+    def __init__(self, run: Path, duration: float, step_sleep: float, seed: int, min_events: int = 0):
         self.run, self.duration, self.rng = run, duration, random.Random(seed)
-        self.steps = max(50, int(duration / step_sleep))
+        self.min_events = min_events
+        # With a floor of events the faults may go on for up to twice the duration: the job must outlast them.
+        self.steps = max(50, int(duration * (2 if min_events else 1) / step_sleep))
         self.pace = run.parent / f"{run.name}.pace"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_SLEEP": str(step_sleep),
                     "EF_PROBE_PACE": str(self.pace), "EF_PROBE_RECORD": str(run / "samples"),
@@ -273,7 +275,11 @@ class Soak:
             time.sleep(0.1)  # faults start once training has: before, no worker holds any state
         self.t0 = time.monotonic()
         end, next_at, follow = self.t0 + self.duration, self.t0 + 1.0, None
-        while time.monotonic() < end and self.proc.poll() is None:
+        # A loaded machine forms generations slowly, and chained events wait for them: past the duration
+        # the faults go on until --min-events have fired, for at most the duration again.
+        last = self.t0 + self.duration * (2 if self.min_events else 1)
+        while self.proc.poll() is None and time.monotonic() < last and (
+                time.monotonic() < end or len(self.log) < self.min_events):
             self.tick()
             snap = self.snapshot()
             if snap["generation"] >= 0:
@@ -433,10 +439,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="replays the same choices (default 1)")
     ap.add_argument("--step-sleep", type=float, default=0.1, help="seconds per forward while the soak runs")
     ap.add_argument("--keep", type=Path, help="keep the run directories here (must not exist)")
+    ap.add_argument("--min-events", type=int, default=0,
+                    help="go on past --duration until this many events fired (at most 2x the duration)")
     args = ap.parse_args()
     if not args.duration > 0 or not args.step_sleep > 0:
         print(f"error: --duration and --step-sleep must be positive seconds, got {args.duration:g} and "
               f"{args.step_sleep:g}\nhint: e.g. scripts/chaos.py --duration 75 --seed 1", file=sys.stderr)
+        return 2
+    if args.min_events < 0:
+        print(f"error: --min-events must be 0 or more, got {args.min_events}\nhint: e.g. --min-events 20 (0: "
+              "the faults end with --duration)", file=sys.stderr)
         return 2
     if args.keep is not None and args.keep.exists():
         print(f"error: --keep {args.keep} already exists\nhint: name a new directory (the soak writes two runs "
@@ -444,7 +456,7 @@ def main() -> int:
         return 2
     sys.path.insert(0, str(REPO))
     root = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
-    soak = Soak(root / "run", args.duration, args.step_sleep, args.seed)
+    soak = Soak(root / "run", args.duration, args.step_sleep, args.seed, args.min_events)
     print(f"chaos soak: {args.duration:g}s of faults, seed {args.seed}, {soak.steps} steps, run {soak.run}", flush=True)
     began = time.monotonic()
     try:

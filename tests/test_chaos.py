@@ -17,11 +17,12 @@ CHAOS = [sys.executable, str(REPO / "scripts" / "chaos.py")]
 
 def test_short_soak_passes_every_check(tmp_path):
     seed = os.environ.get("EF_CHAOS_SEED", "1")
-    proc = subprocess.run(CHAOS + ["--duration", "60", "--seed", seed, "--keep", str(tmp_path / "soak")],
+    proc = subprocess.run(CHAOS + ["--duration", "60", "--seed", seed, "--min-events", "20",
+                                   "--keep", str(tmp_path / "soak")],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = proc.stdout + proc.stderr
-    replay = f"replay: scripts/chaos.py --duration 60 --seed {seed} --keep DIR\n{out[-6000:]}"
+    replay = f"replay: scripts/chaos.py --duration 60 --seed {seed} --min-events 20 --keep DIR\n{out[-6000:]}"
     assert proc.returncode == 0 and "outcome: PASS" in out, replay
     counts = re.search(r"^events: (\d+) \((.*?);", out, re.M)
     assert counts and int(counts.group(1)) >= 20, replay
@@ -35,6 +36,8 @@ def test_bad_arguments_get_one_error_line_and_a_hint(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["error: --duration and --step-sleep must be positive seconds, got 0 and 0.1",
                                         "hint: e.g. scripts/chaos.py --duration 75 --seed 1"]
+    proc = subprocess.run(CHAOS + ["--min-events", "-1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == "error: --min-events must be 0 or more, got -1"
     (tmp_path / "taken").mkdir()
     proc = subprocess.run(CHAOS + ["--keep", str(tmp_path / "taken")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: --keep {tmp_path / 'taken'} already exists")
