@@ -299,8 +299,14 @@ class Soak:
             time.sleep(0.02)
 
     def settle(self, timeout: float) -> Optional[str]:
-        """Release every stop, let the scale commands finish, restore min_workers, lift the pace, and
-        wait for the job to end. Returns its output (None if it did not end in ``timeout``)."""
+        """Let every stop run to its end, let the scale commands finish, restore min_workers, lift the pace,
+        and wait for the job to end. Returns its output (None if it did not end in ``timeout``)."""
+        # Each stop runs to its planned end (at most elastic.timeout_s + 5 s): released early, a long stop
+        # fired just before the soak ended would not last past the heartbeat timeout it is meant to pass.
+        deadline = time.monotonic() + TIMEOUT_S + 10
+        while self.stopped and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.05)
         for pid in list(self.stopped):
             self.signal(pid, signal.SIGCONT)
         self.stopped.clear()
