@@ -41,3 +41,21 @@ def test_bad_arguments_get_one_error_line_and_a_hint(tmp_path):
     (tmp_path / "taken").mkdir()
     proc = subprocess.run(CHAOS + ["--keep", str(tmp_path / "taken")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: --keep {tmp_path / 'taken'} already exists")
+
+
+def test_replica_check_finds_members_that_began_a_step_apart(tmp_path):
+    """The soak's replica check: only the committing generation counts, and one differing member is found."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import chaos
+
+    folder = tmp_path / "samples" / "params"
+    folder.mkdir(parents=True)
+    lines = {101: [(0, 1, 5, 7), (0, 2, 5, 7), (0, 3, 5, 1), (1, 3, 5, 1)],  # (worker, step, generation, checksum)
+             102: [(1, 1, 5, 7), (1, 2, 5, 9), (1, 3, 6, 4), (1, 3, 5, 1)]}
+    for pid, rows in lines.items():
+        (folder / f"{pid}.jsonl").write_text("".join(
+            f'{{"pid": {pid}, "worker": {w}, "step": {k}, "generation": {g}, "params": {c}}}\n' for w, k, g, c in rows))
+    starts, split = chaos.replica_starts(tmp_path, {1: 5, 2: 5, 3: 5})
+    assert split == [2]  # step 3's other checksum was in generation 6, which did not commit it
+    assert starts[2] == {0: {7}, 1: {9}}
+
