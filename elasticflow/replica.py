@@ -194,16 +194,27 @@ class Replica:
         elif grad.numel() <= FOLD_MAX:
             # One collective, not two: each is a round trip every member must be scheduled for, which on
             # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
-            # in float32 after the gradient (exact for the flags and generations); the price is copying
-            # the gradient in and out.
-            parts = [grad, torch.tensor(votes, dtype=grad.dtype).to(grad.device)]
-            if buffers is not None:
-                parts.append(torch.from_numpy(buffers).to(grad.device, grad.dtype))
-            buf = torch.cat(parts)
+            # in float32 after the gradient (exact for the flags and generations): written into the slots
+            # the engine keeps after its flat gradient, so the gradient is reduced where it lies.
+            head = grad.numel()
+            extra = n + (0 if buffers is None else buffers.size)
+            fold = getattr(self.engine, "fold_buffer", None)
+            buf = fold(extra) if fold is not None else None
+            if buf is not None:
+                buf[head:head + n].copy_(torch.tensor(votes, dtype=buf.dtype))
+                if buffers is not None:
+                    buf[head + n:].copy_(torch.from_numpy(buffers))  # float64 -> float32, as the copy below
+            else:  # no room after the gradient (a TF engine): copy it into a concatenation and back
+                parts = [grad, torch.tensor(votes, dtype=grad.dtype).to(grad.device)]
+                if buffers is not None:
+                    parts.append(torch.from_numpy(buffers).to(grad.device, grad.dtype))
+                buf = torch.cat(parts)
             m.group.allreduce_(buf)
-            grad.copy_(buf[:grad.numel()])
-            tail = buf[grad.numel():]
-        else:  # bandwidth-bound: a second, small round trip costs less than two copies of a big gradient
+            if buf.data_ptr() != grad.data_ptr():
+                grad.copy_(buf[:head])
+            tail = buf[head:]
+        else:  # bandwidth-bound: a second, small round trip is noise beside the gradient's, and keeps the
+            # scalars in float64 (an engine without fold_buffer would also copy a big gradient twice)
             m.group.allreduce_(grad)
             tail = torch.tensor(votes, dtype=torch.float64)
             if buffers is not None:
