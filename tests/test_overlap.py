@@ -127,14 +127,17 @@ def test_a_negative_bucket_size_is_refused(tmp_path):
 
 
 class DoublingGroup:
-    """A 2-member group whose peer holds the same values: allreduce_ doubles the tensor in place."""
+    """A 2-member group whose peer holds the same values: an allreduce doubles the tensor in place."""
 
     def __init__(self):
         self.reduced = []
 
-    def allreduce_(self, tensor):
+    def allreduce_start(self, tensor):
         self.reduced.append(tensor)
         return tensor.mul_(2)
+
+    def wait(self, work):
+        pass
 
 
 def test_the_step_reduces_the_gradient_where_it_lies_with_the_votes_and_buffers_after_it():
