@@ -10,10 +10,12 @@ Every comparison is against a baseline measured in the same run, on the same mac
 1. Throughput. ``elasticflow train models/digits_mlp.py launcher.workers=2`` against
    ``torchrun --nproc_per_node=2 --standalone scripts/bench/ddp_digits.py`` (gloo, DDP, one thread per
    process, as elasticflow picks for 2 workers on 2 cores): same MLP and initial weights, global batch
-   64 (32 per worker, short last batch dropped), SGD lr 0.1. A step's time is the gap between
-   consecutive steps' wall-clock ``time`` in RUN_DIR/metrics.jsonl (trainer.log_every=1) and between
-   consecutive loop iterations in the DDP script; start-up and the first ``--warmup`` steps are left
-   out. Rounds alternate which goes first; the figure is the median over steps, then over rounds.
+   64 (32 per worker, short last batch dropped), SGD lr 0.1. elasticflow runs with its defaults
+   (trainer.log_every=10, the TensorBoard sidecar on); a step's time is the mean over the window
+   between two consecutive records' wall-clock ``time`` in RUN_DIR/metrics.jsonl, and over the same
+   windows of the DDP script's loop iterations (``--log-every 1``: every step, with a record and an
+   event for each, as measured before 2026-11-25); start-up and the first ``--warmup`` steps are left
+   out. Rounds alternate which goes first; the figure is the median over windows, then over rounds.
    Also the CPU time per step and process (all threads; /proc for elasticflow's workers,
    time.process_time() in the DDP script), which a busy machine disturbs far less than wall time.
    1-process elasticflow (cores // 1 threads) is printed for reference.
@@ -200,9 +202,9 @@ class Tail:
         return self.step
 
 
-def step_gaps_ms(times: List[float], warmup: int) -> List[float]:
-    t = times[warmup:]
-    return [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+def window_ms(times: List[float], warmup: int, every: int) -> List[float]:
+    """Mean ms/step over each window of ``every`` steps after ``warmup``; ``times[i]`` is step i + 1's end."""
+    return [(times[i + every] - times[i]) * 1e3 / every for i in range(warmup - 1, len(times) - every, every)]
 
 
 def med(xs: List[float]) -> float:
@@ -242,9 +244,9 @@ def rows_of(args) -> List[Row]:
     return rows
 
 
-def ef_cmd(run_dir: Path, workers: int, *overrides: str, model: str = MODEL) -> List[str]:
+def ef_cmd(run_dir: Path, workers: int, *overrides: str, model: str = MODEL, log_every: int = 1) -> List[str]:
     return [PY, "-m", "elasticflow.cli", "train", model, f"hydra.run.dir={run_dir}", f"launcher.workers={workers}",
-            f"trainer.global_batch_size={GLOBAL_BATCH}", "optimizer.lr=0.1", "trainer.log_every=1",
+            f"trainer.global_batch_size={GLOBAL_BATCH}", "optimizer.lr=0.1", f"trainer.log_every={log_every}",
             "trainer.progress=false", *overrides]
 
 
@@ -259,12 +261,13 @@ def cpu_seconds(pids: List[int]) -> float:
     return total
 
 
-def ef_throughput(tmp: Path, name: str, row: Row, workers: int, tree: Optional[str] = None) -> dict:
-    """One elasticflow run of ``row``; ``tree``: import elasticflow from that directory (the baseline tree)."""
+def ef_throughput(tmp: Path, name: str, row: Row, workers: int, every: int, tree: Optional[str] = None) -> dict:
+    """One elasticflow run of ``row``, logging every ``every`` steps; ``tree``: import elasticflow from that
+    directory (the baseline tree)."""
     run = tmp / name
     # drop_last: every step has 64 samples, as in the DDP script (the digits' last batch has 29)
     proc = Proc(ef_cmd(run, workers, f"trainer.max_steps={row.steps}", "trainer.drop_last=true", *row.overrides,
-                       model=row.model), tmp / f"{name}.log", tree=tree)
+                       model=row.model, log_every=every), tmp / f"{name}.log", tree=tree)
     skip = min(40, (row.steps - row.warmup) // 4)  # CPU time is sampled while the workers still train
     try:
         tail = Tail(run / "metrics.jsonl")
@@ -282,15 +285,17 @@ def ef_throughput(tmp: Path, name: str, row: Row, workers: int, tree: Optional[s
     if rc != 0:
         raise BenchError(f"{name}: exited {rc}: {proc.tail()}")
     recs = train_records(run)
-    if [r["step"] for r in recs] != list(range(1, row.steps + 1)):
-        raise BenchError(f"{name}: expected steps 1..{row.steps} in metrics.jsonl")
-    gaps = step_gaps_ms([r["time"] for r in recs], row.warmup)
-    inside = [r["step_time_s"] * 1e3 for r in recs[row.warmup:] if "step_time_s" in r]
+    if [r["step"] for r in recs] != sorted(set(range(every, row.steps + 1, every)) | {row.steps}):
+        raise BenchError(f"{name}: expected every {every}th step of 1..{row.steps} in metrics.jsonl")
+    times = {r["step"]: r["time"] for r in recs}
+    gaps = [(times[b] - times[a]) * 1e3 / (b - a) for a, b in zip(sorted(times), sorted(times)[1:])
+            if a >= row.warmup and b - a == every]
+    inside = [r["step_time_s"] * 1e3 for r in recs if r["step"] > row.warmup and "step_time_s" in r]
     return {"ms": med(gaps), "mean_ms": statistics.fmean(gaps), "inside_ms": med(inside),
             "cpu_ms": (cpu1 - cpu0) * 1e3 / max(1, step1 - step0) / len(pids)}
 
 
-def ddp_throughput(tmp: Path, name: str, rows: List[Row]) -> Dict[str, dict]:
+def ddp_throughput(tmp: Path, name: str, rows: List[Row], every: int) -> Dict[str, dict]:
     """``rows`` that share a DDP script and a process count in one torchrun (one start-up): {key: {"ms", ...}}.
     The digits script trains its widths one after the other and keys its output by width."""
     row = rows[0]
@@ -304,7 +309,7 @@ def ddp_throughput(tmp: Path, name: str, rows: List[Row]) -> Dict[str, dict]:
     for r in rows:
         ends, cpu = (data["ends"][r.ddp[2]], data["cpu"][r.ddp[2]]) if row.ddp[0] == DDP_SCRIPT \
             else (data["ends"], data["cpu"])
-        gaps = step_gaps_ms(ends, r.warmup)
+        gaps = window_ms(ends, max(r.warmup, every), every)  # the windows elasticflow's records give
         last = len(cpu) - min(40, (r.steps - r.warmup) // 4)  # the same window as elasticflow's CPU sample
         results[r.key] = {"ms": med(gaps), "mean_ms": statistics.fmean(gaps),
                           "cpu_ms": (cpu[last] - cpu[r.warmup]) * 1e3 / (last - r.warmup)}
@@ -327,7 +332,7 @@ def throughput(tmp: Path, args) -> Dict[str, dict]:
                     groups.setdefault((r.ddp[0], r.workers, r.steps), []).append(r)
                 for g, group in enumerate(groups.values()):
                     try:
-                        results = ddp_throughput(tmp, f"ddp-{g}-r{i}", group)
+                        results = ddp_throughput(tmp, f"ddp-{g}-r{i}", group, args.log_every)
                     except BenchError as exc:  # one failed run costs its rows this round, not the benchmark
                         print(f"  round {i} {', '.join(r.key for r in group)}: torchrun+DDP FAILED: "
                               f"{str(exc)[-300:]!r}", flush=True)
@@ -339,7 +344,7 @@ def throughput(tmp: Path, args) -> Dict[str, dict]:
                 continue
             for r in rows:
                 try:
-                    res = ef_throughput(tmp, f"{kind}-{r.key}-r{i}", r, r.workers,
+                    res = ef_throughput(tmp, f"{kind}-{r.key}-r{i}", r, r.workers, args.log_every,
                                         args.baseline_tree if kind == "base" else None)
                 except BenchError as exc:
                     print(f"  round {i} {r.key:9s}: {names[kind]} FAILED: {str(exc)[-300:]!r}", flush=True)
@@ -349,7 +354,7 @@ def throughput(tmp: Path, args) -> Dict[str, dict]:
                       f"CPU {res['cpu_ms']:.2f} ms/step/process; inside train_step {res['inside_ms']:.2f})", flush=True)
     first = rows[0]
     try:
-        one = ef_throughput(tmp, f"ef1-{first.key}", first, 1)
+        one = ef_throughput(tmp, f"ef1-{first.key}", first, 1, args.log_every)
         print(f"  {first.key}: elasticflow, 1 process, {os.cpu_count()} threads {one['ms']:6.2f} ms/step", flush=True)
     except BenchError as exc:
         one = {"ms": float("nan")}
@@ -539,6 +544,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rows", nargs="*", default=["cnn", "mlp4"], choices=["cnn", "mlp4"],
                    help="throughput rows besides the 2-worker MLPs: the BatchNorm ResNet (cnn), 4 workers on the "
                         "first MLP width (mlp4)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="part 1: elasticflow's trainer.log_every (its default, 10: what a user gets); the step time is "
+                        "the mean over each window between two records, for DDP over the same windows; 1 times "
+                        "every step, with rank 0 writing a record (and the TensorBoard sidecar an event) each")
     p.add_argument("--cnn-steps", type=int, default=100, help="steps per throughput run of the CNN")
     p.add_argument("--cnn-warmup", type=int, default=10, help="CNN steps left out at the start of each run")
     p.add_argument("--baseline-tree", metavar="DIR",
