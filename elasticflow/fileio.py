@@ -1,4 +1,4 @@
-"""Small file habits every writer in the package shares: replace a file atomically, append a JSON line,
+"""Small file habits the package shares: replace a file atomically, append a JSON line and read them back,
 align a byte offset."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 ALIGN = 64  # bytes: a cache line, and a start aligned for any dtype
 
@@ -34,3 +34,20 @@ def append_event(path: Path, kind: str, source: str, **fields: Any) -> None:
     record: Dict[str, Any] = {"time": time.time(), "event": kind, "source": source, **fields}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    """The JSON objects of a JSONL file (events.jsonl, metrics.jsonl), in order; [] if it does not exist.
+    A torn line (its writer was killed mid-line) is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from .errors import ElasticFlowError, TrainingInterrupted
-from .fileio import append_event, write_atomic
+from .fileio import append_event, read_jsonl, write_atomic
 
 # The order the ledger lists its parts in; "recovery" in the text is detection + rebuild + transfer.
 CAUSES = ("productive", "startup", "redone", "detection", "rebuild", "transfer", "below_min", "regroup",
@@ -135,20 +135,6 @@ def job(run_dir: Path) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------- the reader's side
-def _records(path: Path) -> List[Dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # a torn line of a killed writer
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
-
 def _costs(event: Dict[str, Any]) -> Dict[str, float]:
     """The seconds one event records, by cause."""
     kind, get = event.get("event"), lambda k: float(event.get(k) or 0.0)
@@ -213,12 +199,12 @@ def _job(start: Dict[str, Any], events: List[Dict[str, Any]], metrics: List[Dict
 def ledger(run_dir: Path) -> Dict[str, Any]:
     """The ledger of ``run_dir``: wall, seconds by cause (``CAUSES``; they sum to wall), goodput, per job."""
     run_dir = Path(run_dir)
-    events = [e for e in _records(run_dir / "events.jsonl") if "time" in e]
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if "time" in e]
     starts = [e for e in events if e.get("event") == "job_start" and "started" in e]
     if not starts:
         raise ElasticFlowError(f"{run_dir} has no goodput records (no job_start in events.jsonl)",
                                "the ledger covers runs trained since it was added; retrain to get one")
-    metrics = [r for r in _records(run_dir / "metrics.jsonl") if "time" in r]
+    metrics = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time" in r]
     jobs = []
     for i, start in enumerate(starts):
         lo, hi = float(start["time"]), float(starts[i + 1]["time"]) if i + 1 < len(starts) else float("inf")

@@ -8,28 +8,16 @@ resumes, so a run of several jobs is one continuous plot (the gaps between jobs 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Optional
 
 from .errors import ElasticFlowError
+from .fileio import read_jsonl
 
 # The events marked, and their colours; others are drawn grey.
 MARKED = {"left": "tab:red", "hung": "tab:purple", "joined": "tab:green", "recovered": "tab:orange",
           "regrouped": "tab:olive", "retired": "tab:brown", "restart": "tab:pink", "preempt": "tab:cyan",
           "superseded": "tab:gray", "scale": "tab:blue"}
-
-
-def _records(path: Path) -> List[Dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a torn line of a killed writer
-            continue
-    return out
 
 
 def figure(run_dir: Path):
@@ -42,13 +30,13 @@ def figure(run_dir: Path):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ElasticFlowError(f"{run_dir} is not a directory", "pass a run directory (hydra.run.dir of a train run)")
-    records = _records(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r and "step" in r]
     if not steps:
         raise ElasticFlowError(f"{run_dir} has no logged steps yet (metrics.jsonl is missing or empty)",
                                "plot a run that has trained at least trainer.log_every steps")
     evals = [r for r in records if "eval_loss" in r]
-    events = [e for e in _records(run_dir / "events.jsonl") if "time" in e]
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if "time" in e]
     t0 = min([steps[0]["time"]] + [e["time"] for e in events])
 
     fig, (loss_ax, speed_ax, world_ax) = plt.subplots(3, 1, figsize=(10, 9), constrained_layout=True)

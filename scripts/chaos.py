@@ -29,9 +29,10 @@ Checks: the job exits 0; its final parameters equal an uninterrupted 1-worker ru
 ||got - want|| / ||want|| <= 1e-5); metrics.jsonl logs steps 1..N once each with the data cursor
 (epoch, samples_seen) of the fixed global order, and the sample ids the workers fetched in each
 step's committing generation (the probe's records under RUN_DIR/samples/) are exactly that step's
-slice of the epoch's permutation: every sample of every epoch once; every generation formed or was
-superseded within 2 x elastic.timeout_s + 2.5 s of its publish (arrival, then the gloo rendezvous,
-each bounded by timeout_s); the newest formed; only stopped workers were cut out as hung, and every
+slice of the epoch's permutation: every sample of every epoch once; the members of that generation
+started the step from the same parameters (the probe's checksums under RUN_DIR/samples/params/); every
+generation formed or was superseded within 2 x elastic.timeout_s + 2.5 s of its publish (arrival,
+then the gloo rendezvous, each bounded by timeout_s); the newest formed; only stopped workers were cut out as hung, and every
 worker that left was one the soak killed or the agent cut out.
 
 Seeded: ``--seed`` replays the same choices (targets, kinds, durations), not the same timings.
@@ -299,8 +300,14 @@ class Soak:
             time.sleep(0.02)
 
     def settle(self, timeout: float) -> Optional[str]:
-        """Release every stop, let the scale commands finish, restore min_workers, lift the pace, and
-        wait for the job to end. Returns its output (None if it did not end in ``timeout``)."""
+        """Let every stop run to its end, let the scale commands finish, restore min_workers, lift the pace,
+        and wait for the job to end. Returns its output (None if it did not end in ``timeout``)."""
+        # Each stop runs to its planned end (at most elastic.timeout_s + 5 s): released early, a long stop
+        # fired just before the soak ended would not last past the heartbeat timeout it is meant to pass.
+        deadline = time.monotonic() + TIMEOUT_S + 10
+        while self.stopped and time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.05)
         for pid in list(self.stopped):
             self.signal(pid, signal.SIGCONT)
         self.stopped.clear()
@@ -338,6 +345,18 @@ class Soak:
 
 
 # ---------------------------------------------------------------------- checks
+def first_divergence(reference: Path, run: Path) -> str:
+    """Where the run left the 1-worker trajectory: the first step whose logged loss differs by more than
+    float32 rounding can explain (the loss at step N is computed on the parameters step N-1 made)."""
+    want = {r["step"]: r for r in steps_logged(reference)}
+    for r in steps_logged(run):
+        w = want.get(r["step"])
+        if w is not None and abs(r["loss"] - w["loss"]) > 1e-4 * abs(w["loss"]) + 1e-7:
+            return (f"; the loss first differs at step {r['step']} ({r['loss']:.6g} vs {w['loss']:.6g}, logged in "
+                    f"generation {r.get('generation')} of {r.get('world_size')} worker(s))")
+    return "; every logged loss matches"
+
+
 def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
     """Every check on a finished soak; returns the failures (empty: passed)."""
     from elasticflow.data import permutation
@@ -353,7 +372,8 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
                if w.dtype.kind == "f")
     print(f"max relative difference to the 1-worker parameters: {diff:.2e}")
     if not diff <= RTOL:
-        problems.append(f"final parameters differ from the 1-worker run's by {diff:.2e} > {RTOL:g}")
+        problems.append(f"final parameters differ from the 1-worker run's by {diff:.2e} > {RTOL:g}"
+                        f"{first_divergence(reference, run)}")
 
     # The data cursor: steps 1..N logged once each, at the epoch and samples_seen of the fixed global order.
     ref_steps = steps_logged(reference)
@@ -388,6 +408,18 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
                         f"(first: step {wrong[0]})")
     epochs = Counter(e for _, e, _ in committed.values())
     print(f"samples: {len(committed)} steps over {len(epochs)} epoch(s) checked, {len(wrong)} wrong")
+    # The replicas: the members of the generation that committed a step all started it from the same parameters.
+    starts: Dict[int, Dict[int, set]] = {}  # step -> worker -> parameter checksums in the committing generation
+    for f in (run / "samples" / "params").glob("*.jsonl"):
+        for r in jsonl(f):
+            if committed.get(r["step"], (None,))[0] == r["generation"]:
+                starts.setdefault(r["step"], {}).setdefault(r["worker"], set()).add(r["params"])
+    split = sorted(k for k, by_worker in starts.items() if len(set().union(*by_worker.values())) > 1)
+    if split:
+        k = split[0]
+        problems.append(f"{len(split)} step(s) began with members holding different parameters (first: step {k} "
+                        f"in generation {committed[k][0]}, checksums by worker {starts[k]})")
+    print(f"replicas: {len(starts)} steps checked, {len(split)} begun from different parameters")
 
     # Membership: every generation formed or was superseded within its timeouts; no innocent cut out.
     events = jsonl(run / "events.jsonl")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List
 
 from ..errors import ElasticFlowError
+from ..fileio import read_jsonl
 from . import protocol
 
 
@@ -140,20 +141,8 @@ def _recent_events(run_dir: Path, events: int) -> List[dict]:
     """The newest ``events`` membership events (the goodput ledger's own records left out)."""
     from ..goodput import ACCOUNTING_EVENTS
 
-    path = run_dir / "events.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for raw in reversed(path.read_text().splitlines()):
-        try:
-            e = json.loads(raw)
-        except ValueError:
-            continue
-        if e.get("event") not in ACCOUNTING_EVENTS:
-            out.append(e)
-        if len(out) == events:
-            break
-    return out[::-1]
+    membership = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") not in ACCOUNTING_EVENTS]
+    return membership[-events:]
 
 
 def status_record(run_dir: Path, events: int = 8) -> dict:

@@ -19,7 +19,9 @@ Environment (read by every worker):
                      the model file loads, before they ask to join.
     (Under backend=tensorflow set EF_PROBE_RECORD: the injections then happen at the data fetch.)
     EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, ids} to
-                     <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt.
+                     <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt; and
+                     (torch) every step attempt's first forward appends {pid, worker, generation, step,
+                     params} to <dir>/params/<pid>.jsonl -- a CRC32 of the parameters it starts from.
 """
 import json
 import os
@@ -27,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +49,7 @@ HOLD = os.environ.get("EF_PROBE_HOLD")
 RECORD = os.environ.get("EF_PROBE_RECORD")
 STALL = os.environ.get("EF_PROBE_STALL_BUILD", "").split(":") if os.environ.get("EF_PROBE_STALL_BUILD") else None
 _seen_steps = set()
+_params_seen = set()  # (step, generation) attempts whose parameters were recorded
 
 model = digits_mlp.model
 eval_data = None
@@ -105,8 +109,28 @@ if os.environ.get("EF_PROBE_SLOW_START"):
 
 
 def forward(x, y, params):
-    _inject(elasticflow.context())
+    ctx = elasticflow.context()
+    if RECORD and (ctx.step, ctx.generation) not in _params_seen:
+        _params_seen.add((ctx.step, ctx.generation))
+        _record_params(ctx, params)
+    _inject(ctx)
     return digits_mlp.forward(x, y, params)
+
+
+def _record_params(ctx, params):
+    """A checksum of the parameters this worker starts the step attempt from: the members of the
+    generation that commits a step must all start it from the same parameters."""
+    digest = 0
+    for layer in sorted(params):
+        for name in sorted(params[layer]):
+            v = params[layer][name]
+            v = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+            digest = zlib.crc32(np.ascontiguousarray(v).tobytes(), digest)
+    line = {"pid": os.getpid(), "worker": WORKER, "generation": ctx.generation, "step": ctx.step, "params": digest}
+    folder = Path(RECORD) / "params"  # beside, not among, the fetch records the tests read
+    folder.mkdir(exist_ok=True)
+    with open(folder / f"{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 class RecordingDataset:
