@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -39,6 +39,20 @@ class Agreed(NamedTuple):
     membership: bool = False   # a newer generation is published: regroup now
     interrupt: bool = False    # some member was asked to stop (Ctrl-C, SIGUSR1): checkpoint and exit
     agent_lost: bool = False   # some member lost the agent: checkpoint and exit
+
+
+@dataclass
+class Reduction:
+    """A step's reduction between ``Replica.start_reduce`` and ``finish_reduce``."""
+    result: Optional[Tuple[List[float], Agreed, Optional[np.ndarray]]] = None  # known at once (world 1)
+    generation: int = 0
+    world: int = 1
+    n: int = 0                       # votes: the scalars, then three flags
+    k: int = 0                       # scalars
+    buffers: bool = False            # the buffers' contributions follow the votes in ``tail``
+    tail: Any = None                 # reduced votes (and buffers) once finished
+    works: List[Any] = field(default_factory=list)  # collectives in flight, waited for in order
+    copy_back: Any = None            # (gradient, its reduced copy) when the fold could not reduce it in place
 
 
 @dataclass
@@ -175,46 +189,86 @@ class Replica:
         over the members, and vote on the flags.
 
         ``interrupt``: this worker was asked to stop. Returns (summed scalars, what all agreed, summed buffers).
+        ``start_reduce`` and ``finish_reduce`` are the same in two halves, with the reduction in flight between.
         """
+        return self.finish_reduce(self.start_reduce(scalars, interrupt, buffers))
+
+    def start_reduce(self, scalars: List[float], interrupt: bool, buffers: Optional[np.ndarray] = None) -> "Reduction":
+        """Start ``reduce_step``'s reduction; ``finish_reduce`` waits for it and reads the sums. In between the
+        caller may do host work that touches neither the gradient nor the group (the transfer runs on gloo's
+        threads, without the GIL). Host gradients only; a GPU's reduce here, at once."""
         m = self.membership
         if m is None:
-            return scalars, Agreed(interrupt=interrupt), buffers
+            return Reduction(result=(scalars, Agreed(interrupt=interrupt), buffers))
         generation = self.generation
         # The poller may lag behind a generation this worker already entered through a recovery.
         seen = max(m.latest_generation, generation)
         if self.world == 1:
-            return scalars, Agreed(seen > generation, interrupt, m.agent_lost), buffers
+            return Reduction(result=(scalars, Agreed(seen > generation, interrupt, m.agent_lost), buffers))
         import torch
 
         grad = self.engine.grad_view()
         votes = scalars + [float(seen), float(interrupt), float(m.agent_lost)]
         n = len(votes)
+        r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
         ranges = self._buckets()
         if ranges:
-            tail = self._reduce_buckets(grad, ranges, votes, buffers)
+            r.tail = self._reduce_buckets(grad, ranges, votes, buffers)
         elif grad.numel() <= FOLD_MAX:
             # One collective, not two: each is a round trip every member must be scheduled for, which on
             # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
-            # in float32 after the gradient (exact for the flags and generations); the price is copying
-            # the gradient in and out.
-            parts = [grad, torch.tensor(votes, dtype=grad.dtype).to(grad.device)]
-            if buffers is not None:
-                parts.append(torch.from_numpy(buffers).to(grad.device, grad.dtype))
-            buf = torch.cat(parts)
-            m.group.allreduce_(buf)
-            grad.copy_(buf[:grad.numel()])
-            tail = buf[grad.numel():]
-        else:  # bandwidth-bound: a second, small round trip costs less than two copies of a big gradient
-            m.group.allreduce_(grad)
+            # in float32 after the gradient (exact for the flags and generations): written into the slots
+            # the engine keeps after its flat gradient, so the gradient is reduced where it lies.
+            head = grad.numel()
+            extra = n + (0 if buffers is None else buffers.size)
+            fold = getattr(self.engine, "fold_buffer", None)
+            buf = fold(extra) if fold is not None else None
+            if buf is not None:
+                buf[head:head + n].copy_(torch.tensor(votes, dtype=buf.dtype))
+                if buffers is not None:
+                    buf[head + n:].copy_(torch.from_numpy(buffers))  # float64 -> float32, as the copy below
+            else:  # no room after the gradient (a TF engine): copy it into a concatenation and back
+                parts = [grad, torch.tensor(votes, dtype=grad.dtype).to(grad.device)]
+                if buffers is not None:
+                    parts.append(torch.from_numpy(buffers).to(grad.device, grad.dtype))
+                buf = torch.cat(parts)
+                r.copy_back = (grad, buf[:head])
+            self._start(r, buf)
+            r.tail = buf[head:]
+        else:  # bandwidth-bound: a second, small round trip is noise beside the gradient's, and keeps the
+            # scalars in float64 (an engine without fold_buffer would also copy a big gradient twice)
             tail = torch.tensor(votes, dtype=torch.float64)
             if buffers is not None:
                 tail = torch.cat([tail, torch.from_numpy(buffers)])
-            m.group.allreduce_(tail)
+            self._start(r, grad)
+            self._start(r, tail)  # the same order on every member: gloo matches collectives by sequence
+            r.tail = tail
+        return r
+
+    def _start(self, r: "Reduction", tensor) -> None:
+        group = self.membership.group
+        if tensor.is_cuda:  # NCCL or a pinned staging buffer: reduced (and ordered on its stream) now
+            group.allreduce_(tensor)
+        else:
+            r.works.append(group.allreduce_start(tensor))
+
+    def finish_reduce(self, r: "Reduction") -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
+        """Wait for ``start_reduce``'s reduction (a ``CommError`` if a member failed) and return what
+        ``reduce_step`` returns."""
+        if r.result is not None:
+            return r.result
+        import torch
+
+        group = self.membership.group
+        for work in r.works:
+            group.wait(work)
+        if r.copy_back is not None:
+            r.copy_back[0].copy_(r.copy_back[1])
+        tail, n, k = r.tail, r.n, r.k
         out = tail[:n].tolist()  # on a GPU: the sync point of the reduction
-        k = len(scalars)
         # Every member summed the same numbers, so every member reaches the same verdict.
-        agreed = Agreed(out[k] != generation * self.world, out[k + 1] > 0, out[k + 2] > 0)
-        return out[:k], agreed, None if buffers is None else tail[n:].to("cpu", torch.float64).numpy()
+        agreed = Agreed(out[k] != r.generation * r.world, out[k + 1] > 0, out[k + 2] > 0)
+        return out[:k], agreed, tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
 
     def _reduce_buckets(self, grad, ranges: List[Tuple[int, int]], votes: List[float], buffers) -> Any:
         """Finish the bucketed reduction: start what backward did not (unused parameters, an empty

@@ -3,19 +3,29 @@
     .venv/bin/python scripts/bench_elastic.py             # 5 min of CPU: ~4 min on 2 idle cores, 9 at load 7
     .venv/bin/python scripts/bench_elastic.py --quick     # 1 round, 2 kills, 1 restart: a smoke run
     .venv/bin/python scripts/bench_elastic.py --parts 2 3 --kills 9 --keep runs/bench   # recovery only
+    .venv/bin/python scripts/bench_elastic.py --parts 1 --rounds 3 --baseline-tree /tmp/before   # before/after
 
 Every comparison is against a baseline measured in the same run, on the same machine:
 
 1. Throughput. ``elasticflow train models/digits_mlp.py launcher.workers=2`` against
    ``torchrun --nproc_per_node=2 --standalone scripts/bench/ddp_digits.py`` (gloo, DDP, one thread per
    process, as elasticflow picks for 2 workers on 2 cores): same MLP and initial weights, global batch
-   64 (32 per worker, short last batch dropped), SGD lr 0.1. A step's time is the gap between
-   consecutive steps' wall-clock ``time`` in RUN_DIR/metrics.jsonl (trainer.log_every=1) and between
-   consecutive loop iterations in the DDP script; start-up and the first ``--warmup`` steps are left
-   out. Rounds alternate which goes first; the figure is the median over steps, then over rounds.
+   64 (32 per worker, short last batch dropped), SGD lr 0.1. elasticflow runs with its defaults
+   (trainer.log_every=10, the TensorBoard sidecar on); a step's time is the mean over the window
+   between two consecutive records' wall-clock ``time`` in RUN_DIR/metrics.jsonl, and over the same
+   windows of the DDP script's loop iterations (``--log-every 1``: every step, with a record and an
+   event for each, as measured before 2026-11-25); start-up and the first ``--warmup`` steps are left
+   out. Rounds alternate which goes first; the figure is the median over windows, then over rounds.
    Also the CPU time per step and process (all threads; /proc for elasticflow's workers,
    time.process_time() in the DDP script), which a busy machine disturbs far less than wall time.
    1-process elasticflow (cores // 1 threads) is printed for reference.
+   More rows (``--rows``, both by default): ``cnn``, models/small_resnet.py (ResNet-8 with 9 BatchNorm
+   layers on 32x32x3 images, 78k parameters) with ``trainer.micro_batch_size=32`` against
+   scripts/bench/ddp_resnet.py (plain DDP with BatchNorm: each rank's statistics over its 32 samples,
+   rank 0's buffers broadcast every forward; not SyncBatchNorm); ``mlp4``, 4 workers (torchrun: 4
+   processes) on the first MLP width, more processes than cores.
+   ``--baseline-tree DIR`` times elasticflow imported from DIR as well (e.g. ``git archive`` of an older
+   commit), alternating with the rest in every round: a before/after against the same DDP runs.
 2. Recovery. 3 elasticflow workers; once step ``--kill-at`` (+ an offset that walks through a
    checkpoint interval) is logged, SIGKILL one worker by its pid from RUN_DIR/workers.json (the
    victim's rank rotates 1, 2, 0, ...). Latency: from the SIGKILL to the first metrics.jsonl record
@@ -53,6 +63,8 @@ from bench.runfiles import jsonl  # scripts/bench/runfiles.py (this file's folde
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "models/digits_mlp.py"
 DDP_SCRIPT = "scripts/bench/ddp_digits.py"
+CNN_MODEL = "models/small_resnet.py"
+CNN_DDP_SCRIPT = "scripts/bench/ddp_resnet.py"
 RESTART_SCRIPT = "scripts/bench/torchrun_restart.py"
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run"]  # what the `torchrun` entry point runs
@@ -68,9 +80,11 @@ class BenchError(RuntimeError):
 
 
 # ---------------------------------------------------------------- processes
-def _env() -> Dict[str, str]:
+def _env(tree: Optional[str] = None) -> Dict[str, str]:
+    """The children's environment: elasticflow imported from this repository, or from ``tree`` (another
+    checkout, ``--baseline-tree``: its elasticflow package, with this repository's models and scripts)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EF_PROBE_", "ELASTICFLOW_", "TORCHELASTIC_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, str(REPO), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -103,10 +117,10 @@ def _descendants(pid: int) -> List[int]:
 class Proc:
     """A child in its own session, output to a file; ``close()`` kills it and all it started, by pid."""
 
-    def __init__(self, cmd: List[str], log: Path):
+    def __init__(self, cmd: List[str], log: Path, tree: Optional[str] = None):
         self.cmd, self.log = cmd, log
         self._out = open(log, "w")
-        self.p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=self._out, stderr=subprocess.STDOUT,
+        self.p = subprocess.Popen(cmd, cwd=REPO, env=_env(tree), stdout=self._out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         self.children: List[int] = []  # pids read from the run's files, in case they outlive their parent
 
@@ -188,9 +202,9 @@ class Tail:
         return self.step
 
 
-def step_gaps_ms(times: List[float], warmup: int) -> List[float]:
-    t = times[warmup:]
-    return [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+def window_ms(times: List[float], warmup: int, every: int) -> List[float]:
+    """Mean ms/step over each window of ``every`` steps after ``warmup``; ``times[i]`` is step i + 1's end."""
+    return [(times[i + every] - times[i]) * 1e3 / every for i in range(warmup - 1, len(times) - every, every)]
 
 
 def med(xs: List[float]) -> float:
@@ -198,9 +212,41 @@ def med(xs: List[float]) -> float:
 
 
 # ---------------------------------------------------------------- 1. throughput
-def ef_cmd(run_dir: Path, workers: int, *overrides: str) -> List[str]:
-    return [PY, "-m", "elasticflow.cli", "train", MODEL, f"hydra.run.dir={run_dir}", f"launcher.workers={workers}",
-            f"trainer.global_batch_size={GLOBAL_BATCH}", "optimizer.lr=0.1", "trainer.log_every=1",
+@dataclass
+class Row:
+    """One throughput comparison: elasticflow with ``workers`` workers on ``model`` against torchrun + DDP."""
+    key: str
+    label: str              # the summary's words for it
+    workers: int
+    model: str
+    overrides: List[str]
+    steps: int
+    warmup: int
+    ddp: List[str]          # the DDP script and its arguments (torchrun's --nproc_per_node is ``workers``)
+
+
+def rows_of(args) -> List[Row]:
+    rows = [Row(f"mlp{h}", f"digits MLP (hidden {h}), 2 workers, batch 64", 2, MODEL,
+                [] if h == 64 else [f"+model_args.hidden={h}"], args.steps, args.warmup, [DDP_SCRIPT, "--hidden", str(h)])
+            for h in args.hidden]
+    if "cnn" in args.rows:
+        # micro_batch_size = each worker's share: one forward of 32 per worker per step, as DDP's ranks run,
+        # and BatchNorm's statistics are those of fixed micro-batches of 32 (the same for any number of workers)
+        rows.append(Row("cnn", "ResNet-8 with BatchNorm (models/small_resnet.py, 32x32x3), 2 workers, batch 64, "
+                               "micro-batch 32 (DDP: plain BatchNorm, buffers broadcast from rank 0)", 2, CNN_MODEL,
+                        ["trainer.micro_batch_size=32"], args.cnn_steps, args.cnn_warmup,
+                        [CNN_DDP_SCRIPT]))
+    if "mlp4" in args.rows:
+        h = args.hidden[0]
+        rows.append(Row(f"mlp{h}x4", f"digits MLP (hidden {h}), 4 workers on {os.cpu_count()} cores, batch 64", 4, MODEL,
+                        [] if h == 64 else [f"+model_args.hidden={h}"], args.steps, args.warmup,
+                        [DDP_SCRIPT, "--hidden", str(h)]))
+    return rows
+
+
+def ef_cmd(run_dir: Path, workers: int, *overrides: str, model: str = MODEL, log_every: int = 1) -> List[str]:
+    return [PY, "-m", "elasticflow.cli", "train", model, f"hydra.run.dir={run_dir}", f"launcher.workers={workers}",
+            f"trainer.global_batch_size={GLOBAL_BATCH}", "optimizer.lr=0.1", f"trainer.log_every={log_every}",
             "trainer.progress=false", *overrides]
 
 
@@ -215,21 +261,23 @@ def cpu_seconds(pids: List[int]) -> float:
     return total
 
 
-def ef_throughput(tmp: Path, name: str, workers: int, hidden: int, args) -> dict:
+def ef_throughput(tmp: Path, name: str, row: Row, workers: int, every: int, tree: Optional[str] = None) -> dict:
+    """One elasticflow run of ``row``, logging every ``every`` steps; ``tree``: import elasticflow from that
+    directory (the baseline tree)."""
     run = tmp / name
     # drop_last: every step has 64 samples, as in the DDP script (the digits' last batch has 29)
-    proc = Proc(ef_cmd(run, workers, f"trainer.max_steps={args.steps}", "trainer.drop_last=true",
-                       *([] if hidden == 64 else [f"+model_args.hidden={hidden}"])), tmp / f"{name}.log")
+    proc = Proc(ef_cmd(run, workers, f"trainer.max_steps={row.steps}", "trainer.drop_last=true", *row.overrides,
+                       model=row.model, log_every=every), tmp / f"{name}.log", tree=tree)
+    skip = min(40, (row.steps - row.warmup) // 4)  # CPU time is sampled while the workers still train
     try:
         tail = Tail(run / "metrics.jsonl")
-        wait_until(lambda: tail() >= args.warmup, RUN_TIMEOUT_S, f"step {args.warmup}", proc)
+        wait_until(lambda: tail() >= row.warmup, RUN_TIMEOUT_S, f"step {row.warmup}", proc)
         # 1 worker trains inside the CLI process; more are the agent's children, listed in workers.json
         pids = [m["pid"] for m in json.loads((run / "workers.json").read_text())["members"]] if workers > 1 \
             else [proc.p.pid]
         proc.children = pids
         cpu0, step0 = cpu_seconds(pids), tail()
-        # CPU time is sampled while the workers still train: the last steps are left out
-        wait_until(lambda: tail() >= args.steps - 40, RUN_TIMEOUT_S, f"step {args.steps - 40}", proc)
+        wait_until(lambda: tail() >= row.steps - skip, RUN_TIMEOUT_S, f"step {row.steps - skip}", proc)
         cpu1, step1 = cpu_seconds(pids), tail()
         rc = proc.wait(RUN_TIMEOUT_S)
     finally:
@@ -237,58 +285,91 @@ def ef_throughput(tmp: Path, name: str, workers: int, hidden: int, args) -> dict
     if rc != 0:
         raise BenchError(f"{name}: exited {rc}: {proc.tail()}")
     recs = train_records(run)
-    if [r["step"] for r in recs] != list(range(1, args.steps + 1)):
-        raise BenchError(f"{name}: expected steps 1..{args.steps} in metrics.jsonl")
-    gaps = step_gaps_ms([r["time"] for r in recs], args.warmup)
-    inside = [r["step_time_s"] * 1e3 for r in recs[args.warmup:] if "step_time_s" in r]
+    if [r["step"] for r in recs] != sorted(set(range(every, row.steps + 1, every)) | {row.steps}):
+        raise BenchError(f"{name}: expected every {every}th step of 1..{row.steps} in metrics.jsonl")
+    times = {r["step"]: r["time"] for r in recs}
+    gaps = [(times[b] - times[a]) * 1e3 / (b - a) for a, b in zip(sorted(times), sorted(times)[1:])
+            if a >= row.warmup and b - a == every]
+    inside = [r["step_time_s"] * 1e3 for r in recs if r["step"] > row.warmup and "step_time_s" in r]
     return {"ms": med(gaps), "mean_ms": statistics.fmean(gaps), "inside_ms": med(inside),
             "cpu_ms": (cpu1 - cpu0) * 1e3 / max(1, step1 - step0) / len(pids)}
 
 
-def ddp_cmd(hidden: List[int], steps: int, out: Path) -> List[str]:
-    return TORCHRUN + ["--nproc_per_node=2", "--standalone", DDP_SCRIPT, "--hidden", *map(str, hidden),
-                       "--steps", str(steps), "--global-batch", str(GLOBAL_BATCH), "--out", str(out)]
-
-
-def ddp_throughput(tmp: Path, name: str, args) -> Dict[int, dict]:
-    """Every width in one torchrun (one start-up): {width: {"ms", "mean_ms"}}."""
+def ddp_throughput(tmp: Path, name: str, rows: List[Row], every: int) -> Dict[str, dict]:
+    """``rows`` that share a DDP script and a process count in one torchrun (one start-up): {key: {"ms", ...}}.
+    The digits script trains its widths one after the other and keys its output by width."""
+    row = rows[0]
     out = tmp / f"{name}.json"
-    run_to_end(ddp_cmd(args.hidden, args.steps, out), tmp / f"{name}.log")
+    extra = ["--hidden", *(r.ddp[2] for r in rows)] if row.ddp[0] == DDP_SCRIPT else row.ddp[1:]
+    cmd = TORCHRUN + [f"--nproc_per_node={row.workers}", "--standalone", row.ddp[0], *extra,
+                      "--steps", str(row.steps), "--global-batch", str(GLOBAL_BATCH), "--out", str(out)]
+    run_to_end(cmd, tmp / f"{name}.log")
     data = json.loads(out.read_text())
     results = {}
-    for hidden in args.hidden:
-        ends, cpu = data["ends"][str(hidden)], data["cpu"][str(hidden)]
-        gaps = step_gaps_ms(ends, args.warmup)
-        last = len(cpu) - 40  # the same window as elasticflow's CPU sample
-        results[hidden] = {"ms": med(gaps), "mean_ms": statistics.fmean(gaps),
-                           "cpu_ms": (cpu[last] - cpu[args.warmup]) * 1e3 / (last - args.warmup)}
+    for r in rows:
+        ends, cpu = (data["ends"][r.ddp[2]], data["cpu"][r.ddp[2]]) if row.ddp[0] == DDP_SCRIPT \
+            else (data["ends"], data["cpu"])
+        gaps = window_ms(ends, max(r.warmup, every), every)  # the windows elasticflow's records give
+        last = len(cpu) - min(40, (r.steps - r.warmup) // 4)  # the same window as elasticflow's CPU sample
+        results[r.key] = {"ms": med(gaps), "mean_ms": statistics.fmean(gaps),
+                          "cpu_ms": (cpu[last] - cpu[r.warmup]) * 1e3 / (last - r.warmup)}
     return results
 
 
-def throughput(tmp: Path, args) -> Dict[int, dict]:
-    ef: Dict[int, List[dict]] = {h: [] for h in args.hidden}
-    ddp: Dict[int, List[dict]] = {h: [] for h in args.hidden}
-    for r in range(args.rounds):
-        # Alternate which goes first, so a change in the machine's load hits both.
-        for kind in (("ef", "ddp") if r % 2 == 0 else ("ddp", "ef")):
+def throughput(tmp: Path, args) -> Dict[str, dict]:
+    """Every row, ``args.rounds`` times: elasticflow (and the baseline tree's, with ``--baseline-tree``) and
+    DDP alternate which goes first, so a change in the machine's load hits all."""
+    rows = rows_of(args)
+    kinds = ["ef", "ddp"] + (["base"] if args.baseline_tree else [])
+    got: Dict[str, Dict[str, List[dict]]] = {k: {r.key: [] for r in rows} for k in kinds}
+    names = {"ef": "elasticflow", "base": "elasticflow (baseline tree)", "ddp": "torchrun+DDP"}
+    for i in range(args.rounds):
+        order = kinds if i % 2 == 0 else kinds[::-1]
+        for kind in order:
             if kind == "ddp":
-                for hidden, res in ddp_throughput(tmp, f"ddp-r{r}", args).items():
-                    ddp[hidden].append(res)
-                    print(f"  round {r} hidden {hidden:5d}: torchrun+DDP, 2 processes {res['ms']:6.2f} ms/step "
-                          f"(mean {res['mean_ms']:.2f}; CPU {res['cpu_ms']:.2f} ms/step/process)", flush=True)
+                groups: Dict[tuple, List[Row]] = {}
+                for r in rows:
+                    groups.setdefault((r.ddp[0], r.workers, r.steps), []).append(r)
+                for g, group in enumerate(groups.values()):
+                    try:
+                        results = ddp_throughput(tmp, f"ddp-{g}-r{i}", group, args.log_every)
+                    except BenchError as exc:  # one failed run costs its rows this round, not the benchmark
+                        print(f"  round {i} {', '.join(r.key for r in group)}: torchrun+DDP FAILED: "
+                              f"{str(exc)[-300:]!r}", flush=True)
+                        continue
+                    for key, res in results.items():
+                        got["ddp"][key].append({**res, "round": i})
+                        print(f"  round {i} {key:9s}: {names[kind]:28s} {res['ms']:7.2f} ms/step (mean "
+                              f"{res['mean_ms']:.2f}; CPU {res['cpu_ms']:.2f} ms/step/process)", flush=True)
                 continue
-            for hidden in args.hidden:
-                res = ef_throughput(tmp, f"ef2-h{hidden}-r{r}", 2, hidden, args)
-                ef[hidden].append(res)
-                print(f"  round {r} hidden {hidden:5d}: elasticflow, 2 workers  {res['ms']:6.2f} ms/step "
-                      f"(mean {res['mean_ms']:.2f}; CPU {res['cpu_ms']:.2f} ms/step/process; inside train_step "
-                      f"{res['inside_ms']:.2f})", flush=True)
-    first = args.hidden[0]
-    one = ef_throughput(tmp, f"ef1-h{first}", 1, first, args)
-    print(f"  hidden {first:5d}: elasticflow, 1 process, {os.cpu_count()} threads {one['ms']:6.2f} ms/step", flush=True)
-    return {h: {"ef": med([x["ms"] for x in ef[h]]), "ddp": med([x["ms"] for x in ddp[h]]),
-                "ef_cpu": med([x["cpu_ms"] for x in ef[h]]), "ddp_cpu": med([x["cpu_ms"] for x in ddp[h]]),
-                "ef1": one["ms"] if h == first else None} for h in args.hidden}
+            for r in rows:
+                try:
+                    res = ef_throughput(tmp, f"{kind}-{r.key}-r{i}", r, r.workers, args.log_every,
+                                        args.baseline_tree if kind == "base" else None)
+                except BenchError as exc:
+                    print(f"  round {i} {r.key:9s}: {names[kind]} FAILED: {str(exc)[-300:]!r}", flush=True)
+                    continue
+                got[kind][r.key].append({**res, "round": i})
+                print(f"  round {i} {r.key:9s}: {names[kind]:28s} {res['ms']:7.2f} ms/step (mean {res['mean_ms']:.2f}; "
+                      f"CPU {res['cpu_ms']:.2f} ms/step/process; inside train_step {res['inside_ms']:.2f})", flush=True)
+    first = rows[0]
+    try:
+        one = ef_throughput(tmp, f"ef1-{first.key}", first, 1, args.log_every)
+        print(f"  {first.key}: elasticflow, 1 process, {os.cpu_count()} threads {one['ms']:6.2f} ms/step", flush=True)
+    except BenchError as exc:
+        one = {"ms": float("nan")}
+        print(f"  {first.key}: elasticflow, 1 process FAILED: {str(exc)[-300:]!r}", flush=True)
+    out = {}
+    for r in rows:
+        if not all(got[k][r.key] for k in kinds):
+            print(f"  {r.key}: left out of the summary (a run failed in every round)", flush=True)
+            continue
+        out[r.key] = {"label": r.label, "ef1": one["ms"] if r is first else None,
+                      "rounds": {k: {x["round"]: x["ms"] for x in got[k][r.key]} for k in kinds}}
+        for k in kinds:
+            out[r.key][k] = med([x["ms"] for x in got[k][r.key]])
+            out[r.key][f"{k}_cpu"] = med([x["cpu_ms"] for x in got[k][r.key]])
+    return out
 
 
 # ---------------------------------------------------------------- 2. elasticflow recovery
@@ -407,8 +488,14 @@ def summarize(kills: List[Kill]) -> dict:
             "redone_med": med(redone), "redone_max": max(redone, default=float("nan"))}
 
 
-def report(argv: List[str], elapsed: float, loads, tp: Dict[int, dict], ef_kills: List[Kill],
-           tr_kills: List[Kill]) -> None:
+def per_round(row: dict, kind: str) -> str:
+    """Each round's throughput ratio against the DDP run of the same round."""
+    got, ddp = row["rounds"][kind], row["rounds"]["ddp"]
+    return ", ".join(f"{ddp[i] / got[i]:.2f}" for i in sorted(got) if i in ddp)
+
+
+def report(argv: List[str], elapsed: float, loads, tp: Dict[str, dict], ef_kills: List[Kill],
+           tr_kills: List[Kill], parts: List[int]) -> None:
     """Print the markdown summary and whether elasticflow met its targets."""
     import torch
 
@@ -417,17 +504,23 @@ def report(argv: List[str], elapsed: float, loads, tp: Dict[int, dict], ef_kills
     print(f"`{shlex.join(['.venv/bin/python', 'scripts/bench_elastic.py', *argv])}`: {elapsed:.0f} s, torch "
           f"{torch.__version__}, {os.cpu_count()} cores, load average {loads[0]:.1f} at start, {loads[1]:.1f} at "
           f"the end. Medians over steps and rounds; on a shared machine read the ratios, not the absolutes.\n")
-    print("| measure | elasticflow | torchrun + DDP | elasticflow vs torchrun |")
-    print("|---|---|---|---|")
+    base = any("base" in r for r in tp.values())
+    print("| measure | elasticflow | torchrun + DDP | elasticflow vs torchrun |"
+          + (" baseline tree | baseline tree vs torchrun |" if base else ""))
+    print("|---|---|---|---|" + ("---|---|" if base else ""))
     met = []
-    for hidden, r in tp.items():
+    for key, r in tp.items():
         met.append(r["ddp"] / r["ef"] >= 1.0)
-        print(f"| ms/step, digits MLP (hidden {hidden}), 2 workers, batch 64 | {r['ef']:.2f} | {r['ddp']:.2f} | "
-              f"throughput x{r['ddp'] / r['ef']:.2f} |")
-        print(f"| CPU ms/step per process, hidden {hidden} | {r['ef_cpu']:.2f} | {r['ddp_cpu']:.2f} | "
-              f"x{r['ef_cpu'] / r['ddp_cpu']:.2f} the CPU |")
+        more = f" {r['base']:.2f} | throughput x{r['ddp'] / r['base']:.2f} |" if base else ""
+        print(f"| ms/step, {r['label']} | {r['ef']:.2f} | {r['ddp']:.2f} | throughput x{r['ddp'] / r['ef']:.2f} |{more}")
+        ratios = per_round(r, "ef")
+        more = f" {per_round(r, 'base')} | |" if base else ""
+        print(f"| throughput vs DDP, each round, {key} | {ratios} | | |{more}")
+        more = f" {r['base_cpu']:.2f} | |" if base else ""
+        print(f"| CPU ms/step per process, {key} | {r['ef_cpu']:.2f} | {r['ddp_cpu']:.2f} | "
+              f"x{r['ef_cpu'] / r['ddp_cpu']:.2f} the CPU |{more}")
         if r["ef1"] is not None:
-            print(f"| ms/step, hidden {hidden}, 1 process (reference) | {r['ef1']:.2f} | | |")
+            print(f"| ms/step, {key}, 1 process (reference) | {r['ef1']:.2f} | | |")
     if ef_kills or tr_kills:
         met += [ef["lat_max"] <= 0.5, ef["redone_max"] <= 1, ef["ok"] == ef["n"]]
         print(f"| SIGKILL one worker -> next new step, s (median / max) | {ef['lat_med']:.2f} / {ef['lat_max']:.2f} "
@@ -438,6 +531,8 @@ def report(argv: List[str], elapsed: float, loads, tp: Dict[int, dict], ef_kills
         first_failed = sum(k.extra.get("restarts", 0) > 1 or not k.ok for k in tr_kills)
         print(f"| recoveries completed | {ef['ok']}/{ef['n']} (3 -> 2 workers, in-process) | {tr['ok']}/{tr['n']} "
               f"(restart of 2 workers; first restart failed in {first_failed}/{len(tr_kills)}) | |")
+    if 1 in parts and not tp:
+        met.append(False)  # part 1 ran and measured nothing
     print("\nTargets: throughput x >= 1.0; recovery <= 0.5 s and <= 1 step redone, every time.")
     print("Met." if all(met) else "NOT met: see the rows above.")
 
@@ -446,6 +541,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[64, 1024], help="MLP widths for the throughput part")
+    p.add_argument("--rows", nargs="*", default=["cnn", "mlp4"], choices=["cnn", "mlp4"],
+                   help="throughput rows besides the 2-worker MLPs: the BatchNorm ResNet (cnn), 4 workers on the "
+                        "first MLP width (mlp4)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="part 1: elasticflow's trainer.log_every (its default, 10: what a user gets); the step time is "
+                        "the mean over each window between two records, for DDP over the same windows; 1 times "
+                        "every step, with rank 0 writing a record (and the TensorBoard sidecar an event) each")
+    p.add_argument("--cnn-steps", type=int, default=100, help="steps per throughput run of the CNN")
+    p.add_argument("--cnn-warmup", type=int, default=10, help="CNN steps left out at the start of each run")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="also time elasticflow imported from DIR (e.g. `git archive` of an older commit) in every "
+                        "round, alternating: a before/after against the same DDP runs")
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds (elasticflow and DDP alternate)")
     p.add_argument("--steps", type=int, default=600, help="steps per throughput run")
     p.add_argument("--warmup", type=int, default=50, help="steps left out at the start of each throughput run")
@@ -506,7 +613,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print("\n4. Joining (scale 2 -> 3 workers, 100 MB model) and a SIGSTOPped worker", flush=True)
             print(join_report(1 if args.quick else args.joins), flush=True)
-    report(argv, time.monotonic() - started, (load0, os.getloadavg()[0]), tp, ef_kills, tr_kills)
+    report(argv, time.monotonic() - started, (load0, os.getloadavg()[0]), tp, ef_kills, tr_kills, args.parts)
     return 0 if all(k.ok for k in ef_kills) else 1  # a target missed is a finding; a failed recovery is a bug
 
 

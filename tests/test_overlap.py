@@ -124,3 +124,45 @@ def test_a_negative_bucket_size_is_refused(tmp_path):
     proc = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path}", "comm.bucket_mb=-1"], timeout=60)
     assert proc.returncode == 2 and "error: comm.bucket_mb must be a size in MiB >= 0, got -1" in proc.stderr
     assert "hint:" in proc.stderr
+
+
+class DoublingGroup:
+    """A 2-member group whose peer holds the same values: an allreduce doubles the tensor in place."""
+
+    def __init__(self):
+        self.reduced = []
+
+    def allreduce_start(self, tensor):
+        self.reduced.append(tensor)
+        return tensor.mul_(2)
+
+    def wait(self, work):
+        pass
+
+
+def test_the_step_reduces_the_gradient_where_it_lies_with_the_votes_and_buffers_after_it():
+    import torch
+    from types import SimpleNamespace
+
+    from elasticflow.backends import torch as backend
+    from elasticflow.optim import SGD
+    from elasticflow.replica import Agreed, Replica
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    engine = backend.Engine(net, lambda x, y, params: torch.nn.functional.cross_entropy(params(x), y), SGD(0.1))
+    group = DoublingGroup()
+    member = SimpleNamespace(group=group, generation=3, latest_generation=3, world=2, rank=0, agent_lost=False)
+    replica = Replica(member, engine, None, None)
+    engine.zero_grad()
+    engine.accumulate((torch.randn(16, 8), torch.randint(0, 3, (16,))), 1.0)
+    grad = engine.grad_view()
+    before = grad.clone()
+    buffers = np.arange(9, dtype=np.float64) / 4  # BatchNorm1d(4): mean, var, count
+    scalars, agreed, summed = replica.reduce_step([1.25, 0.5], False, buffers)
+
+    (reduced,) = group.reduced  # one allreduce, on the gradient's own memory: nothing copied in or out
+    assert reduced.data_ptr() == grad.data_ptr() and reduced.numel() == engine.num_params + 2 + 3 + 9
+    assert torch.equal(grad, before * 2)
+    assert scalars == [2.5, 1.0] and agreed == Agreed()  # generation 3 on both members: no change
+    np.testing.assert_array_equal(summed, buffers * 2)

@@ -64,3 +64,22 @@ def test_a_kill_shows_as_a_membership_event_and_the_world_size_drops(tmp_path):
     memory = {w: acc.Scalars(f"memory/worker_{w}_mib") for w in (0, 1, 2)}
     assert all(e.value > 50 for series in memory.values() for e in series)
     assert max(e.step for e in memory[1]) < 16 and max(e.step for e in memory[0]) == max(e.step for e in memory[2]) == 40
+
+
+def test_the_sidecar_runs_below_the_trainers_priority(tmp_path):
+    # On a machine whose cores the workers fill, the follower must not take their time slices.
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.tensorboard", str(tmp_path), "--parent",
+                             str(os.getpid())], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "tensorboard").is_dir() and time.monotonic() < deadline:  # past os.nice
+            time.sleep(0.05)
+        with open(f"/proc/{proc.pid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        assert nice == os.nice(0) + 10
+    finally:
+        proc.stdin.close()
+        proc.wait(30)

@@ -156,3 +156,17 @@ def test_inf_loss_stops_with_an_error_naming_the_step(write_model, tmp_path):
 def test_data_must_hold_one_global_batch(classifier, tmp_path):
     with pytest.raises(ElasticFlowError, match="120 samples, fewer than one global batch of 121"):
         trainer_for(classifier, tmp_path, "trainer.global_batch_size=121").prepare()
+
+
+def test_two_workers_write_each_record_once_in_step_order_with_evaluations_after_their_step(tmp_path):
+    # With workers, rank 0 writes a step's record during the next step's reduction; an evaluation, a
+    # checkpoint and the end write it first, so the file still reads in the order things happened.
+    from conftest import REPO, metrics, train
+
+    train(REPO / "models" / "digits_mlp.py", tmp_path, "launcher.workers=2", "trainer.max_steps=9",
+          "trainer.log_every=1", "trainer.eval_every=4", "trainer.global_batch_size=64")
+    got = [("eval", r["step"]) if "eval_loss" in r else ("step", r["step"]) for r in metrics(tmp_path)]
+    want = [("step", s) for s in range(1, 10)]
+    want[4:4] = [("eval", 4)]
+    want[9:9] = [("eval", 8)]
+    assert got == want + [("eval", 9)]

@@ -6,6 +6,11 @@ The backends do not subclass it: a subclass would inherit these stubs and hide a
 
 Gradients live in one flat float32 buffer in parameter order; state is exchanged by name, as
 numpy arrays, so a checkpoint written by one backend loads on the other.
+
+Optional members, which the replica looks for (``getattr``) and works without: ``fold_buffer(extra)``
+(the flat gradient with free slots after it, one contiguous tensor: the step's scalars are reduced with
+the gradient without copying it), ``buckets``/``arm`` (reductions started while backward runs). The
+torch Engine has them; the TensorFlow one does not.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from ..optim import SGD, Adam, OptimizerSpec
 from .torch_adam import FlatAdam
 
 NAME = "torch"
+FOLD_SCALARS = 64  # room after the flat gradient for the step's loss, metrics and votes (Engine.fold_buffer)
 _SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
 
 
@@ -272,7 +273,11 @@ class Engine:
                                    "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
         plist = list(self.params.values())
         self.num_params = int(np.sum([p.numel() for p in plist]))
-        self.flat_grad = torch.zeros(self.num_params, dtype=torch.float32, device=self.device)
+        # The flat gradient is the head of a longer buffer: the replica writes the step's scalars and
+        # buffer contributions after it and reduces both in one in-place allreduce (fold_buffer), instead
+        # of copying the gradient into a concatenation and back every step.
+        self._fold = torch.zeros(self.num_params + self._fold_room(), dtype=torch.float32, device=self.device)
+        self.flat_grad = self._fold[:self.num_params]
         self.flat_param: Optional[torch.Tensor] = None
         if isinstance(spec, Adam):
             # Parameters become views of one flat buffer too, so Adam runs once over the model
@@ -378,6 +383,19 @@ class Engine:
     def grad_view(self) -> torch.Tensor:
         """The accumulated flat gradient (1-D float32); in-place edits (an allreduce) are what apply() uses."""
         return self.flat_grad
+
+    def _fold_room(self) -> int:
+        """Slots after the gradient: the step's scalars and flags (a loss, metrics, three votes) and one
+        value per element of the buffers that are state (what ``buffers.Reconciler`` contributes)."""
+        persistent = set(self.module.state_dict()) if self.module is not None else set(self.buffers)
+        return FOLD_SCALARS + int(np.sum([b.numel() for n, b in self.buffers.items() if n in persistent]))
+
+    def fold_buffer(self, extra: int) -> Optional[torch.Tensor]:
+        """The flat gradient followed by ``extra`` free float32 slots, as one contiguous tensor whose head
+        IS the gradient (the same memory: reducing it in place reduces the gradient); None when ``extra``
+        exceeds the room reserved at start-up. The slots hold garbage until written."""
+        n = self.num_params + extra
+        return self._fold[:n] if n <= self._fold.numel() else None
 
     def grad_norm(self) -> float:
         return float(torch.linalg.vector_norm(self.flat_grad))

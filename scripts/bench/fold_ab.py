@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench/fold_ab.py --hidden 64 1024 --steps 1500
 
-Every worker's ``Replica.reduce_step`` is wrapped (through a sitecustomize on PYTHONPATH): on even
+Every worker's ``Replica.start_reduce`` is wrapped (through a sitecustomize on PYTHONPATH): on even
 steps it reduces the gradient and the step's scalars in two allreduces, on odd steps in ONE (the
 scalars ride in float32 after the gradient), whatever ``replica.FOLD_MAX`` would choose. Both workers
 pick by the step number, so they always agree. Prints the median gap between consecutive
@@ -31,7 +31,7 @@ if os.environ.get(WORKER_ENV) is not None:
     sys.path.insert(0, os.getcwd())
     import elasticflow.replica as replica
 
-    installed = replica.Replica.reduce_step
+    installed = replica.Replica.start_reduce
     calls = [0]
 
     def ab(self, *args, **kwargs):
@@ -44,7 +44,7 @@ if os.environ.get(WORKER_ENV) is not None:
         finally:
             replica.FOLD_MAX = saved
 
-    replica.Replica.reduce_step = ab
+    replica.Replica.start_reduce = ab
 '''
 
 
