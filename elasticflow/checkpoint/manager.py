@@ -66,9 +66,9 @@ class CheckpointManager:
     def job_dir(self) -> Path:
         return self.checkpointer.job_dir
 
-    def reserve(self, rank: int, world: int) -> None:
+    def reserve(self, rank: int, world: int, sharded: Any = None) -> None:
         """Allocate the snapshot buffer for this rank's slice now, off the training thread."""
-        self.checkpointer.reserve(self.state_dict()[0], rank, world)
+        self.checkpointer.reserve(self.state_dict()[0], rank, world, sharded)
 
     def save(self, name: str, seat: Any, wait: bool = True) -> Optional[Path]:
         """Every member writes its 1/W slice of the state; rank 0 commits once all W are on disk.
@@ -79,7 +79,12 @@ class CheckpointManager:
         written, since the process may exit next. Returns the checkpoint's path on rank 0.
         """
         rank, world = seat.rank, seat.world
+        sharded = getattr(seat, "sharding", lambda: None)()  # trainer.shard: each rank holds (and writes) only its slice of the optimizer
         if world > 1 and not seat.coordinated():
+            if sharded is not None:
+                log.warning("checkpoint %s not written: the agent's store is gone and the optimizer state is "
+                            "sharded, so no worker holds all of it", name)
+                return None
             # No store, no coordinated save: the state is replicated, so rank 0 writes all of it.
             if rank != 0:
                 return None
@@ -88,7 +93,7 @@ class CheckpointManager:
         info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": seat.world,
                 "generation": seat.generation, "saved_at": time.time(), **self.recorded}
         return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=seat.generation,
-                                      wait=wait)
+                                      wait=wait, sharded=sharded)
 
     def load(self, path: Path) -> None:
         """Load checkpoint ``path`` into the training state; CheckpointMismatch if it is another model's."""

@@ -108,6 +108,51 @@ class Group:
         """Wait for a started collective (the group's timeout bounds it); CommError if it failed."""
         self._run("allreduce", work.wait)
 
+    # -- sharded state (trainer.shard): equal chunks of a flat vector, the last one padded
+    def allgather_flat(self, flat: torch.Tensor, chunk: int) -> None:
+        """Every member's chunk ``flat[r*chunk:(r+1)*chunk]`` to every member, in place (host tensors).
+
+        Gloo's allgather wants pieces of one size: the last, shorter chunk goes through a padded scratch.
+        """
+        n = flat.numel()
+        outs = [torch.empty(chunk, dtype=flat.dtype) for _ in range(self.world)]
+        lo = min(self.rank * chunk, n)
+        mine = outs[self.rank]
+        mine[:min(n, lo + chunk) - lo].copy_(flat[lo:lo + chunk])
+        self._run("allgather", lambda: self.pg.allgather([outs], [mine]).wait())
+        for r, out in enumerate(outs):
+            a, b = min(r * chunk, n), min((r + 1) * chunk, n)
+            if r != self.rank and b > a:
+                flat[a:b].copy_(out[:b - a])
+
+    def reduce_scatter_start(self, flat: torch.Tensor, out: torch.Tensor, chunk: int) -> Any:
+        """Start the sum of chunk r of ``flat`` over the members into rank r's ``out`` (``chunk`` elements);
+        returns the work, for :meth:`wait`. The last, shorter chunk is padded in a scratch copy."""
+        n = flat.numel()
+        pieces = []
+        for r in range(self.world):
+            a, b = min(r * chunk, n), min((r + 1) * chunk, n)
+            if b - a == chunk:
+                pieces.append(flat[a:b])
+            else:
+                pad = torch.zeros(chunk, dtype=flat.dtype)
+                pad[:b - a].copy_(flat[a:b])
+                pieces.append(pad)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._run("reduce_scatter", lambda: self.pg.reduce_scatter([out], [pieces], opts))
+
+    def exchange(self, sends: Sequence[Tuple[torch.Tensor, int, int]],
+                 recvs: Sequence[Tuple[torch.Tensor, int, int]]) -> None:
+        """Point to point: every (tensor, peer, tag) of ``sends`` to its peer, every one of ``recvs`` from
+        its peer, all posted at once and then waited for. Only the members named take part."""
+        works = [self._run("send", lambda t=t, r=r, tag=tag: self.pg.send([t], r, tag)) for t, r, tag in sends
+                 if t.numel()]
+        works += [self._run("receive", lambda t=t, r=r, tag=tag: self.pg.recv([t], r, tag)) for t, r, tag in recvs
+                  if t.numel()]
+        for work in works:
+            self._run("exchange", work.wait)
+
     def _nccl_allreduce(self, tensor: torch.Tensor, opts) -> None:
         self.nccl.allreduce([tensor], opts).wait()
         # wait() only orders the GPU stream; finish here so that a peer's death surfaces in this call
