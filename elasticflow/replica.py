@@ -104,6 +104,7 @@ class Replica:
         self.membership, self.engine = membership, engine
         self.shards = shards                 # a shard.ShardedState with trainer.shard, else None
         self.lost: List[Tuple[int, int]] = []  # ranges the last redistribution found no holder for
+        self.shard_moved = 0                   # elements of sharded state the last redistribution sent
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb else 0
         self._ranges: Optional[List[Tuple[int, int]]] = None  # the gradient's buckets (engine.buckets)
@@ -372,12 +373,10 @@ class Replica:
             log.warning("handing over sharded state failed (%s); the next generation takes what is held", exc)
             m.report_failure()
 
-    def _sync_shards(self, samples_seen: int) -> bool:
+    def _sync_shards(self, samples_seen: int) -> None:
         plan = self.shards.redistribute(self.membership.group, samples_seen)
         self.lost = plan.lost
-        if plan.lost:
-            return False
-        return any(p.src != p.dst for p in plan.pieces)
+        self.shard_moved = sum(p.hi - p.lo for p in plan.pieces if p.src != p.dst)
 
     # ------------------------------------------------------------------ state
     def sync_state(self, samples_seen: int) -> bool:
@@ -389,13 +388,12 @@ class Replica:
         """
         if self.membership is None:
             return False
-        moved_shards = False
         if self.shards is not None:
-            moved_shards = self._sync_shards(samples_seen)
+            self._sync_shards(samples_seen)
             if self.lost:
                 return False
         if self.world == 1:
-            return moved_shards
+            return False
         import torch
 
         group, rank = self.membership.group, self.rank
@@ -404,7 +402,7 @@ class Replica:
         group.allreduce_(progress)
         best = progress.max()
         if bool((progress == best).all()):
-            return moved_shards
+            return False
         src = int((progress == best).nonzero()[0])
         behind = (progress < best).nonzero().flatten().tolist()
         if rank == src:

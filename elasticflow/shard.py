@@ -127,6 +127,13 @@ def plan_moves(table: np.ndarray, want: Dict[int, List[Range]]) -> Plan:
                 end = min(b, hi)
                 plan.pieces.append(Piece(src, dst, at, end))
                 at = end
+    merged: List[Range] = []
+    for lo, hi in sorted(set(plan.lost)):  # wanted twice (an owner's and a buddy's): said once
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    plan.lost = merged
     return plan
 
 

@@ -502,6 +502,7 @@ class ElasticTrainer:
                                recovery_s=round(r.recovery_s, 4), transfer_s=round(r.transfer_s, 4),
                                redone_s=round(redone_s, 4), detect_s=round(attempt[1], 4),
                                rolled_forward=r.rolled_forward,
+                               **({"shard_elements_moved": self.replica.shard_moved} if self.shards else {}),
                                # An unplanned failure interrupts one step, which the members redo -- unless
                                # one of them had committed it and the rest adopted its state (rolled forward).
                                steps_redone=0 if failure is None or r.rolled_forward else 1,
