@@ -234,6 +234,7 @@ class ShardedState:
     def load_full(self, slots: Dict[str, np.ndarray], at: int) -> None:
         """Hold [0, n) at progress ``at`` from whole slot tensors by name (a checkpoint's; missing: zeros).
         The parameters were loaded by the engine. The next redistribution keeps only this worker's ranges."""
+        self.params = self.engine.flat_params()  # an engine that hands out a copy reads the loaded values
         held = self._fresh(0, self.n)
         for p, (off, shape) in self.param_at.items():
             size = int(np.prod(shape, dtype=np.int64))

@@ -38,13 +38,21 @@ def assert_same_state(run_dir, reference):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The 1-worker runs with replicated state, SGD with momentum and Adam."""
+    """The 1-worker runs with replicated state, SGD with momentum and Adam (and Adam on TensorFlow)."""
     out = {}
     for name, overrides in OPTIMIZERS.items():
         run = tmp_path_factory.mktemp(f"ref_{name}")
         train_ok(run, *overrides, *SAVE)
         out[name] = run
     return out
+
+
+@pytest.fixture(scope="module")
+def tf_reference(tmp_path_factory):
+    pytest.importorskip("tensorflow")
+    run = tmp_path_factory.mktemp("ref_tf")
+    train_ok(run, "backend=tensorflow", *OPTIMIZERS["adam"], *SAVE)
+    return run
 
 
 # ---------------------------------------------------------------- the layout and the transfer plan
@@ -100,6 +108,17 @@ def test_three_workers_one_killed_match_one_worker(tmp_path, references, stage, 
     assert "fell_back" not in kinds  # the dead worker's slice came from its buddy, in memory
     recovered = [e for e in events(run) if e["event"] == "recovered"]
     assert recovered and recovered[0]["shard_elements_moved"] > 0
+
+
+def test_tensorflow_three_workers_one_killed_match_one_worker(tmp_path, tf_reference):
+    """The sharded update runs torch's formulas on TensorFlow's flat gradient (its variables are written
+    back after the allgather)."""
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()  # under tf.function the probe injects its faults at the data fetch, which records
+    train_ok(run, "backend=tensorflow", "launcher.workers=3", "trainer.shard=optimizer", *OPTIMIZERS["adam"], *SAVE,
+             env={"EF_PROBE_KILL": "1:23:reduction", "EF_PROBE_RECORD": str(record)})
+    assert_same_state(run, tf_reference)
+    assert [r["world_size"] for r in metrics(run) if "loss" in r][-1] == 2
 
 
 def test_two_neighbours_killed_fall_back_to_the_checkpoint(tmp_path, references):
