@@ -309,7 +309,8 @@ class ShardedState:
         row = [at, len(held)] + [x for r in held for x in r]
         return row + [0] * (2 + 2 * MAX_HELD - len(row))
 
-    def redistribute(self, group: Any, committed: int, target_members: Optional[Tuple[Sequence[int], int]] = None) -> Plan:
+    def redistribute(self, group: Any, committed: int,
+                     target_members: Optional[Tuple[Sequence[Tuple[int, int]], int]] = None) -> Plan:
         """Move the ranges so that every member of ``group`` holds what its layout needs.
 
         ``target_members``: for a handoff over the old group, ([(old rank, new rank)] of the members that
@@ -331,42 +332,55 @@ class ShardedState:
             return plan
         mine = want.get(group.rank, [])
         new: Dict[Range, Dict[str, torch.Tensor]] = {r: self._fresh(*r) for r in mine}
-        sends, recvs, placed = [], [], []
-        for tag, p in enumerate(plan.pieces):
-            if p.src == group.rank and p.dst == group.rank:
-                self._place(new, p.lo, p.hi, self._message(p.lo, p.hi))
+        # Each piece travels as its parameters and each slot, sent from where they lie and received into
+        # their final place: no packing copy on either side (ranges a member sends and receives are disjoint).
+        sends, recvs, k = [], [], 1 + len(self.slot_names)
+        for i, p in enumerate(plan.pieces):
+            if p.dst == group.rank:
+                into = self._into(new, p.lo, p.hi)
+                if p.src == group.rank:
+                    for s, src in zip(self.slot_names, self._held_views(p.lo, p.hi)[1:]):
+                        into[s].copy_(src)
+                else:
+                    recvs += [(t, p.src, i * k + j)
+                              for j, t in enumerate([self.params[p.lo:p.hi]] + [into[s] for s in self.slot_names])]
             elif p.src == group.rank:
-                sends.append((self._message(p.lo, p.hi), p.dst, tag))
-            elif p.dst == group.rank:
-                buf = torch.empty((1 + len(self.slot_names)) * (p.hi - p.lo), dtype=torch.float32)
-                recvs.append((buf, p.src, tag))
-                placed.append((p.lo, p.hi, buf))
+                sends += [(t, p.dst, i * k + j) for j, t in enumerate(self._held_views(p.lo, p.hi))]
         group.exchange(sends, recvs)
-        for lo, hi, buf in placed:
-            self._place(new, lo, hi, buf, params=True)
         if target_members is None:
             self._adopt(new, group.rank, group.world, plan.target)
-            self.gather(group)
+            # Every member's parameters are right where it holds ranges; where those cover the whole vector
+            # for every member (W = 2 with buddies), nothing is left to gather.
+            if not all(_covers(r, self.n) for r in want.values()):
+                self.gather(group)
+            else:
+                written = getattr(self.engine, "params_written", None)
+                if written is not None:
+                    written()
         else:  # keep what is held until the next generation: it may not form, and then it is needed
             self.held.update(new)
             self.at = plan.target
         return plan
 
-    def _message(self, lo: int, hi: int) -> torch.Tensor:
-        """Parameters then slots of [lo, hi), from a held range containing it."""
+    def _held_views(self, lo: int, hi: int) -> List[torch.Tensor]:
+        """Parameters then slots of [lo, hi), from a held range containing it (views)."""
         for (a, b), slots in self.held.items():
             if a <= lo and hi <= b:
-                return torch.cat([self.params[lo:hi]] + [slots[s][lo - a:hi - a] for s in self.slot_names])
+                return [self.params[lo:hi]] + [slots[s][lo - a:hi - a] for s in self.slot_names]
         raise KeyError(f"range {(lo, hi)} is not held")
 
-    def _place(self, new: Dict[Range, Dict[str, torch.Tensor]], lo: int, hi: int, message: torch.Tensor,
-               params: bool = False) -> None:
-        k = hi - lo
-        if params:
-            self.params[lo:hi] = message[:k]
+    @staticmethod
+    def _into(new: Dict[Range, Dict[str, torch.Tensor]], lo: int, hi: int) -> Dict[str, torch.Tensor]:
         for (a, b), slots in new.items():
             if a <= lo and hi <= b:
-                for i, s in enumerate(self.slot_names):
-                    slots[s][lo - a:hi - a] = message[(i + 1) * k:(i + 2) * k]
-                return
+                return {s: v[lo - a:hi - a] for s, v in slots.items()}
         raise KeyError(f"range {(lo, hi)} is not wanted")
+
+
+def _covers(ranges: List[Range], n: int) -> bool:
+    at = 0
+    for lo, hi in sorted(ranges):
+        if lo > at:
+            return False
+        at = max(at, hi)
+    return at >= n

@@ -454,6 +454,10 @@ class ElasticTrainer:
         if self.rank == 0 and self.generation > 0:
             self.run_log.take_over()  # a rank 0 that left may have logged steps this worker has not
         _context.rank, _context.world_size, _context.generation = self.rank, self.world, self.generation
+        if self.shards is not None:  # scripts/bench_shard.py reads this line from each worker's log
+            log.info("sharded optimizer state: %d bytes in %d range(s) (replicated: %d) at world %d",
+                     self.shards.slot_bytes(), len(self.shards.held),
+                     4 * self.shards.n * len(self.shards.slot_names), self.world)
 
     def _memory(self) -> Dict[str, float]:
         """Resident MiB of each worker, by worker id, for rank 0's step records (TensorBoard's memory/)."""
