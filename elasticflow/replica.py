@@ -59,7 +59,7 @@ class Reduction:
     tail: Any = None                 # reduced votes (and buffers) once finished
     works: List[Any] = field(default_factory=list)  # collectives in flight, waited for in order
     copy_back: Any = None            # (gradient, its reduced copy) when the fold could not reduce it in place
-    mine: Any = None                 # stage 2 (trainer.shard=gradients): this member's reduced chunk
+    mine: Any = None                 # stage 2 (trainer.shard=gradients): the reduce-scatter's output
 
 
 @dataclass
@@ -174,6 +174,8 @@ class Replica:
         depends on the model and the settings only). Host gradients only: a GPU's go over NCCL whole."""
         if not self.bucket_bytes or self.membership is None or self.world == 1 or not hasattr(self.engine, "arm"):
             return None
+        if self.shards is not None and self.shards.stage == "gradients":
+            return None  # stage 2 reduce-scatters the gradient in one piece
         if self._ranges is None:
             self._ranges = [] if self.engine.grad_view().is_cuda else self.engine.buckets(self.bucket_bytes)
         return self._ranges if len(self._ranges) > 1 else None
@@ -227,15 +229,19 @@ class Replica:
         r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
         ranges = self._buckets()
         if self.shards is not None and self.shards.stage == "gradients":
-            # Stage 2: each member receives the sum of its own chunk only; the votes (and buffers) in a
-            # small allreduce queued behind it, float64 (one more round trip, as for a large gradient).
-            work, r.mine = self.shards.start_reduce_scatter(self.membership.group, grad)
-            r.works.append(work)
+            # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
+            # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large
+            # one sends them in a small float64 allreduce queued behind it.
             tail = torch.tensor(votes, dtype=torch.float64)
             if buffers is not None:
                 tail = torch.cat([tail, torch.from_numpy(buffers)])
-            self._start(r, tail)
-            r.tail = tail
+            small = grad.numel() <= FOLD_MAX
+            work, r.mine = self.shards.start_reduce_scatter(self.membership.group, grad,
+                                                            tail.to(torch.float32) if small else None)
+            r.works.append(work)
+            if not small:
+                self._start(r, tail)
+                r.tail = tail
         elif ranges:
             r.tail = self._reduce_buckets(grad, ranges, votes, buffers)
         elif grad.numel() <= FOLD_MAX:
@@ -287,7 +293,9 @@ class Replica:
         for work in r.works:
             group.wait(work)
         if r.mine is not None:
-            self.shards.finish_reduce_scatter(group, r.mine)
+            folded = self.shards.finish_reduce_scatter(group, r.mine)
+            if folded is not None:
+                r.tail = folded
         if r.copy_back is not None:
             r.copy_back[0].copy_(r.copy_back[1])
         tail, n, k = r.tail, r.n, r.k

@@ -193,6 +193,9 @@ class ShardedState:
         self.engine, self.stage, self.replicas = engine, stage, int(replicas)
         engine.release_optimizer()  # its own slots would be whole-model sized
         self.params = engine.flat_params()
+        if self.params.is_cuda:
+            raise ElasticFlowError(f"trainer.shard={stage} keeps the optimizer's slices in host memory and "
+                                   "cannot update GPU parameters yet", "pass trainer.shard=none on GPUs")
         self.n = int(self.params.numel())
         self.update_fn = FlatUpdate(spec)
         self.slot_names = self.update_fn.slots
@@ -204,6 +207,7 @@ class ShardedState:
         self.held: Dict[Range, Dict[str, torch.Tensor]] = {(0, self.n): self._fresh(0, self.n)}
         self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
         self._scratch = torch.empty(self.n if self.update_fn.adam else 0)
+        self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
 
     # ------------------------------------------------------------------ what is held
     def _fresh(self, lo: int, hi: int) -> Dict[str, torch.Tensor]:
@@ -275,29 +279,76 @@ class ShardedState:
             written()
 
     def gather(self, group: Any) -> None:
-        """All-gather the owners' parameter ranges: afterwards every member holds the whole vector."""
-        if self.world > 1:
+        """All-gather the owners' parameter ranges: afterwards every member holds the whole vector.
+
+        Nothing to gather where the ranges held cover the whole vector (W = 2 with a buddy copy: each
+        member updated all of it); the same on every member, as it depends on the layout only.
+        """
+        if self.world > 1 and not _covers(list(self.held), self.n):
             group.allgather_flat(self.params, chunk(self.n, self.world))
             written = getattr(self.engine, "params_written", None)
             if written is not None:
                 written()
 
-    def start_reduce_scatter(self, group: Any, grad: torch.Tensor) -> Any:
-        """Stage 2: start the reduce-scatter of ``grad``; ``finish_reduce_scatter`` completes it."""
-        lo, hi = owned(self.n, self.world, self.rank)
-        out = torch.empty(chunk(self.n, self.world), dtype=torch.float32)
-        work = group.reduce_scatter_start(grad, out, chunk(self.n, self.world))
-        return work, out[:hi - lo]
+    def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
+        lo, hi = owned(self.n, self.world, r)
+        dst[:hi - lo].copy_(grad[lo:hi])
+        dst[hi - lo:].zero_()
 
-    def finish_reduce_scatter(self, group: Any, mine: torch.Tensor) -> None:
-        """Stage 2: with the own chunk reduced, give it to the buddy and take the previous rank's."""
+    def start_reduce_scatter(self, group: Any, grad: torch.Tensor, tail: Optional[torch.Tensor] = None) -> Any:
+        """Stage 2: start the reduce-scatter of ``grad``; ``finish_reduce_scatter`` completes it.
+
+        ``tail`` (float32, small gradients): folded in, so one collective does it all: piece r is
+        [chunk r | chunk r - 1 | tail], and each member receives its own chunk, its buddy's and the
+        summed tail (the votes); this costs a copy of the gradient into the pieces, which a small model
+        pays gladly for the round trips it saves (each is a scheduling of every member). Without
+        ``tail`` the pieces are the gradient's own chunks (no copy) and the buddy's chunk travels after.
+        Returns (work, what ``finish_reduce_scatter`` takes).
+        """
+        c, w = chunk(self.n, self.world), self.world
+        if tail is None:
+            pieces = [grad[r * c:(r + 1) * c] for r in range(w)]
+            if pieces[-1].numel() < c:  # the last chunk is short: padded in a scratch copy
+                pad = self._buffer("pad", c)
+                self._chunk_into(pad, grad, w - 1)
+                pieces[-1] = pad
+            out = self._buffer("own", c)
+        else:
+            width = c * (2 if self.replicas else 1) + tail.numel()
+            pieces = [self._buffer(f"piece{r}", width) for r in range(w)]
+            for r, piece in enumerate(pieces):
+                self._chunk_into(piece[:c], grad, r)
+                if self.replicas:
+                    self._chunk_into(piece[c:2 * c], grad, (r - 1) % w)
+                piece[width - tail.numel():].copy_(tail)
+            out = self._buffer("out", width)
+        return group.reduce_scatter_start(pieces, out), (out, tail is not None)
+
+    def finish_reduce_scatter(self, group: Any, started: Any) -> Optional[torch.Tensor]:
+        """Stage 2, once the reduce-scatter finished: this step's reduced ranges (own, buddy's). Unfolded,
+        the own chunk goes to the buddy and the previous rank's comes in; folded, returns the summed tail."""
+        out, folded = started
+        c = chunk(self.n, self.world)
         own = owned(self.n, self.world, self.rank)
-        self.reduced = {own: mine}
-        if self.replicas and self.world > 1:
-            prev = owned(self.n, self.world, (self.rank - 1) % self.world)
-            theirs = torch.empty(prev[1] - prev[0], dtype=torch.float32)
-            group.exchange([(mine, (self.rank + 1) % self.world, 0)], [(theirs, (self.rank - 1) % self.world, 0)])
-            self.reduced[prev] = theirs
+        self.reduced = {own: out[:own[1] - own[0]]}
+        if not (self.replicas and self.world > 1):
+            return out[c:] if folded else None
+        prev = owned(self.n, self.world, (self.rank - 1) % self.world)
+        if folded:
+            self.reduced[prev] = out[c:c + prev[1] - prev[0]]
+            return out[2 * c:]
+        theirs = self._buffer("buddy", c)[:prev[1] - prev[0]]
+        group.exchange([(self.reduced[own], (self.rank + 1) % self.world, 0)],
+                       [(theirs, (self.rank - 1) % self.world, 0)])
+        self.reduced[prev] = theirs
+        return None
+
+    def _buffer(self, what: str, size: int) -> torch.Tensor:
+        """A float32 scratch of ``size`` kept from step to step (a fresh one would fault its pages in)."""
+        t = self._buffers.get(what)
+        if t is None or t.numel() != size:
+            t = self._buffers[what] = torch.empty(size, dtype=torch.float32)
+        return t
 
     # ------------------------------------------------------------------ membership changes
     def table_row(self, committed: int) -> List[int]:

@@ -77,26 +77,32 @@ def step_ms(run: Path, warmup: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+VARIANTS = [("none", 1), ("optimizer", 1), ("gradients", 1), ("optimizer", 0), ("gradients", 0)]
+
+
 def step_part(tmp: Path, rounds: int, rows: list) -> None:
-    print("\n2. Step time at W = 2 against replicated state (trainer.shard=none), same rounds", flush=True)
+    print("\n2. Step time at W = 2 against replicated state (trainer.shard=none), same rounds, order alternating."
+          "\n   With a buddy copy at W = 2 every worker holds both slices (memory 1.0x) and computes the whole "
+          "update:\n   no allgather. shard_replicas=0 holds 0.5x and all-gathers the parameters every step.",
+          flush=True)
     for label, model, extra, steps, warmup in rows:
-        ratios = {"optimizer": [], "gradients": []}
-        ms = {"none": [], "optimizer": [], "gradients": []}
+        ms = {v: [] for v in VARIANTS}
+        ratios = {v: [] for v in VARIANTS[1:]}
         for i in range(rounds):
-            order = ["none", "optimizer", "gradients"] if i % 2 == 0 else ["gradients", "optimizer", "none"]
+            order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
             got = {}
-            for shard in order:
-                run = tmp / f"step-{label}-{shard}-{i}"
+            for shard, replicas in order:
+                run = tmp / f"step-{label}-{shard}-{replicas}-{i}".replace(" ", "_")
                 train(run, model, "launcher.workers=2", f"trainer.shard={shard}", f"trainer.max_steps={steps}",
-                      "trainer.log_every=1", *extra)
-                got[shard] = step_ms(run, warmup)
-                ms[shard].append(got[shard])
-            for shard in ratios:
-                ratios[shard].append(got[shard] / got["none"])
-        print(f"   {label}: none {statistics.median(ms['none']):.2f} ms/step", flush=True)
-        for shard, rs in ratios.items():
-            print(f"     shard={shard}: {statistics.median(ms[shard]):.2f} ms/step, "
-                  f"{statistics.median(rs):.3f}x (rounds {', '.join(f'{r:.2f}' for r in rs)})", flush=True)
+                      f"elastic.shard_replicas={replicas}", "trainer.log_every=1", *extra)
+                got[(shard, replicas)] = step_ms(run, warmup)
+                ms[(shard, replicas)].append(got[(shard, replicas)])
+            for v in ratios:
+                ratios[v].append(got[v] / got[("none", 1)])
+        print(f"   {label}: shard=none {statistics.median(ms[('none', 1)]):.2f} ms/step", flush=True)
+        for (shard, replicas), rs in ratios.items():
+            print(f"     shard={shard} shard_replicas={replicas}: {statistics.median(ms[(shard, replicas)]):.2f} "
+                  f"ms/step, {statistics.median(rs):.3f}x (rounds {', '.join(f'{r:.2f}' for r in rs)})", flush=True)
 
 
 def recovery_part(tmp: Path, kills: int) -> None:
