@@ -174,7 +174,7 @@ class Replica:
         depends on the model and the settings only). Host gradients only: a GPU's go over NCCL whole."""
         if not self.bucket_bytes or self.membership is None or self.world == 1 or not hasattr(self.engine, "arm"):
             return None
-        if self.shards is not None and self.shards.stage == "gradients":
+        if self.shards is not None and self.shards.scatters():
             return None  # stage 2 reduce-scatters the gradient in one piece
         if self._ranges is None:
             self._ranges = [] if self.engine.grad_view().is_cuda else self.engine.buckets(self.bucket_bytes)
@@ -228,7 +228,7 @@ class Replica:
         n = len(votes)
         r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
         ranges = self._buckets()
-        if self.shards is not None and self.shards.stage == "gradients":
+        if self.shards is not None and self.shards.scatters():
             # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
             # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large
             # one sends them in a small float64 allreduce queued behind it.

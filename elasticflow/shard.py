@@ -270,13 +270,18 @@ class ShardedState:
         whole ``grad``; stage 2: the ranges received into ``reduced``). ``step``: the optimizer step this
         is (1-based, Adam's bias correction); ``at``: the progress the step commits."""
         for (lo, hi), slots in self.held.items():
-            g = self.reduced[(lo, hi)] if self.stage == "gradients" and self.world > 1 else grad[lo:hi]
+            g = self.reduced[(lo, hi)] if self.scatters() else grad[lo:hi]
             self.update_fn(self.params[lo:hi], g, slots, lr, step, self._scratch)
         self.at = at
         self.reduced = {}
         written = getattr(self.engine, "params_written", None)
         if written is not None and self.world == 1:
             written()
+
+    def scatters(self) -> bool:
+        """Whether this step's gradient is reduce-scattered (stage 2): not where each member holds the whole
+        vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""
+        return self.stage == "gradients" and self.world > 1 and not _covers(list(self.held), self.n)
 
     def gather(self, group: Any) -> None:
         """All-gather the owners' parameter ranges: afterwards every member holds the whole vector.
