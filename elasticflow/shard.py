@@ -274,8 +274,12 @@ class ShardedState:
             self.update_fn(self.params[lo:hi], g, slots, lr, step, self._scratch)
         self.at = at
         self.reduced = {}
+        if not self.gathers():  # else gather() writes them back, once all are in
+            self._written()
+
+    def _written(self) -> None:
         written = getattr(self.engine, "params_written", None)
-        if written is not None and self.world == 1:
+        if written is not None:
             written()
 
     def scatters(self) -> bool:
@@ -289,11 +293,13 @@ class ShardedState:
         Nothing to gather where the ranges held cover the whole vector (W = 2 with a buddy copy: each
         member updated all of it); the same on every member, as it depends on the layout only.
         """
-        if self.world > 1 and not _covers(list(self.held), self.n):
+        if self.gathers():
             group.allgather_flat(self.params, chunk(self.n, self.world))
-            written = getattr(self.engine, "params_written", None)
-            if written is not None:
-                written()
+            self._written()
+
+    def gathers(self) -> bool:
+        """Whether a step ends with the parameters' allgather (``gather``)."""
+        return self.world > 1 and not _covers(list(self.held), self.n)
 
     def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
         lo, hi = owned(self.n, self.world, r)
@@ -408,11 +414,8 @@ class ShardedState:
             # Every member's parameters are right where it holds ranges; where those cover the whole vector
             # for every member (W = 2 with buddies), nothing is left to gather.
             if not all(_covers(r, self.n) for r in want.values()):
-                self.gather(group)
-            else:
-                written = getattr(self.engine, "params_written", None)
-                if written is not None:
-                    written()
+                group.allgather_flat(self.params, chunk(self.n, self.world))
+            self._written()
         else:  # keep what is held until the next generation: it may not form, and then it is needed
             self.held.update(new)
             self.at = plan.target

@@ -21,8 +21,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from . import data, devices, loss_scale, modelfile, ops, optim
-from . import checkpoint as ckpt
-from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager, complete_checkpoints
+from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config import TrainerConfig, compose
 from .data import GlobalBatch
 from .distributed import protocol
@@ -525,11 +524,7 @@ class ElasticTrainer:
         the newest checkpoint they all see and takes its own ranges from it; the steps since are redone."""
         lost = ", ".join(f"[{a}, {b})" for a, b in self.replica.lost)
         self.replica.lost = []
-        try:
-            self.checkpoints.checkpointer.wait()  # a save in flight may be the newest one
-        except ElasticFlowError as exc:
-            log.warning("the checkpoint in flight failed (%s)", exc.message)
-        found = {int(ckpt.read_metadata(p)["step"]): p for p in complete_checkpoints(self.checkpoints.job_dir)}
+        found = self.checkpoints.by_step()
         try:
             step = self.replica.agree_min(max(found, default=-1))
         except CommError as exc:

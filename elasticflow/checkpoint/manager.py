@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import CheckpointMismatch, ElasticFlowError
-from .format import complete_checkpoints, config_hash, latest, resolve
+from .format import complete_checkpoints, config_hash, latest, read_metadata, resolve
 from .load import compare_names, load_with_metadata
 from .save import Checkpointer
 
@@ -133,6 +133,21 @@ class CheckpointManager:
             except ElasticFlowError as exc:
                 log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
         return None
+
+    def by_step(self) -> Dict[int, Path]:
+        """This job's complete checkpoints by step, after waiting for a save in flight (it may be the
+        newest); one whose metadata cannot be read is left out with a warning."""
+        try:
+            self.checkpointer.wait()
+        except ElasticFlowError as exc:
+            log.warning("the checkpoint in flight failed (%s)", exc.message)
+        out: Dict[int, Path] = {}
+        for path in complete_checkpoints(self.job_dir):
+            try:
+                out[int(read_metadata(path)["step"])] = path
+            except (ElasticFlowError, KeyError, TypeError, ValueError) as exc:
+                log.warning("skipping checkpoint %s: %s", path, getattr(exc, "message", exc))
+        return out
 
     def close(self) -> Optional[Path]:
         """Wait for a save in flight (a failed background write is raised here); its path on rank 0."""
