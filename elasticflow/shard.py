@@ -155,9 +155,9 @@ class FlatUpdate:
                  step: int, scratch: torch.Tensor) -> None:
         s = self.spec
         if self.adam:
-            adam_update(param, grad, slots["exp_avg"], slots["exp_avg_sq"], scratch[:param.numel()],
-                        lr, s.betas, s.eps, s.weight_decay, self.decoupled, step,
-                        l2_out=torch.empty_like(param) if self.l2 else None)
+            k = param.numel()  # scratch: the denominator, then Adam's L2 term (grad + wd * param)
+            adam_update(param, grad, slots["exp_avg"], slots["exp_avg_sq"], scratch[:k], lr, s.betas, s.eps,
+                        s.weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None)
             return
         # torch.optim.SGD's single-tensor step (the CPU default), op for op. Its first step copies the
         # gradient into the momentum buffer; here the buffer starts at zero: 0 * m + g == g exactly.
@@ -206,7 +206,7 @@ class ShardedState:
         self.at = 0                        # progress at which the held ranges are valid
         self.held: Dict[Range, Dict[str, torch.Tensor]] = {(0, self.n): self._fresh(0, self.n)}
         self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
-        self._scratch = torch.empty(self.n if self.update_fn.adam else 0)
+        self._scratch = torch.empty(self._scratch_size(self.n))
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
 
     # ------------------------------------------------------------------ what is held
@@ -262,7 +262,11 @@ class ShardedState:
 
     def _adopt(self, held: Dict[Range, Dict[str, torch.Tensor]], rank: int, world: int, at: int) -> None:
         self.held, self.rank, self.world, self.at = held, rank, world, at
-        self._scratch = torch.empty(max((b - a for a, b in held), default=0) if self.update_fn.adam else 0)
+        self._scratch = torch.empty(self._scratch_size(max((b - a for a, b in held), default=0)))
+
+    def _scratch_size(self, largest: int) -> int:
+        """Adam's scratch for the largest range: its denominator, and its L2 term when weight decay is L2."""
+        return largest * (2 if self.update_fn.l2 else 1) if self.update_fn.adam else 0
 
     # ------------------------------------------------------------------ every step
     def update(self, grad: torch.Tensor, lr: float, step: int, at: int) -> None:
