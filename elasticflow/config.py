@@ -79,6 +79,9 @@ class TrainerConfig:
     precision: str = "32"                    # 32 | bf16 | 16 (mixed: float32 weights; 16 adds loss scaling)
     data_on_device: Optional[bool] = None    # array datasets on the GPU; null = when they total <= 2 GiB
     tensorboard: bool = True                 # rank 0 writes RUN_DIR/tensorboard/ (scalars, membership events)
+    # none | optimizer (ZeRO stage 1: each worker keeps 1/W of the optimizer state) | gradients (stage 2:
+    # the gradient is reduce-scattered too). Elastic: see elastic.shard_replicas and elasticflow/shard.py.
+    shard: str = "none"
 
 
 @dataclass
@@ -103,6 +106,9 @@ class ElasticConfig:
     heartbeat_timeout_s: float = 10.0  # a worker silent this long (stopped, hung) is killed by the agent
     timeout_s: float = 30.0        # a collective (and a group rendezvous) fails after this long
     wait_s: float = 60.0           # below launcher.min_workers, wait this long for workers, then stop
+    # trainer.shard: every slice of the optimizer state is also held by the next rank (1), so a dead
+    # worker's slice is restored from memory; 0: no copy (a lost slice falls back to the checkpoint)
+    shard_replicas: int = 1
 
 
 @dataclass
@@ -146,6 +152,7 @@ BACKENDS = ("torch", "tensorflow")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "step")
 WORKER_TYPES = ("thread", "process")
+SHARD_STAGES = ("none", "optimizer", "gradients")
 
 
 def register() -> None:
@@ -192,6 +199,16 @@ def validate(cfg: Any) -> None:
     if t.on_nonfinite not in ("stop", "skip"):
         raise ElasticFlowError(f"trainer.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}",
                                "set trainer.on_nonfinite=skip to skip steps whose loss is NaN or inf")
+    _choice(t.shard, SHARD_STAGES, "trainer.shard",
+            "pass trainer.shard=optimizer (ZeRO stage 1), gradients (stage 2) or none (replicated state)")
+    if t.shard == "gradients" and (t.grad_clip is not None or precision_name(t.precision) == "16"):
+        what = "trainer.grad_clip" if t.grad_clip is not None else "trainer.precision=16"
+        raise ElasticFlowError(f"trainer.shard=gradients does not support {what} (no worker holds the whole "
+                               "reduced gradient to take its norm)", "pass trainer.shard=optimizer")
+    replicas = cfg.elastic.shard_replicas
+    if isinstance(replicas, bool) or replicas not in (0, 1):
+        raise ElasticFlowError(f"elastic.shard_replicas must be 0 or 1, got {replicas!r}",
+                               "pass elastic.shard_replicas=1 (a buddy copy of every slice) or 0 (none)")
     _choice(t.device, DEVICES, "trainer.device", "pass trainer.device=auto (a GPU where there is one) or cpu")
     _choice(precision_name(t.precision), PRECISIONS, "trainer.precision",
             "pass trainer.precision=bf16 for mixed precision (16: float16 with loss scaling, 32: none)")

@@ -15,6 +15,12 @@ the membership, the engine and two accessors of the state, and returns what happ
 
 A single-process run has a replica too (no membership, world 1): every call is then a no-op, and the
 trainer has one code path.
+
+With ``trainer.shard`` the replica also drives the sharded optimizer state (``shard.ShardedState``): the
+update of the ranges this member holds (``update``), the parameters' allgather (``gather``), stage 2's
+reduce-scatter, and the redistribution of the ranges at every membership change (``sync_state``; a
+retiring member hands its ranges over first). When a range has no holder left, ``lost`` says which and
+the trainer falls back to the newest checkpoint.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ class Reduction:
     tail: Any = None                 # reduced votes (and buffers) once finished
     works: List[Any] = field(default_factory=list)  # collectives in flight, waited for in order
     copy_back: Any = None            # (gradient, its reduced copy) when the fold could not reduce it in place
+    mine: Any = None                 # stage 2 (trainer.shard=gradients): the reduce-scatter's output
 
 
 @dataclass
@@ -93,8 +100,11 @@ class Replica:
     """
 
     def __init__(self, membership: Any, engine: Any, state_dict: StateDict, load_state_dict: LoadStateDict,
-                 bucket_mb: Optional[float] = None):
+                 bucket_mb: Optional[float] = None, shards: Any = None):
         self.membership, self.engine = membership, engine
+        self.shards = shards                 # a shard.ShardedState with trainer.shard, else None
+        self.lost: List[Tuple[int, int]] = []  # ranges the last redistribution found no holder for
+        self.shard_moved = 0                   # elements of sharded state the last redistribution sent
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb else 0
         self._ranges: Optional[List[Tuple[int, int]]] = None  # the gradient's buckets (engine.buckets)
@@ -121,6 +131,10 @@ class Replica:
     @property
     def worker_id(self) -> Optional[int]:
         return None if self.membership is None else self.membership.worker_id
+
+    def sharding(self) -> Any:
+        """How a checkpoint splits the sharded tensors (``checkpoint.format.Sharded``); None: replicated."""
+        return None if self.shards is None else self.shards.sharding()
 
     def coordinated(self) -> bool:
         """Whether the members can still coordinate a save through the agent's store."""
@@ -160,6 +174,8 @@ class Replica:
         depends on the model and the settings only). Host gradients only: a GPU's go over NCCL whole."""
         if not self.bucket_bytes or self.membership is None or self.world == 1 or not hasattr(self.engine, "arm"):
             return None
+        if self.shards is not None and self.shards.scatters():
+            return None  # stage 2 reduce-scatters the gradient in one piece
         if self._ranges is None:
             self._ranges = [] if self.engine.grad_view().is_cuda else self.engine.buckets(self.bucket_bytes)
         return self._ranges if len(self._ranges) > 1 else None
@@ -212,7 +228,21 @@ class Replica:
         n = len(votes)
         r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
         ranges = self._buckets()
-        if ranges:
+        if self.shards is not None and self.shards.scatters():
+            # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
+            # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large
+            # one sends them in a small float64 allreduce queued behind it.
+            tail = torch.tensor(votes, dtype=torch.float64)
+            if buffers is not None:
+                tail = torch.cat([tail, torch.from_numpy(buffers)])
+            small = grad.numel() <= FOLD_MAX
+            work, r.mine = self.shards.start_reduce_scatter(self.membership.group, grad,
+                                                            tail.to(torch.float32) if small else None)
+            r.works.append(work)
+            if not small:
+                self._start(r, tail)
+                r.tail = tail
+        elif ranges:
             r.tail = self._reduce_buckets(grad, ranges, votes, buffers)
         elif grad.numel() <= FOLD_MAX:
             # One collective, not two: each is a round trip every member must be scheduled for, which on
@@ -262,6 +292,10 @@ class Replica:
         group = self.membership.group
         for work in r.works:
             group.wait(work)
+        if r.mine is not None:
+            folded = self.shards.finish_reduce_scatter(group, r.mine)
+            if folded is not None:
+                r.tail = folded
         if r.copy_back is not None:
             r.copy_back[0].copy_(r.copy_back[1])
         tail, n, k = r.tail, r.n, r.k
@@ -307,13 +341,66 @@ class Replica:
         self.membership.group.allreduce_(vec)
         return vec.tolist()
 
+    # ------------------------------------------------------------------ sharded state
+    def update(self, lr: float, step: int, samples_seen: int) -> None:
+        """trainer.shard: update the ranges this member holds (no communication); ``step`` is the optimizer
+        step this is (1-based), ``samples_seen`` the progress it commits."""
+        self.shards.update(self.engine.grad_view(), lr, step, samples_seen)
+
+    def gather(self) -> None:
+        """trainer.shard: all-gather the owners' parameters after the step was committed (a CommError if a
+        member failed: the recovery rebuilds the parameters from the ranges held)."""
+        if self.membership is not None:
+            self.shards.gather(self.membership.group)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the members."""
+        if self.membership is None or self.world == 1:
+            return value
+        import torch
+
+        vec = torch.tensor([value], dtype=torch.int64)
+        self.membership.group.allreduce_(vec, op="min")
+        return int(vec[0])
+
+    def _handoff(self, samples_seen: int) -> None:
+        """At an agreed change that retires members: move the next generation's ranges over the current
+        group while every member is alive, so a retiring member's ranges are not lost when it leaves."""
+        m = self.membership
+        try:
+            _, info = m.upcoming(self.generation)
+            new = info.get("members", [])
+            pairs = [(old, new.index(w)) for old, w in enumerate(m.members) if w in new]
+            if len(pairs) == self.world or not pairs:
+                return  # nobody leaves: the next generation moves what it needs
+            plan = self.shards.redistribute(m.group, samples_seen, (pairs, len(new)))
+            moved = sum(p.hi - p.lo for p in plan.pieces if p.src != p.dst)
+            log.info("handed over %d elements of sharded state before %d member(s) leave", moved,
+                     self.world - len(pairs))
+        except protocol.CommError as exc:
+            log.warning("handing over sharded state failed (%s); the next generation takes what is held", exc)
+            m.report_failure()
+
+    def _sync_shards(self, samples_seen: int) -> None:
+        plan = self.shards.redistribute(self.membership.group, samples_seen)
+        self.lost = plan.lost
+        self.shard_moved = sum(p.hi - p.lo for p in plan.pieces if p.src != p.dst)
+
     # ------------------------------------------------------------------ state
     def sync_state(self, samples_seen: int) -> bool:
         """Make every member's state equal to the most advanced member's; True if any state moved.
 
-        ``samples_seen``: this member's committed progress, the measure of who is ahead.
+        ``samples_seen``: this member's committed progress, the measure of who is ahead. With sharded
+        state the ranges are redistributed first (``lost`` is set if some range has no holder: then
+        nothing else moves, and the caller falls back to a checkpoint).
         """
-        if self.membership is None or self.world == 1:
+        if self.membership is None:
+            return False
+        if self.shards is not None:
+            self._sync_shards(samples_seen)
+            if self.lost:
+                return False
+        if self.world == 1:
             return False
         import torch
 
@@ -327,7 +414,11 @@ class Replica:
         src = int((progress == best).nonzero()[0])
         behind = (progress < best).nonzero().flatten().tolist()
         if rank == src:
-            group.share_state(*self.state_dict(), src, behind)  # views: sent before anything changes
+            arrays, meta = self.state_dict()
+            if self.shards is not None:  # the parameters and slots moved with the ranges: the rest only
+                arrays = {k: v for k, v in arrays.items()
+                          if k not in self.shards.param_at and not k.startswith("optimizer/")}
+            group.share_state(arrays, meta, src, behind)  # views: sent before anything changes
         elif rank in behind:
             self.load_state_dict(*group.share_state({}, {}, src, behind))
         return True
@@ -347,6 +438,8 @@ class Replica:
         previous_generation, previous_world = self.generation, self.world
         if failure is not None:
             m.report_failure()
+        elif self.shards is not None and self.world > 1:
+            self._handoff(samples_seen)
         stop, stop_reason, moved, transfer_s = None, "", False, 0.0
         while True:
             try:

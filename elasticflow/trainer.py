@@ -116,6 +116,11 @@ class ElasticTrainer:
         _context.seed = self.seed
         rules = self.engine.buffer_rules()
         self.reconciler = Reconciler(rules) if rules else None
+        self.shards = None
+        if t.shard != "none":  # ZeRO stage 1/2: this worker keeps only its ranges of the optimizer state
+            from .shard import ShardedState
+
+            self.shards = ShardedState(self.engine, self.spec, t.shard, int(cfg.elastic.shard_replicas))
 
         self.source = data.Source(data.Dataset(mf.call("data", cfg), "data()"), self.backend, self.placement,
                                   t.data_on_device)
@@ -126,7 +131,7 @@ class ElasticTrainer:
         eval_dataset = data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None
 
         self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict,
-                               cfg.comm.bucket_mb)
+                               cfg.comm.bucket_mb, self.shards)
         if self.membership is not None and self.placement.comm == "nccl":
             self.membership.nccl_device = self.placement.device  # GPU tensors reduce over NCCL from the first group
         self.checkpoints = CheckpointManager(Checkpointer.for_run(self.ckpt_dir, cfg, self.run_dir, self.membership),
@@ -138,9 +143,11 @@ class ElasticTrainer:
         self.evaluation = None if eval_dataset is None else Evaluation(
             eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size)
         self._join()
+        if self.replica.lost:
+            self._fall_back(self.state.step)
         if self.membership is not None:  # once joined: a worker started by srun learns its id on joining
             self.membership.report_device(self.placement.describe())  # for `elasticflow status`
-        self.checkpoints.reserve(self.rank, self.world)
+        self.checkpoints.reserve(self.rank, self.world, self.replica.sharding())
         self._prepared = True
         self.meter.start()  # from here every second is productive or a measured cost (goodput.py)
         if self.rank == 0:
@@ -171,12 +178,25 @@ class ElasticTrainer:
     # ------------------------------------------------------------------ the state, for checkpoints and replicas
     def state_dict(self) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
         """(arrays, progress): the engine's tensors by name (views: read them before the next update) and
-        the TrainState's fields. No generator state: every micro-batch seeds its own (``data.micro_seed``)."""
-        return self.engine.state(copy=False), self.state.state_dict()
+        the TrainState's fields. No generator state: every micro-batch seeds its own (``data.micro_seed``).
+        With trainer.shard the optimizer's tensors are this worker's own ranges (``Partial``)."""
+        arrays = self.engine.state(copy=False)
+        if self.shards is not None:
+            arrays.update(self.shards.partials())
+        return arrays, self.state.state_dict()
 
     def load_state_dict(self, arrays: Dict[str, np.ndarray], progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
-        self.engine.load_state(arrays, self.state.step)
+        if self.shards is None:
+            self.engine.load_state(arrays, self.state.step)
+            return
+        slots = {k: v for k, v in arrays.items() if k.startswith("optimizer/")}
+        rest = {k: v for k, v in arrays.items() if k not in slots}
+        if all(n in rest for n in self.shards.param_at):  # a checkpoint: whole tensors
+            self.engine.load_state(rest, self.state.step)
+            self.shards.load_full(slots, self.state.cursor.samples_seen)
+        else:  # a peer's buffers in a recovery: the parameters came with the ranges and their allgather
+            self.engine.set_buffers(rest)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
@@ -254,7 +274,7 @@ class ElasticTrainer:
         ev = self.tcfg.eval_every
         if ev and self.evaluation is not None and s.step % ev == 0 and not m.get("skipped"):
             self.evaluate()
-        if self.interval.should_save(current_step=s.step) and not m.get("skipped"):
+        if self.interval.should_save(current_step=s.step) and not m.get("skipped") and s.last_saved_step != s.step:
             self.save_checkpoint(f"step_{s.step}", wait=False)
         self._act_on_agreement()
 
@@ -308,12 +328,15 @@ class ElasticTrainer:
                 failed = time.perf_counter()
                 # The attempt's compute, then the time blocked in the collective that failed (detection).
                 reduced = self._reduce_started if self._reduce_started >= attempt_started else failed
+                c = self.state.cursor
+                committed = c.epoch > batch.epoch or c.samples_in_epoch >= batch.end  # failed in the allgather
                 start = self.reconciler and self.reconciler.start_values()
-                if start:  # the failed step's forwards moved the buffers: it is redone from where it began
+                if start and not committed:  # the failed step's forwards moved the buffers: redo from the start
                     self.engine.set_buffers(start)
                 self._recover(str(exc), (reduced - attempt_started, failed - reduced))
                 c = self.state.cursor
-                if c.epoch > batch.epoch or c.samples_in_epoch >= batch.end:
+                # Done (a member had committed it), or a fall back to a checkpoint moved the cursor back.
+                if c.epoch != batch.epoch or c.samples_in_epoch != batch.start:
                     return self.state.last_metrics
 
     def _attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
@@ -385,6 +408,9 @@ class ElasticTrainer:
             s.skipped_steps += 1
             log.warning("%s at step %d; skipping the update (trainer.on_nonfinite=skip)", what, s.step + 1)
             record["skipped"] = True
+        elif self.shards is not None:
+            self.replica.update(lr, s.step + 1, s.cursor.samples_seen + batch.size)
+            s.step += 1
         else:
             engine.apply(lr)
             s.step += 1
@@ -402,6 +428,10 @@ class ElasticTrainer:
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
         s.last_metrics = record
+        if self.shards is not None:
+            # After the commit: a member failing here leaves the step applied to every range held, and
+            # the recovery rebuilds the parameters from them.
+            self.replica.gather()
         return record
 
     def _upcoming(self, batch: GlobalBatch, share: data.Share) -> List[Key]:
@@ -423,6 +453,10 @@ class ElasticTrainer:
         if self.rank == 0 and self.generation > 0:
             self.run_log.take_over()  # a rank 0 that left may have logged steps this worker has not
         _context.rank, _context.world_size, _context.generation = self.rank, self.world, self.generation
+        if self.shards is not None:  # scripts/bench_shard.py reads this line from each worker's log
+            log.info("sharded optimizer state: %d bytes in %d range(s) (replicated: %d) at world %d",
+                     self.shards.slot_bytes(), len(self.shards.held),
+                     4 * self.shards.n * len(self.shards.slot_names), self.world)
 
     def _memory(self) -> Dict[str, float]:
         """Resident MiB of each worker, by worker id, for rank 0's step records (TensorBoard's memory/)."""
@@ -445,7 +479,7 @@ class ElasticTrainer:
         self._flush_log()  # while this worker is still the rank 0 that committed the step
         if failure is not None:
             log.warning("worker step %d: %s; rebuilding", s.step + 1, failure)
-        before = s.cursor.samples_seen
+        before, before_step = s.cursor.samples_seen, s.step
         r = self.replica.recover(failure, before)
         # Rolled forward: a member had committed the attempt's step, so its compute was kept, not redone.
         redone_s = 0.0 if r.rolled_forward else attempt[0]
@@ -471,16 +505,43 @@ class ElasticTrainer:
                                recovery_s=round(r.recovery_s, 4), transfer_s=round(r.transfer_s, 4),
                                redone_s=round(redone_s, 4), detect_s=round(attempt[1], 4),
                                rolled_forward=r.rolled_forward,
+                               **({"shard_elements_moved": self.replica.shard_moved} if self.shards else {}),
                                # An unplanned failure interrupts one step, which the members redo -- unless
                                # one of them had committed it and the rest adopted its state (rolled forward).
                                steps_redone=0 if failure is None or r.rolled_forward else 1,
                                samples_adopted=s.cursor.samples_seen - before, step=s.step)
+        if self.replica.lost:
+            self._fall_back(before_step)
         if r.stop == "below_min":
             self.save_checkpoint(f"step_{s.step}")
             raise ElasticFlowError(f"{r.stop_reason}; checkpoint written",
                                    "resume with the same command (resume=auto), or lower launcher.min_workers",
                                    exit_code=protocol.EXIT_BELOW_MIN)
         return r.recovery_s
+
+    def _fall_back(self, step_before: int) -> None:
+        """Sharded state with a range nobody holds (its owner and its buddy both gone): every member loads
+        the newest checkpoint they all see and takes its own ranges from it; the steps since are redone."""
+        lost = ", ".join(f"[{a}, {b})" for a, b in self.replica.lost)
+        self.replica.lost = []
+        found = self.checkpoints.by_step()
+        try:
+            step = self.replica.agree_min(max(found, default=-1))
+        except CommError as exc:
+            self._recover(str(exc))
+            return
+        if step < 0 or step not in found:
+            raise ElasticFlowError(f"the sharded optimizer state of range(s) {lost} was lost with its owner and "
+                                   "its buddy, and there is no checkpoint to fall back to",
+                                   "set checkpoint.interval.steps so a lost slice costs only the steps since")
+        self.checkpoints.load(found[step])
+        self.shards.keep_local(self.rank, self.world)
+        redone = step_before - self.state.step
+        log.warning("sharded state of range(s) %s lost with its owner and buddy: fell back to checkpoint %s "
+                    "(step %d), redoing %d step(s)", lost, found[step], step, redone)
+        if self.rank == 0:
+            self.run_log.event("fell_back", checkpoint=str(found[step]), step=step, steps_redone=redone,
+                               lost=lost, generation=self.generation, world_size=self.world)
 
     # ------------------------------------------------------------------ evaluation, checkpoints, end
     def evaluate(self) -> Dict[str, float]:

@@ -10,7 +10,10 @@ numpy arrays, so a checkpoint written by one backend loads on the other.
 Optional members, which the replica looks for (``getattr``) and works without: ``fold_buffer(extra)``
 (the flat gradient with free slots after it, one contiguous tensor: the step's scalars are reduced with
 the gradient without copying it), ``buckets``/``arm`` (reductions started while backward runs). The
-torch Engine has them; the TensorFlow one does not.
+torch Engine has them; the TensorFlow one does not. For ``trainer.shard`` (``elasticflow/shard.py``), both:
+``flat_params()`` (the parameters as one flat float32 torch tensor in the flat gradient's order; torch's IS
+the parameters, TensorFlow's a copy written back by ``params_written()``), ``flat_layout()`` ([(name,
+shape)] in that order) and ``release_optimizer()`` (drop the engine's own whole-model slots).
 """
 from __future__ import annotations
 

@@ -524,6 +524,35 @@ class Engine:
     def state_names(self) -> List[str]:
         return state_names(self.param_names, self.buffers, self.spec.slots())
 
+    # -- sharded optimizer state (elasticflow/shard.py)
+    def flat_params(self):
+        """The parameters as one flat float32 torch tensor, in the flat gradient's order, read from the
+        variables now. A copy (a variable cannot be written through DLPack): whoever writes it calls
+        ``params_written()``. The same tensor every call."""
+        import torch
+
+        self._flush()
+        if getattr(self, "_flat_copy", None) is None:
+            self._flat_copy = torch.empty(self.num_params, dtype=torch.float32)
+        np.concatenate([_view(v).reshape(-1) for v in self._targets], out=self._flat_copy.numpy())
+        return self._flat_copy
+
+    def params_written(self) -> None:
+        """Assign ``flat_params()``'s tensor back to the variables (one assign per variable)."""
+        flat = self._flat_copy.numpy()
+        at = 0
+        for v, size, shape in zip(self._targets, self._target_sizes, self._target_shapes):
+            v.assign(flat[at:at + size].reshape(shape))
+            at += size
+
+    def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(name, shape) of each parameter, in the flat order."""
+        return list(zip(self.param_names, self._shapes))
+
+    def release_optimizer(self) -> None:
+        """Drop the whole-model slot variables: a sharded update (trainer.shard) replaces ``apply``."""
+        self._slots, self._slots_live = {}, False
+
     # -- the same result for any number of workers: randomness per micro-batch, buffers reconciled
     def seed(self, value: int) -> None:
         """The seed of the next micro-batch's generators (``ops.dropout``'s and keras layers'); it enters

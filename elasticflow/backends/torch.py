@@ -461,6 +461,30 @@ class Engine:
     def state_names(self) -> List[str]:
         return state_names(self.params, self.buffers, self.spec.slots())
 
+    # -- sharded optimizer state (elasticflow/shard.py): the parameters as one flat tensor
+    def flat_params(self) -> torch.Tensor:
+        """The parameters as one flat float32 tensor, in the flat gradient's order: writing it writes
+        the model. Made at the first call (SGD keeps parameters apart until then; Adam always flat)."""
+        if self.flat_param is None:
+            flat = torch.empty(self.num_params, dtype=torch.float32, device=self.device)
+            offset = 0
+            for p in self.params.values():
+                n = p.numel()
+                view = flat[offset:offset + n].view_as(p)
+                view.copy_(p.detach())
+                p.data = view  # the Parameter stays the module's own; only its storage moves
+                offset += n
+            self.flat_param = flat
+        return self.flat_param
+
+    def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(name, shape) of each parameter, in the flat order."""
+        return [(n, tuple(p.shape)) for n, p in self.params.items()]
+
+    def release_optimizer(self) -> None:
+        """Drop this engine's own optimizer and its whole-model slots: a sharded update replaces it."""
+        self.optimizer = _Released()
+
 
     # -- the same result for any number of workers: randomness per micro-batch, buffers reconciled
     def seed(self, value: int) -> None:
@@ -514,6 +538,17 @@ class Engine:
         views = self.buffer_arrays()
         for name, value in values.items():
             np.copyto(views[name], np.reshape(value, views[name].shape), casting="unsafe")
+
+
+class _Released:
+    """The optimizer's place once ``release_optimizer`` ran: no slots, and no update of its own."""
+
+    def __init__(self):
+        self.state: Dict[Any, Any] = {}
+        self.param_groups: List[Dict[str, Any]] = [{}]
+
+    def step(self) -> None:
+        raise RuntimeError("this engine's optimizer was released for a sharded update (trainer.shard)")
 
 
 def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: Optional[torch.Tensor],

@@ -61,25 +61,12 @@ class FlatAdam:
 
     @torch.no_grad()
     def step(self) -> None:
-        lr, beta1, beta2 = self.param_groups[0]["lr"], self.beta1, self.beta2
-        param, grad, exp_avg, exp_avg_sq = self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq
         if not self.state:
             self.state.update(self._views)
         self.steps += 1
-        step = float(self.steps)  # torch.optim keeps a float32 tensor and reads it back: the same value below 2**24
-        if self.weight_decay != 0:
-            if self.decoupled:
-                param.mul_(1 - lr * self.weight_decay)
-            else:
-                grad = torch.add(grad, param, alpha=self.weight_decay, out=self._l2)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2 = 1 - beta2 ** step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2 ** 0.5
-        denom = torch.sqrt(exp_avg_sq, out=self._denom).div_(bias_correction2_sqrt).add_(self.eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+        adam_update(self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, self._denom,
+                    self.param_groups[0]["lr"], (self.beta1, self.beta2), self.eps, self.weight_decay,
+                    self.decoupled, self.steps, self._l2)
 
     @torch.no_grad()
     def load_slots(self, p: torch.Tensor, slots: Dict[str, torch.Tensor], steps: int) -> None:
@@ -89,6 +76,29 @@ class FlatAdam:
                 self._views[p][name].copy_(value)
         self.steps = int(steps)
         self.state.update(self._views)
+
+
+@torch.no_grad()
+def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                denom: torch.Tensor, lr: float, betas, eps: float, weight_decay: float, decoupled: bool,
+                steps: int, l2_out=None) -> None:
+    """One Adam/AdamW update of flat (or sliced: elementwise, so any range alone gets the same values)
+    buffers in place. ``denom``: scratch of param's size; ``l2_out``: scratch for Adam's L2 term."""
+    beta1, beta2 = betas
+    step = float(steps)  # torch.optim keeps a float32 tensor and reads it back: the same value below 2**24
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = torch.add(grad, param, alpha=weight_decay, out=l2_out)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    denom = torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def weight_decay_is_l2(spec: Adam) -> bool:

@@ -15,6 +15,12 @@ The flat state: every tensor in sorted-name order, flattened and laid end to end
 writes the elements whose first byte falls in [r*B/W, (r+1)*B/W) of the B bytes, so the split is
 balanced by bytes and a tensor crossing a boundary is split between two files. Each shard file is
 a plain safetensors file whose entries are the 1-D pieces (``safe_open`` reads it).
+
+With sharded optimizer state (``trainer.shard``, ``Sharded``) the optimizer's tensors are not split by
+bytes: each lies at an offset of the flat parameter vector, and rank r writes the elements of its own
+slice of that vector (``shard.owned``), which is what it holds; the other tensors are split by bytes
+as above. Nothing is gathered to save, and the metadata lists pieces either way, so a reader sees no
+difference.
 """
 from __future__ import annotations
 
@@ -80,9 +86,51 @@ class TensorSpec:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-def specs_of(state: Dict[str, np.ndarray]) -> List[TensorSpec]:
+@dataclass
+class Partial:
+    """What one rank holds of a sharded tensor of ``shape``: its elements [start, start + data.size)."""
+    data: np.ndarray
+    start: int
+    shape: Tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    def take(self, lo: int, hi: int) -> np.ndarray:
+        if not (self.start <= lo and hi <= self.start + self.data.size):
+            raise ValueError(f"elements [{lo}, {hi}) are not in this rank's [{self.start}, {self.start + self.data.size})")
+        return self.data[lo - self.start:hi - self.start]
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """Tensors split by the owner of each range of a flat vector of ``n`` elements, not by bytes.
+
+    ``offsets``: each such tensor's offset in the flat vector (an optimizer slot at its parameter's).
+    """
+    n: int
+    offsets: Dict[str, int]
+
+    def owned(self, world: int, rank: int) -> Tuple[int, int]:
+        c = -(-self.n // world)  # the rule of shard.owned
+        return min(rank * c, self.n), min((rank + 1) * c, self.n)
+
+
+def take(value: Any, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of a state entry (an array or a ``Partial``), flat."""
+    if isinstance(value, Partial):
+        return value.take(lo, hi)
+    return np.ravel(np.asarray(value))[lo:hi]
+
+
+def specs_of(state: Dict[str, Any]) -> List[TensorSpec]:
     out = []
     for name in sorted(state):
+        value = state[name]
+        if isinstance(value, Partial):
+            out.append(TensorSpec(name, value.dtype.name, tuple(int(d) for d in value.shape)))
+            continue
         dtype = np.asarray(state[name]).dtype
         if dtype.name not in DTYPES:
             raise ElasticFlowError(f"state entry {name!r} has dtype {dtype}, which a checkpoint cannot hold",
@@ -91,8 +139,27 @@ def specs_of(state: Dict[str, np.ndarray]) -> List[TensorSpec]:
     return out
 
 
-def plan(specs: Sequence[TensorSpec], world: int) -> List[List[Piece]]:
-    """The pieces each of ``world`` ranks writes, in file order (sorted name, then element)."""
+def plan(specs: Sequence[TensorSpec], world: int, sharded: Optional[Sharded] = None) -> List[List[Piece]]:
+    """The pieces each of ``world`` ranks writes, in file order (sorted name, then element).
+
+    ``sharded``: tensors each rank writes its own slice of (see ``Sharded``); the rest split by bytes.
+    """
+    if sharded is not None:
+        out = _plan_bytes([s for s in specs if s.name not in sharded.offsets], world)
+        for s in specs:
+            if s.name not in sharded.offsets:
+                continue
+            at, item = sharded.offsets[s.name], np.dtype(s.dtype).itemsize
+            for r in range(world):
+                lo, hi = sharded.owned(world, r)
+                a, b = max(lo, at), min(hi, at + s.size)
+                if b > a:
+                    out[r].append(Piece(s.name, r, a - at, b - at, item))
+        return [sorted(pieces, key=lambda p: (p.name, p.start)) for pieces in out]
+    return _plan_bytes(specs, world)
+
+
+def _plan_bytes(specs: Sequence[TensorSpec], world: int) -> List[List[Piece]]:
     total = sum(s.size * np.dtype(s.dtype).itemsize for s in specs)
     bounds = [r * total // world for r in range(world + 1)]
     out: List[List[Piece]] = [[] for _ in range(world)]
@@ -114,9 +181,10 @@ def plan(specs: Sequence[TensorSpec], world: int) -> List[List[Piece]]:
     return out
 
 
-def plan_digest(specs: Sequence[TensorSpec], world: int) -> str:
+def plan_digest(specs: Sequence[TensorSpec], world: int, sharded: Optional[Sharded] = None) -> str:
     """Every rank computes the plan from its own replica; rank 0 checks they all agree."""
-    text = json.dumps([world, [[s.name, s.dtype, list(s.shape)] for s in specs]])
+    text = json.dumps([world, [[s.name, s.dtype, list(s.shape)] for s in specs],
+                       None if sharded is None else [sharded.n, sorted(sharded.offsets.items())]])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import CheckpointMismatch, ElasticFlowError
-from .format import complete_checkpoints, config_hash, latest, resolve
+from .format import complete_checkpoints, config_hash, latest, read_metadata, resolve
 from .load import compare_names, load_with_metadata
 from .save import Checkpointer
 
@@ -66,9 +66,9 @@ class CheckpointManager:
     def job_dir(self) -> Path:
         return self.checkpointer.job_dir
 
-    def reserve(self, rank: int, world: int) -> None:
+    def reserve(self, rank: int, world: int, sharded: Any = None) -> None:
         """Allocate the snapshot buffer for this rank's slice now, off the training thread."""
-        self.checkpointer.reserve(self.state_dict()[0], rank, world)
+        self.checkpointer.reserve(self.state_dict()[0], rank, world, sharded)
 
     def save(self, name: str, seat: Any, wait: bool = True) -> Optional[Path]:
         """Every member writes its 1/W slice of the state; rank 0 commits once all W are on disk.
@@ -79,7 +79,12 @@ class CheckpointManager:
         written, since the process may exit next. Returns the checkpoint's path on rank 0.
         """
         rank, world = seat.rank, seat.world
+        sharded = getattr(seat, "sharding", lambda: None)()  # trainer.shard: each rank holds (and writes) only its slice of the optimizer
         if world > 1 and not seat.coordinated():
+            if sharded is not None:
+                log.warning("checkpoint %s not written: the agent's store is gone and the optimizer state is "
+                            "sharded, so no worker holds all of it", name)
+                return None
             # No store, no coordinated save: the state is replicated, so rank 0 writes all of it.
             if rank != 0:
                 return None
@@ -88,7 +93,7 @@ class CheckpointManager:
         info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": seat.world,
                 "generation": seat.generation, "saved_at": time.time(), **self.recorded}
         return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=seat.generation,
-                                      wait=wait)
+                                      wait=wait, sharded=sharded)
 
     def load(self, path: Path) -> None:
         """Load checkpoint ``path`` into the training state; CheckpointMismatch if it is another model's."""
@@ -128,6 +133,21 @@ class CheckpointManager:
             except ElasticFlowError as exc:
                 log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
         return None
+
+    def by_step(self) -> Dict[int, Path]:
+        """This job's complete checkpoints by step, after waiting for a save in flight (it may be the
+        newest); one whose metadata cannot be read is left out with a warning."""
+        try:
+            self.checkpointer.wait()
+        except ElasticFlowError as exc:
+            log.warning("the checkpoint in flight failed (%s)", exc.message)
+        out: Dict[int, Path] = {}
+        for path in complete_checkpoints(self.job_dir):
+            try:
+                out[int(read_metadata(path)["step"])] = path
+            except (ElasticFlowError, KeyError, TypeError, ValueError) as exc:
+                log.warning("skipping checkpoint %s: %s", path, getattr(exc, "message", exc))
+        return out
 
     def close(self) -> Optional[Path]:
         """Wait for a save in flight (a failed background write is raised here); its path on rank 0."""

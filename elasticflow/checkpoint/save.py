@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import ElasticFlowError
 from ..fileio import write_atomic
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
-from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, TensorSpec, _checkpoints_in, chunks,
+from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, Sharded, TensorSpec, _checkpoints_in, chunks,
                      file_digest, hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of,
                      temp_dirs)
 from .snapshot import SnapshotBuffer, layout
@@ -108,6 +108,7 @@ class _Job:
     info: Dict[str, Any]
     digest: str
     started: float
+    sharded: Optional[Sharded] = None
 
 
 class Checkpointer:
@@ -170,7 +171,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ the training thread
     def save(self, name: str, state: Dict[str, np.ndarray], info: Dict[str, Any], rank: int = 0, world: int = 1,
-             generation: int = 0, wait: bool = False, copy: bool = True) -> Optional[Path]:
+             generation: int = 0, wait: bool = False, copy: bool = True,
+             sharded: Optional[Sharded] = None) -> Optional[Path]:
         """Snapshot this rank's slice of ``state`` and write it (in the background unless ``wait``).
 
         Every rank of the save calls this at the same point with its replica of the state.
@@ -180,6 +182,8 @@ class Checkpointer:
             wait: return only once written (and, on rank 0, committed or given up).
             copy: False when ``state`` is already a private copy nobody changes (``engine.state()``);
                 True (views of live tensors, ``engine.state(copy=False)``) copies this rank's slice.
+            sharded: the tensors each rank holds only its own slice of (``Partial`` entries in ``state``,
+                ``trainer.shard``): each rank writes that slice, nothing is gathered.
         Returns (rank 0) the checkpoint's path -- committed if ``wait``, else where it will be; else None.
         Note: waits for the previous save first, and raises its error if it failed.
         """
@@ -193,14 +197,14 @@ class Checkpointer:
             return self.last_path if rank == 0 else None
         started = time.perf_counter()
         specs = specs_of(state)
-        pieces = plan(specs, world)[rank]
+        pieces = plan(specs, world, sharded)[rank]
         views = self._snapshots.take(state, pieces, copy)
         count = self._counts[(generation, name)] = self._counts.get((generation, name), 0) + 1
         save_id = f"{name}/g{generation}.{count}"
         job = _Job(name=name, key=f"ckpt/{self.token}/{save_id}", step=step, rank=rank, world=world,
                    tmp=self.job_dir / f".{name}.tmp-s{step}-{self.token}-g{generation}.{count}",
                    final=self.job_dir / name, specs=specs, pieces=pieces, views=views, info=dict(info),
-                   digest=plan_digest(specs, world), started=started)
+                   digest=plan_digest(specs, world, sharded), started=started, sharded=sharded)
         self._last_key = key
         # Always on the writer thread, even when waiting: the store client is bound to one thread.
         self._pending = self._writer().submit(self._run, job)
@@ -227,7 +231,8 @@ class Checkpointer:
             if self.coordinator is not None:
                 self.coordinator.close()
 
-    def reserve(self, state: Dict[str, np.ndarray], rank: int = 0, world: int = 1) -> None:
+    def reserve(self, state: Dict[str, np.ndarray], rank: int = 0, world: int = 1,
+                sharded: Optional[Sharded] = None) -> None:
         """Allocate the snapshot buffer for saves of ``state`` by ``rank`` of ``world``, in the background.
 
         Call it once at start-up: a fresh buffer's first-touch page faults cost more than the copy
@@ -236,7 +241,7 @@ class Checkpointer:
         buffer in that save.
         """
         self.wait()
-        _, need = layout(plan(specs_of(state), world)[rank])
+        _, need = layout(plan(specs_of(state), world, sharded)[rank])
         self._pending = self._writer().submit(self._snapshots.reserve, need, True)
 
     def _writer(self) -> ThreadPoolExecutor:
@@ -356,7 +361,7 @@ class Checkpointer:
     def _metadata(self, job: _Job, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
         tensors = {s.name: {"dtype": s.dtype, "shape": list(s.shape), "shards": []} for s in job.specs}
         files = {}
-        for rank, (pieces, rep) in enumerate(zip(plan(job.specs, job.world), reports)):
+        for rank, (pieces, rep) in enumerate(zip(plan(job.specs, job.world, job.sharded), reports)):
             if len(rep["pieces"]) != len(pieces):
                 raise ElasticFlowError(f"checkpoint {job.name}: rank {rank} wrote {len(rep['pieces'])} pieces, "
                                        f"its plan has {len(pieces)}", "this is a bug; report it")

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..fileio import aligned
-from .format import Piece
+from .format import Piece, take
 
 
 def layout(pieces: List[Piece]) -> Tuple[List[int], int]:
@@ -53,14 +53,14 @@ class SnapshotBuffer:
             copy: True: copies into the buffer (``state`` holds views of live tensors); False:
                 ``state`` is a private copy already, and its slices are used as they are.
         """
-        flat = {p.name: np.ravel(np.asarray(state[p.name])) for p in pieces}
         if not copy:
-            return [np.ascontiguousarray(flat[p.name][p.start:p.end]) for p in pieces]
+            return [np.ascontiguousarray(take(state[p.name], p.start, p.end)) for p in pieces]
         offsets, need = layout(pieces)
         self.reserve(need)
         views = []
         for p, at in zip(pieces, offsets):
-            dst = self.buffer[at:at + p.nbytes].view(flat[p.name].dtype)
-            np.copyto(dst, flat[p.name][p.start:p.end])
+            src = take(state[p.name], p.start, p.end)  # a Partial: this rank's own slice of a sharded tensor
+            dst = self.buffer[at:at + p.nbytes].view(src.dtype)
+            np.copyto(dst, src)
             views.append(dst)
         return views

@@ -108,6 +108,40 @@ class Group:
         """Wait for a started collective (the group's timeout bounds it); CommError if it failed."""
         self._run("allreduce", work.wait)
 
+    # -- sharded state (trainer.shard): equal chunks of a flat vector, the last one padded
+    def allgather_flat(self, flat: torch.Tensor, chunk: int) -> None:
+        """Every member's chunk ``flat[r*chunk:(r+1)*chunk]`` to every member, in place (host tensors).
+
+        Point to point, each chunk sent from where it lies and received where it belongs, all posted at
+        once: gloo's allgather allocates a whole-vector output every call and copies out of it (for a
+        100 MB model that was half the extra cost of a sharded step); here no copy and no allocation.
+        """
+        n = flat.numel()
+
+        def part(r: int) -> torch.Tensor:
+            return flat[min(r * chunk, n):min((r + 1) * chunk, n)]
+
+        peers = [r for r in range(self.world) if r != self.rank]
+        self.exchange([(part(self.rank), r, 0) for r in peers], [(part(r), r, 0) for r in peers])
+
+    def reduce_scatter_start(self, pieces: Sequence[torch.Tensor], out: torch.Tensor) -> Any:
+        """Start the sum of ``pieces[r]`` over the members into rank r's ``out`` (pieces of one size);
+        returns the work, for :meth:`wait`."""
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._run("reduce_scatter", lambda: self.pg.reduce_scatter([out], [list(pieces)], opts))
+
+    def exchange(self, sends: Sequence[Tuple[torch.Tensor, int, int]],
+                 recvs: Sequence[Tuple[torch.Tensor, int, int]]) -> None:
+        """Point to point: every (tensor, peer, tag) of ``sends`` to its peer, every one of ``recvs`` from
+        its peer, all posted at once and then waited for. Only the members named take part."""
+        works = [self._run("send", lambda t=t, r=r, tag=tag: self.pg.send([t], r, tag)) for t, r, tag in sends
+                 if t.numel()]
+        works += [self._run("receive", lambda t=t, r=r, tag=tag: self.pg.recv([t], r, tag)) for t, r, tag in recvs
+                  if t.numel()]
+        for work in works:
+            self._run("exchange", work.wait)
+
     def _nccl_allreduce(self, tensor: torch.Tensor, opts) -> None:
         self.nccl.allreduce([tensor], opts).wait()
         # wait() only orders the GPU stream; finish here so that a peer's death surfaces in this call

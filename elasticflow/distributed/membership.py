@@ -235,6 +235,12 @@ class Membership:
                 raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
             time.sleep(0.005)
 
+    def upcoming(self, after: int):
+        """(generation, its record) of the newest generation after ``after``, before entering it: who
+        will be a member (a member about to retire hands its sharded state over first). Waits as
+        ``rebuild`` does."""
+        return self._next_generation(after)
+
     def _next_generation(self, after: int):
         """The newest generation after ``after``; waits while the store answers (the agent decides)."""
         while True:

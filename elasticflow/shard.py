@@ -1,0 +1,449 @@
+"""Sharded optimizer state (ZeRO stages 1 and 2) that stays elastic: ``trainer.shard=optimizer|gradients``.
+
+Design
+------
+**Slices.** The engine's parameters are one flat float32 vector of n elements, in the order of its flat
+gradient. With W members, rank r owns the contiguous range ``owned(n, W, r)`` = [r*c, min((r+1)*c, n))
+with c = ceil(n / W): equal chunks, the last one shorter (gloo's reduce_scatter and allgather want equal
+pieces; the short tail is padded in a scratch chunk). One rule, here and in the checkpoint plan
+(``checkpoint.format.Sharded``). The optimizer's slots (SGD's momentum buffer, Adam's two moments) exist
+only for the ranges a worker holds: its own and, with ``elastic.shard_replicas=1``, its buddy's, the slice
+of rank (r - 1) mod W (every slice is held twice: by its owner and by the next rank). Optimizer bytes per
+worker: 2/W of the replicated optimizer's (1/W with ``shard_replicas=0``), plus nothing else: the
+parameters stay whole on every worker (stages 1 and 2; stage 3 is not built, README says what it needs).
+
+**The step.** Stage 1 (``optimizer``): the gradient is reduced exactly as without sharding (one allreduce
+of the flat gradient with the step's scalars and votes folded in, ``Replica.start_reduce``), so every
+member agrees on the same loss, flags and buffers as before. Each member then updates the parameters and
+slots of the ranges it holds (its own and its buddy's: the buddy copy is refreshed by computing the same
+update from the same reduced gradient, no bytes moved), commits the step, and the owners' parameter
+ranges are all-gathered. Stage 2 (``gradients``): the gradient is reduce-scattered (each member receives
+only the sum of its own chunk; the votes go in a small allreduce queued behind it), each owner sends its
+reduced chunk to its buddy, then the same update and allgather. The update is an elementwise formula
+(``torch.optim``'s SGD and the flat Adam's, ``torch_adam.adam_update``) applied to a range instead of the
+whole vector: each element sees the same float32 operations as in a 1-worker run, so the result differs
+from it only by the order the reduction summed the workers' gradients (as without sharding).
+
+**Where state lives between steps.** ``at``: the committed progress (samples seen) at which the held
+ranges are valid, parameters and slots alike. A worker's parameters outside its ranges are valid only
+once the allgather of the step finished; inside them they are always valid at ``at``.
+
+**A membership change** (``redistribute``, called by the replica in the new generation): every member
+publishes (in one small allreduce) its committed progress and the ranges it holds with their progress.
+The target progress T is the largest. Every range the new layout needs (each member's own and buddy
+range) is covered by ranges held at T, preferring the member itself (nothing moves), then the lowest
+rank: only ranges that change owner travel, point to point, parameters and slots together. A member
+that died leaves its slice with its buddy. If some range has no holder at T (an owner and its buddy both
+died, or died with the step half-applied) nothing moves: the replica reports ``lost`` and the trainer
+falls back to the newest checkpoint on every member (it logs which ranges were lost and how many steps
+it redoes). After the transfers, the new owners' parameter ranges are all-gathered, so every member
+(joiners, members that missed a generation) holds the whole vector at T; the rest of the state (buffers,
+progress) comes from a member at T as without sharding (``Replica.sync_state``).
+
+A worker that retires at a step boundary (a shrink) hands its ranges over before it leaves: at an agreed
+change every old member is alive, so the ranges of the next generation's layout are moved over the old
+group first (``handoff``), and the new generation finds them already in place.
+
+Before its first generation a worker holds [0, n) at its own progress (fresh slots, or a checkpoint's):
+the first redistribution keeps only its ranges. So a resumed job, a fresh one and a joiner go through
+the same protocol.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .backends.torch_adam import adam_update, weight_decay_is_l2
+from .checkpoint.format import Partial, Sharded
+from .errors import ElasticFlowError
+from .optim import SGD, Adam, AdamW, OptimizerSpec
+
+log = logging.getLogger("elasticflow")
+MAX_HELD = 4   # ranges a member can hold at once: own and buddy, old and new during a handoff
+Range = Tuple[int, int]
+
+
+def owned(n: int, world: int, rank: int) -> Range:
+    """Rank ``rank``'s slice [lo, hi) of a flat vector of ``n`` elements over ``world`` members."""
+    c = chunk(n, world)
+    return min(rank * c, n), min((rank + 1) * c, n)
+
+
+def chunk(n: int, world: int) -> int:
+    return -(-n // world)
+
+
+def needed(n: int, world: int, rank: int, replicas: int) -> List[Range]:
+    """The ranges rank ``rank`` holds: its own, then its buddy's (the previous rank's) when replicated."""
+    out = [owned(n, world, rank)]
+    if replicas and world > 1:
+        out.append(owned(n, world, (rank - 1) % world))
+    return [r for r in out if r[1] > r[0]]
+
+
+@dataclass
+class Piece:
+    """Elements [lo, hi) that member ``src`` gives member ``dst`` (src == dst: already there)."""
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+@dataclass
+class Plan:
+    target: int                          # the progress (samples seen) every range is taken at
+    pieces: List[Piece] = field(default_factory=list)
+    lost: List[Range] = field(default_factory=list)   # ranges nobody holds at ``target``
+
+
+def plan_moves(table: np.ndarray, want: Dict[int, List[Range]]) -> Plan:
+    """Which member sends which range to whom, the same on every member (it depends on ``table`` only).
+
+    Args:
+        table: one row per member: [progress, number of ranges, lo1, hi1, ... lo4, hi4].
+        want: for each member, the ranges it must hold afterwards.
+    """
+    target = int(table[:, 0].max())
+    holders = [(int(m), int(row[2 + 2 * i]), int(row[3 + 2 * i]))
+               for m, row in enumerate(table) if int(row[0]) == target for i in range(int(row[1]))]
+    plan = Plan(target)
+    for dst in sorted(want):
+        for lo, hi in want[dst]:
+            at = lo
+            while at < hi:
+                # Prefer the member itself (nothing moves), then the one reaching farthest, then the lowest rank.
+                found = [(src != dst, -b, src, b) for src, a, b in holders if a <= at < b]
+                if not found:
+                    nxt = min([a for _, a, _ in holders if at < a < hi] + [hi])
+                    plan.lost.append((at, nxt))
+                    at = nxt
+                    continue
+                _, _, src, b = min(found)
+                end = min(b, hi)
+                plan.pieces.append(Piece(src, dst, at, end))
+                at = end
+    merged: List[Range] = []
+    for lo, hi in sorted(set(plan.lost)):  # wanted twice (an owner's and a buddy's): said once
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    plan.lost = merged
+    return plan
+
+
+class FlatUpdate:
+    """The optimizer's formula over one range of the flat vector: torch.optim's SGD, or the flat Adam's.
+
+    Elementwise, so a range updated alone gets the values the whole vector would (see the design above).
+    """
+
+    def __init__(self, spec: OptimizerSpec):
+        self.spec = spec
+        self.slots = spec.slots()
+        self.adam = isinstance(spec, Adam)
+        self.decoupled = isinstance(spec, AdamW)
+        self.l2 = self.adam and weight_decay_is_l2(spec)
+
+    @torch.no_grad()
+    def __call__(self, param: torch.Tensor, grad: torch.Tensor, slots: Dict[str, torch.Tensor], lr: float,
+                 step: int, scratch: torch.Tensor) -> None:
+        s = self.spec
+        if self.adam:
+            k = param.numel()  # scratch: the denominator, then Adam's L2 term (grad + wd * param)
+            adam_update(param, grad, slots["exp_avg"], slots["exp_avg_sq"], scratch[:k], lr, s.betas, s.eps,
+                        s.weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None)
+            return
+        # torch.optim.SGD's single-tensor step (the CPU default), op for op. Its first step copies the
+        # gradient into the momentum buffer; here the buffer starts at zero: 0 * m + g == g exactly.
+        if s.weight_decay != 0:
+            grad = grad.add(param, alpha=s.weight_decay)
+        if s.momentum != 0:
+            buf = slots["momentum_buffer"]
+            buf.mul_(s.momentum).add_(grad, alpha=1)
+            grad = grad.add(buf, alpha=s.momentum) if s.nesterov else buf
+        param.add_(grad, alpha=-lr)
+
+
+class ShardedState:
+    """This worker's ranges of the optimizer state and the steps that keep them.
+
+    Args:
+        engine: the backend Engine; it must offer ``flat_params()`` (a 1-D float32 torch tensor that is
+            the parameters, in the flat gradient's order) and ``flat_layout()`` ([(name, shape)] in that
+            order). ``params_written()``, when present, is called after the tensor was written (an engine
+            that handed out a copy writes it back).
+        spec: the optimizer spec (its ``slots()`` are what is sharded).
+        stage: ``optimizer`` (stage 1) or ``gradients`` (stage 2).
+        replicas: ``elastic.shard_replicas``: 1 keeps a buddy copy of every slice, 0 none.
+    """
+
+    def __init__(self, engine: Any, spec: OptimizerSpec, stage: str, replicas: int):
+        if not hasattr(engine, "flat_params"):
+            raise ElasticFlowError(f"trainer.shard={stage} needs an engine with flat parameters, and "
+                                   f"{type(engine).__module__} has none", "pass trainer.shard=none")
+        if not isinstance(spec, (SGD, Adam)):
+            raise ElasticFlowError(f"trainer.shard={stage} has no sharded update for {type(spec).__name__}",
+                                   "use SGD, Adam or AdamW, or pass trainer.shard=none")
+        self.engine, self.stage, self.replicas = engine, stage, int(replicas)
+        engine.release_optimizer()  # its own slots would be whole-model sized
+        self.params = engine.flat_params()
+        if self.params.is_cuda:
+            raise ElasticFlowError(f"trainer.shard={stage} keeps the optimizer's slices in host memory and "
+                                   "cannot update GPU parameters yet", "pass trainer.shard=none on GPUs")
+        self.n = int(self.params.numel())
+        self.update_fn = FlatUpdate(spec)
+        self.slot_names = self.update_fn.slots
+        layout = engine.flat_layout()
+        offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in layout]).tolist()
+        self.param_at = {name: (offsets[i], tuple(shape)) for i, (name, shape) in enumerate(layout)}
+        self.world, self.rank = 1, 0       # the layout the held ranges follow
+        self.at = 0                        # progress at which the held ranges are valid
+        self.held: Dict[Range, Dict[str, torch.Tensor]] = {(0, self.n): self._fresh(0, self.n)}
+        self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
+        self._scratch = torch.empty(self._scratch_size(self.n))
+        self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
+
+    # ------------------------------------------------------------------ what is held
+    def _fresh(self, lo: int, hi: int) -> Dict[str, torch.Tensor]:
+        return {s: torch.zeros(hi - lo, dtype=torch.float32) for s in self.slot_names}
+
+    def slot_bytes(self) -> int:
+        """Optimizer-state bytes this worker holds (the README's per-worker figure)."""
+        return sum(t.numel() * 4 for slots in self.held.values() for t in slots.values())
+
+    def sharding(self) -> Sharded:
+        """How a checkpoint splits the optimizer's tensors: each owner writes its own range."""
+        names = {f"optimizer/{p}/{s}": at for p, (at, _) in self.param_at.items() for s in self.slot_names}
+        return Sharded(self.n, names)
+
+    def partials(self) -> Dict[str, Partial]:
+        """This worker's own range of every slot tensor, by name (views: read them before the next step)."""
+        lo, hi = owned(self.n, self.world, self.rank)
+        (a, _), slots = next((r, v) for r, v in self.held.items() if r[0] <= lo and hi <= r[1])
+        out: Dict[str, Partial] = {}
+        for p, (at, shape) in self.param_at.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            start, end = max(lo, at), min(hi, at + size)
+            for s in self.slot_names:
+                data = slots[s][start - a:end - a].numpy() if end > start else np.zeros(0, np.float32)
+                out[f"optimizer/{p}/{s}"] = Partial(data, start - at if end > start else 0, shape)
+        return out
+
+    def load_full(self, slots: Dict[str, np.ndarray], at: int) -> None:
+        """Hold [0, n) at progress ``at`` from whole slot tensors by name (a checkpoint's; missing: zeros).
+        The parameters were loaded by the engine. The next redistribution keeps only this worker's ranges."""
+        self.params = self.engine.flat_params()  # an engine that hands out a copy reads the loaded values
+        held = self._fresh(0, self.n)
+        for p, (off, shape) in self.param_at.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            for s in self.slot_names:
+                value = slots.get(f"optimizer/{p}/{s}")
+                if value is not None:
+                    held[s][off:off + size] = torch.from_numpy(np.asarray(value, np.float32).reshape(-1))
+        self.held, self.at = {(0, self.n): held}, int(at)
+
+    def keep_local(self, rank: int, world: int) -> None:
+        """Take this worker's ranges of ``world`` out of what it holds, without moving anything (every
+        member loaded the same checkpoint)."""
+        self._adopt({r: self._copy_out(r) for r in needed(self.n, world, rank, self.replicas)}, rank, world, self.at)
+
+    def _copy_out(self, r: Range) -> Dict[str, torch.Tensor]:
+        lo, hi = r
+        for (a, b), slots in self.held.items():
+            if a <= lo and hi <= b:
+                return {s: v[lo - a:hi - a].clone() for s, v in slots.items()}
+        raise KeyError(f"range {r} is not held")
+
+    def _adopt(self, held: Dict[Range, Dict[str, torch.Tensor]], rank: int, world: int, at: int) -> None:
+        self.held, self.rank, self.world, self.at = held, rank, world, at
+        self._scratch = torch.empty(self._scratch_size(max((b - a for a, b in held), default=0)))
+
+    def _scratch_size(self, largest: int) -> int:
+        """Adam's scratch for the largest range: its denominator, and its L2 term when weight decay is L2."""
+        return largest * (2 if self.update_fn.l2 else 1) if self.update_fn.adam else 0
+
+    # ------------------------------------------------------------------ every step
+    def update(self, grad: torch.Tensor, lr: float, step: int, at: int) -> None:
+        """Update the parameters and slots of every held range from the reduced gradient (stage 1: the
+        whole ``grad``; stage 2: the ranges received into ``reduced``). ``step``: the optimizer step this
+        is (1-based, Adam's bias correction); ``at``: the progress the step commits."""
+        for (lo, hi), slots in self.held.items():
+            g = self.reduced[(lo, hi)] if self.scatters() else grad[lo:hi]
+            self.update_fn(self.params[lo:hi], g, slots, lr, step, self._scratch)
+        self.at = at
+        self.reduced = {}
+        if not self.gathers():  # else gather() writes them back, once all are in
+            self._written()
+
+    def _written(self) -> None:
+        written = getattr(self.engine, "params_written", None)
+        if written is not None:
+            written()
+
+    def scatters(self) -> bool:
+        """Whether this step's gradient is reduce-scattered (stage 2): not where each member holds the whole
+        vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""
+        return self.stage == "gradients" and self.world > 1 and not _covers(list(self.held), self.n)
+
+    def gather(self, group: Any) -> None:
+        """All-gather the owners' parameter ranges: afterwards every member holds the whole vector.
+
+        Nothing to gather where the ranges held cover the whole vector (W = 2 with a buddy copy: each
+        member updated all of it); the same on every member, as it depends on the layout only.
+        """
+        if self.gathers():
+            group.allgather_flat(self.params, chunk(self.n, self.world))
+            self._written()
+
+    def gathers(self) -> bool:
+        """Whether a step ends with the parameters' allgather (``gather``)."""
+        return self.world > 1 and not _covers(list(self.held), self.n)
+
+    def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
+        lo, hi = owned(self.n, self.world, r)
+        dst[:hi - lo].copy_(grad[lo:hi])
+        dst[hi - lo:].zero_()
+
+    def start_reduce_scatter(self, group: Any, grad: torch.Tensor, tail: Optional[torch.Tensor] = None) -> Any:
+        """Stage 2: start the reduce-scatter of ``grad``; ``finish_reduce_scatter`` completes it.
+
+        ``tail`` (float32, small gradients): folded in, so one collective does it all: piece r is
+        [chunk r | chunk r - 1 | tail], and each member receives its own chunk, its buddy's and the
+        summed tail (the votes); this costs a copy of the gradient into the pieces, which a small model
+        pays gladly for the round trips it saves (each is a scheduling of every member). Without
+        ``tail`` the pieces are the gradient's own chunks (no copy) and the buddy's chunk travels after.
+        Returns (work, what ``finish_reduce_scatter`` takes).
+        """
+        c, w = chunk(self.n, self.world), self.world
+        if tail is None:
+            pieces = [grad[r * c:(r + 1) * c] for r in range(w)]
+            if pieces[-1].numel() < c:  # the last chunk is short: padded in a scratch copy
+                pad = self._buffer("pad", c)
+                self._chunk_into(pad, grad, w - 1)
+                pieces[-1] = pad
+            out = self._buffer("own", c)
+        else:
+            width = c * (2 if self.replicas else 1) + tail.numel()
+            pieces = [self._buffer(f"piece{r}", width) for r in range(w)]
+            for r, piece in enumerate(pieces):
+                self._chunk_into(piece[:c], grad, r)
+                if self.replicas:
+                    self._chunk_into(piece[c:2 * c], grad, (r - 1) % w)
+                piece[width - tail.numel():].copy_(tail)
+            out = self._buffer("out", width)
+        return group.reduce_scatter_start(pieces, out), (out, tail is not None)
+
+    def finish_reduce_scatter(self, group: Any, started: Any) -> Optional[torch.Tensor]:
+        """Stage 2, once the reduce-scatter finished: this step's reduced ranges (own, buddy's). Unfolded,
+        the own chunk goes to the buddy and the previous rank's comes in; folded, returns the summed tail."""
+        out, folded = started
+        c = chunk(self.n, self.world)
+        own = owned(self.n, self.world, self.rank)
+        self.reduced = {own: out[:own[1] - own[0]]}
+        if not (self.replicas and self.world > 1):
+            return out[c:] if folded else None
+        prev = owned(self.n, self.world, (self.rank - 1) % self.world)
+        if folded:
+            self.reduced[prev] = out[c:c + prev[1] - prev[0]]
+            return out[2 * c:]
+        theirs = self._buffer("buddy", c)[:prev[1] - prev[0]]
+        group.exchange([(self.reduced[own], (self.rank + 1) % self.world, 0)],
+                       [(theirs, (self.rank - 1) % self.world, 0)])
+        self.reduced[prev] = theirs
+        return None
+
+    def _buffer(self, what: str, size: int) -> torch.Tensor:
+        """A float32 scratch of ``size`` kept from step to step (a fresh one would fault its pages in)."""
+        t = self._buffers.get(what)
+        if t is None or t.numel() != size:
+            t = self._buffers[what] = torch.empty(size, dtype=torch.float32)
+        return t
+
+    # ------------------------------------------------------------------ membership changes
+    def table_row(self, committed: int) -> List[int]:
+        """[progress, count, lo1, hi1, ...] for ``redistribute``'s table. The held ranges count only if
+        they are at the committed progress (a member that applied a step it never committed: never here,
+        the trainer commits before the allgather)."""
+        held = sorted(self.held)[:MAX_HELD]
+        at = self.at if self.at == committed else -1
+        row = [at, len(held)] + [x for r in held for x in r]
+        return row + [0] * (2 + 2 * MAX_HELD - len(row))
+
+    def redistribute(self, group: Any, committed: int,
+                     target_members: Optional[Tuple[Sequence[Tuple[int, int]], int]] = None) -> Plan:
+        """Move the ranges so that every member of ``group`` holds what its layout needs.
+
+        ``target_members``: for a handoff over the old group, ([(old rank, new rank)] of the members that
+        stay; the new world): the layout is the new one, the receivers the staying old members, and
+        the held ranges are kept beside the new ones. Returns the plan (its ``lost`` ranges: nothing
+        moved, fall back to a checkpoint). Raises CommError when a member fails meanwhile.
+        """
+        rows = torch.zeros((group.world, 2 + 2 * MAX_HELD), dtype=torch.int64)
+        rows[group.rank] = torch.tensor(self.table_row(committed), dtype=torch.int64)
+        group.allreduce_(rows)
+        table = rows.numpy()
+        if target_members is None:
+            want = {r: needed(self.n, group.world, r, self.replicas) for r in range(group.world)}
+        else:
+            pairs, new_world = target_members
+            want = {old: needed(self.n, new_world, new, self.replicas) for old, new in pairs}
+        plan = plan_moves(table, want)
+        if plan.lost:
+            return plan
+        mine = want.get(group.rank, [])
+        new: Dict[Range, Dict[str, torch.Tensor]] = {r: self._fresh(*r) for r in mine}
+        # Each piece travels as its parameters and each slot, sent from where they lie and received into
+        # their final place: no packing copy on either side (ranges a member sends and receives are disjoint).
+        sends, recvs, k = [], [], 1 + len(self.slot_names)
+        for i, p in enumerate(plan.pieces):
+            if p.dst == group.rank:
+                into = self._into(new, p.lo, p.hi)
+                if p.src == group.rank:
+                    for s, src in zip(self.slot_names, self._held_views(p.lo, p.hi)[1:]):
+                        into[s].copy_(src)
+                else:
+                    recvs += [(t, p.src, i * k + j)
+                              for j, t in enumerate([self.params[p.lo:p.hi]] + [into[s] for s in self.slot_names])]
+            elif p.src == group.rank:
+                sends += [(t, p.dst, i * k + j) for j, t in enumerate(self._held_views(p.lo, p.hi))]
+        group.exchange(sends, recvs)
+        if target_members is None:
+            self._adopt(new, group.rank, group.world, plan.target)
+            # Every member's parameters are right where it holds ranges; where those cover the whole vector
+            # for every member (W = 2 with buddies), nothing is left to gather.
+            if not all(_covers(r, self.n) for r in want.values()):
+                group.allgather_flat(self.params, chunk(self.n, self.world))
+            self._written()
+        else:  # keep what is held until the next generation: it may not form, and then it is needed
+            self.held.update(new)
+            self.at = plan.target
+        return plan
+
+    def _held_views(self, lo: int, hi: int) -> List[torch.Tensor]:
+        """Parameters then slots of [lo, hi), from a held range containing it (views)."""
+        for (a, b), slots in self.held.items():
+            if a <= lo and hi <= b:
+                return [self.params[lo:hi]] + [slots[s][lo - a:hi - a] for s in self.slot_names]
+        raise KeyError(f"range {(lo, hi)} is not held")
+
+    @staticmethod
+    def _into(new: Dict[Range, Dict[str, torch.Tensor]], lo: int, hi: int) -> Dict[str, torch.Tensor]:
+        for (a, b), slots in new.items():
+            if a <= lo and hi <= b:
+                return {s: v[lo - a:hi - a] for s, v in slots.items()}
+        raise KeyError(f"range {(lo, hi)} is not wanted")
+
+
+def _covers(ranges: List[Range], n: int) -> bool:
+    at = 0
+    for lo, hi in sorted(ranges):
+        if lo > at:
+            return False
+        at = max(at, hi)
+    return at >= n

@@ -1,0 +1,169 @@
+"""Sharded optimizer state (trainer.shard, issue #19): its memory, its step time and its recovery.
+
+1. Optimizer-state bytes per worker at W = 1, 2, 4 (Adam: two slots), read from each worker's log line
+   "sharded optimizer state: B bytes ..." (``trainer._entered_generation``), as a ratio of the replicated
+   optimizer state (what every worker holds with trainer.shard=none): about 1/W for the own slice, 2/W
+   with the buddy copy (elastic.shard_replicas=1), 1/W with shard_replicas=0.
+2. Step time at W = 2: trainer.shard=optimizer and =gradients against trainer.shard=none, measured in the
+   same rounds, alternating (the median of each run's per-step times after a warm-up; then the median of
+   the per-round ratios).
+3. Recovery with a lost slice: 3 workers train a 100 MB model (scripts/bench/wide_linear.py, Adam,
+   trainer.shard=optimizer); one is SIGKILLed; from the survivors' "recovered" event: recovery_s (from the
+   failed collective until the state is in sync again: the new generation, the ranges moved from the
+   buddies, the parameters all-gathered) and its transfer_s part.
+
+    .venv/bin/python scripts/bench_shard.py --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from bench.runfiles import jsonl  # noqa: E402
+
+CLI = [sys.executable, "-m", "elasticflow.cli"]
+MLP = str(REPO / "models" / "digits_mlp.py")
+WIDE = str(REPO / "scripts" / "bench" / "wide_linear.py")
+BYTES_RE = re.compile(r"sharded optimizer state: (\d+) bytes in (\d+) range\(s\) \(replicated: (\d+)\) at world (\d+)")
+COMMON = ["trainer.progress=false", "trainer.tensorboard=false", "optimizer=adam", "optimizer.lr=0.001",
+          "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=20"]
+
+
+def train(run: Path, model: str, *overrides: str, timeout: float = 600) -> None:
+    cmd = CLI + ["train", model, f"hydra.run.dir={run}", *COMMON, *overrides]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
+
+
+def held_bytes(run: Path) -> list:
+    """(bytes, replicated bytes) of each worker's last "sharded optimizer state" line."""
+    logs = sorted((run / "logs").glob("worker-*.log")) or [run / "train.log"]
+    out = []
+    for log in logs:
+        found = BYTES_RE.findall(log.read_text())
+        if found:
+            b, _, rep, _ = found[-1]
+            out.append((int(b), int(rep)))
+    return out
+
+
+def memory_part(tmp: Path, hidden: int) -> None:
+    print(f"\n1. Optimizer-state bytes per worker, Adam, digits MLP hidden {hidden}", flush=True)
+    print("   W  shard_replicas  bytes/worker (max)  replicated  ratio  (1/W)")
+    for world in (1, 2, 4):
+        for replicas in ((0, 1) if world > 1 else (1,)):
+            run = tmp / f"mem-{world}-{replicas}"
+            train(run, MLP, f"launcher.workers={world}", "trainer.shard=optimizer", "trainer.max_steps=5",
+                  f"elastic.shard_replicas={replicas}", f"+model_args.hidden={hidden}")
+            held = held_bytes(run)
+            most, rep = max(b for b, _ in held), held[0][1]
+            print(f"   {world}  {replicas:14d}  {most:18d}  {rep:10d}  {most / rep:.3f}  ({1 / world:.3f})", flush=True)
+
+
+def step_ms(run: Path, warmup: int) -> float:
+    times = [r["step_time_s"] for r in jsonl(run / "metrics.jsonl") if "loss" in r][warmup:]
+    return 1e3 * statistics.median(times)
+
+
+VARIANTS = [("none", 1), ("optimizer", 1), ("gradients", 1), ("optimizer", 0), ("gradients", 0)]
+
+
+def step_part(tmp: Path, rounds: int, rows: list) -> None:
+    print("\n2. Step time at W = 2 against replicated state (trainer.shard=none), same rounds, order alternating."
+          "\n   With a buddy copy at W = 2 every worker holds both slices (memory 1.0x) and computes the whole "
+          "update:\n   no allgather. shard_replicas=0 holds 0.5x and all-gathers the parameters every step.",
+          flush=True)
+    for label, model, extra, steps, warmup in rows:
+        ms = {v: [] for v in VARIANTS}
+        ratios = {v: [] for v in VARIANTS[1:]}
+        for i in range(rounds):
+            order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
+            got = {}
+            for shard, replicas in order:
+                run = tmp / f"step-{label}-{shard}-{replicas}-{i}".replace(" ", "_")
+                train(run, model, "launcher.workers=2", f"trainer.shard={shard}", f"trainer.max_steps={steps}",
+                      f"elastic.shard_replicas={replicas}", "trainer.log_every=1", *extra)
+                got[(shard, replicas)] = step_ms(run, warmup)
+                ms[(shard, replicas)].append(got[(shard, replicas)])
+            for v in ratios:
+                ratios[v].append(got[v] / got[("none", 1)])
+        print(f"   {label}: shard=none {statistics.median(ms[('none', 1)]):.2f} ms/step", flush=True)
+        for (shard, replicas), rs in ratios.items():
+            print(f"     shard={shard} shard_replicas={replicas}: {statistics.median(ms[(shard, replicas)]):.2f} "
+                  f"ms/step, {statistics.median(rs):.3f}x (rounds {', '.join(f'{r:.2f}' for r in rs)})", flush=True)
+
+
+def recovery_part(tmp: Path, kills: int) -> None:
+    print("\n3. Recovery with a lost slice: 3 workers, 100 MB model (Adam), shard=optimizer, SIGKILL one", flush=True)
+    for i in range(kills):
+        run = tmp / f"kill-{i}"
+        cmd = CLI + ["train", WIDE, f"hydra.run.dir={run}", *COMMON, "launcher.workers=3", "trainer.shard=optimizer",
+                     "trainer.max_steps=100000", "trainer.log_every=1", "checkpoint.interval.steps=null"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 300
+            while len([r for r in jsonl(run / "metrics.jsonl") if "loss" in r]) < 3:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the 3-worker run did not reach step 3")
+                time.sleep(0.1)
+            victim = json.loads((run / "workers.json").read_text())["members"][1]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            while not [e for e in jsonl(run / "events.jsonl") if e["event"] == "recovered"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no recovery within 300 s")
+                time.sleep(0.1)
+            e = [e for e in jsonl(run / "events.jsonl") if e["event"] == "recovered"][0]
+            fell = [e for e in jsonl(run / "events.jsonl") if e["event"] == "fell_back"]
+            print(f"   kill {i}: recovery {e['recovery_s']:.3f} s (of which redistribution + sync {e['transfer_s']:.3f} s), "
+                  f"{e.get('shard_elements_moved', 0) * 12 / 1e6:.0f} MB moved (parameters and Adam's two slots), "
+                  f"detection {e['detect_s']:.3f} s, fell back to a checkpoint: {bool(fell)}", flush=True)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width for parts 1 and 2")
+    p.add_argument("--steps", type=int, default=200, help="steps per MLP run in part 2")
+    p.add_argument("--wide-steps", type=int, default=12, help="steps per 100 MB-model run in part 2 (0: skip)")
+    args = p.parse_args(argv)
+    print(f"bench_shard {' '.join(argv or sys.argv[1:])}; load average {os.getloadavg()[0]:.2f}; "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_shard-") as d:
+        tmp = Path(d)
+        if 1 in args.parts:
+            memory_part(tmp, args.hidden)
+        if 2 in args.parts:
+            rows = [(f"digits MLP hidden {args.hidden}", MLP, [f"+model_args.hidden={args.hidden}"], args.steps, 20)]
+            if args.wide_steps:
+                rows.append(("100 MB linear model", WIDE, ["trainer.global_batch_size=64"], args.wide_steps, 3))
+            step_part(tmp, args.rounds, rows)
+        if 3 in args.parts:
+            recovery_part(tmp, args.kills)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

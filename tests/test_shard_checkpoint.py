@@ -1,0 +1,86 @@
+"""Checkpoints of sharded optimizer state: each worker writes its own slice (nothing gathered), and the
+checkpoint loads onto any number of workers, any trainer.shard setting and the other backend.
+
+Each chain (30 steps written one way, 30 more resumed another way) must end on the 60-step run of one
+worker with replicated state: relative difference per tensor <= 1e-5 on one backend; across backends
+<= 1e-4 (TensorFlow's float32 kernels round differently from torch's: the same bound as comparing the
+two backends' plain runs).
+"""
+import numpy as np
+import pytest
+
+import elasticflow.checkpoint as ckpt
+from test_elastic import train_ok
+
+SGD = ["optimizer.momentum=0.9", "optimizer.lr=0.05", "checkpoint.interval.steps=10", "checkpoint.keep=null"]
+
+
+def state_at(run_dir, step):
+    found = [p for p in ckpt.complete_checkpoints(run_dir / "checkpoints") if p.name == f"step_{step}"]
+    assert found, f"no step_{step} under {run_dir}"
+    return found[-1]
+
+
+def assert_same_state(got_dir, want_dir, tolerance=1e-5):
+    got, want = ckpt.load(state_at(got_dir, 60)), ckpt.load(state_at(want_dir, 60))
+    assert set(got) == set(want) and any(n.startswith("optimizer/") for n in want)
+    for name in want:
+        a, b = got[name].astype(np.float64), want[name].astype(np.float64)
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
+        assert rel <= tolerance, f"{name}: relative difference {rel:.3g}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("reference")
+    train_ok(run, *SGD)
+    return run
+
+
+@pytest.fixture(scope="module")
+def sharded_torch(tmp_path_factory):
+    """30 steps on 3 workers with trainer.shard=optimizer: each shard file holds its writer's own slice."""
+    run = tmp_path_factory.mktemp("sharded")
+    train_ok(run, "launcher.workers=3", "trainer.shard=optimizer", "trainer.max_steps=30", *SGD)
+    return run
+
+
+def test_a_sharded_checkpoint_holds_each_workers_own_slice(sharded_torch):
+    meta = ckpt.read_metadata(state_at(sharded_torch, 30))
+    assert meta["writers"] == 3
+    params = ["hidden/W", "hidden/b", "out/W", "out/b"]  # the model's flat order
+    sizes = [int(np.prod(meta["tensors"][p]["shape"])) for p in params]
+    offsets = dict(zip(params, np.cumsum([0] + sizes)))
+    chunk = -(-sum(sizes) // 3)
+    for p in params:
+        for piece in meta["tensors"][f"optimizer/{p}/momentum_buffer"]["shards"]:
+            rank = meta["files"][piece["file"]]["rank"]
+            # each element of a momentum buffer was written by the owner of its place in the flat vector
+            first, last = offsets[p] + piece["start"], offsets[p] + piece["end"] - 1
+            assert first // chunk == rank and last // chunk == rank, (p, piece, rank)
+
+
+def test_sharded_checkpoint_resumes_on_one_worker_without_sharding(tmp_path, reference, sharded_torch):
+    run = tmp_path / "run"
+    train_ok(run, f"resume={state_at(sharded_torch, 30)}", *SGD)
+    assert_same_state(run, reference)
+
+
+def test_replicated_checkpoint_resumes_sharded_on_two_workers(tmp_path, reference):
+    run = tmp_path / "run"
+    train_ok(run, f"resume={state_at(reference, 30)}", "launcher.workers=2", "trainer.shard=gradients", *SGD)
+    assert_same_state(run, reference)
+
+
+def test_sharded_checkpoints_cross_backends(tmp_path, reference, sharded_torch):
+    pytest.importorskip("tensorflow")
+    on_tf = tmp_path / "tf"  # torch's sharded checkpoint, resumed on TensorFlow, sharded again on 2 workers
+    train_ok(on_tf, "backend=tensorflow", f"resume={state_at(sharded_torch, 30)}", "launcher.workers=2",
+             "trainer.shard=optimizer", *SGD)
+    assert_same_state(on_tf, reference, tolerance=1e-4)
+    tf_sharded = tmp_path / "tf_sharded"  # TensorFlow's sharded checkpoint, resumed on torch without sharding
+    train_ok(tf_sharded, "backend=tensorflow", "launcher.workers=3", "trainer.shard=optimizer",
+             "trainer.max_steps=30", *SGD)
+    back = tmp_path / "back"
+    train_ok(back, f"resume={state_at(tf_sharded, 30)}", *SGD)
+    assert_same_state(back, reference, tolerance=1e-4)
