@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "models"))
 import small_resnet  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ddp_digits  # noqa: E402  (its training loop: the same hand-written DDP step for every baseline)
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -39,29 +42,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = (torch.from_numpy(a) for a in small_resnet.images())
-    model = DDP(small_resnet.build(seed=0))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    b, n = args.global_batch, len(x)
-    share = b // world
-    order, pos, epoch = torch.from_numpy(np.random.default_rng(0).permutation(n)), 0, 0
-    ends, cpu = [], []
-    for _ in range(args.steps):
-        if pos + b > n:  # drop the epoch's short last batch: every step has the same size
-            epoch += 1
-            order, pos = torch.from_numpy(np.random.default_rng(epoch).permutation(n)), 0
-        idx = order[pos + rank * share: pos + (rank + 1) * share]
-        pos += b
-        xb, yb = x.index_select(0, idx), y.index_select(0, idx)
-        opt.zero_grad(set_to_none=False)
-        logits = model(xb)
-        loss = F.cross_entropy(logits, yb)
-        with torch.no_grad():
-            (logits.argmax(-1) == yb).float().mean()  # the model file's accuracy metric
-        loss.backward()  # DDP allreduces the gradient (one bucket: 0.3 MB) here
-        opt.step()
-        loss.item()
-        ends.append(time.time())
-        cpu.append(time.process_time())
+    ends, cpu = ddp_digits.train_model(DDP(small_resnet.build(seed=0)), x, y, rank, world, args)
     dist.barrier()
     if rank == 0:
         Path(args.out).write_text(json.dumps({"ends": ends, "cpu": cpu, "world": world}))
