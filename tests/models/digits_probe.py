@@ -124,8 +124,9 @@ def _record_params(ctx, params):
     for layer in sorted(params):
         for name in sorted(params[layer]):
             v = params[layer][name]
-            v = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
-            digest = zlib.crc32(np.ascontiguousarray(v).tobytes(), digest)
+            if not hasattr(v, "detach"):
+                return  # TensorFlow: forward() runs as Python only while tf.function traces (symbolic tensors)
+            digest = zlib.crc32(np.ascontiguousarray(v.detach().cpu().numpy()).tobytes(), digest)
     line = {"pid": os.getpid(), "worker": WORKER, "generation": ctx.generation, "step": ctx.step, "params": digest}
     folder = Path(RECORD) / "params"  # beside, not among, the fetch records the tests read
     folder.mkdir(exist_ok=True)
