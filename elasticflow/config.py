@@ -20,7 +20,9 @@ from .errors import ElasticFlowError
 class BackendConfig:
     name: str = "torch"            # torch | tensorflow
     jit: bool = True               # tensorflow: compile the step with tf.function (false to debug eagerly)
-    threads: Optional[int] = None  # intra-op threads per worker; null = cores // local workers
+    # intra-op threads per worker; null = cores // local workers, less data.workers with
+    # data.worker_type=process (a loader decodes on a core of its own: devices.intra_op_threads)
+    threads: Optional[int] = None
 
 
 @dataclass

@@ -60,6 +60,20 @@ def precision_name(value: Any) -> str:
             "16": "16", "fp16": "16", "float16": "16"}.get(text, text)
 
 
+def intra_op_threads(cores: int, local_workers: int, loader_processes: int) -> int:
+    """``backend.threads=null``: this worker's share of the host's cores, less one per forked data loader.
+
+    A loader process (``data.worker_type=process``) decodes on a core of its own. Counted as the
+    trainer's too, the cores were oversubscribed: OpenMP's intra-op threads spin-wait after each
+    parallel op, and when a loader holds a thread's core its partner spins for it, burning the CPU the
+    loaders need. 2 cores, 2 loaders, decode-bound, other processes running: the training process used
+    1.0-7.1 CPU-s for 54 steps with 2 threads, 0.44-0.54 with 1; samples/s with 2 threads 0.29x and
+    0.30x of 1 thread's (two runs, scripts/bench_data.py decode). It costs a compute-bound run whose
+    loaders idle those cores: set ``backend.threads`` there.
+    """
+    return max(1, cores // max(1, local_workers) - loader_processes)
+
+
 def local_slot(env: Mapping[str, str] = os.environ) -> int:
     """This worker's slot on its host: the agent's, else SLURM's local task id, else 0."""
     for key in (ENV_LOCAL_SLOT, "SLURM_LOCALID"):

@@ -104,8 +104,9 @@ class ElasticTrainer:
         self.backend = ops.current()
         local_workers = int(os.environ.get(protocol.ENV_LOCAL_WORKERS, "1"))
         self.placement = devices.resolve(cfg, self.backend, local_workers)
-        self.backend.setup(cfg.backend.threads or max(1, (os.cpu_count() or 1) // max(1, local_workers)), cfg.seed,
-                           self.placement)
+        loaders = cfg.data.workers if cfg.data.worker_type == "process" else 0
+        threads = cfg.backend.threads or devices.intra_op_threads(os.cpu_count() or 1, local_workers, loaders)
+        self.backend.setup(threads, cfg.seed, self.placement)
         np.random.seed(cfg.seed)
         mf = self.model_file = self.model_file or modelfile.load(cfg.model)
         built = modelfile.build(mf, cfg, self.backend)
@@ -435,17 +436,32 @@ class ElasticTrainer:
         return record
 
     def _upcoming(self, batch: GlobalBatch, share: data.Share) -> List[Key]:
-        """This worker's micro-batches of this global batch and of the next, as the prefetcher names
-        them; empty when nothing is read ahead (arrays held in memory)."""
-        if not self.prefetch.depth:
+        """This worker's micro-batches of this global batch, then of the global batches after it until
+        ``data.prefetch`` more are named, as the prefetcher names them; empty when nothing is read ahead
+        (arrays held in memory).
+
+        Note: with one micro-batch per step, naming only the next global batch (as this once did) kept
+        one batch read ahead whatever ``data.prefetch`` said, and with two loaders one idled while the
+        step computed. Nothing is named past the run's last step: a batch read there is never trained.
+        """
+        depth = self.prefetch.depth
+        if not depth:
             return []
         keys = [(batch.epoch, a, b) for a, b in share.micro]
         epoch, start, end = batch.epoch, batch.end, self.schedule.epoch_samples
-        if start >= end:  # the next global batch opens the next epoch
-            epoch, start = epoch + 1, 0
-        nxt = data.deal((start, min(start + self.tcfg.global_batch_size, end)), self.rank, self.world,
-                        self.tcfg.micro_batch_size)
-        return keys + [(epoch, a, b) for a, b in nxt.micro]
+        total = self.schedule.total_steps
+        # At most `depth` global batches: a share may be empty (more workers than samples in a batch).
+        later = depth if total is None else min(depth, total - self.state.step - 1)
+        for _ in range(later):
+            if len(keys) >= len(share.micro) + depth:
+                break
+            if start >= end:  # the next global batch opens the next epoch
+                epoch, start = epoch + 1, 0
+            stop = min(start + self.tcfg.global_batch_size, end)
+            nxt = data.deal((start, stop), self.rank, self.world, self.tcfg.micro_batch_size)
+            keys += [(epoch, a, b) for a, b in nxt.micro]
+            start = stop
+        return keys
 
     # ------------------------------------------------------------------ membership
     def _entered_generation(self) -> None:

@@ -1,5 +1,6 @@
 """The global sample order and how a global batch is cut: every sample exactly once per epoch."""
 import json
+import os
 from collections import Counter
 
 import numpy as np
@@ -147,13 +148,10 @@ def test_every_sample_once_per_epoch_including_the_last_partial_batch(tmp_path, 
     if prefetch == 0:
         served = [i for chunk in served_chunks for i in chunk]
         assert served == order  # ...fetched through __getitem__(indices), when trained
-    else:  # read ahead in a thread: every trained micro-batch read once, plus at most `prefetch` read
-        # beyond the end (the third epoch's first micro-batches, never trained)
+    else:  # read ahead in a thread: every trained micro-batch read once, and nothing past the last step
+        # (a third epoch's micro-batches would never be trained)
         served, trained_chunks = Counter(map(tuple, served_chunks)), Counter(map(tuple, read_ids(tmp_path / "trained.txt")))
-        assert not trained_chunks - served and max(served.values()) == 1
-        extra = [i for chunk in (served - trained_chunks) for i in chunk]
-        assert 0 < len(extra) <= prefetch * (5 if micro == 5 else 16)
-        assert extra == data.permutation(70, 7, 2)[:len(extra)].tolist()
+        assert served == trained_chunks and max(served.values()) == 1
     # 70 = 4 x 16 + 6: five steps per epoch, the fifth a global batch of 6
     assert [r["step"] for r in records] == list(range(1, 11))
     assert [r["epoch"] for r in records] == [0] * 5 + [1] * 5
@@ -162,6 +160,40 @@ def test_every_sample_once_per_epoch_including_the_last_partial_batch(tmp_path, 
     if micro == 5:  # 16 = 5 + 5 + 5 + 1 and the last batch 6 = 5 + 1
         chunks = read_ids(tmp_path / "trained.txt")
         assert [len(c) for c in chunks[:5]] == [5, 5, 5, 1, 5]
+
+
+# The first step waits (10 s at most) until the reads ahead of it have reached step 4's batch.
+READ_AHEAD = RECORDING.replace("""        time.sleep(0.01)  # a step""", """        served = HERE / "served.txt"
+        deadline = time.monotonic() + 10
+        while len(served.read_text().splitlines()) < 1 + 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the metric probe's read, then steps 1..4's batches
+        if not (HERE / "seen.txt").exists():  # the first step's view
+            (HERE / "seen.txt").write_text(str(len(served.read_text().splitlines()) - 1))
+        time.sleep(0.01)  # a step""")
+
+
+def test_data_prefetch_reads_that_many_micro_batches_ahead_across_steps(tmp_path, write_model):
+    # One micro-batch per step: data.prefetch=3 reads the next three steps' batches while one trains
+    # (it once read only the next step's, whatever data.prefetch said).
+    path = write_model(READ_AHEAD)
+    fit(path, tmp_path / "run", "trainer.max_steps=6", "data.prefetch=3")
+    assert int((tmp_path / "seen.txt").read_text()) >= 4
+
+
+def test_loader_processes_take_their_cores_from_the_intra_op_threads(tmp_path, write_model):
+    import torch
+
+    path = write_model(RECORDING)
+    cores, before = os.cpu_count() or 1, torch.get_num_threads()
+    try:
+        for overrides, want in ((["data.worker_type=process", "data.workers=2"], max(1, cores - 2)),
+                                (["data.workers=2"], cores),  # threads: a reader holds the GIL, not a core
+                                (["data.worker_type=process", "data.workers=2", "backend.threads=3"], 3)):
+            cfg = compose(str(path), ["trainer.global_batch_size=16", "trainer.max_steps=1", *overrides])
+            ElasticTrainer(str(path), cfg, run_dir=str(tmp_path / "run")).prepare()
+            assert torch.get_num_threads() == want, overrides
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_drop_last_skips_the_partial_batch(tmp_path, write_model):
