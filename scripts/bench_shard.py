@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from bench.runfiles import jsonl  # noqa: E402
+from bench.runfiles import jsonl, stop  # noqa: E402
 
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 MLP = str(REPO / "models" / "digits_mlp.py")
@@ -130,13 +130,7 @@ def recovery_part(tmp: Path, kills: int) -> None:
                   f"{e.get('shard_elements_moved', 0) * 12 / 1e6:.0f} MB moved (parameters and Adam's two slots), "
                   f"detection {e['detect_s']:.3f} s, fell back to a checkpoint: {bool(fell)}", flush=True)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop(proc, 120)
 
 
 def main(argv=None) -> int:

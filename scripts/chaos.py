@@ -57,6 +57,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from elasticflow.fileio import read_jsonl as jsonl  # noqa: E402  (skips the line a SIGKILLed writer tore)
 PROBE = REPO / "tests" / "models" / "digits_probe.py"
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 RTOL = 1e-5
@@ -80,18 +82,6 @@ def elastic() -> List[str]:
     return [f"launcher.workers={START_W}", f"launcher.min_workers={MIN_W}", f"launcher.max_workers={MAX_W}",
             f"elastic.timeout_s={TIMEOUT_S:g}", f"elastic.heartbeat_timeout_s={HEARTBEAT_S:g}",
             f"elastic.wait_s={WAIT_S:g}"]
-
-
-def jsonl(path: Path) -> List[dict]:
-    """The parseable lines of a JSONL file (a writer SIGKILLed mid-line leaves a torn last line)."""
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def steps_logged(run: Path) -> List[dict]:
@@ -497,7 +487,6 @@ def main() -> int:
         print(f"error: --keep {args.keep} already exists\nhint: name a new directory (the soak writes two runs "
               "there)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(REPO))
     root = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
     soak = Soak(root / "run", args.duration, args.step_sleep, args.seed, args.min_events)
     print(f"chaos soak: {args.duration:g}s of faults, seed {args.seed}, {soak.steps} steps, run {soak.run}", flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -24,17 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "models")]
 
 import _digits  # noqa: E402
+import digits_mlp  # noqa: E402
 from elasticflow.data import permutation  # noqa: E402
 
 NAMES = ["hidden/W", "hidden/b", "out/W", "out/b"]
 
 
 def initial(hidden: int = 64, seed: int = 0):
-    """digits_mlp.model's parameters (He initialisation from the same generator calls)."""
-    rng = np.random.default_rng(seed)
-    w1 = rng.normal(0, np.sqrt(2 / _digits.PIXELS), (_digits.PIXELS, hidden)).astype(np.float32)
-    w2 = rng.normal(0, np.sqrt(1 / hidden), (hidden, _digits.CLASSES)).astype(np.float32)
-    return [w1, np.zeros(hidden, np.float32), w2, np.zeros(_digits.CLASSES, np.float32)]
+    """The soak's initial parameters, from digits_mlp.model itself, in NAMES order."""
+    params = digits_mlp.model(SimpleNamespace(model_args={"hidden": hidden}, seed=seed))
+    return [params[layer][name] for layer, name in (n.split("/") for n in NAMES)]
 
 
 def replay(lr: float, steps: int, noise: float, seed: int, batch: int = 64):

@@ -73,18 +73,28 @@ def train_model(model: DDP, x: torch.Tensor, y: torch.Tensor, rank: int, world: 
     return ends, cpu
 
 
-def main() -> None:
+def arguments(steps: int, global_batch: int = 64, lr: float = 0.1) -> argparse.ArgumentParser:
+    """The options every DDP baseline here takes (ddp_resnet.py and ddp_gpt.py add theirs)."""
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, nargs="+", default=[64])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--global-batch", type=int, default=global_batch)
+    p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    return p
 
+
+def join_group() -> tuple:
+    """Enter torchrun's gloo group as a user's script would; returns (rank, world)."""
     torch.set_num_threads(1)  # what elasticflow picks for 2 workers on 2 cores (cores // local workers)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main() -> None:
+    p = arguments(steps=300)
+    p.add_argument("--hidden", type=int, nargs="+", default=[64])
+    args = p.parse_args()
+    rank, world = join_group()
     torch.manual_seed(0)
     x, y = (torch.from_numpy(a) for a in _digits.train_split())
     runs = {hidden: train(hidden, x, y, rank, world, args) for hidden in args.hidden}

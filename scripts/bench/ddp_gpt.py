@@ -7,7 +7,6 @@ buckets (allreduces launched from autograd hooks while backward runs), the globa
 contiguous halves in elasticflow's sample order, SGD, ``loss.item()`` every step. Rank 0 writes the
 wall-clock at the end of every step to ``--out`` as JSON {"ends": [...]}.
 """
-import argparse
 import json
 import sys
 import time
@@ -24,21 +23,18 @@ sys.path.insert(0, str(REPO / "models"))
 import tiny_gpt  # noqa: E402
 from elasticflow.data import permutation  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ddp_digits  # noqa: E402  (the options and group set-up of every DDP baseline)
+
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = ddp_digits.arguments(steps=40, global_batch=8, lr=1e-4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--out", required=True)
     args = p.parse_args()
-    torch.set_num_threads(1)  # what elasticflow picks for 2 workers on 2 cores
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = ddp_digits.join_group()
     cfg = SimpleNamespace(seed=0, model_args={"vocab": args.vocab, "width": args.width, "layers": args.layers,
                                               "heads": args.heads}, get=lambda k, d=None: getattr(cfg, k, d))
     model = DDP(tiny_gpt.model(cfg))

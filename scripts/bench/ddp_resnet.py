@@ -10,7 +10,6 @@ statistics, and DDP broadcasts rank 0's buffers (running statistics) before ever
 global batch's. Not SyncBatchNorm (one more collective per BatchNorm layer, in forward and backward).
 Rank 0 writes JSON {"ends": [time.time(), ...], "cpu": [time.process_time(), ...]} to ``--out``.
 """
-import argparse
 import json
 import sys
 import time
@@ -31,16 +30,8 @@ import ddp_digits  # noqa: E402  (its training loop: the same hand-written DDP s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-
-    torch.set_num_threads(1)  # what elasticflow picks for 2 workers on 2 cores (cores // local workers)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args = ddp_digits.arguments(steps=120).parse_args()
+    rank, world = ddp_digits.join_group()
     x, y = (torch.from_numpy(a) for a in small_resnet.images())
     ends, cpu = ddp_digits.train_model(DDP(small_resnet.build(seed=0)), x, y, rank, world, args)
     dist.barrier()

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 sys.path.insert(0, str(REPO / "scripts"))  # run on its own, this file's folder is scripts/bench
 
-from bench.runfiles import jsonl  # noqa: E402  (reads a JSONL file, skipping a line torn by a SIGKILL)
+from bench.runfiles import jsonl, stop  # noqa: E402
 
 
 def _wait(pred, timeout: float, what: str):
@@ -41,16 +41,6 @@ def _start(run: Path, model: Path, *overrides: str, env=None) -> subprocess.Pope
                  *overrides]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, **(env or {})})
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def join_once(tmp: Path) -> dict:
@@ -78,7 +68,7 @@ def join_once(tmp: Path) -> dict:
                 "rebuild_s": group_ready - max(boundary, admitted), "transfer_s": joined["transfer_s"],
                 "survivor_stall_s": regrouped["recovery_s"], "scale_to_first_step_s": first["time"] - asked}
     finally:
-        _stop(proc)
+        stop(proc, 60)
 
 
 def hang_once(tmp: Path, timeout_s: float = 10.0, heartbeat_s: float = 3.0) -> dict:
@@ -97,7 +87,7 @@ def hang_once(tmp: Path, timeout_s: float = 10.0, heartbeat_s: float = 3.0) -> d
         return {"timeout_s": timeout_s, "heartbeat_timeout_s": heartbeat_s, "detect_s": hung["time"] - stopped,
                 "stop_to_next_step_s": resumed["time"] - stopped}
     finally:
-        _stop(proc)
+        stop(proc, 60)
 
 
 def report(repeats: int = 3) -> str:

@@ -1,22 +1,23 @@
-"""Reading what a run wrote, for the bench scripts: scripts/bench_elastic.py and scripts/bench/join.py.
+"""What the bench scripts share for running a job and reading what it wrote: scripts/bench_elastic.py,
+scripts/bench_shard.py and scripts/bench/join.py.
 
 Here, under scripts/bench/, so the dependency goes one way: scripts/*.py import scripts/bench/, never the reverse.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import List
+import signal
+import subprocess
+
+from elasticflow.fileio import read_jsonl as jsonl  # noqa: F401  (skips a line torn by a SIGKILL)
 
 
-def jsonl(path: Path) -> List[dict]:
-    """The records of a JSONL file (metrics.jsonl, events.jsonl); [] if it does not exist yet."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
+def stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Stop a job the bench started as Ctrl-C would (its workers checkpoint and exit), SIGKILL it if it has not
+    ended within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
         try:
-            out.append(json.loads(line))
-        except ValueError:  # a line torn by a SIGKILL
-            pass
-    return out
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
