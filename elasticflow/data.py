@@ -302,6 +302,32 @@ class Schedule:
             start = cursor.samples_in_epoch
             yield GlobalBatch(epoch, start, min(start + self.global_batch, self.epoch_samples))
 
+    def ahead(self, batch: GlobalBatch, share: Share, depth: int, step: int, rank: int, world: int,
+              micro_batch_size: Optional[int]) -> List[Tuple[int, int, int]]:
+        """The prefetcher's keys (epoch, start, end): this worker's micro-batches of ``batch`` (``share``),
+        then of the global batches after it until ``depth`` more are named; empty for ``depth`` 0 (arrays
+        held in memory). ``step``: the optimizer steps done before ``batch``.
+
+        Note: with one micro-batch per step, naming only the next global batch (as this once did) kept
+        one batch read ahead whatever ``data.prefetch`` said, and with two loaders one idled while the
+        step computed. Nothing is named past the run's last step: a batch read there is never trained.
+        """
+        if not depth:
+            return []
+        keys = [(batch.epoch, a, b) for a, b in share.micro]
+        epoch, start = batch.epoch, batch.end
+        # At most `depth` global batches: a share may be empty (more workers than samples in a batch).
+        later = depth if self.total_steps is None else min(depth, self.total_steps - step - 1)
+        for _ in range(later):
+            if len(keys) >= len(share.micro) + depth:
+                break
+            if start >= self.epoch_samples:  # the next global batch opens the next epoch
+                epoch, start = epoch + 1, 0
+            stop = min(start + self.global_batch, self.epoch_samples)
+            keys += [(epoch, a, b) for a, b in deal((start, stop), rank, world, micro_batch_size).micro]
+            start = stop
+        return keys
+
 
 ON_DEVICE_MAX_BYTES = 2 << 30  # trainer.data_on_device=null: array datasets up to 2 GiB live on the GPU
 

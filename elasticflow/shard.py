@@ -20,7 +20,7 @@ update from the same reduced gradient, no bytes moved), commits the step, and th
 ranges are all-gathered. Stage 2 (``gradients``): the gradient is reduce-scattered (each member receives
 only the sum of its own chunk; the votes go in a small allreduce queued behind it), each owner sends its
 reduced chunk to its buddy, then the same update and allgather. The update is an elementwise formula
-(``torch.optim``'s SGD and the flat Adam's, ``torch_adam.adam_update``) applied to a range instead of the
+(``torch_optim.sgd_update`` and ``adam_update``, torch.optim's formulas) applied to a range instead of the
 whole vector: each element sees the same float32 operations as in a 1-worker run, so the result differs
 from it only by the order the reduction summed the workers' gradients (as without sharding).
 
@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .backends.torch_adam import adam_update, weight_decay_is_l2
+from .backends.torch_optim import adam_update, sgd_update, weight_decay_is_l2
 from .checkpoint.format import Partial, Sharded
 from .errors import ElasticFlowError
 from .optim import SGD, Adam, AdamW, OptimizerSpec
@@ -159,15 +159,10 @@ class FlatUpdate:
             adam_update(param, grad, slots["exp_avg"], slots["exp_avg_sq"], scratch[:k], lr, s.betas, s.eps,
                         s.weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None)
             return
-        # torch.optim.SGD's single-tensor step (the CPU default), op for op. Its first step copies the
-        # gradient into the momentum buffer; here the buffer starts at zero: 0 * m + g == g exactly.
-        if s.weight_decay != 0:
-            grad = grad.add(param, alpha=s.weight_decay)
-        if s.momentum != 0:
-            buf = slots["momentum_buffer"]
-            buf.mul_(s.momentum).add_(grad, alpha=1)
-            grad = grad.add(buf, alpha=s.momentum) if s.nesterov else buf
-        param.add_(grad, alpha=-lr)
+        # torch.optim.SGD's step, as the engine's. The buffer starts at zero instead of taking the first
+        # gradient (first=False): 0 * m + g == g, but for the sign of a zero.
+        sgd_update(param, grad, slots.get("momentum_buffer"), lr, s.momentum, s.nesterov, s.weight_decay,
+                   first=False)
 
 
 class ShardedState:

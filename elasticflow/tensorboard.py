@@ -166,6 +166,15 @@ def _text_event(step: int, tag: str, text: str, wall: float):
     return event_pb2.Event(wall_time=wall, step=step, summary=summary)
 
 
+def _until_eof(stop: threading.Event) -> None:
+    """Set ``stop`` when the trainer closes our stdin. Raw reads of fd 0, not sys.stdin.buffer: a daemon
+    thread blocked in the buffered reader holds its lock, and an exit of ours while the trainer still
+    runs (its run directory removed) would then abort at interpreter shutdown."""
+    while os.read(0, 4096):
+        pass
+    stop.set()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Follow a run's metrics and events into RUN_DIR/tensorboard/.")
     p.add_argument("run_dir", type=Path)
@@ -176,7 +185,7 @@ def main(argv=None) -> None:
     # checksums (pure Python, ~0.08 ms of CPU per logged step) took their time slices at normal priority.
     os.nice(NICE)
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.buffer.read(), stop.set()), daemon=True).start()  # EOF: stop
+    threading.Thread(target=_until_eof, args=(stop,), daemon=True).start()
     try:
         follower = _Follower(args.run_dir)
     except ImportError:
@@ -189,8 +198,15 @@ def main(argv=None) -> None:
             if stop.wait(POLL_S):
                 break
         follower.poll()  # the last lines, written before the trainer asked us to stop
+    except FileNotFoundError:
+        if args.run_dir.is_dir():
+            raise
+        return  # the run directory was removed under us (a temporary one): nothing left to follow
     finally:
-        follower.writer.close()
+        try:
+            follower.writer.close()
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from .errors import ElasticFlowError, TrainingInterrupted
 from .buffers import Reconciler
 from .evaluation import Evaluation, probe_metric_names
 from .goodput import Meter
-from .prefetch import Key, Prefetcher
+from .prefetch import Prefetcher
 from .replica import Agreed, Replica
 from .reporting import Progress, RunLog, banner, rss_mib, step_line
 from .signals import StopSignal
@@ -353,7 +353,8 @@ class ElasticTrainer:
         if scaling:
             engine.grad_scale = s.loss_scale
         loss_sum, metric_sums = None, {}
-        keys = self._upcoming(batch, share)
+        keys = self.schedule.ahead(batch, share, self.prefetch.depth, self.state.step, self.rank, self.world,
+                                   t.micro_batch_size)
         for i, (a, b) in enumerate(share.micro):
             # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
             engine.seed(data.micro_seed(self.seed, batch.epoch, batch.start, share.first + i))
@@ -434,34 +435,6 @@ class ElasticTrainer:
             # the recovery rebuilds the parameters from them.
             self.replica.gather()
         return record
-
-    def _upcoming(self, batch: GlobalBatch, share: data.Share) -> List[Key]:
-        """This worker's micro-batches of this global batch, then of the global batches after it until
-        ``data.prefetch`` more are named, as the prefetcher names them; empty when nothing is read ahead
-        (arrays held in memory).
-
-        Note: with one micro-batch per step, naming only the next global batch (as this once did) kept
-        one batch read ahead whatever ``data.prefetch`` said, and with two loaders one idled while the
-        step computed. Nothing is named past the run's last step: a batch read there is never trained.
-        """
-        depth = self.prefetch.depth
-        if not depth:
-            return []
-        keys = [(batch.epoch, a, b) for a, b in share.micro]
-        epoch, start, end = batch.epoch, batch.end, self.schedule.epoch_samples
-        total = self.schedule.total_steps
-        # At most `depth` global batches: a share may be empty (more workers than samples in a batch).
-        later = depth if total is None else min(depth, total - self.state.step - 1)
-        for _ in range(later):
-            if len(keys) >= len(share.micro) + depth:
-                break
-            if start >= end:  # the next global batch opens the next epoch
-                epoch, start = epoch + 1, 0
-            stop = min(start + self.tcfg.global_batch_size, end)
-            nxt = data.deal((start, stop), self.rank, self.world, self.tcfg.micro_batch_size)
-            keys += [(epoch, a, b) for a, b in nxt.micro]
-            start = stop
-        return keys
 
     # ------------------------------------------------------------------ membership
     def _entered_generation(self) -> None:

@@ -19,10 +19,11 @@ Every comparison is against a baseline measured in the same run, on the same mac
    Also the CPU time per step and process (all threads; /proc for elasticflow's workers,
    time.process_time() in the DDP script), which a busy machine disturbs far less than wall time.
    1-process elasticflow (cores // 1 threads) is printed for reference.
-   More rows (``--rows``, both by default): ``cnn``, models/small_resnet.py (ResNet-8 with 9 BatchNorm
+   More rows (``--rows``; cnn and mlp4 by default): ``cnn``, models/small_resnet.py (ResNet-8 with 9 BatchNorm
    layers on 32x32x3 images, 78k parameters) with ``trainer.micro_batch_size=32`` against
    scripts/bench/ddp_resnet.py (plain DDP with BatchNorm: each rank's statistics over its 32 samples,
-   rank 0's buffers broadcast every forward; not SyncBatchNorm); ``mlp4``, 4 workers (torchrun: 4
+   rank 0's buffers broadcast every forward; not SyncBatchNorm); ``cnn4``, the same with 4 workers and
+   micro-batches of 16 (DDP: 4 processes); ``mlp4``, 4 workers (torchrun: 4
    processes) on the first MLP width, more processes than cores.
    ``--baseline-tree DIR`` times elasticflow imported from DIR as well (e.g. ``git archive`` of an older
    commit), alternating with the rest in every round: a before/after against the same DDP runs.
@@ -236,6 +237,10 @@ def rows_of(args) -> List[Row]:
                                "micro-batch 32 (DDP: plain BatchNorm, buffers broadcast from rank 0)", 2, CNN_MODEL,
                         ["trainer.micro_batch_size=32"], args.cnn_steps, args.cnn_warmup,
                         [CNN_DDP_SCRIPT]))
+    if "cnn4" in args.rows:  # the same with 4 workers (4 processes on the machine's cores): micro-batches of 16
+        rows.append(Row("cnn4", f"ResNet-8 with BatchNorm, 4 workers on {os.cpu_count()} cores, batch 64, micro-batch "
+                                "16 (DDP: plain BatchNorm over each rank's 16)", 4, CNN_MODEL,
+                        ["trainer.micro_batch_size=16"], args.cnn_steps, args.cnn_warmup, [CNN_DDP_SCRIPT]))
     if "mlp4" in args.rows:
         h = args.hidden[0]
         rows.append(Row(f"mlp{h}x4", f"digits MLP (hidden {h}), 4 workers on {os.cpu_count()} cores, batch 64", 4, MODEL,
@@ -541,9 +546,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[64, 1024], help="MLP widths for the throughput part")
-    p.add_argument("--rows", nargs="*", default=["cnn", "mlp4"], choices=["cnn", "mlp4"],
-                   help="throughput rows besides the 2-worker MLPs: the BatchNorm ResNet (cnn), 4 workers on the "
-                        "first MLP width (mlp4)")
+    p.add_argument("--rows", nargs="*", default=["cnn", "mlp4"], choices=["cnn", "cnn4", "mlp4"],
+                   help="throughput rows besides the 2-worker MLPs: the BatchNorm ResNet with 2 workers (cnn) and "
+                        "with 4 (cnn4), 4 workers on the first MLP width (mlp4)")
     p.add_argument("--log-every", type=int, default=10,
                    help="part 1: elasticflow's trainer.log_every (its default, 10: what a user gets); the step time is "
                         "the mean over each window between two records, for DDP over the same windows; 1 times "

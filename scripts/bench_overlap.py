@@ -1,7 +1,8 @@
-"""Gradient buckets reduced while backward runs (comm.bucket_mb), 2 workers, against torchrun + DDP.
+"""Gradient buckets reduced while backward runs (comm.bucket_mb), 2 or more workers, against torchrun + DDP.
 
     .venv/bin/python scripts/bench_overlap.py                       # GPT-style, 6 layers x 384, vocab 8192
     .venv/bin/python scripts/bench_overlap.py --rounds 3 --buckets 25 4 null
+    .venv/bin/python scripts/bench_overlap.py --workers 4 --buckets null   # 4 workers (processes) on the cores
 
 Three rows, measured in the same run and alternating in order each round: elasticflow with
 comm.bucket_mb=25 (buckets start from autograd hooks during backward), elasticflow with
@@ -33,7 +34,7 @@ def step_gaps(ends: list, warmup: int) -> list:
 
 def elasticflow(run: Path, args, bucket: str) -> list:
     cmd = [PY, "-m", "elasticflow.cli", "train", str(REPO / "models" / "tiny_gpt.py"), f"hydra.run.dir={run}",
-           "launcher.workers=2", f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.global_batch}",
+           f"launcher.workers={args.workers}", f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.global_batch}",
            "trainer.log_every=1", "trainer.progress=false", "checkpoint.interval.steps=null", "optimizer.lr=1e-4", "trainer.on_nonfinite=skip",
            f"+model_args.vocab={args.vocab}", f"+model_args.width={args.width}", f"+model_args.layers={args.layers}",
            f"+model_args.heads={args.heads}", f"comm.bucket_mb={bucket}", "elastic.timeout_s=120",
@@ -46,7 +47,7 @@ def elasticflow(run: Path, args, bucket: str) -> list:
 
 
 def ddp(out: Path, args) -> list:
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+    cmd = [PY, "-m", "torch.distributed.run", f"--nproc_per_node={args.workers}", "--standalone",
            str(REPO / "scripts" / "bench" / "ddp_gpt.py"), "--steps", str(args.steps), "--global-batch",
            str(args.global_batch), "--vocab", str(args.vocab), "--width", str(args.width), "--layers",
            str(args.layers), "--heads", str(args.heads), "--out", str(out)]
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--workers", type=int, default=2, help="elasticflow workers and torchrun processes")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
@@ -70,7 +72,7 @@ def main() -> None:
     params = args.vocab * args.width + 64 * args.width + args.layers * (12 * args.width ** 2 + 13 * args.width)
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
           f"tiny_gpt {args.layers}x{args.width}, vocab {args.vocab}: ~{params / 1e6:.1f}M parameters "
-          f"({params * 4 / 2**20:.0f} MiB of gradient), 2 workers, global batch {args.global_batch}")
+          f"({params * 4 / 2**20:.0f} MiB of gradient), {args.workers} workers, global batch {args.global_batch}")
     rows = {"DDP (torchrun, 25 MiB buckets)": [], **{f"elasticflow comm.bucket_mb={b}": [] for b in args.buckets}}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

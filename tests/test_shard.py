@@ -158,7 +158,7 @@ def test_the_update_over_slices_is_the_update_over_the_whole_vector(spec):
     alone end where one update of the whole vector does (to float32 rounding of vectorised kernels)."""
     import torch
 
-    from elasticflow.backends.torch_adam import FlatAdam
+    from elasticflow.backends.torch_optim import FlatAdam
     from elasticflow.optim import SGD, Adam, AdamW
     from elasticflow.shard import FlatUpdate
 

@@ -83,3 +83,27 @@ def test_the_sidecar_runs_below_the_trainers_priority(tmp_path):
     finally:
         proc.stdin.close()
         proc.wait(30)
+
+
+def test_the_sidecar_exits_quietly_when_its_run_directory_is_removed(tmp_path):
+    # A run in a temporary directory (a notebook, a benchmark) may remove it while the follower polls.
+    import shutil
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.tensorboard", str(run), "--parent",
+                             str(os.getpid())], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "tensorboard" / ".read").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5, "time": 1.0}\n')
+        shutil.rmtree(run)
+        assert proc.wait(30) == 0
+        assert proc.stderr.read().decode() == ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

@@ -21,7 +21,7 @@ from ..errors import ElasticFlowError
 from ..buffers import Rule, default_rule
 from ..devices import Placement
 from ..optim import SGD, Adam, OptimizerSpec
-from .torch_adam import FlatAdam
+from .torch_optim import FlatAdam, FlatSGD
 
 NAME = "torch"
 FOLD_SCALARS = 64  # room after the flat gradient for the step's loss, metrics and votes (Engine.fold_buffer)
@@ -278,19 +278,16 @@ class Engine:
         # of copying the gradient into a concatenation and back every step.
         self._fold = torch.zeros(self.num_params + self._fold_room(), dtype=torch.float32, device=self.device)
         self.flat_grad = self._fold[:self.num_params]
-        self.flat_param: Optional[torch.Tensor] = None
-        if isinstance(spec, Adam):
-            # Parameters become views of one flat buffer too, so Adam runs once over the model
-            # (torch_adam.py). A copy of the model's values at start-up; the Parameter objects stay
-            # the module's own, only their storage moves (as .data, which autograd allows on leaves).
-            self.flat_param = torch.empty(self.num_params, dtype=torch.float32, device=self.device)
+        # Parameters become views of one flat buffer too, so the optimizer runs once over the model
+        # (torch_optim.py). A copy of the model's values at start-up; the Parameter objects stay
+        # the module's own, only their storage moves (as .data, which autograd allows on leaves).
+        self.flat_param = torch.empty(self.num_params, dtype=torch.float32, device=self.device)
         offset = 0
         for p in plist:
             n = p.numel()
-            if self.flat_param is not None:
-                view = self.flat_param[offset:offset + n].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
+            view = self.flat_param[offset:offset + n].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
         self.optimizer = _make_optimizer(spec, plist, self.flat_param, self.flat_grad)
@@ -453,10 +450,8 @@ class Engine:
             slots = {s: torch.from_numpy(np.array(state[f"optimizer/{n}/{s}"], dtype=np.float32))
                      .reshape(p.shape).to(self.device)
                      for s in self.spec.slots() if f"optimizer/{n}/{s}" in state}
-            if slots and isinstance(self.optimizer, FlatAdam):
+            if slots:
                 self.optimizer.load_slots(p, slots, optimizer_steps)
-            elif slots:
-                self.optimizer.state[p] = slots
 
     def state_names(self) -> List[str]:
         return state_names(self.params, self.buffers, self.spec.slots())
@@ -464,17 +459,7 @@ class Engine:
     # -- sharded optimizer state (elasticflow/shard.py): the parameters as one flat tensor
     def flat_params(self) -> torch.Tensor:
         """The parameters as one flat float32 tensor, in the flat gradient's order: writing it writes
-        the model. Made at the first call (SGD keeps parameters apart until then; Adam always flat)."""
-        if self.flat_param is None:
-            flat = torch.empty(self.num_params, dtype=torch.float32, device=self.device)
-            offset = 0
-            for p in self.params.values():
-                n = p.numel()
-                view = flat[offset:offset + n].view_as(p)
-                view.copy_(p.detach())
-                p.data = view  # the Parameter stays the module's own; only its storage moves
-                offset += n
-            self.flat_param = flat
+        the model."""
         return self.flat_param
 
     def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -550,12 +535,14 @@ class _Released:
     def step(self) -> None:
         raise RuntimeError("this engine's optimizer was released for a sharded update (trainer.shard)")
 
+    def load_slots(self, p: Any, slots: Dict[str, Any], steps: int) -> None:
+        self.state[p] = slots
 
-def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: Optional[torch.Tensor],
+
+def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: torch.Tensor,
                     flat_grad: torch.Tensor):
     if isinstance(spec, SGD):
-        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov,
-                               weight_decay=spec.weight_decay)
+        return FlatSGD(spec, flat_param, flat_grad, params)
     if isinstance(spec, Adam):
         return FlatAdam(spec, flat_param, flat_grad, params)
     raise ElasticFlowError(f"the torch backend has no optimizer for {type(spec).__name__}",

@@ -1,20 +1,24 @@
-"""Per-step cost of elasticflow's AdamW/Adam path against torch.optim in a hand-written loop.
+"""elasticflow's 1-worker step against a hand-written loop on real architectures, with SGD, Adam or AdamW.
 
-Both rows train models/tiny_gpt.py (a plain-torch GPT-2-shaped decoder, tied embedding) from the
-same initial weights on the same random tokens, with the same global batch, per-step sample order
-(``elasticflow.data.permutation``), optimizer hyper-parameters and torch thread count, in one
-process. The timing driver is scripts/bench_overhead.py's: rows interleaved chunk by chunk, the
-order alternating, warm-up steps excluded, median and minimum of wall and CPU time per step with
-the ratio to the first (hand-written) row.
+Rows train ``--model``: models/tiny_gpt.py (a plain-torch GPT-2-shaped decoder, tied embedding) or
+models/small_resnet.py (a CIFAR-style ResNet with BatchNorm), from the same initial weights on the same
+data, with the same global batch, per-step sample order (``elasticflow.data.permutation``), optimizer
+hyper-parameters and torch thread count, in one process. The hand-written row is what a user would
+write: resident tensors, index_select, forward/backward/step/zero_grad with torch.optim. The timing
+driver is scripts/bench_overhead.py's: rows interleaved chunk by chunk, the order alternating, warm-up
+steps excluded, median and minimum of wall and CPU time per step with the ratio to the first
+(hand-written) row.
 
-    .venv/bin/python scripts/bench_adam.py                                  # AdamW, vocab 1000 and 50257
-    .venv/bin/python scripts/bench_adam.py --optimizer adam --vocab 1000 --chunks 30
-    .venv/bin/python scripts/bench_adam.py --update-only                    # the optimizer update alone
-    .venv/bin/python scripts/bench_adam.py --profile                        # torch.profiler tables, no timing
+    .venv/bin/python scripts/bench_models.py                                  # tiny_gpt, AdamW, vocab 1000 and 50257
+    .venv/bin/python scripts/bench_models.py --optimizer adam --vocab 1000 --chunks 30
+    .venv/bin/python scripts/bench_models.py --model small_resnet --optimizer sgd --global-batch 64
+    .venv/bin/python scripts/bench_models.py --update-only                    # the optimizer update alone
+    .venv/bin/python scripts/bench_models.py --profile                        # torch.profiler tables, no timing
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -22,7 +26,6 @@ from pathlib import Path
 from typing import Iterator, List
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "tiny_gpt.py"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "scripts"))
@@ -30,23 +33,33 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_overhead import _logger, bench, elasticflow_row, report  # noqa: E402  the same driver, rows, log
 
 
+# model name -> its model_args as command-line options, with their defaults
+MODEL_ARGS = {"tiny_gpt": {"vocab": 1000, "width": 64, "layers": 2, "heads": 2},
+              "small_resnet": {"width": 16, "blocks": 1, "samples": 2048}}
+
+
 @dataclass
 class Setup:
+    model: str
     optimizer: str
-    vocab: int
-    width: int
-    layers: int
+    args: dict
     threads: int
     global_batch: int = 16
-    heads: int = 2
     lr: float = 1e-3
     weight_decay: float = 0.01
     seed: int = 0
     log_every: int = 10  # elasticflow's default trainer.log_every; the hand-written loop logs as often
-    log_file: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_adam_")) / "train.log")
+    log_file: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_models_")) / "train.log")
 
     def model_args(self):
-        return {"vocab": self.vocab, "width": self.width, "layers": self.layers, "heads": self.heads}
+        return dict(self.args)
+
+    def path(self) -> Path:
+        return REPO / "models" / f"{self.model}.py"
+
+    def module(self):
+        """The model file, imported (models/ is on sys.path)."""
+        return importlib.import_module(self.model)
 
     def overrides(self) -> List[str]:
         return ([f"+model_args.{k}={v}" for k, v in self.model_args().items()] +
@@ -62,14 +75,14 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
     import torch
     from omegaconf import OmegaConf
 
-    import tiny_gpt
     from elasticflow.data import permutation
 
     log = _logger(setup)
     torch.set_num_threads(setup.threads)
     cfg = OmegaConf.create({"seed": setup.seed, "model_args": setup.model_args()})
-    net = tiny_gpt.model(cfg)
-    x, y = (torch.from_numpy(a) for a in tiny_gpt.data(cfg))
+    mod = setup.module()
+    net = mod.model(cfg)
+    x, y = (torch.from_numpy(a) for a in mod.data(cfg))
     opt = _torch_optimizer(setup, net.parameters())
     n, b = len(x), setup.global_batch
     step, epoch = 0, 0
@@ -77,7 +90,8 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
         order = torch.from_numpy(permutation(n, setup.seed, epoch))
         for start in range(0, n, b):
             idx = order[start:start + b]
-            loss = tiny_gpt.forward(x.index_select(0, idx), y.index_select(0, idx), net)
+            loss = mod.forward(x.index_select(0, idx), y.index_select(0, idx), net)
+            loss = loss["loss"] if isinstance(loss, dict) else loss  # small_resnet's forward adds an accuracy
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -99,7 +113,8 @@ def _torch_optimizer(setup: Setup, params):
     return cls(params, lr=setup.lr, weight_decay=setup.weight_decay)
 
 
-ROWS = {"hand-written torch": handwritten_torch, "elasticflow torch": elasticflow_row("torch", MODEL)}
+def rows(setup: Setup):
+    return {"hand-written torch": handwritten_torch, "elasticflow torch": elasticflow_row("torch", setup.path())}
 
 
 def _gradients(setup: Setup):
@@ -107,13 +122,13 @@ def _gradients(setup: Setup):
     import torch
     from omegaconf import OmegaConf
 
-    import tiny_gpt
-
     cfg = OmegaConf.create({"seed": setup.seed, "model_args": setup.model_args()})
-    net = tiny_gpt.model(cfg)
-    x, y = (torch.from_numpy(a[:setup.global_batch]) for a in tiny_gpt.data(cfg))
-    tiny_gpt.forward(x, y, net).backward()
-    return tiny_gpt, net, [p.grad.clone() for p in net.parameters()]
+    mod = setup.module()
+    net = mod.model(cfg)
+    x, y = (torch.from_numpy(a[:setup.global_batch]) for a in mod.data(cfg))
+    loss = mod.forward(x, y, net)
+    (loss["loss"] if isinstance(loss, dict) else loss).backward()
+    return mod, net, [p.grad.clone() for p in net.parameters()]
 
 
 def torch_optim_update(setup: Setup, total_steps: int) -> Iterator[None]:
@@ -139,9 +154,9 @@ def engine_update(setup: Setup, total_steps: int) -> Iterator[None]:
     from elasticflow.backends.torch import Engine
 
     torch.set_num_threads(setup.threads)
-    tiny_gpt, net, grads = _gradients(setup)
+    mod, net, grads = _gradients(setup)
     cls = optim.AdamW if setup.optimizer == "adamw" else optim.Adam
-    engine = Engine(net, tiny_gpt.forward, cls(setup.lr, weight_decay=setup.weight_decay))
+    engine = Engine(net, mod.forward, cls(setup.lr, weight_decay=setup.weight_decay))
     engine.grad_view().copy_(torch.cat([g.reshape(-1) for g in grads]))
     for _ in range(total_steps):
         engine.apply(setup.lr)
@@ -155,7 +170,7 @@ def profile(setup: Setup, steps: int = 30) -> None:
     """torch.profiler's table for each row over ``steps`` steps after 20 warm-up steps."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    for name, row in ROWS.items():
+    for name, row in rows(setup).items():
         loop = row(setup, 20 + steps + 1)
         for _ in range(20):
             next(loop)
@@ -172,10 +187,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
                    help="sgd: with momentum 0.9, on both rows (not with --update-only)")
-    p.add_argument("--vocab", type=int, nargs="+", default=[1000, 50257])
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--model", default="tiny_gpt", choices=sorted(MODEL_ARGS))
+    names = dict.fromkeys(k for d in MODEL_ARGS.values() for k in d if k != "vocab")
+    for name in names:  # each model's default where not given
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help="default " + ", ".join(f"{m}: {d[name]}" for m, d in MODEL_ARGS.items() if name in d))
+    p.add_argument("--vocab", type=int, nargs="+", default=[1000, 50257], help="tiny_gpt's; one run each")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--warmup", type=int, default=20)
@@ -185,9 +202,12 @@ def main(argv=None) -> None:
     p.add_argument("--update-only", action="store_true",
                    help="time the optimizer update alone (fixed gradients), torch.optim against Engine.apply")
     args = p.parse_args(argv)
-    for vocab in args.vocab:
-        setup = Setup(args.optimizer, vocab, args.width, args.layers, args.threads, args.global_batch, heads=args.heads)
-        print(f"tiny_gpt vocab={vocab} width={args.width} layers={args.layers} heads={args.heads} seq=64, global batch "
+    defaults = MODEL_ARGS[args.model]
+    for vocab in args.vocab if "vocab" in defaults else [None]:
+        model_args = {k: (vocab if k == "vocab" else getattr(args, k) if getattr(args, k) is not None else d)
+                      for k, d in defaults.items()}
+        setup = Setup(args.model, args.optimizer, model_args, args.threads, args.global_batch)
+        print(f"{args.model} {' '.join(f'{k}={v}' for k, v in model_args.items())}, global batch "
               f"{setup.global_batch}, {args.optimizer}(lr={setup.lr}, weight_decay={setup.weight_decay}), "
               f"{args.threads} thread(s); {args.chunks} interleaved chunks of {args.chunk_steps} steps after "
               f"{args.warmup} warm-up steps; ratios to the first row")
@@ -197,7 +217,7 @@ def main(argv=None) -> None:
             print("  the update alone")
             report(bench(setup, args.warmup, args.chunks, args.chunk_steps, UPDATE_ROWS))
         else:
-            report(bench(setup, args.warmup, args.chunks, args.chunk_steps, ROWS))
+            report(bench(setup, args.warmup, args.chunks, args.chunk_steps, rows(setup)))
 
 
 if __name__ == "__main__":

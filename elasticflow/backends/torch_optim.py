@@ -1,0 +1,154 @@
+"""SGD, Adam and AdamW as one update over flat buffers: torch.optim's formulas, a handful of calls a step.
+
+torch.optim's optimizers on CPU run their single-tensor loop (foreach is the default only on CUDA): SGD
+with momentum makes three tensor calls per parameter tensor, Adam about ten, so a GPT-2 block (12 tensors)
+costs ~120 dispatches a step whatever its size, and ``exp_avg_sq.sqrt()`` allocates a fresh tensor per
+parameter per step; on a small model, torch.optim.SGD's Python (its wrapper, profiler hooks, the group
+walk) costs more than the update itself. The Engine keeps the gradient and the parameters in one flat
+buffer each, so the same formulas run once over the whole model: 1 to 3 calls a step for SGD, 8 for Adam,
+and no allocation.
+
+The arithmetic is torch.optim's single-tensor branch (``sgd._single_tensor_sgd``;
+``adam._single_tensor_adam``, non-capturable), op for op and with the same Python-float scalars, so each
+element sees the same float32 operations: SGD's updates are bit-identical; Adam's can differ only in the
+split between vectorised body and scalar tail of a kernel, which tests/test_optim.py bounds.
+State is per parameter to the outside (``state[p]["exp_avg"]`` is a view of the flat slot), so
+checkpoints keep the ``optimizer/<param>/<slot>`` layout and load from torch.optim runs and back.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from ..optim import SGD, Adam, AdamW
+
+
+class _Flat:
+    """What FlatSGD and FlatAdam share: ``param_groups[0]["lr"]`` (read by ``step()``), and ``state``, which
+    maps a parameter to views of its slots once the first step ran (empty before, as torch.optim's).
+    ``load_slots`` replaces ``state[p] = ...``: the slots are copied into the flat buffers, which must stay
+    single buffers."""
+
+    def __init__(self, lr: float, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor],
+                 slots: Dict[str, torch.Tensor]):
+        self.param_groups = [{"lr": lr}]
+        self.flat_param, self.flat_grad = flat_param, flat_grad
+        self.steps = 0
+        self.state: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        self._views: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        offset = 0
+        for p in params:
+            n = p.numel()
+            self._views[p] = {name: flat[offset:offset + n].view_as(p) for name, flat in slots.items()}
+            offset += n
+
+    @torch.no_grad()
+    def load_slots(self, p: torch.Tensor, slots: Dict[str, torch.Tensor], steps: int) -> None:
+        """Copy a checkpoint's slots of ``p`` into the flat slots; the step count becomes ``steps``."""
+        for name, value in slots.items():
+            if name in self._views[p]:
+                self._views[p][name].copy_(value)
+        self.steps = int(steps)
+        self.state.update(self._views)
+
+
+class FlatSGD(_Flat):
+    """torch.optim.SGD (momentum, Nesterov, weight decay) over flat param/grad buffers; see ``_Flat``."""
+
+    def __init__(self, spec: SGD, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor]):
+        self.momentum, self.nesterov, self.weight_decay = spec.momentum, spec.nesterov, spec.weight_decay
+        self.momentum_buffer = torch.zeros_like(flat_param) if spec.momentum else None
+        # Scratch for grad + wd * param and Nesterov's grad + momentum * buf (torch.optim allocates both
+        # per parameter per step); the reduced gradient itself stays what was reduced.
+        self._scratch = torch.empty_like(flat_param) if spec.weight_decay or spec.nesterov else None
+        super().__init__(spec.lr, flat_param, flat_grad, params,
+                         {"momentum_buffer": self.momentum_buffer} if spec.momentum else {})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        first = not self.state  # no momentum yet: neither a step taken nor slots loaded
+        if first and self.momentum:
+            self.state.update(self._views)
+        sgd_update(self.flat_param, self.flat_grad, self.momentum_buffer, self.param_groups[0]["lr"],
+                   self.momentum, self.nesterov, self.weight_decay, first=first, scratch=self._scratch)
+        self.steps += 1
+
+
+class FlatAdam(_Flat):
+    """torch.optim.Adam / AdamW (``decoupled`` by the spec's class) over flat param/grad buffers; see ``_Flat``.
+
+    Args:
+        spec: the Adam or AdamW spec (betas, eps, weight_decay).
+        flat_param, flat_grad: 1-D float32 buffers; ``params[i]`` and its ``.grad`` are views of them,
+            laid out in order.
+    """
+
+    def __init__(self, spec: Adam, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor]):
+        self.decoupled = isinstance(spec, AdamW)
+        self.beta1, self.beta2 = spec.betas
+        self.eps, self.weight_decay = spec.eps, spec.weight_decay
+        self.exp_avg = torch.zeros_like(flat_param)
+        self.exp_avg_sq = torch.zeros_like(flat_param)
+        # Scratch for the denominator (torch.optim allocates it per parameter per step: for a large
+        # embedding that is a fresh multi-MB block, page faults included, every step).
+        self._denom = torch.empty_like(flat_param)
+        # Adam's L2 term makes grad + wd * param without touching the gradient buffer (the reduced
+        # gradient stays what was reduced); one more model-sized buffer, only when used.
+        self._l2 = torch.empty_like(flat_param) if weight_decay_is_l2(spec) else None
+        super().__init__(spec.lr, flat_param, flat_grad, params,
+                         {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if not self.state:
+            self.state.update(self._views)
+        self.steps += 1
+        adam_update(self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, self._denom,
+                    self.param_groups[0]["lr"], (self.beta1, self.beta2), self.eps, self.weight_decay,
+                    self.decoupled, self.steps, self._l2)
+
+
+@torch.no_grad()
+def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor], lr: float,
+               momentum: float, nesterov: bool, weight_decay: float, first: bool, scratch=None) -> None:
+    """One SGD update of flat (or sliced: elementwise) buffers in place, torch.optim.SGD's single-tensor
+    step op for op. ``first``: the momentum buffer is empty and takes the gradient itself, as torch.optim's
+    first step clones it (a zeroed buffer would turn a -0.0 gradient into +0.0). ``scratch``: param's size,
+    for weight decay's and Nesterov's temporaries."""
+    if weight_decay != 0:
+        grad = torch.add(grad, param, alpha=weight_decay, out=scratch)
+    if momentum != 0:
+        if first:
+            momentum_buffer.copy_(grad)
+        else:
+            momentum_buffer.mul_(momentum).add_(grad, alpha=1)
+        grad = torch.add(grad, momentum_buffer, alpha=momentum, out=scratch) if nesterov else momentum_buffer
+    param.add_(grad, alpha=-lr)
+
+
+@torch.no_grad()
+def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                denom: torch.Tensor, lr: float, betas, eps: float, weight_decay: float, decoupled: bool,
+                steps: int, l2_out=None) -> None:
+    """One Adam/AdamW update of flat (or sliced: elementwise, so any range alone gets the same values)
+    buffers in place. ``denom``: scratch of param's size; ``l2_out``: scratch for Adam's L2 term."""
+    beta1, beta2 = betas
+    step = float(steps)  # torch.optim keeps a float32 tensor and reads it back: the same value below 2**24
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = torch.add(grad, param, alpha=weight_decay, out=l2_out)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    denom = torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def weight_decay_is_l2(spec: Adam) -> bool:
+    return spec.weight_decay != 0 and not isinstance(spec, AdamW)
