@@ -37,7 +37,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         Path(args.out).write_text(json.dumps({"ends": ends, "cpu": cpu, "world": world}))
-    dist.destroy_process_group()
+    ddp_digits.leave_group()
 
 
 if __name__ == "__main__":
