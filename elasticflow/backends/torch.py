@@ -1,7 +1,8 @@
 """PyTorch backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with autograd.
 
 Gradients accumulate into one flat buffer (each parameter's ``.grad`` is a view of it), so a
-distributed reduction is a single call on one tensor and zeroing is one ``zero_()``.
+distributed reduction is a single call on one tensor and zeroing is one ``zero_()``; the parameters
+are views of another, so the optimizer's update is a few calls over the whole model (torch_optim.py).
 """
 from __future__ import annotations
 
