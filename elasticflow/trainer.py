@@ -326,19 +326,23 @@ class ElasticTrainer:
             try:
                 return self._attempt(batch)
             except CommError as exc:
-                failed = time.perf_counter()
-                # The attempt's compute, then the time blocked in the collective that failed (detection).
-                reduced = self._reduce_started if self._reduce_started >= attempt_started else failed
-                c = self.state.cursor
-                committed = c.epoch > batch.epoch or c.samples_in_epoch >= batch.end  # failed in the allgather
-                start = self.reconciler and self.reconciler.start_values()
-                if start and not committed:  # the failed step's forwards moved the buffers: redo from the start
-                    self.engine.set_buffers(start)
-                self._recover(str(exc), (reduced - attempt_started, failed - reduced))
-                c = self.state.cursor
-                # Done (a member had committed it), or a fall back to a checkpoint moved the cursor back.
-                if c.epoch != batch.epoch or c.samples_in_epoch != batch.start:
-                    return self.state.last_metrics
+                failure, failed = str(exc), time.perf_counter()
+            # Recover out here, not in the except block: until it ends, the exception's traceback keeps the
+            # failed attempt's frames, and in them the reduction's gloo works, and so the dead group's
+            # sockets open. A member blocked in a receive from this one would wait for the group's timeout
+            # (30 s in bench_elastic's kills, 2 in 5) instead of waking at once when they close.
+            # The attempt's compute, then the time blocked in the collective that failed (detection).
+            reduced = self._reduce_started if self._reduce_started >= attempt_started else failed
+            c = self.state.cursor
+            committed = c.epoch > batch.epoch or c.samples_in_epoch >= batch.end  # failed in the allgather
+            start = self.reconciler and self.reconciler.start_values()
+            if start and not committed:  # the failed step's forwards moved the buffers: redo from the start
+                self.engine.set_buffers(start)
+            self._recover(failure, (reduced - attempt_started, failed - reduced))
+            c = self.state.cursor
+            # Done (a member had committed it), or a fall back to a checkpoint moved the cursor back.
+            if c.epoch != batch.epoch or c.samples_in_epoch != batch.start:
+                return self.state.last_metrics
 
     def _attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         t, s, engine = self.tcfg, self.state, self.engine
@@ -517,7 +521,11 @@ class ElasticTrainer:
         try:
             step = self.replica.agree_min(max(found, default=-1))
         except CommError as exc:
-            self._recover(str(exc))
+            failure = str(exc)
+        else:
+            failure = None
+        if failure is not None:  # recovered out of the except block: see train_step
+            self._recover(failure)
             return
         if step < 0 or step not in found:
             raise ElasticFlowError(f"the sharded optimizer state of range(s) {lost} was lost with its owner and "
@@ -544,7 +552,8 @@ class ElasticTrainer:
                 self.last_eval = self.evaluation.run(self.engine, self.replica)
                 break
             except CommError as exc:
-                recovering += self._recover(str(exc))  # a cost of its own, not the evaluation's
+                failure = str(exc)
+            recovering += self._recover(failure)  # out of the except block (see train_step); its own cost
         seconds = time.perf_counter() - started - recovering
         self.meter.lose(seconds)
         if self.rank == 0:

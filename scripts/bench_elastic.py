@@ -29,7 +29,8 @@ Every comparison is against a baseline measured in the same run, on the same mac
    commit), alternating with the rest in every round: a before/after against the same DDP runs.
 2. Recovery. 3 elasticflow workers; once step ``--kill-at`` (+ an offset that walks through a
    checkpoint interval) is logged, SIGKILL one worker by its pid from RUN_DIR/workers.json (the
-   victim's rank rotates 1, 2, 0, ...). Latency: from the SIGKILL to the first metrics.jsonl record
+   victim's rank rotates 1, 2, 0, ...); ``--bucket-mb`` runs them with gradient buckets reduced while
+   backward runs, so kills land with bucket reductions in flight. Latency: from the SIGKILL to the first metrics.jsonl record
    written after it by the survivors (``world_size`` 2). Steps redone and roll-forward: the
    "recovered" event in RUN_DIR/events.jsonl (whose steps_redone is 1 for every unplanned failure,
    also when the survivors rolled forward and redid nothing: an upper bound).
@@ -397,7 +398,8 @@ def ef_kill(tmp: Path, i: int, args) -> Kill:
     run = tmp / f"kill-{i}"
     at = kill_step(i, args.kills, args)
     steps = at + args.after_kill
-    proc = Proc(ef_cmd(run, 3, f"trainer.max_steps={steps}"), tmp / f"kill-{i}.log")
+    overlap = [] if args.bucket_mb is None else [f"comm.bucket_mb={args.bucket_mb}"]
+    proc = Proc(ef_cmd(run, 3, f"trainer.max_steps={steps}", *overlap), tmp / f"kill-{i}.log")
     try:
         tail = Tail(run / "metrics.jsonl")
         wait_until(lambda: tail() >= at, RUN_TIMEOUT_S, f"step {at}", proc)
@@ -564,6 +566,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--kills", type=int, default=5, help="elasticflow runs, one SIGKILL each")
     p.add_argument("--restarts", type=int, default=3, help="torchrun runs, one SIGKILL each")
     p.add_argument("--kill-at", type=int, default=100, help="kill after this step (+ an offset < 10)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="part 2: comm.bucket_mb for the killed runs (e.g. 0.005: the MLP's gradient in 4 buckets, "
+                        "reduced while backward runs); default: one reduction after backward")
     p.add_argument("--after-kill", type=int, default=100, help="steps to train after the kill step")
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4], choices=[1, 2, 3, 4],
                    help="which parts to run (4: a join of a 100 MB model, and a hung worker's detection)")
