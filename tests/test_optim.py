@@ -4,7 +4,6 @@ Each case trains a small MLP through the real ``ElasticTrainer`` (in-process: th
 point here, the CLI is covered elsewhere) and replays the same steps by hand with torch.optim:
 same initial parameters, same global sample order (``data.permutation``), same batches.
 """
-import functools
 import json
 import math
 
@@ -269,42 +268,51 @@ ADAM_MODULE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(ADAM_MODULE_CASES))
-def test_flat_adam_on_a_module_matches_torch_optim_and_resumes_from_its_state(case):
-    """12 steps with a changing lr: parameters and moments equal torch.optim's to float32 rounding, the
-    slots keep torch.optim's names, and an Engine loaded from torch.optim's state at step 6 continues
-    exactly as torch.optim does (checkpoints move between the two)."""
+def _side_by_side(make_spec, make_torch, lr: float):
+    """torch.optim and the Engine's flat optimizer over models/tiny_gpt.py from the same weights: 12 steps
+    with a changing lr, and a second Engine loaded from torch.optim's state at step 6 that does the last 6.
+    Returns (torch.optim's state at step 6, the Engine's, torch.optim's state at the end, the two Engines'
+    states at the end, the initial parameters by name); states as ``Engine.state()`` names them."""
     from elasticflow.backends.torch import Engine
 
-    make_spec, make_torch = ADAM_MODULE_CASES[case]
     mod, make_net, batches = _gpt_and_batches()
-    lrs = [3e-3 * (1 - k / 24) for k in range(len(batches))]
+    lrs = [lr * (1 - k / 24) for k in range(len(batches))]
     net = make_net()
     opt = make_torch(list(net.parameters()))
     engine = Engine(make_net(), mod.forward, make_spec())
-    torch_state = functools.partial(_torch_state, net, opt, ("exp_avg", "exp_avg_sq"))
+    slots = make_spec().slots()
 
     _torch_steps(net, opt, mod, batches[:6], lrs[:6])
     _engine_steps(engine, batches[:6], lrs[:6])
-    halfway = torch_state()
-    got = engine.state()
-    assert sorted(k for k in got if k.startswith("optimizer/")) == sorted(k for k in halfway if k.startswith("optimizer/"))
-    for name, want in halfway.items():
-        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-9, err_msg=name)
-
+    halfway, engine_halfway = _torch_state(net, opt, slots), engine.state()
     resumed = Engine(make_net(), mod.forward, make_spec())
     resumed.load_state(halfway, optimizer_steps=6)
     _torch_steps(net, opt, mod, batches[6:], lrs[6:])
     _engine_steps(engine, batches[6:], lrs[6:])
     _engine_steps(resumed, batches[6:], lrs[6:])
-    final = torch_state()
-    for e in (engine, resumed):
-        got = e.state()
+    init = {n: p.detach().numpy() for n, p in make_net().named_parameters()}
+    return halfway, engine_halfway, _torch_state(net, opt, slots), [engine.state(), resumed.state()], init
+
+
+def _moved(final, init) -> float:
+    """The least any parameter tensor moved (its largest element change): a test that compares is not vacuous."""
+    return min(np.abs(final[n] - value).max() for n, value in init.items())
+
+
+@pytest.mark.parametrize("case", sorted(ADAM_MODULE_CASES))
+def test_flat_adam_on_a_module_matches_torch_optim_and_resumes_from_its_state(case):
+    """12 steps with a changing lr: parameters and moments equal torch.optim's to float32 rounding, the
+    slots keep torch.optim's names, and an Engine loaded from torch.optim's state at step 6 continues
+    exactly as torch.optim does (checkpoints move between the two)."""
+    halfway, got, final, ends, init = _side_by_side(*ADAM_MODULE_CASES[case], lr=3e-3)
+    assert sorted(k for k in got if k.startswith("optimizer/")) == sorted(k for k in halfway if k.startswith("optimizer/"))
+    for name, want in halfway.items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-9, err_msg=name)
+    for got in ends:
         for name, want in final.items():
             np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-9, err_msg=name)
     # Not vacuous: the run moved every tensor well past the tolerance.
-    init = make_net()
-    assert min(np.abs(final[n] - p.detach().numpy()).max() for n, p in init.named_parameters()) > 1e-3
+    assert _moved(final, init) > 1e-3
 
 
 SGD_MODULE_CASES = {
@@ -320,30 +328,9 @@ def test_flat_sgd_on_a_module_is_torch_optim_bit_for_bit_and_resumes_from_its_st
     """The flat SGD (one update over the whole model) against torch.optim.SGD over the module's parameters:
     12 steps with a changing lr give identical bits, parameters and momentum alike, and an Engine loaded
     from torch.optim's state at step 6 goes on identically."""
-    from elasticflow.backends.torch import Engine
-
-    make_spec, make_torch = SGD_MODULE_CASES[case]
-    slot_names = make_spec().slots()
-    mod, make_net, batches = _gpt_and_batches()
-    lrs = [0.05 * (1 - k / 24) for k in range(len(batches))]
-    net = make_net()
-    opt = make_torch(list(net.parameters()))
-    engine = Engine(make_net(), mod.forward, make_spec())
-    torch_state = functools.partial(_torch_state, net, opt, slot_names)
-
-    _torch_steps(net, opt, mod, batches[:6], lrs[:6])
-    _engine_steps(engine, batches[:6], lrs[:6])
-    halfway = torch_state()
-    assert sorted(engine.state()) == sorted(halfway)
-    resumed = Engine(make_net(), mod.forward, make_spec())
-    resumed.load_state(halfway, optimizer_steps=6)
-    _torch_steps(net, opt, mod, batches[6:], lrs[6:])
-    _engine_steps(engine, batches[6:], lrs[6:])
-    _engine_steps(resumed, batches[6:], lrs[6:])
-    final = torch_state()
-    for e in (engine, resumed):
-        got = e.state()
+    halfway, got, final, ends, init = _side_by_side(*SGD_MODULE_CASES[case], lr=0.05)
+    assert sorted(got) == sorted(halfway)
+    for got in ends:
         for name, want in final.items():
             np.testing.assert_array_equal(got[name], want, err_msg=name)
-    init = make_net()
-    assert min(np.abs(final[n] - p.detach().numpy()).max() for n, p in init.named_parameters()) > 1e-3
+    assert _moved(final, init) > 1e-3
