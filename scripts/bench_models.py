@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_overhead import _logger, bench, elasticflow_row, report  # noqa: E402  the same driver, rows, log
+from bench_overhead import _logger, batch_order, bench, elasticflow_row, report  # noqa: E402  the same driver, rows, log
 
 
 # model name -> its model_args as command-line options, with their defaults
@@ -75,8 +75,6 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
     import torch
     from omegaconf import OmegaConf
 
-    from elasticflow.data import permutation
-
     log = _logger(setup)
     torch.set_num_threads(setup.threads)
     cfg = OmegaConf.create({"seed": setup.seed, "model_args": setup.model_args()})
@@ -84,24 +82,16 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
     net = mod.model(cfg)
     x, y = (torch.from_numpy(a) for a in mod.data(cfg))
     opt = _torch_optimizer(setup, net.parameters())
-    n, b = len(x), setup.global_batch
-    step, epoch = 0, 0
-    while step < total_steps:
-        order = torch.from_numpy(permutation(n, setup.seed, epoch))
-        for start in range(0, n, b):
-            idx = order[start:start + b]
-            loss = mod.forward(x.index_select(0, idx), y.index_select(0, idx), net)
-            loss = loss["loss"] if isinstance(loss, dict) else loss  # small_resnet's forward adds an accuracy
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            if step % setup.log_every == 0:
-                log.info("step %d loss %.5g", step, loss.item())
-            yield
-            if step == total_steps:
-                return
-        epoch += 1
+    for step, positions in batch_order(len(x), setup.global_batch, setup.seed, total_steps):
+        idx = torch.from_numpy(positions)
+        loss = mod.forward(x.index_select(0, idx), y.index_select(0, idx), net)
+        loss = loss["loss"] if isinstance(loss, dict) else loss  # small_resnet's forward adds an accuracy
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % setup.log_every == 0:
+            log.info("step %d loss %.5g", step, loss.item())
+        yield
 
 
 def _torch_optimizer(setup: Setup, params):

@@ -39,7 +39,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "digits_mlp.py"
@@ -82,6 +82,23 @@ def _logger(setup: Setup) -> logging.Logger:
 Row = Callable[[Setup, int], Iterator[None]]
 
 
+def batch_order(n: int, global_batch: int, seed: int, total_steps: int) -> Iterator[Tuple[int, "np.ndarray"]]:
+    """(step, sample positions) of the first ``total_steps`` global batches in elasticflow's order: each
+    epoch's ``data.permutation`` cut into global batches, the short last one kept. What every hand-written
+    row (here and in bench_models.py) trains on."""
+    from elasticflow.data import permutation
+
+    step, epoch = 0, 0
+    while True:
+        order = permutation(n, seed, epoch)
+        for start in range(0, n, global_batch):
+            if step == total_steps:
+                return
+            step += 1
+            yield step, order[start:start + global_batch]
+        epoch += 1
+
+
 def elasticflow_row(backend: str, model: Path = MODEL) -> Row:
     """The documented custom loop of ElasticTrainer (what ``fit()`` runs, without the progress bar)."""
     def row(setup: Setup, total_steps: int) -> Iterator[None]:
@@ -110,7 +127,6 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
     from omegaconf import OmegaConf
 
     import digits_mlp
-    from elasticflow.data import permutation
 
     log = _logger(setup)
     torch.set_num_threads(setup.threads)
@@ -120,26 +136,18 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
                       (init["hidden"]["W"], init["hidden"]["b"], init["out"]["W"], init["out"]["b"]))
     x, y = (torch.from_numpy(a) for a in digits_mlp.data(None))
     opt = torch.optim.SGD([w1, b1, w2, b2], lr=setup.lr, momentum=setup.momentum)
-    n, b = len(x), setup.global_batch
-    step, epoch = 0, 0
-    while step < total_steps:
-        order = torch.from_numpy(permutation(n, setup.seed, epoch))
-        for start in range(0, n, b):
-            idx = order[start:start + b]
-            xb, yb = x.index_select(0, idx), y.index_select(0, idx)
-            logits = torch.relu(xb @ w1 + b1) @ w2 + b2
-            loss = F.cross_entropy(logits, yb)
-            accuracy = (logits.argmax(-1) == yb).float().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            if step % setup.log_every == 0:
-                log.info("step %d loss %.5g accuracy %.4g", step, loss.item(), accuracy.item())
-            yield
-            if step == total_steps:
-                return
-        epoch += 1
+    for step, positions in batch_order(len(x), setup.global_batch, setup.seed, total_steps):
+        idx = torch.from_numpy(positions)
+        xb, yb = x.index_select(0, idx), y.index_select(0, idx)
+        logits = torch.relu(xb @ w1 + b1) @ w2 + b2
+        loss = F.cross_entropy(logits, yb)
+        accuracy = (logits.argmax(-1) == yb).float().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % setup.log_every == 0:
+            log.info("step %d loss %.5g accuracy %.4g", step, loss.item(), accuracy.item())
+        yield
 
 
 def handwritten_tensorflow(setup: Setup, total_steps: int, flat_call: bool = False) -> Iterator[None]:
@@ -154,7 +162,6 @@ def handwritten_tensorflow(setup: Setup, total_steps: int, flat_call: bool = Fal
     from omegaconf import OmegaConf
 
     import digits_mlp
-    from elasticflow.data import permutation
 
     log = _logger(setup)
     for setter, value in ((tf.config.threading.set_intra_op_parallelism_threads, setup.threads),
@@ -186,19 +193,11 @@ def handwritten_tensorflow(setup: Setup, total_steps: int, flat_call: bool = Fal
         train_step = Compiled(train_step)
     else:
         train_step = tf.function(train_step)
-    n, b = len(x), setup.global_batch
-    step, epoch = 0, 0
-    while step < total_steps:
-        order = permutation(n, setup.seed, epoch)
-        for start in range(0, n, b):
-            loss, accuracy = train_step(tf.constant(order[start:start + b]))
-            step += 1
-            if step % setup.log_every == 0:
-                log.info("step %d loss %.5g accuracy %.4g", step, float(loss), float(accuracy))
-            yield
-            if step == total_steps:
-                return
-        epoch += 1
+    for step, positions in batch_order(len(x), setup.global_batch, setup.seed, total_steps):
+        loss, accuracy = train_step(tf.constant(positions))
+        if step % setup.log_every == 0:
+            log.info("step %d loss %.5g accuracy %.4g", step, float(loss), float(accuracy))
+        yield
 
 
 # One group per backend, each timed on its own and compared against its first (hand-written) row.
