@@ -123,9 +123,10 @@ class DataConfig:
 @dataclass
 class CommConfig:
     backend: str = "auto"          # auto | gloo | nccl (auto: NCCL where every worker has its own GPU)
-    # torch, host gradients: reduce in buckets of this many MiB, each started while backward still runs
-    # (null or 0: one reduction after backward). Off by default: on 2 CPU cores gloo's transfer competes
-    # with backward for the cores and one reduction was 4% faster (scripts/bench_overlap.py, README).
+    # Host gradients: reduce in buckets of this many MiB, each started while backward still runs (torch)
+    # or all once the tape's gradient is complete (TensorFlow); null or 0: one reduction after backward.
+    # Off by default: on 2 CPU cores gloo's transfer competes with backward for the cores, and one
+    # reduction was as fast or faster on both backends (scripts/bench_overlap.py, README).
     bucket_mb: Optional[float] = None
 
 

@@ -7,7 +7,8 @@ the membership, the engine and two accessors of the state, and returns what happ
   the loss, the metrics, three agreement flags and the buffers' contributions, so every member decides the same thing at the
   same step: a newer generation is waiting, a stop was asked (Ctrl-C, SIGUSR1), the agent is gone.
   With ``comm.bucket_mb`` the gradient goes in buckets instead, each started during backward
-  (``begin_backward``), the last one carrying the scalars and flags.
+  (``begin_backward``; on TensorFlow, all as soon as the gradient is complete), the last one carrying
+  the scalars and flags.
 - ``recover``: after a failed collective, drop the group, enter the agent's next generation and
   ``sync_state``: the members compare how many samples each has committed, and if one is ahead
   (it finished the step's reduction before the peer died) its full state is sent to the members
@@ -166,13 +167,13 @@ class Replica:
         allreduce as soon as backward has finished it, while backward goes on (``comm.bucket_mb``)."""
         self._reset_buckets()
         ranges = self._buckets()
-        if ranges:
+        if ranges and hasattr(self.engine, "arm"):  # TensorFlow's tape has no per-variable callback
             self.engine.arm(ranges, self._bucket_ready)
 
     def _buckets(self) -> Optional[List[Tuple[int, int]]]:
         """The buckets, when the step reduces in more than one (the same answer on every member: it
         depends on the model and the settings only). Host gradients only: a GPU's go over NCCL whole."""
-        if not self.bucket_bytes or self.membership is None or self.world == 1 or not hasattr(self.engine, "arm"):
+        if not self.bucket_bytes or self.membership is None or self.world == 1:
             return None
         if self.shards is not None and self.shards.scatters():
             return None  # stage 2 reduce-scatters the gradient in one piece
@@ -243,7 +244,7 @@ class Replica:
                 self._start(r, tail)
                 r.tail = tail
         elif ranges:
-            r.tail = self._reduce_buckets(grad, ranges, votes, buffers)
+            self._reduce_buckets(r, grad, ranges, votes, buffers)
         elif grad.numel() <= FOLD_MAX:
             # One collective, not two: each is a round trip every member must be scheduled for, which on
             # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
@@ -304,14 +305,16 @@ class Replica:
         agreed = Agreed(out[k] != r.generation * r.world, out[k + 1] > 0, out[k + 2] > 0)
         return out[:k], agreed, tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
 
-    def _reduce_buckets(self, grad, ranges: List[Tuple[int, int]], votes: List[float], buffers) -> Any:
-        """Finish the bucketed reduction: start what backward did not (unused parameters, an empty
-        share), then the last bucket (the first parameters, which backward finishes last) with the
-        votes and buffers folded in, and wait for all. Returns the reduced votes and buffers."""
+    def _reduce_buckets(self, r: "Reduction", grad, ranges: List[Tuple[int, int]], votes: List[float],
+                        buffers) -> None:
+        """Start what backward did not (every bucket on an engine without backward hooks, TensorFlow's;
+        unused parameters; an empty share), then the last bucket (the first parameters, which backward
+        finishes last) with the votes and buffers folded in; ``finish_reduce`` waits for them all."""
         import torch
 
         try:
-            self.engine.arm(ranges, None)
+            if hasattr(self.engine, "arm"):
+                self.engine.arm(ranges, None)
             last = len(ranges) - 1
             self._ready.update(range(last))
             self._start_ready(last)
@@ -321,15 +324,13 @@ class Replica:
             parts = [grad[lo:hi], torch.tensor(votes, dtype=grad.dtype)]
             if buffers is not None:
                 parts.append(torch.from_numpy(buffers).to(grad.dtype))
-            buf = torch.cat(parts)
-            group = self.membership.group
-            group.allreduce_(buf)
-            for work in self._started:
-                group.wait(work)
+            buf = torch.cat(parts)  # a copy of the bucket: the votes ride in it, not in a round trip of their own
+            r.works += self._started
+            r.works.append(self.membership.group.allreduce_start(buf))
         finally:
             self._reset_buckets()
-        grad[lo:hi].copy_(buf[:hi - lo])
-        return buf[hi - lo:]
+        r.copy_back = (grad[lo:hi], buf[:hi - lo])
+        r.tail = buf[hi - lo:]
 
     def reduce_sum(self, values: List[float]) -> List[float]:
         """Sum ``values`` over the members (float64)."""

@@ -197,11 +197,14 @@ def tf_reference(tmp_path_factory):
     return run
 
 
-def test_tensorflow_kill_matches_single_worker(tmp_path, tf_reference):
-    """Gradients from TensorFlow enter the gloo allreduce zero-copy through DLPack."""
+@pytest.mark.parametrize("bucket_mb", ["null", "0.001"], ids=["one-reduction", "two-buckets-in-flight"])
+def test_tensorflow_kill_matches_single_worker(tmp_path, tf_reference, bucket_mb):
+    """Gradients from TensorFlow enter the gloo allreduce zero-copy through DLPack. With comm.bucket_mb=0.001
+    the gradient (19 KiB) goes in two buckets, both started once the tape's gradient is complete; the victim
+    dies waiting for them."""
     run, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
-    train_ok(run, "backend=tensorflow", "launcher.workers=3",
+    train_ok(run, "backend=tensorflow", "launcher.workers=3", f"comm.bucket_mb={bucket_mb}",
              env={"EF_PROBE_KILL": "1:20:reduction", "EF_PROBE_RECORD": str(record)})
     assert_equivalent(run, tf_reference)
     world = [r["world_size"] for r in metrics(run) if "loss" in r]

@@ -56,7 +56,7 @@ def test_three_buckets_on_three_workers_match_one_reduction(tmp_path, one_worker
 
 @pytest.mark.parametrize("kill", ["1:12:3", "2:12:1", "0:20:0", "1:8:reduction"],
                          ids=["first-bucket-not-started", "two-buckets-in-flight", "rank0-last-layer",
-                              "during-the-fold"])
+                              "during-the-last-bucket"])
 def test_a_kill_with_buckets_in_flight_ends_on_the_one_worker_parameters(tmp_path, one_worker, kill):
     run = tmp_path / "run"
     train(PROBE, run, *COMMON, "comm.bucket_mb=0.1", "launcher.workers=3", env={"EF_OVERLAP_KILL": kill})
@@ -78,10 +78,6 @@ class RecordingGroup:
 
     def wait(self, work):
         self.events.append(("wait", work.numel()))
-
-    def allreduce_(self, tensor):
-        self.events.append(("fold", tensor.numel()))
-        return tensor
 
 
 def test_buckets_start_while_backward_runs_in_order_and_the_last_carries_the_votes():
@@ -110,12 +106,13 @@ def test_buckets_start_while_backward_runs_in_order_and_the_last_carries_the_vot
     engine.accumulate((x, y), 0.5)              # the last: the first two buckets start inside backward
     assert group.events == [("start", sizes[0]), ("start", sizes[1])]
     scalars, agreed, _ = replica.reduce_step([1.5], False)
-    assert group.events[2:] == [("fold", sizes[2] + 4), ("wait", sizes[0]), ("wait", sizes[1])]
-    assert scalars == [1.5] and not agreed.interrupt  # the votes rode in the fold (peer: zeros here)
+    assert group.events[2:] == [("start", sizes[2] + 4), ("wait", sizes[0]), ("wait", sizes[1]),
+                                ("wait", sizes[2] + 4)]
+    assert scalars == [1.5] and not agreed.interrupt  # the votes rode in the last bucket (peer: zeros here)
 
     group.events.clear()                        # an empty share: no backward, every bucket at reduce time
     replica.reduce_step([0.0], False)
-    assert [e[0] for e in group.events] == ["start", "start", "fold", "wait", "wait"]
+    assert [e[0] for e in group.events] == ["start", "start", "start", "wait", "wait", "wait"]
 
 
 def test_a_negative_bucket_size_is_refused(tmp_path):
@@ -166,3 +163,45 @@ def test_the_step_reduces_the_gradient_where_it_lies_with_the_votes_and_buffers_
     assert torch.equal(grad, before * 2)
     assert scalars == [2.5, 1.0] and agreed == Agreed()  # generation 3 on both members: no change
     np.testing.assert_array_equal(summed, buffers * 2)
+
+
+def test_on_tensorflow_every_bucket_starts_once_the_gradient_is_complete_and_is_reduced_where_it_lies():
+    tf = pytest.importorskip("tensorflow")
+    from types import SimpleNamespace
+
+    from elasticflow import ops
+    from elasticflow.optim import SGD
+    from elasticflow.replica import Replica
+
+    rng = np.random.default_rng(0)
+    model = {"hidden": {"W": rng.normal(0, 0.3, (32, 256)).astype(np.float32), "b": np.zeros(256, np.float32)},
+             "out": {"W": rng.normal(0, 0.1, (256, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}}
+
+    def forward(x, y, params):
+        h = ops.tanh(x @ params["hidden"]["W"] + params["hidden"]["b"])
+        return ops.cross_entropy(h @ params["out"]["W"] + params["out"]["b"], y)
+
+    class Group(RecordingGroup):  # the peer holds the same values: a reduction doubles them in place
+        def allreduce_start(self, tensor):
+            super().allreduce_start(tensor)
+            return tensor.mul_(2)
+
+    with ops.using("tensorflow") as tfb:
+        engine = tfb.Engine(model, forward, SGD(0.1))
+        group = Group()
+        member = SimpleNamespace(group=group, generation=1, latest_generation=1, world=2, rank=0, agent_lost=False)
+        replica = Replica(member, engine, None, None, bucket_mb=1024 / 2**20)
+        sizes = [hi - lo for lo, hi in engine.buckets(1024)]
+        assert sizes == [4 + 256 * 4, 256, 32 * 256]  # whole parameters, the last ones first
+        x, y = rng.normal(size=(16, 32)).astype(np.float32), rng.integers(0, 4, 16)
+        engine.zero_grad()
+        replica.begin_backward()  # nothing to arm: the tape gives every gradient at once
+        engine.accumulate((tf.constant(x), tf.constant(y)), 1.0)
+        assert group.events == []
+        before = engine.grad_view().clone()
+        scalars, agreed, _ = replica.reduce_step([0.75], False)
+        assert group.events == [("start", sizes[0]), ("start", sizes[1]), ("start", sizes[2] + 4),
+                                ("wait", sizes[0]), ("wait", sizes[1]), ("wait", sizes[2] + 4)]
+        assert scalars == [1.5] and agreed.membership is False  # generation 1 on both members
+        # What the next update reads: TensorFlow's own gradient variable, every bucket doubled.
+        np.testing.assert_array_equal(engine.flat_grad.numpy(), before.numpy() * 2)

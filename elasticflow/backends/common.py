@@ -129,3 +129,17 @@ def state_names(params: Iterable[str], buffers: Iterable[str], slots: Sequence[s
     """The names ``Engine.state()`` returns: parameters, buffers, then ``optimizer/{param}/{slot}``."""
     params = list(params)
     return params + list(buffers) + [f"optimizer/{n}/{s}" for n in params for s in slots]
+
+
+def buckets(sizes: Sequence[int], bucket_bytes: int) -> List[Tuple[int, int]]:
+    """Ranges [lo, hi) of a flat float32 gradient made of parameters of ``sizes`` (in flat order),
+    whole parameters each, the last parameters first (the order backward finishes them: it runs from
+    the loss towards the inputs), each of at least ``bucket_bytes`` but the last."""
+    ends = np.cumsum(sizes).tolist()
+    ranges, hi = [], int(ends[-1]) if ends else 0
+    for i in range(len(sizes) - 1, -1, -1):
+        lo = int(ends[i] - sizes[i])
+        if (hi - lo) * 4 >= bucket_bytes or i == 0:
+            ranges.append((lo, hi))
+            hi = lo
+    return ranges

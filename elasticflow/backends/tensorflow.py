@@ -30,7 +30,7 @@ import tensorflow as tf
 from . import tensorflow_data as tf_data
 from . import tensorflow_ops as tf_ops
 from . import tensorflow_optim as tf_optim
-from .common import activate, check_loss, flatten, rebuild, state_names
+from .common import activate, buckets, check_loss, flatten, rebuild, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
 # The data path, under the names a backend module provides (Rows: a batch gathered inside the compiled step).
@@ -423,6 +423,14 @@ class Engine:
 
         self._settle()
         return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(self.flat_grad.value()))
+
+    def buckets(self, bucket_bytes: int) -> List[Tuple[int, int]]:
+        """The flat gradient's buckets (``common.buckets``), for ``comm.bucket_mb``.
+
+        Note: ``GradientTape.gradient`` returns every gradient at once, with no callback per
+        variable, so the buckets all start when the step's gradient is complete, not during backward.
+        """
+        return buckets(self._sizes, bucket_bytes)  # per parameter, also of a dict model's one flat variable
 
     def apply(self, lr: float) -> None:
         """One optimizer update from the flat gradient, with torch.optim's formulas.

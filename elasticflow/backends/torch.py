@@ -342,18 +342,8 @@ class Engine:
 
     # -- gradient buckets: reductions that start while backward still runs
     def buckets(self, bucket_bytes: int) -> List[Tuple[int, int]]:
-        """Ranges [lo, hi) of the flat gradient, whole parameters each, in the order backward finishes
-        them (the last parameters first: backward runs from the loss towards the inputs), each of at
-        least ``bucket_bytes`` but the last."""
-        sizes = [p.numel() for p in self.params.values()]
-        ends = np.cumsum(sizes).tolist()
-        ranges, hi = [], self.num_params
-        for i in range(len(sizes) - 1, -1, -1):
-            lo = ends[i] - sizes[i]
-            if (hi - lo) * 4 >= bucket_bytes or i == 0:
-                ranges.append((lo, hi))
-                hi = lo
-        return ranges
+        """The flat gradient's buckets (``common.buckets``): backward finishes them in this order."""
+        return common.buckets([p.numel() for p in self.params.values()], bucket_bytes)
 
     def arm(self, ranges: List[Tuple[int, int]], on_ready: Optional[Any]) -> None:
         """Call ``on_ready(k)`` when every parameter of bucket k (``ranges[k]``) has its gradient
