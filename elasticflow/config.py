@@ -1,7 +1,8 @@
 """Structured-config schema of conf/: every key a user can set, typed and validated once.
 
-Hydra merges conf/config.yaml and the chosen group files into :class:`Config`; an unknown key
-or a value of the wrong type fails with Hydra's own message before anything runs.
+Hydra merges conf/config.yaml and the chosen group files into :class:`Config`; an unknown key, a value
+of the wrong type or a missing group choice fails before anything runs, as one line with a hint
+(``composed``: Hydra's own messages span five to ten lines and suggest nothing).
 """
 from __future__ import annotations
 
@@ -301,13 +302,60 @@ def compose(model: str, overrides: Optional[List[str]] = None) -> Any:
     Example:
         >>> cfg = compose("models/digits_mlp.py", ["trainer.global_batch_size=32", "optimizer=adam"])
     """
+    refuse_renamed(overrides or [])
+    cfg = composed([f"model={model}", *(overrides or [])])
+    validate(cfg)
+    return cfg
+
+
+def composed(overrides: List[str]) -> Any:
+    """conf/ composed with ``overrides`` by Hydra (not validated). A Hydra error becomes one
+    ElasticFlowError: the key, what is wrong with it, and a hint (the closest keys or the choices)."""
     from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
 
     from .paths import conf_dir
 
-    refuse_renamed(overrides or [])
     register()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = hydra_compose("config", overrides=[f"model={model}", *(overrides or [])])
-    validate(cfg)
-    return cfg
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return hydra_compose("config", overrides=overrides)
+    except HydraException as exc:
+        raise _explained(exc) from exc
+
+
+def _explained(exc: Exception) -> ElasticFlowError:
+    """Hydra's composition error ``exc`` as one line and a hint."""
+    import difflib
+
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause, first = exc.__cause__, (str(exc).splitlines() or [type(exc).__name__])[0]
+    listing = "`elasticflow train MODEL.py --cfg job` prints every key with its value"
+    if isinstance(exc, MissingConfigException) and exc.options:
+        group, _, choice = (exc.missing_cfg_file or "").rpartition("/")
+        return ElasticFlowError(f"{group}={choice} is not a choice of the config group {group}",
+                                f"use one of: {', '.join(f'{group}={o}' for o in exc.options)}")
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        parent, _, key = cause.full_key.rpartition(".")
+        known = list(cause.parent_node) if cause.parent_node is not None else []
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        named = [f"{parent}.{k}" if parent else k for k in close]
+        if parent == "model_args":  # the model file's free-form section starts empty: keys are added
+            return ElasticFlowError(f"unknown config key {cause.full_key}",
+                                    f"model_args holds the model file's own settings: add one with "
+                                    f"+{cause.full_key}=VALUE")
+        return ElasticFlowError(f"unknown config key {cause.full_key}",
+                                (f"did you mean {' or '.join(named)}? " if named else "") + listing)
+    if isinstance(cause, ValidationError) and cause.full_key:
+        return ElasticFlowError(f"{cause.full_key}: {str(cause).splitlines()[0]}",
+                                f"pass a value of the key's type; {listing}")
+    if isinstance(exc, OverrideParseException):
+        return ElasticFlowError(f"cannot parse an override: {first}",
+                                "overrides are key=value; quote a value with spaces, commas or brackets, "
+                                "e.g. 'trainer.name=a b'")
+    if first.startswith("Ambiguous value"):
+        return ElasticFlowError(first, "a list is key=[a,b]; a string with commas is key='a,b'; to sweep "
+                                       "over the values add -m")
+    return ElasticFlowError(f"config: {first}", "run with --debug for Hydra's full message")

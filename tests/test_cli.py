@@ -68,15 +68,19 @@ def test_multirun_sweeps_two_learning_rates(tiny, tmp_path):
     assert ckpt.latest(sweep / "0" / "checkpoints").name == ckpt.latest(sweep / "1" / "checkpoints").name == "step_3"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.nope=1", "Key 'nope' not in 'TrainerConfig'"),
-    ("trainer.global_batch_size=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+@pytest.mark.parametrize("override, message, hint", [
+    ("trainer.max_stepz=3", "unknown config key trainer.max_stepz", "did you mean trainer.max_steps?"),
+    ("trainer.global_batch_size=abc",
+     "trainer.global_batch_size: Value 'abc' of type 'str' could not be converted to Integer", "of the key's type"),
+    ("optimizer=rmsprop", "optimizer=rmsprop is not a choice of the config group optimizer",
+     "use one of: optimizer=adam, optimizer=adamw, optimizer=sgd"),
+    ("trainer.epochs=1,2", "Ambiguous value for argument 'trainer.epochs=1,2'", "to sweep over the values add -m"),
 ])
-def test_unknown_key_and_wrong_type_fail_with_hydras_message(tiny, tmp_path, override, message):
+def test_a_bad_override_is_one_error_line_with_a_hint_and_writes_nothing(tiny, tmp_path, override, message, hint):
     proc = train(tiny, tmp_path / "run", override, check=False, timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert_one_error(proc, message)
+    assert proc.returncode == 2 and hint in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_same_seed_same_losses_other_seed_other_losses(tiny, tmp_path):
