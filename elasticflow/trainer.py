@@ -10,7 +10,6 @@ Counters, never mixed: ``step`` counts optimizer steps, ``micro_step`` micro-bat
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 from omegaconf import OmegaConf
 
-from . import data, devices, loss_scale, modelfile, ops, optim
+from . import data, devices, grad_check, loss_scale, modelfile, ops, optim
 from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config import TrainerConfig, compose
 from .data import GlobalBatch
@@ -387,25 +386,15 @@ class ElasticTrainer:
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
-        finite = math.isfinite(loss)
-        grad_norm, overflow = None, False
-        if finite and (t.grad_clip is not None or scaling):
-            grad_norm = engine.grad_norm()  # a sync point on accelerators
-            if scaling:  # every member checks the same summed gradient: the same verdict everywhere
-                overflow = not math.isfinite(grad_norm)
-                engine.scale_grad(1.0 / s.loss_scale)
-                grad_norm /= s.loss_scale
-            finite = math.isfinite(grad_norm)
-            if finite and t.grad_clip is not None and grad_norm > t.grad_clip:
-                engine.scale_grad(t.grad_clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+        verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None)
         lr = optim.lr_at(self.spec, s.step, self.schedule.total_steps)
-        if overflow:  # float16 overflowed: skip the update, as torch's GradScaler does, and lower the scale
+        if verdict.overflow:  # float16 overflowed: skip the update, as torch's GradScaler does, and lower the scale
             s.skipped_steps += 1
             log.debug("float16 gradient overflow at step %d; loss scale %g -> %g", s.step + 1, s.loss_scale,
                       s.loss_scale * loss_scale.BACKOFF)
             record.update(skipped=True, overflow=True)
-        elif not finite:
-            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+        elif not verdict.finite:
+            what = verdict.problem(loss)
             if t.on_nonfinite == "stop":
                 raise ElasticFlowError(
                     f"{what} at step {s.step + 1} (epoch {batch.epoch}); training stopped, "
@@ -423,7 +412,7 @@ class ElasticTrainer:
         if scaling:
             record["loss_scale"] = s.loss_scale
             s.loss_scale, s.loss_scale_good_steps = loss_scale.next_scale(s.loss_scale, s.loss_scale_good_steps,
-                                                                         overflow)
+                                                                         verdict.overflow)
         # Committed: from here on this worker's state includes the step.
         self._agreed = agreed
         s.cursor.samples_in_epoch = batch.end
@@ -431,8 +420,8 @@ class ElasticTrainer:
         record.update(step=s.step, loss=loss, lr=lr, samples_seen=s.cursor.samples_seen, world_size=self.world,
                       generation=self.generation, micro_step=s.micro_step, global_batch=batch.size, time=time.time())
         record.update(metric_values)
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
+        if verdict.grad_norm is not None:
+            record["grad_norm"] = verdict.grad_norm
         s.last_metrics = record
         if self.shards is not None:
             # After the commit: a member failing here leaves the step applied to every range held, and
