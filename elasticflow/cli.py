@@ -25,6 +25,11 @@ Train the model file's model(), forward() and data(); any config key can be over
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
                           "--config-dir", "-cd", "--experimental-rerun"}
 
+# With these, Hydra's own messages stay: a sweep's comma lists are not one config, and another config
+# name or directory is not the conf/ that config.composed() reads.
+HYDRA_OWN_MESSAGES = {"-m", "--multirun", "--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd",
+                      "--experimental-rerun"}
+
 
 def _train_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -81,10 +86,9 @@ def train(args: List[str], debug: bool) -> None:
         fail("no model file given", "usage: elasticflow train MODEL.py [key=value ...], e.g. models/digits_mlp.py")
     if debug:
         os.environ["HYDRA_FULL_ERROR"] = "1"
-    if not wants_help and not {"-m", "--multirun"} & set(flags):
+    if not wants_help and not HYDRA_OWN_MESSAGES & set(flags):
         # Composed once before Hydra's run (~60 ms) so that a bad override is one line with a hint (with
-        # --debug, after the traceback of Hydra's error); a sweep's comma lists are not one config, and
-        # keep Hydra's own messages.
+        # --debug, after the traceback of Hydra's error).
         composed(overrides)
     register()
     sys.argv = ["elasticflow train", *flags, *overrides]

@@ -83,6 +83,17 @@ def test_a_bad_override_is_one_error_line_with_a_hint_and_writes_nothing(tiny, t
     assert not (tmp_path / "run").exists()
 
 
+def test_a_config_dir_of_the_users_adds_a_group_choice(tiny, tmp_path):
+    """--config-dir: Hydra's, not conf/ alone, decides what exists (the one-line check stands aside)."""
+    mine = tmp_path / "conf" / "optimizer"
+    mine.mkdir(parents=True)
+    (mine / "slow.yaml").write_text("name: sgd\nlr: 0.003\nmomentum: 0.0\nnesterov: false\nweight_decay: 0.0\n")
+    run = tmp_path / "run"
+    train(tiny, run, "--config-dir", str(tmp_path / "conf"), "optimizer=slow", "trainer.max_steps=2", *SMALL,
+          timeout=120)
+    assert {r["lr"] for r in metrics(run) if "loss" in r} == {0.003}
+
+
 def test_same_seed_same_losses_other_seed_other_losses(tiny, tmp_path):
     runs = {}
     for name in ("a", "b"):
