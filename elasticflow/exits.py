@@ -50,7 +50,8 @@ def report(exc: BaseException, debug: bool) -> NoReturn:
         if "elasticflow/" not in frame.filename.replace(os.sep, "/") or "/models/" in frame.filename:
             where = f" at {frame.filename}:{frame.lineno}"
             break
-    fail(f"{type(exc).__name__}: {exc}{where}", "run with --debug for the full traceback", 1)
+    fail(f"{type(exc).__name__}: {exc}{where}",
+         "the full traceback is above" if debug else "run with --debug for the full traceback", 1)
 
 
 def print_done(summary: Dict[str, Any], run_dir: Optional[Path] = None) -> None:

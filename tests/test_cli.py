@@ -192,6 +192,18 @@ def test_debug_shows_the_traceback(write_model, tmp_path, case):
     assert message in proc.stderr
 
 
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_an_error_in_the_users_forward_names_its_line(write_model, tmp_path, debug):
+    source = HEADER + GOOD_MODEL + "def forward(x, y, params):\n    return params['bias']\n" + GOOD_DATA
+    model = write_model(source)
+    proc = run_cli(["train", model, f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=2",
+                    *(["--debug"] if debug else [])], timeout=120)
+    assert_one_error(proc, f"KeyError: 'bias' at {model}:")
+    assert proc.returncode == 1
+    assert ("Traceback (most recent call last)" in proc.stderr) is debug
+    assert ("hint: the full traceback is above" if debug else "hint: run with --debug") in proc.stderr
+
 # ---------------------------------------------------------------- a loss that turns NaN/inf at step 15
 # The sample at position 14*8 + k of epoch 0's order (global step 15) carries NaN (or inf).
 NONFINITE = '''
