@@ -319,9 +319,34 @@ def composed(overrides: List[str]) -> Any:
     register()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return hydra_compose("config", overrides=overrides)
+            cfg = hydra_compose("config", overrides=overrides)
     except HydraException as exc:
         raise _explained(exc) from exc
+    _refuse_added(cfg)
+    return cfg
+
+
+def _refuse_added(cfg: Any) -> None:
+    """Refuse a key that ``+key=value`` added outside ``model_args``: nothing would ever read it (a typo of a
+    real key, e.g. ``+trainer.max_stepz=3``, would silently leave the default in force)."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    def walk(node: Any, schema: Any, prefix: str) -> None:
+        known = [str(k) for k in schema.keys()]  # not `in schema`: it is False for a MISSING value (model)
+        for key in node:
+            if str(key) not in known:
+                close = difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)
+                named = " or ".join(f"{prefix}{k}" for k in close)
+                raise ElasticFlowError(f"unknown config key {prefix}{key} (added with +)",
+                                       (f"did you mean {named}? " if named else "")
+                                       + "+ adds keys only under model_args, the model file's own settings")
+            child, shape = node[key], OmegaConf.select(schema, str(key))
+            if key != "model_args" and isinstance(child, DictConfig) and isinstance(shape, DictConfig):
+                walk(child, shape, f"{prefix}{key}.")
+
+    walk(cfg, OmegaConf.structured(Config), "")
 
 
 def _explained(exc: Exception) -> ElasticFlowError:

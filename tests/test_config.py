@@ -79,6 +79,20 @@ def test_unknown_keys_and_wrong_types_are_refused_in_one_line(override, message,
     assert isinstance(info.value.__cause__, (HydraException, OmegaConfBaseException))  # --debug shows Hydra's
 
 
+@pytest.mark.parametrize("override, message, hint", [
+    ("+trainer.max_stepz=3", "unknown config key trainer.max_stepz (added with +)", "did you mean trainer.max_steps?"),
+    ("++checkpoint.interval.stepz=5", "unknown config key checkpoint.interval.stepz (added with +)",
+     "did you mean checkpoint.interval.steps?"),
+    ("+verbose=true", "unknown config key verbose (added with +)", "only under model_args"),
+])
+def test_a_key_added_with_plus_outside_model_args_is_refused(override, message, hint):
+    # Hydra would add it, and nothing would ever read it: a typo would leave the default in force unseen.
+    with pytest.raises(ElasticFlowError) as info:
+        compose(MODEL, [override])
+    assert info.value.message == message and hint in info.value.hint
+    assert compose(MODEL, ["++trainer.max_steps=3"]).trainer.max_steps == 3  # ++ of a real key: an override
+
+
 def test_model_args_is_free_form():
     cfg = compose(MODEL, ["+model_args.hidden=32", "+model_args.name=wide"])
     assert cfg.model_args.hidden == 32 and cfg.model_args.name == "wide"
