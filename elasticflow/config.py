@@ -329,18 +329,14 @@ def composed(overrides: List[str]) -> Any:
 def _refuse_added(cfg: Any) -> None:
     """Refuse a key that ``+key=value`` added outside ``model_args``: nothing would ever read it (a typo of a
     real key, e.g. ``+trainer.max_stepz=3``, would silently leave the default in force)."""
-    import difflib
-
     from omegaconf import DictConfig, OmegaConf
 
     def walk(node: Any, schema: Any, prefix: str) -> None:
         known = [str(k) for k in schema.keys()]  # not `in schema`: it is False for a MISSING value (model)
         for key in node:
             if str(key) not in known:
-                close = difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)
-                named = " or ".join(f"{prefix}{k}" for k in close)
                 raise ElasticFlowError(f"unknown config key {prefix}{key} (added with +)",
-                                       (f"did you mean {named}? " if named else "")
+                                       _did_you_mean(str(key), known, prefix)
                                        + "+ adds keys only under model_args, the model file's own settings")
             child, shape = node[key], OmegaConf.select(schema, str(key))
             if key != "model_args" and isinstance(child, DictConfig) and isinstance(shape, DictConfig):
@@ -349,10 +345,17 @@ def _refuse_added(cfg: Any) -> None:
     walk(cfg, OmegaConf.structured(Config), "")
 
 
-def _explained(exc: Exception) -> ElasticFlowError:
-    """Hydra's composition error ``exc`` as one line and a hint."""
+def _did_you_mean(key: str, known: List[str], prefix: str) -> str:
+    """The start of a hint naming the keys of ``known`` closest to ``key`` (each under ``prefix``), e.g.
+    ``did you mean trainer.max_steps? ``; empty when none is close."""
     import difflib
 
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(prefix + k for k in close)}? " if close else ""
+
+
+def _explained(exc: Exception) -> ElasticFlowError:
+    """Hydra's composition error ``exc`` as one line and a hint."""
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
@@ -364,15 +367,13 @@ def _explained(exc: Exception) -> ElasticFlowError:
                                 f"use one of: {', '.join(f'{group}={o}' for o in exc.options)}")
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         parent, _, key = cause.full_key.rpartition(".")
-        known = list(cause.parent_node) if cause.parent_node is not None else []
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-        named = [f"{parent}.{k}" if parent else k for k in close]
         if parent == "model_args":  # the model file's free-form section starts empty: keys are added
             return ElasticFlowError(f"unknown config key {cause.full_key}",
                                     f"model_args holds the model file's own settings: add one with "
                                     f"+{cause.full_key}=VALUE")
+        known = [str(k) for k in cause.parent_node] if cause.parent_node is not None else []
         return ElasticFlowError(f"unknown config key {cause.full_key}",
-                                (f"did you mean {' or '.join(named)}? " if named else "") + listing)
+                                _did_you_mean(key, known, f"{parent}." if parent else "") + listing)
     if isinstance(cause, ValidationError) and cause.full_key:
         return ElasticFlowError(f"{cause.full_key}: {str(cause).splitlines()[0]}",
                                 f"pass a value of the key's type; {listing}")
