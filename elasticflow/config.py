@@ -24,6 +24,9 @@ class BackendConfig:
     # intra-op threads per worker; null = cores // local workers, less data.workers with
     # data.worker_type=process (a loader decodes on a core of its own: devices.intra_op_threads)
     threads: Optional[int] = None
+    # CPU workers: each training thread on its own share of the host's cores when 2+ workers share it
+    # (gloo's threads stay free; elasticflow/affinity.py). Off when a launcher already placed the worker.
+    pin_cores: bool = True
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import data
+from . import affinity, data
 from .errors import ElasticFlowError
 
 Key = Tuple[int, int, int]  # (epoch, start, end): positions [start, end) of the epoch's permutation
@@ -92,7 +92,8 @@ class Prefetcher:
         its task queue stays full, so a loader never idles while this process converts)."""
         if self.worker_type != "process":
             if self._threads is None:
-                self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="elasticflow-data")
+                self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="elasticflow-data",
+                                                   initializer=affinity.release)
             return self._threads.submit(self._load, key)
         epoch, start, end = key
         return self._process_pool().submit(_read_in_loader, self.order(epoch)[start:end], epoch)
@@ -134,6 +135,7 @@ _loader_dataset: Any = None
 def _loader_init(dataset: data.Dataset) -> None:
     global _loader_dataset
     _loader_dataset = dataset
+    affinity.release()  # forked from the pinned training thread: a loader decodes on any core
     if sys.platform.startswith("linux"):  # die with the worker: a SIGKILLed worker leaves no loaders behind
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if "torch" in sys.modules:  # one thread per loader, as DataLoader's workers: the cores are the trainer's

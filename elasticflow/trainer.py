@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 from omegaconf import OmegaConf
 
-from . import data, devices, grad_check, loss_scale, modelfile, ops, optim
+from . import affinity, data, devices, grad_check, loss_scale, modelfile, ops, optim
 from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config import TrainerConfig, compose
 from .data import GlobalBatch
@@ -148,6 +148,8 @@ class ElasticTrainer:
         if self.membership is not None:  # once joined: a worker started by srun learns its id on joining
             self.membership.report_device(self.placement.describe())  # for `elasticflow status`
         self.checkpoints.reserve(self.rank, self.world, self.replica.sharding())
+        if cfg.backend.pin_cores and self.placement.kind == "cpu":  # last: what started above keeps every core
+            affinity.pin_training_thread(devices.local_slot(), local_workers)
         self._prepared = True
         self.meter.start()  # from here every second is productive or a measured cost (goodput.py)
         if self.rank == 0:

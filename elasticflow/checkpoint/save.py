@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import affinity
 from ..errors import ElasticFlowError
 from ..fileio import write_atomic
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
@@ -53,7 +54,9 @@ HINT_DISK = "check free space and permissions of checkpoint.dir; the previous ch
 
 
 def _lower_priority() -> None:
-    """Runs in each writer thread: on Linux a thread has its own nice value (setpriority on its TID)."""
+    """Runs in each writer thread: on Linux a thread has its own nice value (setpriority on its TID), and
+    its own CPU mask (started by the pinned training thread, it may still use every core)."""
+    affinity.release()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at the process's priority

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+from .. import affinity
 from ..fileio import aligned
 from .protocol import CommError
 
@@ -39,11 +40,14 @@ class Group:
         self.aborted = False
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        try:
-            self.pg = dist.ProcessGroupGloo(PrefixStore(f"gen{generation}/", store), rank, world, opts)
-        except Exception as exc:  # a member died or never arrived while the group was forming
-            raise CommError(f"building the group of generation {generation} failed: {exc}") from exc
+        # gloo's threads start here (the device's transport loop, the group's run loops), with the mask of
+        # this thread: not on the training thread's cores (backend.pin_cores)
+        with affinity.unpinned():
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            try:
+                self.pg = dist.ProcessGroupGloo(PrefixStore(f"gen{generation}/", store), rank, world, opts)
+            except Exception as exc:  # a member died or never arrived while the group was forming
+                raise CommError(f"building the group of generation {generation} failed: {exc}") from exc
         if nccl_device is not None and world > 1:
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = datetime.timedelta(seconds=timeout_s)
