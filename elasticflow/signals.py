@@ -12,17 +12,29 @@ log = logging.getLogger("elasticflow")
 
 
 class StopSignal:
-    """``requested`` turns True at the first SIGINT/SIGUSR1 while ``installed()`` is active."""
+    """``requested`` turns True at the first SIGINT/SIGUSR1 while ``installed()`` is active.
+
+    Note: the handler only records the request; :meth:`announce` logs it, from the loop. A handler runs
+    in the main thread between two bytecodes, possibly inside a logging call that holds the console
+    queue's lock: logging from it there waited for that lock forever (a worker hung at Ctrl-C while
+    writing a step's record).
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self._what: str = ""        # the signal, once requested and not yet announced
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        log.warning("%s: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)", what)
+        self._what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+    def announce(self) -> None:
+        """Log a stop request once (call it outside the handler: from the loop)."""
+        if self._what:
+            what, self._what = self._what, ""
+            log.warning("%s: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)", what)
 
     @contextmanager
     def installed(self) -> Iterator[None]:

@@ -302,6 +302,7 @@ class ElasticTrainer:
     def _act_on_agreement(self) -> None:
         """Act, at this step boundary, on what every member agreed on in the step's reduction."""
         agreed, self._agreed = self._agreed, Agreed()
+        self.stop_signal.announce()
         # A single process needs no vote: it honours a stop asked at any time before the boundary.
         if agreed.interrupt or (self.membership is None and self.stop_signal.requested):
             self.save_checkpoint(f"step_{self.state.step}")

@@ -97,6 +97,7 @@ def _two_workers(run_dir: Path, *overrides: str) -> dict:
     finally:
         proc.kill()
     assert proc.returncode == 130, out[-3000:]   # Ctrl-C's exit: the run stopped as asked, nothing failed
+    assert "Ctrl-C: workers finish the current step" in out   # logged by the agent's loop, not its handler
     return seen
 
 

@@ -73,6 +73,7 @@ class Agent:
         self.below_min_since: Optional[float] = None
         self.stop_reason = ""
         self.interrupted = False
+        self._notices: List[str] = []  # what the signal handlers have to say, logged by _watch
         self.started = time.monotonic()
         self.failed_reports_since: Dict[int, float] = {}
         self.rdv = Rendezvous(self.store, cfg.elastic.timeout_s)
@@ -157,6 +158,7 @@ class Agent:
         finally:
             signal.signal(signal.SIGINT, previous)
             signal.signal(signal.SIGUSR1, previous_usr1)
+            self._announce()
             self._reap_all()
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
             console.close(timeout_s=CONSOLE_DRAIN_S)
@@ -167,7 +169,9 @@ class Agent:
                 w.signal(signal.SIGKILL)
             raise KeyboardInterrupt
         self.interrupted = True
-        log.warning("Ctrl-C: workers finish the current step and write a checkpoint (Ctrl-C again to abort)")
+        # Logged by _watch, not here: a handler that logs can interrupt a logging call holding the
+        # console's lock and wait for it forever (signals.StopSignal has the story).
+        self._notices.append("Ctrl-C: workers finish the current step and write a checkpoint (Ctrl-C again to abort)")
         for w in self.members:
             w.signal(signal.SIGINT)
         for w in [*self.joining.values(), *self.admitted, *self.waiting]:
@@ -178,9 +182,16 @@ class Agent:
         if self.preempted:
             return
         self.preempted = True
-        log.warning("preemption warning (SIGUSR1): workers checkpoint at the next step boundary")
-        self.event("preempt", generation=self.generation)
+        self._notices.append("preemption warning (SIGUSR1): workers checkpoint at the next step boundary")
         self._on_sigint(signum, frame)
+
+    def _announce(self) -> None:
+        """Log what the signal handlers recorded (and the preemption's event), from the loop."""
+        while self._notices:
+            notice = self._notices.pop(0)
+            log.warning("%s", notice)
+            if notice.startswith("preemption"):
+                self.event("preempt", generation=self.generation)
 
     def live(self) -> List[Worker]:
         return [*self.members, *self.joining.values(), *self.admitted, *self.retiring, *self.waiting]
@@ -188,6 +199,7 @@ class Agent:
     def _watch(self) -> Dict[str, Any]:
         next_health = next_requests = 0.0
         while True:
+            self._announce()
             error = self._reap()  # waitpid: no store round trip
             if error is not None:
                 return self._fail_with_worker_error(*error)
