@@ -2,8 +2,9 @@
 
 Only the training thread is pinned. gloo's transport and run-loop threads stay free to run on any core:
 pinning each whole worker to its core was 1.5x slower (gloo's thread then waits behind its own training
-thread), while pinning the training threads alone took 2 workers on 2 cores from 1.30-1.41 to
-0.85-1.00 ms a step (digits MLP, four alternating rounds, 2026-11-25; the README has the benchmark).
+thread). Pinning the training threads alone: 2 workers on 2 cores, digits MLP, 0.83-1.08 against
+1.14-1.49 ms a step in 15 alternating pairs of plain runs (2026-11-25), but no difference inside
+scripts/bench_elastic.py's runs, for a reason not found yet (the README has both).
 
 A thread starts with the CPU mask of the thread that starts it, so threads started by the pinned
 training thread call :func:`release` first (the data and checkpoint pools), and a new gloo group is
@@ -40,7 +41,7 @@ def host_share(slot: int, local_workers: int) -> Optional[List[int]]:
     allowed = os.sched_getaffinity(0)
     if len(allowed) != os.cpu_count():
         return None
-    return share(sorted(allowed), slot, local_workers)
+    return share(list(allowed), slot, local_workers)
 
 
 def pin_training_thread(slot: int, local_workers: int) -> Optional[List[int]]:

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
@@ -73,7 +73,7 @@ class Agent:
         self.below_min_since: Optional[float] = None
         self.stop_reason = ""
         self.interrupted = False
-        self._notices: List[str] = []  # what the signal handlers have to say, logged by _watch
+        self._notices: List[Tuple[str, Optional[str]]] = []  # the signal handlers' (line, event), for _watch
         self.started = time.monotonic()
         self.failed_reports_since: Dict[int, float] = {}
         self.rdv = Rendezvous(self.store, cfg.elastic.timeout_s)
@@ -171,7 +171,8 @@ class Agent:
         self.interrupted = True
         # Logged by _watch, not here: a handler that logs can interrupt a logging call holding the
         # console's lock and wait for it forever (signals.StopSignal has the story).
-        self._notices.append("Ctrl-C: workers finish the current step and write a checkpoint (Ctrl-C again to abort)")
+        self._notices.append(("Ctrl-C: workers finish the current step and write a checkpoint (Ctrl-C again to abort)",
+                              None))
         for w in self.members:
             w.signal(signal.SIGINT)
         for w in [*self.joining.values(), *self.admitted, *self.waiting]:
@@ -182,16 +183,16 @@ class Agent:
         if self.preempted:
             return
         self.preempted = True
-        self._notices.append("preemption warning (SIGUSR1): workers checkpoint at the next step boundary")
+        self._notices.append(("preemption warning (SIGUSR1): workers checkpoint at the next step boundary", "preempt"))
         self._on_sigint(signum, frame)
 
     def _announce(self) -> None:
         """Log what the signal handlers recorded (and the preemption's event), from the loop."""
         while self._notices:
-            notice = self._notices.pop(0)
-            log.warning("%s", notice)
-            if notice.startswith("preemption"):
-                self.event("preempt", generation=self.generation)
+            line, event = self._notices.pop(0)
+            log.warning("%s", line)
+            if event is not None:
+                self.event(event, generation=self.generation)
 
     def live(self) -> List[Worker]:
         return [*self.members, *self.joining.values(), *self.admitted, *self.retiring, *self.waiting]
