@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -87,6 +88,10 @@ class ElasticTrainer:
         self._own_memory = (-1e9, 0.0)  # (monotonic time read, resident MiB): this process's, for _memory
         self._reduce_started = 0.0  # perf_counter() when this step attempt's reduction began
         self._unlogged: Optional[Dict[str, Any]] = None  # rank 0: a step's record, written in the next reduction
+        # Every rank: the records of the last two steps it committed. Rank 0 writes step N's record after
+        # its part of step N+1's reduction is sent, so a rank 0 that dies there leaves the others to
+        # commit N+1 with N unwritten; whoever becomes rank 0 writes both (RunLog skips what is there).
+        self._recent_records: deque = deque(maxlen=2)
         self._prepared = False
 
     # Where this worker sits (the replica follows the membership through every regroup).
@@ -426,6 +431,7 @@ class ElasticTrainer:
         if verdict.grad_norm is not None:
             record["grad_norm"] = verdict.grad_norm
         s.last_metrics = record
+        self._recent_records.append(record)
         if self.shards is not None:
             # After the commit: a member failing here leaves the step applied to every range held, and
             # the recovery rebuilds the parameters from them.
@@ -480,9 +486,12 @@ class ElasticTrainer:
                                    exit_code=protocol.EXIT_AGENT_LOST)
         self._entered_generation()
         if self.rank == 0:
-            # A rank 0 that left may have committed a step it never logged (RunLog skips logged steps).
-            if s.last_metrics and self._should_log(s.last_metrics):
-                self.run_log.step(s.last_metrics)
+            # A rank 0 that left may not have written its last records; in order, whatever this worker
+            # committed or adopted (rolled forward). RunLog skips the steps already in the file.
+            records = {r["samples_seen"]: r for r in (*self._recent_records, s.last_metrics) if r}
+            for _, record in sorted(records.items()):
+                if self._should_log(record):
+                    self.run_log.step(record)
             reason = failure or "membership change at a step boundary"
             self.run_log.event("regrouped" if failure is None else "recovered", generation=self.generation,
                                previous_generation=r.previous_generation, world_size=self.world,

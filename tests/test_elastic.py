@@ -130,7 +130,10 @@ def test_four_workers_lose_two_at_different_steps(tmp_path, reference):
     (3, "0:20:reduction"),                 # rank 0 (the logger and checkpoint writer) dies mid-allreduce
     (3, "2:10:forward"),                   # the last-joined worker
     (3, "1:30:forward,2:31:reduction"),    # two kills in a row
-], ids=["rank0-during-reduction", "last-joined", "two-in-a-row"])
+    # rank 0 dies after its part of step 21's reduction, before it writes step 20's record (which it
+    # does while that reduction is in flight): the others commit step 21, and the new rank 0 writes both
+    (3, "0:20:logging"),
+], ids=["rank0-during-reduction", "last-joined", "two-in-a-row", "rank0-before-writing-a-record"])
 def test_kill_variants_finish_equivalent(tmp_path, reference, workers, kills):
     run = tmp_path / "run"
     train_ok(run, f"launcher.workers={workers}", env={"EF_PROBE_KILL": kills})

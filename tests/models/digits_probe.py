@@ -4,7 +4,9 @@ Environment (read by every worker):
     EF_PROBE_KILL    "worker:step:where[,worker:step:where...]": that worker SIGKILLs itself at that
                      step, where = "forward" (inside forward) or "reduction" (a timer fires while it
                      waits in the gradient allreduce; the other workers are slowed at that step so it
-                     is the one waiting).
+                     is the one waiting), or "logging" (as rank 0, when it writes step's record to
+                     metrics.jsonl -- during the next step's reduction -- it waits 0.3 s, long enough for
+                     the others to finish that reduction, and dies before the record is written).
     EF_PROBE_PAUSE   "step:seconds": every worker sleeps that long in forward at that step (generation 0),
                      a window for a test to kill a pid from workers.json.
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
@@ -67,7 +69,7 @@ def _inject(ctx):
     if not first_time:
         return  # only the first micro-batch of a step attempt
     for worker, step, where in KILLS:
-        if int(step) != ctx.step:
+        if int(step) != ctx.step or where == "logging":
             continue
         if int(worker) == WORKER:
             if where == "forward":
@@ -100,6 +102,22 @@ def _stall_first_build():
     comm.Group.__init__ = stalling
 
 
+def _kill_while_logging(steps):
+    from elasticflow import reporting
+
+    write = reporting.RunLog.step
+
+    def dying(self, record):
+        if record.get("step") in steps:
+            time.sleep(0.3)
+            _kill_self()
+        write(self, record)
+
+    reporting.RunLog.step = dying
+
+
+if any(where == "logging" and int(worker) == WORKER for worker, _, where in KILLS):
+    _kill_while_logging({int(step) for worker, step, where in KILLS if where == "logging" and int(worker) == WORKER})
 if STALL and int(STALL[0]) == WORKER:
     _stall_first_build()
 if os.environ.get("EF_PROBE_SLOW_START"):
