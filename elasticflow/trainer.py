@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -32,7 +31,7 @@ from .evaluation import Evaluation, probe_metric_names
 from .goodput import Meter
 from .prefetch import Prefetcher
 from .replica import Agreed, Replica
-from .reporting import Progress, RunLog, banner, rss_mib, step_line
+from .reporting import Progress, RunLog, StepLog, banner, rss_mib
 from .signals import StopSignal
 from .current import _context, context  # noqa: F401 - context: elasticflow.context()
 from .state import TrainState
@@ -80,18 +79,13 @@ class ElasticTrainer:
         self.run_log = RunLog(self.run_dir, tensorboard=self.tcfg.tensorboard)
         self.stop_signal = StopSignal()
         self.metric_names: list = []
-        self.progress: Optional[Progress] = None  # fit()'s bar; None in a custom loop
         self.last_eval: Dict[str, float] = {}
         self.resumed_from: Optional[str] = None
         self._agreed = Agreed()  # what the members agreed on in the last step's reduction
         self.meter = Meter()
         self._own_memory = (-1e9, 0.0)  # (monotonic time read, resident MiB): this process's, for _memory
         self._reduce_started = 0.0  # perf_counter() when this step attempt's reduction began
-        self._unlogged: Optional[Dict[str, Any]] = None  # rank 0: a step's record, written in the next reduction
-        # Every rank: the records of the last two steps it committed. Rank 0 writes step N's record after
-        # its part of step N+1's reduction is sent, so a rank 0 that dies there leaves the others to
-        # commit N+1 with N unwritten; whoever becomes rank 0 writes both (RunLog skips what is there).
-        self._recent_records: deque = deque(maxlen=2)
+        self.step_log = StepLog(self.run_log, self.tcfg.log_every, self._memory)
         self._prepared = False
 
     # Where this worker sits (the replica follows the membership through every regroup).
@@ -133,6 +127,7 @@ class ElasticTrainer:
         d = cfg.data
         self.prefetch = Prefetcher(self.source, self.seed, d.prefetch, d.workers, d.worker_type)
         self.schedule = data.Schedule(len(self.source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs)
+        self.step_log.total_steps = self.schedule.total_steps
         eval_dataset = data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None
 
         self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict,
@@ -210,8 +205,8 @@ class ElasticTrainer:
         """Prepare (if needed), train to the configured end, evaluate, write the final checkpoint."""
         if not self._prepared:
             self.prepare()
-        self.progress = Progress(self.tcfg.progress if self.rank == 0 else False, self.schedule.total_steps,
-                                 self.state.step)
+        self.step_log.progress = Progress(self.tcfg.progress if self.rank == 0 else False, self.schedule.total_steps,
+                                          self.state.step)
         try:
             with self.stop_signal.installed():
                 for epoch in self.epoch_range():
@@ -220,13 +215,13 @@ class ElasticTrainer:
                             with self.step():
                                 self.train_step(batch)
         except BaseException as exc:
-            self._flush_log()  # the last step's record before the loop's end (the ledger's "trained")
+            self.step_log.flush()  # the last step's record before the loop's end (the ledger's "trained")
             self._trained("interrupted" if isinstance(exc, TrainingInterrupted) else
                           "stopped" if isinstance(exc, ElasticFlowError) else "failed")
             raise
         finally:
-            self._flush_log()
-            self.progress.close()
+            self.step_log.flush()
+            self.step_log.progress.close()
             self.prefetch.close()
         return self.finish()
 
@@ -260,49 +255,22 @@ class ElasticTrainer:
 
         Note: with more than one worker, rank 0 writes a step's record (metrics.jsonl, the console, the
         progress bar) while the next step's reduction is in flight, or before an evaluation, a checkpoint,
-        a regroup or ``finish()``, whichever comes first; its ``time`` is still the step's end.
+        a regroup or ``finish()``, whichever comes first (``reporting.StepLog``).
         """
         started = time.perf_counter()
         yield
         elapsed = time.perf_counter() - started
         s, m = self.state, self.state.last_metrics
         m["step_time_s"] = elapsed
-        logged = self._should_log(m)
-        if logged:  # on every rank: a worker that becomes rank 0 goes on from the same logged step
+        if self.step_log.due(m):  # on every rank: a worker that becomes rank 0 goes on from the same logged step
             m["train_s"] = self.meter.flush()  # productive seconds since the previous logged step
-        if self.rank == 0:
-            if self.world > 1:
-                # Every member waits at the next reduction for the last one to arrive, so bookkeeping here
-                # held all of them up (~0.15 ms a logged step on 2 cores, a third of the digits MLP's
-                # compute); during the reduction rank 0 only waits for gloo's threads, without the GIL.
-                self._unlogged = m
-            else:
-                self._log_step(m)
+        self.step_log.ended(m, self.rank, self.world)
         ev = self.tcfg.eval_every
         if ev and self.evaluation is not None and s.step % ev == 0 and not m.get("skipped"):
             self.evaluate()
         if self.interval.should_save(current_step=s.step) and not m.get("skipped") and s.last_saved_step != s.step:
             self.save_checkpoint(f"step_{s.step}", wait=False)
         self._act_on_agreement()
-
-    def _log_step(self, m: Dict[str, Any]) -> None:
-        """Rank 0: a step's record to metrics.jsonl and the console (on its interval), and the progress bar."""
-        bar = self.progress
-        if self._should_log(m):
-            self.run_log.step({**m, "memory_mib": self._memory()})
-            if bar is None or not bar.active:
-                log.info(step_line(m))
-        if bar is not None:
-            bar.update(m["loss"], m["global_batch"] / max(m["step_time_s"], 1e-9), m["world_size"], m["generation"])
-
-    def _flush_log(self) -> None:
-        """Write the record ``step()`` left for the next reduction (rank 0, more than one worker), if any."""
-        if self._unlogged is not None:
-            m, self._unlogged = self._unlogged, None
-            self._log_step(m)
-
-    def _should_log(self, record: Dict[str, Any]) -> bool:
-        return record["step"] % self.tcfg.log_every == 0 or record["step"] == self.schedule.total_steps
 
     def _act_on_agreement(self) -> None:
         """Act, at this step boundary, on what every member agreed on in the step's reduction."""
@@ -387,7 +355,7 @@ class ElasticTrainer:
             engine.buffer_arrays(), share.first, len(share.micro), share.total, self.rank, self.world)
         self._reduce_started = time.perf_counter()
         reduction = self.replica.start_reduce(scalars, self.stop_signal.requested, contribution)
-        self._flush_log()  # rank 0: the previous step's record, while the reduction is in flight
+        self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
         scalars, agreed, buffers = self.replica.finish_reduce(reduction)
         if buffers is not None:
             engine.set_buffers(reconciler.finish(buffers))
@@ -431,7 +399,7 @@ class ElasticTrainer:
         if verdict.grad_norm is not None:
             record["grad_norm"] = verdict.grad_norm
         s.last_metrics = record
-        self._recent_records.append(record)
+        self.step_log.committed(record)
         if self.shards is not None:
             # After the commit: a member failing here leaves the step applied to every range held, and
             # the recovery rebuilds the parameters from them.
@@ -467,7 +435,7 @@ class ElasticTrainer:
         seconds the recovery took.
         """
         s = self.state
-        self._flush_log()  # while this worker is still the rank 0 that committed the step
+        self.step_log.flush()  # while this worker is still the rank 0 that committed the step
         if failure is not None:
             log.warning("worker step %d: %s; rebuilding", s.step + 1, failure)
         before, before_step = s.cursor.samples_seen, s.step
@@ -486,12 +454,7 @@ class ElasticTrainer:
                                    exit_code=protocol.EXIT_AGENT_LOST)
         self._entered_generation()
         if self.rank == 0:
-            # A rank 0 that left may not have written its last records; in order, whatever this worker
-            # committed or adopted (rolled forward). RunLog skips the steps already in the file.
-            records = {r["samples_seen"]: r for r in (*self._recent_records, s.last_metrics) if r}
-            for _, record in sorted(records.items()):
-                if self._should_log(record):
-                    self.run_log.step(record)
+            self.step_log.rewrite(s.last_metrics)  # the records a rank 0 that left may not have written
             reason = failure or "membership change at a step boundary"
             self.run_log.event("regrouped" if failure is None else "recovered", generation=self.generation,
                                previous_generation=r.previous_generation, world_size=self.world,
@@ -546,7 +509,7 @@ class ElasticTrainer:
         """Mean loss and metrics over eval_data(), logged as eval_<name>; each worker evaluates a share."""
         if self.evaluation is None:
             return {}
-        self._flush_log()  # the step's record before the evaluation's, as the steps were run
+        self.step_log.flush()  # the step's record before the evaluation's, as the steps were run
         started, recovering = time.perf_counter(), 0.0
         while True:
             try:
@@ -566,7 +529,7 @@ class ElasticTrainer:
 
     def save_checkpoint(self, name: str, wait: bool = True) -> Optional[Path]:
         """Save the state as checkpoint ``name`` (see ``CheckpointManager.save``); its path on rank 0."""
-        self._flush_log()
+        self.step_log.flush()
         started = time.perf_counter()
         self.state.last_saved_step = self.state.step
         path = self.checkpoints.save(name, self.replica, wait=wait)
@@ -592,7 +555,7 @@ class ElasticTrainer:
     def finish(self) -> Dict[str, Any]:
         """Evaluate (if eval_data exists and the last step was not just evaluated) and write the final checkpoint."""
         s, ev = self.state, self.tcfg.eval_every
-        self._flush_log()
+        self.step_log.flush()
         self.prefetch.close()  # your own loop (README) ends here, not in fit(): no readers left behind
         if self.evaluation is not None and not (self.last_eval and ev and s.step % ev == 0):
             self.evaluate()

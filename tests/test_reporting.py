@@ -1,0 +1,76 @@
+"""Rank 0's step records (reporting.StepLog): when each record reaches metrics.jsonl, and what a new rank 0
+writes for the one that left. tests/test_elastic.py's rank0-before-writing-a-record kills a real rank 0 at
+the point these cover."""
+import json
+
+from elasticflow.reporting import RunLog, StepLog
+
+
+def record(step: int, samples_per_step: int = 64) -> dict:
+    return {"step": step, "epoch": 0, "loss": 1.0 / step, "lr": 0.1, "samples_seen": step * samples_per_step,
+            "world_size": 2, "generation": 0, "micro_step": step, "global_batch": samples_per_step,
+            "time": 1000.0 + step, "step_time_s": 0.001}
+
+
+def written(run_dir) -> list:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def step_log(run_dir, log_every: int = 1, total_steps: int = 100) -> StepLog:
+    log = StepLog(RunLog(run_dir), log_every, lambda: {"0": 1.0})
+    log.total_steps = total_steps
+    return log
+
+
+def test_one_worker_writes_at_once_several_at_the_next_flush(tmp_path):
+    one = step_log(tmp_path / "one")
+    one.ended(record(1), rank=0, world=1)
+    assert written(tmp_path / "one") == [1]
+
+    two = step_log(tmp_path / "two")
+    two.ended(record(1), rank=0, world=2)
+    assert written(tmp_path / "two") == []  # kept for the next reduction
+    two.flush()
+    two.flush()  # nothing left to write
+    assert written(tmp_path / "two") == [1]
+
+    other = step_log(tmp_path / "other")
+    other.ended(record(1), rank=1, world=2)
+    other.flush()
+    assert written(tmp_path / "other") == []  # only rank 0 writes
+
+
+def test_log_every_and_the_last_step(tmp_path):
+    log = step_log(tmp_path, log_every=10, total_steps=25)
+    for step in range(1, 26):
+        log.ended(record(step), rank=0, world=1)
+    assert written(tmp_path) == [10, 20, 25]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["memory_mib"] == {"0": 1.0}
+
+
+def test_a_new_rank_0_writes_what_the_old_one_did_not(tmp_path):
+    """The old rank 0 wrote step 19 and died before writing 20; the others committed 20 and 21."""
+    old = step_log(tmp_path)
+    for step in range(1, 20):
+        old.ended(record(step), rank=0, world=1)
+    new = step_log(tmp_path)
+    for step in (19, 20, 21):
+        new.committed(record(step))
+    new.run_log.take_over()
+    new.rewrite(record(21))
+    assert written(tmp_path) == list(range(1, 22))
+
+
+def test_a_rolled_forward_rank_0_writes_its_own_step_and_the_adopted_one(tmp_path):
+    """The new rank 0 committed only step 20; a member that committed 21 gave it its state (rolled forward)."""
+    old = step_log(tmp_path)
+    for step in range(1, 20):
+        old.ended(record(step), rank=0, world=1)
+    new = step_log(tmp_path)
+    for step in (19, 20):
+        new.committed(record(step))
+    new.run_log.take_over()
+    new.rewrite(record(21))
+    new.rewrite(record(21))  # a second regroup before the next step: nothing twice
+    assert written(tmp_path) == list(range(1, 22))
