@@ -3,8 +3,8 @@
 Only the training thread is pinned. gloo's transport and run-loop threads stay free to run on any core:
 pinning each whole worker to its core was 1.5x slower (gloo's thread then waits behind its own training
 thread). Pinning the training threads alone: 2 workers on 2 cores, digits MLP, 0.83-1.08 against
-1.14-1.49 ms a step in 15 alternating pairs of plain runs (2026-11-25), but no difference inside
-scripts/bench_elastic.py's runs, for a reason not found yet (the README has both).
+1.14-1.49 ms a step in 15 alternating pairs of plain runs, and in scripts/bench_elastic.py 1.36x torchrun +
+DDP's throughput against 0.86-1.04x unpinned in the same runs (2026-11-25; the README has the figures).
 
 A thread starts with the CPU mask of the thread that starts it, so threads started by the pinned
 training thread call :func:`release` first (the data and checkpoint pools), and a new gloo group is

@@ -84,7 +84,12 @@ class BenchError(RuntimeError):
 # ---------------------------------------------------------------- processes
 def _env(tree: Optional[str] = None) -> Dict[str, str]:
     """The children's environment: elasticflow imported from this repository, or from ``tree`` (another
-    checkout, ``--baseline-tree``: its elasticflow package, with this repository's models and scripts)."""
+    checkout, ``--baseline-tree``: its elasticflow package, with this repository's models and scripts).
+
+    Note: PYTHONPATH alone does not choose the tree: ``python -m`` puts its working directory first on
+    sys.path, so a child started in this repository imports this repository's elasticflow whatever
+    PYTHONPATH says (until 2026-11-25 every --baseline-tree run timed this code twice). A child of
+    the tree runs in the tree (``Proc``), and ``check_tree`` proves which package it imports."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EF_PROBE_", "ELASTICFLOW_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, str(REPO), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -122,7 +127,7 @@ class Proc:
     def __init__(self, cmd: List[str], log: Path, tree: Optional[str] = None):
         self.cmd, self.log = cmd, log
         self._out = open(log, "w")
-        self.p = subprocess.Popen(cmd, cwd=REPO, env=_env(tree), stdout=self._out, stderr=subprocess.STDOUT,
+        self.p = subprocess.Popen(cmd, cwd=tree or REPO, env=_env(tree), stdout=self._out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         self.children: List[int] = []  # pids read from the run's files, in case they outlive their parent
 
@@ -149,6 +154,20 @@ class Proc:
                 except ProcessLookupError:
                     pass
         self._out.close()
+
+
+def check_tree(tree: str) -> None:
+    """Fail unless a child started as ``Proc`` starts one for ``tree`` imports elasticflow from ``tree``."""
+    if not Path(tree, "elasticflow", "__init__.py").is_file():
+        raise BenchError(f"--baseline-tree {tree}: no elasticflow/ package there; make one with "
+                         f"`git archive COMMIT elasticflow conf | tar -x -C {tree}`")
+    found = subprocess.run([PY, "-c", "import elasticflow; print(elasticflow.__file__)"], cwd=tree, env=_env(tree),
+                           capture_output=True, text=True, timeout=120)
+    where = Path(found.stdout.strip() or "?").resolve()
+    if found.returncode != 0 or Path(tree).resolve() not in where.parents:
+        raise BenchError(f"--baseline-tree {tree}: a child imports elasticflow from {where}, not from the tree "
+                         f"({found.stderr.strip()[-300:]}); give a directory holding an elasticflow/ package "
+                         f"(e.g. `git archive COMMIT elasticflow conf | tar -x -C DIR`)")
 
 
 def run_to_end(cmd: List[str], log: Path, timeout: float = RUN_TIMEOUT_S) -> None:
@@ -251,7 +270,8 @@ def rows_of(args) -> List[Row]:
 
 
 def ef_cmd(run_dir: Path, workers: int, *overrides: str, model: str = MODEL, log_every: int = 1) -> List[str]:
-    return [PY, "-m", "elasticflow.cli", "train", model, f"hydra.run.dir={run_dir}", f"launcher.workers={workers}",
+    # REPO / model: a baseline tree's run starts in the tree (``Proc``), which holds no models/
+    return [PY, "-m", "elasticflow.cli", "train", str(REPO / model), f"hydra.run.dir={run_dir}", f"launcher.workers={workers}",
             f"trainer.global_batch_size={GLOBAL_BATCH}", "optimizer.lr=0.1", f"trainer.log_every={log_every}",
             "trainer.progress=false", *overrides]
 
@@ -578,6 +598,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.kills, args.restarts = 1, 2, 1
+    if args.baseline_tree:
+        args.baseline_tree = str(Path(args.baseline_tree).resolve())
+        try:
+            check_tree(args.baseline_tree)
+        except BenchError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     import torch
 
     started, load0 = time.monotonic(), os.getloadavg()[0]
