@@ -9,14 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 # Each rank runs this; rank 0 hosts the store. argv: rank world port mode
 RANK = r"""
-import datetime, json, os, signal, sys, time
+import datetime, hashlib, json, os, signal, sys, time
 import numpy as np, torch
 import torch.distributed as dist
-from elasticflow.distributed.comm import Group
+from elasticflow.distributed.comm import Group, SumByExchange
 from elasticflow.distributed.protocol import CommError
 
 rank, world, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -27,6 +29,27 @@ state = {"W": np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000),   # 2.
          "rng/torch": np.arange(256, dtype=np.uint8), "none": np.zeros((0, 3), np.float32),
          "strided": np.arange(40, dtype=np.float64).reshape(5, 8)[:, ::2]}   # not contiguous
 out = {"rank": rank}
+if mode.startswith("sum"):  # two sums in flight at once: a small one (exchanged among 3+) and a large one (ring)
+    rows = [torch.from_numpy(np.random.default_rng(r).standard_normal(5000).astype(np.float32)) for r in range(world)]
+    big = torch.full((300_000,), float(rank + 1))  # 1.2 MB: more than EXCHANGE_MAX
+    if mode == "sum-kill" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = time.perf_counter()
+    try:
+        mine = rows[rank].clone()
+        works = [group.allreduce_start(mine), group.allreduce_start(big)]
+        for work in works:
+            group.wait(work)
+        expect = rows[0].clone()
+        for r in range(1, world):
+            expect = expect + rows[r]  # rank order
+        out.update(exact=torch.equal(mine, expect), big=bool(torch.all(big == world * (world + 1) / 2)),
+                   digest=hashlib.sha1(mine.numpy().tobytes()).hexdigest(), exchanged=isinstance(works[0], SumByExchange))
+    except CommError as exc:
+        out["error"] = str(exc)
+    out["seconds"] = time.perf_counter() - t
+    print(json.dumps(out), flush=True)
+    os._exit(0)
 if (mode == "kill" and rank == 0) or (mode == "kill-receiver" and rank == 2):
     os.kill(os.getpid(), signal.SIGKILL)   # the sender (or the receiver) dies before the transfer
 t = time.perf_counter()
@@ -92,3 +115,21 @@ def test_a_receiver_that_dies_is_a_comm_error_for_the_sender(tmp_path):
     assert res[2].get("returncode") == -signal.SIGKILL
     assert "failed" in res[0].get("error", ""), res[0]
     assert res[0]["seconds"] < 15
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_sum_is_the_rank_order_sum_on_every_member(tmp_path, world):
+    """Among 3 or more members a small sum is exchanged point to point (SumByExchange) and added in rank
+    order; 2 members use gloo's ring, whose sum of two is the same bits. A large sum in flight beside it."""
+    res = _run_ranks(tmp_path, "sum", world)
+    assert all(res[r].get("exact") and res[r].get("big") for r in range(world)), res
+    assert len({res[r]["digest"] for r in range(world)}) == 1
+    assert all(res[r]["exchanged"] == (world >= 3) for r in range(world)), res
+
+
+def test_a_member_killed_before_an_exchanged_sum_is_a_comm_error(tmp_path):
+    res = _run_ranks(tmp_path, "sum-kill", 3)
+    assert res[1].get("returncode") == -signal.SIGKILL
+    for r in (0, 2):
+        assert "allreduce failed" in res[r].get("error", ""), res[r]
+        assert res[r]["seconds"] < 15  # the closed socket wakes it, well inside the 20 s timeout
