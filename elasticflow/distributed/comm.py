@@ -113,10 +113,11 @@ class Group:
         """Start a sum-allreduce of a host tensor in place and return its work, for :meth:`wait`. The
         members must start the same allreduces in the same order (gloo matches them by sequence).
 
-        Among ``EXCHANGE_MIN_WORLD`` or more members a tensor of at most ``EXCHANGE_MAX`` bytes is summed
-        by :class:`SumByExchange`: one round of messages rather than gloo's ring of 2 x (world - 1) rounds.
+        Among ``EXCHANGE_MIN_WORLD`` or more members a host tensor of at most ``EXCHANGE_MAX`` bytes is
+        summed by :class:`SumByExchange`: one round of messages rather than gloo's ring of 2 x (world - 1).
         """
-        if self.world >= EXCHANGE_MIN_WORLD and tensor.numel() * tensor.element_size() <= EXCHANGE_MAX:
+        small = tensor.numel() * tensor.element_size() <= EXCHANGE_MAX
+        if self.world >= EXCHANGE_MIN_WORLD and small and not tensor.is_cuda:  # gloo's send/recv take host memory
             self._sums += 1  # the members start the same sums in the same order: the tags agree
             tag = SUM_TAG + self._sums % SUM_TAG
             return self._run("allreduce", lambda: SumByExchange(self, tensor, tag))
