@@ -1,11 +1,12 @@
 """ElasticFlow: write model(), forward() and data(); the framework trains it.
 
-Public names: ``ElasticTrainer``, ``CheckpointInterval``, ``context``, and the modules ``ops``,
+Public names: ``ElasticTrainer``, ``CheckpointInterval``, ``context``, ``export`` (a checkpoint's weights in
+the model's own framework form), and the modules ``ops``,
 ``optim``, ``checkpoint`` and ``data`` (dataset forms, per-sample seeds). Heavy imports (torch, TensorFlow) happen only when a backend is used.
 """
 __version__ = "0.1.0"
 
-__all__ = ["ElasticTrainer", "CheckpointInterval", "context", "ops", "optim", "checkpoint", "data"]
+__all__ = ["ElasticTrainer", "CheckpointInterval", "context", "export", "ops", "optim", "checkpoint", "data"]
 
 
 def __getattr__(name):
@@ -22,6 +23,10 @@ def __getattr__(name):
         from .current import context
 
         return context
+    if name == "export":
+        from .exporting import export
+
+        return export
     if name in ("ops", "optim", "checkpoint", "data"):
         import importlib
 

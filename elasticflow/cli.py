@@ -1,4 +1,4 @@
-"""`elasticflow train|scale|status|plot|inspect`: parse, hand over, nothing else."""
+"""`elasticflow train|scale|status|plot|inspect|export`: parse, hand over, nothing else."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-
        elasticflow status RUN_DIR [--json]
        elasticflow plot RUN_DIR [-o FILE.png]
        elasticflow inspect CHECKPOINT_DIR
+       elasticflow export CHECKPOINT --to DIR [--model MODEL.py] [key=value ...]
        elasticflow --version
 
 Train the model file's model(), forward() and data(); any config key can be overridden, e.g.
@@ -92,7 +93,27 @@ def train(args: List[str], debug: bool) -> None:
         composed(overrides)
     register()
     sys.argv = ["elasticflow train", *flags, *overrides]
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_train_task)()
+    run_hydra = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_train_task)
+    if wants_help and "--hydra-help" not in args:
+        _help_with_meanings(run_hydra)
+    else:
+        run_hydra()
+
+
+def _help_with_meanings(run_hydra) -> None:
+    """Hydra's --help (conf/config.yaml's template), each config key with its meaning from the schema's
+    comments (confighelp.py). Captured, then printed: Hydra prints the help in one piece and exits."""
+    import contextlib
+    import io
+
+    from .confighelp import annotate
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            run_hydra()
+    finally:
+        print(annotate(captured.getvalue(), after="== Config ("), end="", flush=True)
 
 
 def inspect_checkpoint(args: List[str]) -> None:
@@ -101,6 +122,23 @@ def inspect_checkpoint(args: List[str]) -> None:
     if len(args) != 1:
         fail("inspect takes one checkpoint directory", "e.g. elasticflow inspect outputs/.../checkpoints/step_100")
     print(render(Path(args[0])))
+
+
+def export_command(args: List[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="elasticflow export",
+                                     description="write a checkpoint's weights in the model's own framework form")
+    parser.add_argument("checkpoint", type=Path,
+                        help="a checkpoint, or a job, checkpoint or run directory (its newest)")
+    parser.add_argument("--to", type=Path, required=True, metavar="DIR", help="a new or empty directory")
+    parser.add_argument("--model", metavar="MODEL.py",
+                        help="the model file (default: the run's, from RUN_DIR/.hydra/overrides.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides on top of the run's")
+    ns = parser.parse_intermixed_args(args)
+    from .exporting import export
+
+    print(export(ns.checkpoint, ns.to, ns.model, ns.overrides).describe())
 
 
 def scale_command(args: List[str]) -> None:
@@ -165,7 +203,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     command, rest = argv[0], argv[1:]
     commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest),
                 "scale": lambda: scale_command(rest), "status": lambda: status_command(rest),
-                "plot": lambda: plot_command(rest)}
+                "plot": lambda: plot_command(rest), "export": lambda: export_command(rest)}
     if command not in commands:
         fail(f"unknown command {command!r}", f"use one of: {', '.join(commands)} (elasticflow --help)")
     try:

@@ -33,49 +33,62 @@ class BackendConfig:
 class LauncherConfig:
     name: str = "local"            # local | slurm
     workers: int = 1               # local: worker processes; slurm: nodes * tasks_per_node (set for you)
-    min_workers: int = 1
+    min_workers: int = 1           # below this many for elastic.wait_s, the job checkpoints and stops
     max_workers: Optional[int] = None  # `elasticflow scale` limit (null = none)
     restart_failed: bool = False   # replace a dead worker with a fresh one ...
     max_restarts: int = 3          # ... at most this many times per job
     # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end
-    nodes: int = 1
-    tasks_per_node: int = 1
-    partition: Optional[str] = None
+    nodes: int = 1                 # nodes to ask for
+    tasks_per_node: int = 1        # workers per node
+    partition: Optional[str] = None  # null = the cluster's default partition
     time: Optional[str] = None     # e.g. "02:00:00"
-    cpus_per_task: Optional[int] = None
-    gpus_per_node: Optional[int] = None
-    account: Optional[str] = None
+    cpus_per_task: Optional[int] = None  # cores per worker (null = SLURM's default)
+    gpus_per_node: Optional[int] = None  # GPUs per node, one per task (null = none)
+    account: Optional[str] = None  # the account charged (null = your default)
     submit: bool = True            # false: write RUN_DIR/slurm/job.sbatch without submitting it
     signal: str = "USR1@90"        # warning signal before the time limit: checkpoint, then requeue
-    requeue: bool = True
+    requeue: bool = True           # after the warning signal, requeue the job to resume from its checkpoint
     interface: Optional[str] = None  # network interface (or address) the store and gloo listen on
     sbatch_args: List[str] = field(default_factory=list)  # extra `#SBATCH` lines, e.g. ["--qos=high"]
 
 
 @dataclass
+class GroupConfig:
+    params: List[str] = field(default_factory=list)  # name patterns: part of a name or module class, or a glob
+    lr: Optional[float] = None            # null = optimizer.lr
+    weight_decay: Optional[float] = None  # null = optimizer.weight_decay (0 where no_decay matches)
+
+
+@dataclass
 class OptimizerConfig:
     name: str = "sgd"              # sgd | adam | adamw
-    lr: float = 0.1
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    lr: float = 0.1                # the peak learning rate (the schedule scales it)
+    momentum: float = 0.0          # sgd
+    nesterov: bool = False         # sgd with momentum
+    weight_decay: float = 0.0      # sgd, adam: L2 added to the gradient; adamw: decoupled (as torch.optim)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # adam/adamw: moment decay rates
+    eps: float = 1e-8              # adam/adamw: added to the denominator
     schedule: str = "constant"     # constant | linear | cosine | step
-    warmup_steps: int = 0
+    warmup_steps: int = 0          # the learning rate rises linearly to lr over the first this many steps
     decay_steps: Optional[int] = None  # linear/cosine: steps to reach min_lr (null = all training steps)
-    min_lr: float = 0.0
+    min_lr: float = 0.0            # linear/cosine: the learning rate at the end of the decay
     step_size: int = 1000          # schedule=step: multiply by gamma every step_size steps
-    gamma: float = 0.1
+    gamma: float = 0.1             # schedule=step: the factor
+    # parameters without weight decay, by name pattern (e.g. [bias,norm]: biases and normalization weights)
+    no_decay: List[str] = field(default_factory=list)
+    # parameter groups by name pattern, the first match wins: '[{params:[classifier],lr:1e-2}]'
+    groups: List[GroupConfig] = field(default_factory=list)
 
 
 @dataclass
 class TrainerConfig:
-    global_batch_size: int = 64
-    micro_batch_size: Optional[int] = None  # null = the whole per-worker share in one micro-batch
+    global_batch_size: int = 64             # samples per optimizer step, whatever the number of workers
+    # samples per forward/backward (gradient accumulation); null = each worker's whole share at once, and then
+    # BatchNorm's statistics and dropout masks depend on the number of workers (set it for exact elasticity)
+    micro_batch_size: Optional[int] = None
     max_steps: Optional[int] = None          # stop after this many optimizer steps
     epochs: Optional[int] = None             # stop after this many epochs (null with max_steps null = 1)
-    log_every: int = 10
+    log_every: int = 10                      # steps between records in metrics.jsonl and the console
     eval_every: Optional[int] = None         # steps; null = evaluate once at the end (if eval_data exists)
     grad_clip: Optional[float] = None        # clip the global gradient norm to this value
     on_nonfinite: str = "stop"               # stop | skip
@@ -92,14 +105,14 @@ class TrainerConfig:
 
 @dataclass
 class IntervalConfig:
-    steps: Optional[int] = None
-    epochs: Optional[int] = None
+    steps: Optional[int] = None    # save every this many optimizer steps (null = not by steps)
+    epochs: Optional[int] = None   # save at the end of every this many epochs (null = not by epochs)
 
 
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None      # null = RUN_DIR/checkpoints
-    interval: IntervalConfig = field(default_factory=IntervalConfig)
+    interval: IntervalConfig = field(default_factory=IntervalConfig)  # when to save, besides the end and Ctrl-C
     keep: Optional[int] = 3        # newest complete checkpoints kept (null = all)
     job_name: Optional[str] = None  # checkpoint.dir/<job_name>_<timestamp>/; null = the model file's stem
     # Write checkpoints in a background thread; training stalls only for an in-memory snapshot of this
@@ -137,15 +150,15 @@ class CommConfig:
 @dataclass
 class Config:
     model: str = MISSING           # path to the model file (set by `elasticflow train PATH`)
-    backend: BackendConfig = field(default_factory=BackendConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    seed: int = 0
+    backend: BackendConfig = field(default_factory=BackendConfig)  # the framework (a group: backend=tensorflow)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # where workers run (a group: launcher=slurm)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # a group: optimizer=adamw
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the loop: batch, length, logging, precision
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saves and resume
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)  # failure detection and recovery
+    comm: CommConfig = field(default_factory=CommConfig)  # the gradient reduction
+    data: DataConfig = field(default_factory=DataConfig)  # reading data() ahead of training
+    seed: int = 0                  # parameters (via cfg.seed), sample order, dropout
     resume: str = "auto"           # auto | none | PATH to a checkpoint directory
     # Free-form section for the model file's own settings (model(cfg) / data(cfg) read cfg.model_args).
     model_args: Any = field(default_factory=dict)

@@ -4,22 +4,43 @@ Also the one-time probe of forward()'s metric names, which fixes the order every
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from . import data
+from . import data, randomness
+from .errors import ElasticFlowError
+
+# The backends name the evaluation in their loss checks (common.check_loss's ``where``); the probe is
+# evaluation mode too, but a user without eval_data() must read where it really ran.
+_PROBE = "in the start-up probe (forward() on data()'s first samples, before the first step)"
 
 
-def probe_metric_names(engine: Any, source: data.Source) -> List[str]:
+@dataclass
+class Probe:
+    metric_names: List[str]  # forward()'s metrics, sorted: the order every worker reduces them in
+    drew: bool               # forward() called elasticflow.ops.dropout with a rate above 0
+
+
+def probe(engine: Any, source: data.Source, check_fields: Optional[Callable[[int], None]] = None) -> Probe:
     """forward() on two samples, once: checks its output early and fixes the metric order every
-    worker reduces in (a worker with an empty share still sends zeros for each)."""
+    worker reduces in (a worker with an empty share still sends zeros for each).
+
+    ``check_fields(n)``: raises when forward() cannot take the batch's ``n`` fields (``ModelFile.check_fields``).
+    """
     batch = source.rows(np.arange(min(2, len(source))))
+    if check_fields is not None:
+        check_fields(len(batch))
+    drawn = randomness.ops_draws
     engine.train_mode(False)
     try:
-        return sorted(k for k in engine.evaluate(batch) if k != "loss")
+        names = sorted(k for k in engine.evaluate(batch) if k != "loss")
+    except ElasticFlowError as exc:
+        raise ElasticFlowError(exc.message.replace("in evaluation", _PROBE), exc.hint, exc.exit_code) from exc
     finally:
         engine.train_mode(True)
+    return Probe(names, randomness.ops_draws > drawn)
 
 
 class Evaluation:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -32,8 +34,31 @@ def fail(message: str, hint: str = "", code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def _stdout_gone() -> bool:
+    """True when nobody reads our stdout any more (a pipe whose reader exited: Linux polls it as an error)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is not a file
+        return False
+
+
+def quiet_exit_on_broken_pipe() -> NoReturn:
+    """The reader of our stdout went away (``elasticflow inspect DIR | head``): exit quietly with the status
+    of a process killed by SIGPIPE, as cat or ls do. Python flushes stdout once more at exit; pointed at
+    /dev/null, that flush cannot fail again and print its own complaint."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+    raise SystemExit(128 + signal.SIGPIPE)
+
+
 def report(exc: BaseException, debug: bool) -> NoReturn:
     """Exit on ``exc`` with one line for the user (plus a hint); the traceback only with --debug."""
+    if isinstance(exc, BrokenPipeError) and _stdout_gone():  # another pipe's (a socket's) is a real error
+        quiet_exit_on_broken_pipe()
     if debug:
         traceback.print_exc()
     if isinstance(exc, TrainingInterrupted):
@@ -60,12 +85,17 @@ def print_done(summary: Dict[str, Any], run_dir: Optional[Path] = None) -> None:
     With ``run_dir``: the goodput ledger the job wrote (RUN_DIR/goodput.json) comes first, as a block.
     """
     ledger = Path(run_dir) / "goodput.json" if run_dir is not None else None
+    lines = []
     if ledger is not None and ledger.is_file():
         from .goodput import render
 
         try:
-            print(render(json.loads(ledger.read_text())))
+            lines.append(render(json.loads(ledger.read_text())))
         except (ValueError, KeyError, TypeError):
             pass  # a report, not the result: the done line still comes
     shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
-    print(f"done: {shown}", flush=True)
+    lines.append(f"done: {shown}")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `elasticflow train ... | head`: the run is done, its reader is not
+        quiet_exit_on_broken_pipe()

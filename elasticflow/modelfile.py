@@ -36,6 +36,38 @@ class ModelFile:
             takes_cfg = True
         return fn(cfg) if takes_cfg else fn()
 
+    def check_eval(self, eval_every: Optional[int]) -> None:
+        """Refuse trainer.eval_every without eval_data() at start: it was silently ignored."""
+        if eval_every and self.eval_data is None:
+            raise ElasticFlowError(f"trainer.eval_every={eval_every} is set, but model file '{self.path}' defines "
+                                   "no eval_data() to evaluate on",
+                                   "define eval_data(cfg), returning held-out data in data()'s form, or drop "
+                                   "trainer.eval_every")
+
+    def check_fields(self, fields: int, what: str = "data()") -> None:
+        """Raise when forward() cannot take a batch of ``fields`` arrays (what ``what`` yields per sample)
+        and the model, as the engines call it: otherwise the call fails inside the framework as a bare
+        TypeError that names neither forward() nor the data."""
+        try:
+            signature = inspect.signature(self.forward)  # the user's own: _model_argument's wrapper keeps it
+        except (TypeError, ValueError):
+            return
+        parameters = signature.parameters.values()
+        by_name = any(p.name == "params" and p.kind == p.KEYWORD_ONLY for p in parameters) or \
+            any(p.kind == p.VAR_KEYWORD for p in parameters)
+        fields_given = [object()] * fields
+        try:
+            signature.bind(*fields_given, params=None) if by_name else signature.bind(*fields_given, None)
+        except TypeError:
+            takes = [p.name for p in parameters]
+            data_params = len([p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                               and p.default is p.empty]) - (0 if by_name else 1)
+            raise ElasticFlowError(
+                f"forward({', '.join(takes)}) in '{self.path}' takes {max(data_params, 0)} data field(s) and the "
+                f"model, but {what} yields {fields} field(s) per sample",
+                f"give forward() one parameter per field of {what} (in its order) and the model last, e.g. "
+                f"def forward({', '.join(f'x{i}' for i in range(fields)) or 'x'}, params)") from None
+
 
 def load(path: str) -> ModelFile:
     """Import ``path`` as a module (under a private name) and check the three functions."""
@@ -120,8 +152,12 @@ def build(model_file: ModelFile, cfg: Any, backend: Any) -> Built:
         built = dict(built)
         spec = built.pop("optimizer")
         if not isinstance(spec, optim.OptimizerSpec):
-            raise ElasticFlowError(f"model()['optimizer'] is a {type(spec).__name__}, not an optimizer spec",
-                                   "use elasticflow.optim.SGD(lr), Adam(lr) or AdamW(lr)")
+            native = backend.spec_from_native(spec)  # a torch.optim optimizer built on the model's groups
+            if native is None:
+                raise ElasticFlowError(f"model()['optimizer'] is a {type(spec).__name__}, not an optimizer spec",
+                                       "use elasticflow.optim.SGD(lr), Adam(lr) or AdamW(lr), or (torch) a "
+                                       "torch.optim.SGD, Adam or AdamW")
+            spec = native
     foreign = backend.native_kind(built)
     if foreign:
         raise ElasticFlowError(f"model() returned {foreign}, which backend={backend.NAME} cannot train",

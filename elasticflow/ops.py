@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
 from . import backends
+from . import randomness as _randomness
 from .backends import common as _registry
 
 
@@ -208,6 +209,7 @@ def embedding(table, ids):
 def dropout(x, rate: float):
     """Zero a fraction ``rate`` of elements and scale the rest by 1/(1-rate) while training;
     the identity in evaluation. Randomness comes from the backend's seeded generator."""
+    _randomness.count_dropout(rate)  # the start banner warns when masks depend on the number of workers
     return _b().dropout(x, rate)
 
 

@@ -9,12 +9,27 @@ A model file may return a spec under the reserved key ``"optimizer"``:
 Without one, the ``optimizer`` config group decides (``optimizer=adam optimizer.lr=3e-4``).
 The semantics are torch.optim's: SGD's and Adam's weight_decay is L2 added to the gradient,
 AdamW's is decoupled. Optimizer state is named ``optimizer/<param>/<slot>`` in checkpoints.
+
+Parameter groups (torch.optim's ``param_groups``) are chosen by name: ``no_decay`` patterns take weight
+decay off (``optimizer.no_decay=[bias,norm]``), and each ``Group`` gives the parameters it matches
+their own ``lr`` and ``weight_decay``:
+
+    >>> optim.AdamW(1e-3, weight_decay=0.1, no_decay=("bias", "norm"),
+    ...             groups=[optim.Group(["classifier"], lr=1e-2)])
+
+A pattern with ``*``, ``?`` or ``[`` is a glob over the whole name (``encoder.*.bias``); any other
+pattern matches a name that contains it, or the class of the module that owns the parameter
+(``norm`` matches ``ln_f.weight`` of a ``LayerNorm``), case-insensitively. The first group that
+matches a parameter wins. A native torch module may also list the tensors themselves
+(``Group([model.head.weight])``), or return a ``torch.optim`` optimizer built on its groups.
+Parameters that do not train (``requires_grad=False``, keras ``trainable=False``) are in no group.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import ElasticFlowError
 
@@ -31,11 +46,45 @@ class Schedule:
 
 
 @dataclass
+class Group:
+    """Other hyperparameters for some parameters (torch.optim's parameter group).
+
+    Args:
+        params: name patterns (see the module's docstring), or a native model's tensors themselves.
+        lr: the group's learning rate (None: the optimizer's); a schedule moves it in proportion.
+        weight_decay: the group's weight decay (None: the optimizer's, or 0 where ``no_decay`` matches).
+    """
+    params: Tuple[Any, ...]
+    lr: Optional[float] = None
+    weight_decay: Optional[float] = None
+
+    def __post_init__(self):
+        self.params = (self.params,) if isinstance(self.params, str) else tuple(self.params)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One parameter's hyperparameters: its lr as a multiple of the schedule's, and its weight decay."""
+    lr_scale: float
+    weight_decay: float
+
+
+@dataclass
 class OptimizerSpec:
     lr: float
     weight_decay: float = 0.0
     schedule: Schedule = field(default_factory=Schedule)
     name: str = ""
+    groups: Tuple[Group, ...] = ()
+    no_decay: Tuple[str, ...] = ()
+
+    def _set_groups(self, groups: Optional[Sequence[Any]], no_decay: Sequence[str]) -> None:
+        self.groups = tuple(g if isinstance(g, Group) else Group(**dict(g)) for g in (groups or ()))
+        self.no_decay = (no_decay,) if isinstance(no_decay, str) else tuple(no_decay or ())
+        for g in self.groups:
+            if g.lr is not None and g.lr <= 0:
+                raise ElasticFlowError(f"a parameter group's lr must be positive, got {g.lr!r}",
+                                       "pass e.g. Group(['head'], lr=1e-3)")
 
     def slots(self) -> Tuple[str, ...]:
         """Names of the per-parameter state tensors this optimizer keeps."""
@@ -49,9 +98,11 @@ class SGD(OptimizerSpec):
     name: str = "sgd"
 
     def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
-                 schedule: Optional[Schedule] = None):
+                 schedule: Optional[Schedule] = None, groups: Optional[Sequence[Any]] = None,
+                 no_decay: Sequence[str] = ()):
         super().__init__(lr=lr, weight_decay=weight_decay, schedule=schedule or Schedule(), name="sgd")
         self.momentum, self.nesterov = momentum, nesterov
+        self._set_groups(groups, no_decay)
         if nesterov and momentum <= 0:
             raise ElasticFlowError("SGD(nesterov=True) needs momentum > 0", "pass e.g. SGD(lr, momentum=0.9, nesterov=True)")
 
@@ -66,9 +117,11 @@ class Adam(OptimizerSpec):
     name: str = "adam"
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 schedule: Optional[Schedule] = None):
+                 schedule: Optional[Schedule] = None, groups: Optional[Sequence[Any]] = None,
+                 no_decay: Sequence[str] = ()):
         super().__init__(lr=lr, weight_decay=weight_decay, schedule=schedule or Schedule(), name=type(self).__name__.lower())
         self.betas, self.eps = (float(betas[0]), float(betas[1])), eps
+        self._set_groups(groups, no_decay)
 
     def slots(self):
         return ("exp_avg", "exp_avg_sq")
@@ -78,19 +131,103 @@ class AdamW(Adam):
     """Adam with decoupled weight decay (torch.optim.AdamW; default weight_decay=0.01)."""
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 schedule: Optional[Schedule] = None):
-        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, schedule=schedule)
+                 schedule: Optional[Schedule] = None, groups: Optional[Sequence[Any]] = None,
+                 no_decay: Sequence[str] = ()):
+        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, schedule=schedule,
+                         groups=groups, no_decay=no_decay)
 
 
 def from_config(ocfg: Any) -> OptimizerSpec:
     """The spec the ``optimizer`` config group describes."""
     schedule = Schedule(kind=ocfg.schedule, warmup_steps=ocfg.warmup_steps, decay_steps=ocfg.decay_steps,
                         min_lr=ocfg.min_lr, step_size=ocfg.step_size, gamma=ocfg.gamma)
+    groups = [Group(tuple(g.params), lr=g.lr, weight_decay=g.weight_decay) for g in ocfg.groups]
     if ocfg.name == "sgd":
         return SGD(ocfg.lr, momentum=ocfg.momentum, nesterov=ocfg.nesterov, weight_decay=ocfg.weight_decay,
-                   schedule=schedule)
+                   schedule=schedule, groups=groups, no_decay=tuple(ocfg.no_decay))
     cls = {"adam": Adam, "adamw": AdamW}[ocfg.name]
-    return cls(ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps, weight_decay=ocfg.weight_decay, schedule=schedule)
+    return cls(ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps, weight_decay=ocfg.weight_decay, schedule=schedule,
+               groups=groups, no_decay=tuple(ocfg.no_decay))
+
+
+def matches(pattern: str, name: str, owner: str = "") -> bool:
+    """Whether name pattern ``pattern`` picks parameter ``name`` (owned by a module of class ``owner``)."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    p = pattern.lower()
+    return p in name.lower() or (bool(owner) and p in owner.lower())
+
+
+def hypers(spec: OptimizerSpec, names: Sequence[str], owners: Mapping[str, str] = {},
+           by_identity: Mapping[int, str] = {}) -> Dict[str, Hyper]:
+    """Each trainable parameter's hyperparameters under ``spec``'s groups and ``no_decay``.
+
+    Args:
+        names: the parameters that train, in the engine's order.
+        owners: parameter name -> class name of the module that owns it (native models; for patterns).
+        by_identity: ``id(tensor)`` -> name, for groups that list a native model's tensors.
+
+    Raises ElasticFlowError for a group pattern that matches no parameter (a typo would otherwise
+    change nothing, silently) and for a tensor that is not one of the model's trainable parameters.
+    """
+    chosen: Dict[str, Group] = {}
+    for i, g in enumerate(spec.groups):
+        picked = []
+        for item in g.params:
+            if isinstance(item, str):
+                hit = [n for n in names if matches(item, n, owners.get(n, ""))]
+                if not hit:
+                    raise ElasticFlowError(
+                        f"optimizer group {i} pattern {item!r} matches no trainable parameter",
+                        f"parameters are named like {', '.join(repr(n) for n in list(names)[:3])}; "
+                        "a pattern is a part of a name or of its module's class, or a glob")
+            else:
+                name = by_identity.get(id(item))
+                if name is None:
+                    raise ElasticFlowError(f"optimizer group {i} lists a tensor of shape "
+                                           f"{tuple(getattr(item, 'shape', ()))} that is not a trainable "
+                                           "parameter of the model", "list the model's own parameters "
+                                           "(model.named_parameters()), or name them by pattern")
+                hit = [name]
+            picked += hit
+        for n in picked:
+            chosen.setdefault(n, g)
+    out: Dict[str, Hyper] = {}
+    for n in names:
+        g = chosen.get(n)
+        scale = 1.0 if g is None or g.lr is None else g.lr / spec.lr
+        if g is not None and g.weight_decay is not None:
+            wd = float(g.weight_decay)
+        elif any(matches(p, n, owners.get(n, "")) for p in spec.no_decay):
+            wd = 0.0
+        else:
+            wd = float(spec.weight_decay)
+        out[n] = Hyper(scale, wd)
+    return out
+
+
+def runs(order: Sequence[str], sizes: Sequence[int], hyper: Mapping[str, Hyper]) -> List[Tuple[int, int, Hyper]]:
+    """[(lo, hi, hyper)]: the flat vector of parameters ``order`` (of ``sizes`` elements each), cut into
+    the longest stretches that share their hyperparameters; what a flat update runs over, once each."""
+    out: List[Tuple[int, int, Hyper]] = []
+    at = 0
+    for name, size in zip(order, sizes):
+        h = hyper[name]
+        if out and out[-1][2] == h and out[-1][1] == at:
+            out[-1] = (out[-1][0], at + size, h)
+        else:
+            out.append((at, at + size, h))
+        at += size
+    return out
+
+
+def grouped_order(names: Sequence[str], hyper: Mapping[str, Hyper]) -> List[str]:
+    """``names`` with the parameters of equal hyperparameters next to each other (stably, in the order
+    each setting first appears), so that a flat update has one stretch per group, not one per tensor."""
+    first: Dict[Hyper, int] = {}
+    for n in names:
+        first.setdefault(hyper[n], len(first))
+    return sorted(names, key=lambda n: first[hyper[n]])
 
 
 def lr_at(spec: OptimizerSpec, step: int, total_steps: Optional[int]) -> float:
@@ -120,4 +257,8 @@ def describe(spec: OptimizerSpec) -> str:
         extra = {"betas": spec.betas, "eps": spec.eps}
     parts = ", ".join(f"{k}={v}" for k, v in {"lr": spec.lr, **extra, "weight_decay": spec.weight_decay}.items())
     sched = "" if spec.schedule.kind == "constant" and not spec.schedule.warmup_steps else f", schedule={spec.schedule.kind}"
+    if spec.no_decay:
+        sched += f", no_decay={list(spec.no_decay)}"
+    if spec.groups:
+        sched += f", {len(spec.groups)} group(s)"
     return f"{spec.name}({parts}{sched})"

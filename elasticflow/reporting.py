@@ -11,6 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
+from .data import deal, split_evenly
 from .fileio import append_event
 
 log = logging.getLogger("elasticflow")
@@ -221,18 +222,41 @@ class StepLog:
                        record["world_size"], record["generation"])
 
 
-def accumulation_steps(global_batch: int, world: int, micro: Optional[int]) -> int:
-    """Micro-batches the busiest worker runs per step (whole micro-batches are dealt: ``data.deal``)."""
-    return math.ceil(math.ceil(global_batch / micro) / world) if micro else 1
+def batch_layout(global_batch: int, world: int, micro: Optional[int]) -> str:
+    """How ``data.deal`` cuts a global batch and deals it out, as the banner says it.
+
+    >>> batch_layout(64, 3, 16)
+    '4 micro-batches of 16, dealt 2+1+1 over 3 workers'
+    >>> batch_layout(64, 3, None)
+    '22+21+21 samples over 3 workers, one micro-batch per worker'
+    """
+    def spread(counts) -> str:  # 2+1+1, or for many workers the range
+        if len(counts) <= 8:
+            return "+".join(map(str, counts))
+        return f"{counts[0]} each" if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)} each"
+
+    if world == 1:
+        return f"1 micro-batch of {global_batch}" if not micro else _cut(global_batch, micro)
+    over = f"over {world} workers"
+    if not micro:
+        samples = spread(split_evenly(global_batch, world))
+        samples = samples.replace(" each", " samples each") if " each" in samples else f"{samples} samples"
+        return f"{samples} {over}, one micro-batch per worker"
+    dealt = [len(deal((0, global_batch), r, world, micro).micro) for r in range(world)]
+    return f"{_cut(global_batch, micro)}, dealt {spread(dealt)} {over}"
+
+
+def _cut(global_batch: int, micro: int) -> str:
+    micro = min(micro, global_batch)
+    n, last = -(-global_batch // micro), global_batch % micro
+    return f"{n} micro-batch{'es' if n != 1 else ''} of {micro}" + (f" (the last {last})" if last else "")
 
 
 def banner(*, backend: str, device: str, world: int, global_batch: int, micro: Optional[int], optimizer: str,
            samples: int, steps_per_epoch: int, total_steps: Optional[int], run_dir: Path, resumed: Optional[str]) -> str:
-    micro_eff = min(micro, global_batch) if micro else math.ceil(global_batch / world)
-    accum = accumulation_steps(global_batch, world, micro)
     lines = [
         f"elasticflow | backend {backend} | {device} | workers {world} | "
-        f"global batch {global_batch} = micro {micro_eff} x accumulation {accum} x workers {world}",
+        f"global batch {global_batch} = {batch_layout(global_batch, world, micro)}",
         f"  optimizer {optimizer} | {samples} samples, {steps_per_epoch} steps/epoch"
         + (f", {total_steps} steps in all" if total_steps else ""),
         f"  run dir {run_dir}" + (f" | resumed from {resumed}" if resumed else ""),

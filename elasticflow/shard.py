@@ -57,6 +57,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .backends.common import check_trainable
 from .backends.torch_optim import adam_update, sgd_update, weight_decay_is_l2
 from .checkpoint.format import Partial, Sharded
 from .errors import ElasticFlowError
@@ -141,27 +142,40 @@ class FlatUpdate:
     """The optimizer's formula over one range of the flat vector: torch.optim's SGD, or the flat Adam's.
 
     Elementwise, so a range updated alone gets the values the whole vector would (see the design above).
+    ``runs``: the engine's ``flat_runs()``, each parameter group's stretch and hyperparameters; a range
+    that crosses groups is updated stretch by stretch.
     """
 
-    def __init__(self, spec: OptimizerSpec):
+    def __init__(self, spec: OptimizerSpec, runs: Sequence[Tuple[int, int, Any]]):
         self.spec = spec
+        self.runs = list(runs)
         self.slots = spec.slots()
         self.adam = isinstance(spec, Adam)
         self.decoupled = isinstance(spec, AdamW)
-        self.l2 = self.adam and weight_decay_is_l2(spec)
+        self.l2 = self.adam and weight_decay_is_l2(spec, self.runs)
 
     @torch.no_grad()
-    def __call__(self, param: torch.Tensor, grad: torch.Tensor, slots: Dict[str, torch.Tensor], lr: float,
-                 step: int, scratch: torch.Tensor) -> None:
+    def __call__(self, lo: int, param: torch.Tensor, grad: torch.Tensor, slots: Dict[str, torch.Tensor],
+                 lr: float, step: int, scratch: torch.Tensor) -> None:
+        """Update ``param`` (the flat vector's elements from ``lo`` on) and its ``slots`` in place."""
+        hi = lo + param.numel()
+        for a, b, h in self.runs:
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                self._stretch(param[a - lo:b - lo], grad[a - lo:b - lo],
+                              {k: v[a - lo:b - lo] for k, v in slots.items()}, lr * h.lr_scale, h.weight_decay,
+                              step, scratch)
+
+    def _stretch(self, param, grad, slots, lr: float, weight_decay: float, step: int, scratch) -> None:
         s = self.spec
         if self.adam:
             k = param.numel()  # scratch: the denominator, then Adam's L2 term (grad + wd * param)
             adam_update(param, grad, slots["exp_avg"], slots["exp_avg_sq"], scratch[:k], lr, s.betas, s.eps,
-                        s.weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None)
+                        weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None)
             return
         # torch.optim.SGD's step, as the engine's. The buffer starts at zero instead of taking the first
         # gradient (first=False): 0 * m + g == g, but for the sign of a zero.
-        sgd_update(param, grad, slots.get("momentum_buffer"), lr, s.momentum, s.nesterov, s.weight_decay,
+        sgd_update(param, grad, slots.get("momentum_buffer"), lr, s.momentum, s.nesterov, weight_decay,
                    first=False)
 
 
@@ -192,7 +206,7 @@ class ShardedState:
             raise ElasticFlowError(f"trainer.shard={stage} keeps the optimizer's slices in host memory and "
                                    "cannot update GPU parameters yet", "pass trainer.shard=none on GPUs")
         self.n = int(self.params.numel())
-        self.update_fn = FlatUpdate(spec)
+        self.update_fn = FlatUpdate(spec, engine.flat_runs())
         self.slot_names = self.update_fn.slots
         layout = engine.flat_layout()
         offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in layout]).tolist()
@@ -233,6 +247,7 @@ class ShardedState:
     def load_full(self, slots: Dict[str, np.ndarray], at: int) -> None:
         """Hold [0, n) at progress ``at`` from whole slot tensors by name (a checkpoint's; missing: zeros).
         The parameters were loaded by the engine. The next redistribution keeps only this worker's ranges."""
+        check_trainable({**slots, **dict.fromkeys(self.param_at)}, self.param_at, self.slot_names, at)
         self.params = self.engine.flat_params()  # an engine that hands out a copy reads the loaded values
         held = self._fresh(0, self.n)
         for p, (off, shape) in self.param_at.items():
@@ -270,7 +285,7 @@ class ShardedState:
         is (1-based, Adam's bias correction); ``at``: the progress the step commits."""
         for (lo, hi), slots in self.held.items():
             g = self.reduced[(lo, hi)] if self.scatters() else grad[lo:hi]
-            self.update_fn(self.params[lo:hi], g, slots, lr, step, self._scratch)
+            self.update_fn(lo, self.params[lo:hi], g, slots, lr, step, self._scratch)
         self.at = at
         self.reduced = {}
         if not self.gathers():  # else gather() writes them back, once all are in

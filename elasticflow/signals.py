@@ -20,9 +20,12 @@ class StopSignal:
     writing a step's record).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, console: bool = True) -> None:
         self.requested = False
         self._what: str = ""        # the signal, once requested and not yet announced
+        # False in a worker run by an agent: the agent tells the console once for the job (it forwards the
+        # signal to every worker); a worker's own line goes to its log file only (worker.py's console filter).
+        self.console = console
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
@@ -34,7 +37,8 @@ class StopSignal:
         """Log a stop request once (call it outside the handler: from the loop)."""
         if self._what:
             what, self._what = self._what, ""
-            log.warning("%s: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)", what)
+            log.warning("%s: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)", what,
+                        extra=None if self.console else {"console": False})
 
     @contextmanager
     def installed(self) -> Iterator[None]:

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 from omegaconf import OmegaConf
 
-from . import affinity, data, devices, grad_check, loss_scale, modelfile, ops, optim
+from . import affinity, data, devices, evaluation, grad_check, loss_scale, modelfile, ops, optim, randomness
 from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config import TrainerConfig, compose
 from .data import GlobalBatch
@@ -27,7 +27,6 @@ from .distributed import protocol
 from .distributed.protocol import CommError
 from .errors import ElasticFlowError, TrainingInterrupted
 from .buffers import Reconciler
-from .evaluation import Evaluation, probe_metric_names
 from .goodput import Meter
 from .prefetch import Prefetcher
 from .replica import Agreed, Replica
@@ -77,7 +76,7 @@ class ElasticTrainer:
         self.membership = membership
         self.state = TrainState()
         self.run_log = RunLog(self.run_dir, tensorboard=self.tcfg.tensorboard)
-        self.stop_signal = StopSignal()
+        self.stop_signal = StopSignal(console=membership is None)  # with workers, the agent says it once
         self.metric_names: list = []
         self.last_eval: Dict[str, float] = {}
         self.resumed_from: Optional[str] = None
@@ -107,6 +106,7 @@ class ElasticTrainer:
         self.backend.setup(threads, cfg.seed, self.placement)
         np.random.seed(cfg.seed)
         mf = self.model_file = self.model_file or modelfile.load(cfg.model)
+        mf.check_eval(t.eval_every)
         built = modelfile.build(mf, cfg, self.backend)
         self.spec = built.optimizer
         self.engine = self.backend.Engine(built.model, mf.forward, self.spec, jit=cfg.backend.jit,
@@ -139,8 +139,9 @@ class ElasticTrainer:
                                              self.load_state_dict)
         resumed = self.checkpoints.resume()
         self.resumed_from = str(resumed) if resumed else None
-        self.metric_names = probe_metric_names(self.engine, self.source)
-        self.evaluation = None if eval_dataset is None else Evaluation(
+        probe = evaluation.probe(self.engine, self.source, mf.check_fields)
+        self.metric_names = probe.metric_names
+        self.evaluation = None if eval_dataset is None else evaluation.Evaluation(
             eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size)
         self._join()
         if self.replica.lost:
@@ -159,10 +160,12 @@ class ElasticTrainer:
                             + (" (from the model file)" if built.optimizer_from_model else ""),
                             samples=len(self.source), steps_per_epoch=self.schedule.steps_per_epoch,
                             total_steps=self.schedule.total_steps, run_dir=self.run_dir, resumed=self.resumed_from))
-            if t.micro_batch_size is None and self.reconciler and self.reconciler.has_batch_statistics:
-                log.info("  note: without trainer.micro_batch_size each worker's share is one micro-batch, so "
-                         "BatchNorm's batch statistics (and dropout masks) depend on the number of workers; "
-                         "set trainer.micro_batch_size for the result one worker would train")
+            statistics = bool(self.reconciler and self.reconciler.has_batch_statistics)
+            warning = t.micro_batch_size is None and randomness.warning(
+                randomness.sources(built.model, probe.drew), statistics, t.global_batch_size,
+                max(self.world, cfg.launcher.workers, cfg.launcher.max_workers or 0, 2))  # a resume may add one
+            if warning:
+                log.warning(warning)
         return self
 
     def _join(self) -> None:

@@ -54,8 +54,53 @@ def test_help_lists_groups_and_keys():
     assert proc.returncode == 0, proc.stderr
     assert "optimizer: adam, adamw, sgd" in proc.stdout
     assert "global_batch_size: 64" in proc.stdout and "--cfg job" in proc.stdout
+    # Each key with its meaning, from the schema's comments (config.py): after it, or above it.
+    lines = proc.stdout.splitlines()
+    assert "  global_batch_size: 64  # samples per optimizer step, whatever the number of workers" in lines
+    assert "  # parameters without weight decay, by name pattern (e.g. [bias,norm]: biases and normalization weights)" \
+        in lines[lines.index("  no_decay: []") - 1:]
+    assert "backend: tensorflow, torch" in lines  # the group list above the config is left as it was
     top = run_cli(["--help"], timeout=60)
     assert top.returncode == 0 and "elasticflow train MODEL.py" in top.stdout
+
+
+def test_every_config_key_has_a_meaning_in_the_schema():
+    """`train --help` reads each key's meaning from config.py's comments: a key without one is a key
+    nobody can look up (add a `# ...` after the field, or comment lines above it)."""
+    from omegaconf import OmegaConf
+
+    from elasticflow.config import Config
+    from elasticflow.confighelp import meanings
+
+    def keys(node, prefix=""):
+        for k, v in node.items():
+            yield prefix + k
+            if isinstance(v, dict) and k != "model_args":
+                yield from keys(v, f"{prefix}{k}.")
+
+    found = meanings()
+    schema = OmegaConf.to_container(OmegaConf.structured(Config), throw_on_missing=False)
+    assert set(keys(schema)) == set(found)
+    assert [k for k, m in found.items() if not (m.above or m.trailing)] == []
+
+
+@pytest.mark.parametrize("command", ["inspect", "status"])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tiny, tmp_path, command):
+    """`elasticflow inspect DIR | head` printed `error: BrokenPipeError`."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cfg = compose(str(tiny), [*SMALL, "trainer.max_steps=1", "trainer.progress=false", "trainer.tensorboard=false"])
+    ElasticTrainer(str(tiny), cfg, run_dir=str(run)).fit()
+    target = ckpt.latest(run / "checkpoints") if command == "inspect" else run
+    # The reader is gone before the command writes a line (as `| true`, or `| head` once it has its lines).
+    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.cli", command, str(target)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 141 and stderr == "", stderr
 
 
 def test_multirun_sweeps_two_learning_rates(tiny, tmp_path):

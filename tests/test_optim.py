@@ -245,7 +245,9 @@ def _engine_steps(engine, batches, lrs):
 def _torch_state(net, opt, slot_names):
     """torch.optim's run as an Engine.state(): parameters, buffers and optimizer/<param>/<slot>."""
     names = {p: n for n, p in net.named_parameters()}
-    out = {n: t.detach().numpy().copy() for n, t in list(net.named_parameters()) + list(net.named_buffers())}
+    persistent = set(net.state_dict())  # a non-persistent buffer (the causal mask) is the module's, not state
+    out = {n: t.detach().numpy().copy() for n, t in list(net.named_parameters()) + list(net.named_buffers())
+           if n in persistent}
     for p, slots in opt.state.items():
         out.update({f"optimizer/{names[p]}/{s}": slots[s].numpy().copy() for s in slot_names})
     return out

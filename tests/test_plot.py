@@ -18,7 +18,7 @@ def killed_and_joined(tmp_path_factory):
     """3 workers, one killed at step 15, then `scale --workers 3` brings a joiner."""
     run = tmp_path_factory.mktemp("run")
     proc = subprocess.Popen(ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", "trainer.progress=false",
-                                           "trainer.max_steps=300", "trainer.log_every=1", "trainer.eval_every=150",
+                                           "trainer.max_steps=300", "trainer.log_every=1",
                                            "launcher.workers=3", "launcher.max_workers=3", "elastic.timeout_s=10",
                                            "elastic.heartbeat_timeout_s=5"],
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_KILL": "1:15:forward",

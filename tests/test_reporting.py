@@ -74,3 +74,18 @@ def test_a_rolled_forward_rank_0_writes_its_own_step_and_the_adopted_one(tmp_pat
     new.rewrite(record(21))
     new.rewrite(record(21))  # a second regroup before the next step: nothing twice
     assert written(tmp_path) == list(range(1, 22))
+
+
+def test_the_banner_says_how_a_global_batch_is_cut_and_dealt():
+    """It said "global batch 64 = micro 16 x accumulation 2 x workers 3" (that is 96): the deal was 2+1+1."""
+    from elasticflow.reporting import banner, batch_layout
+
+    assert batch_layout(64, 3, 16) == "4 micro-batches of 16, dealt 2+1+1 over 3 workers"
+    assert batch_layout(64, 3, 24) == "3 micro-batches of 24 (the last 16), dealt 1+1+1 over 3 workers"
+    assert batch_layout(64, 3, None) == "22+21+21 samples over 3 workers, one micro-batch per worker"
+    assert batch_layout(64, 1, None) == "1 micro-batch of 64" and batch_layout(64, 1, 16) == "4 micro-batches of 16"
+    assert batch_layout(64, 5, 64) == "1 micro-batch of 64, dealt 1+0+0+0+0 over 5 workers"
+    assert batch_layout(64, 12, 4) == "16 micro-batches of 4, dealt 1-2 each over 12 workers"
+    first = banner(backend="torch", device="cpu", world=3, global_batch=64, micro=16, optimizer="sgd", samples=640,
+                   steps_per_epoch=10, total_steps=None, run_dir="r", resumed=None).splitlines()[0]
+    assert first.endswith("| workers 3 | global batch 64 = 4 micro-batches of 16, dealt 2+1+1 over 3 workers")

@@ -152,39 +152,46 @@ def test_join_and_shrink_four_to_two_move_slices_in_memory(tmp_path, references)
     assert_same_state(run, references["adam"])
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["one_group", "two_groups"])
 @pytest.mark.parametrize("spec", ["sgd_nesterov_wd", "adam_l2", "adamw"])
-def test_the_update_over_slices_is_the_update_over_the_whole_vector(spec):
+def test_the_update_over_slices_is_the_update_over_the_whole_vector(spec, grouped):
     """The sliced update is torch.optim's (SGD) or the flat Adam's formula per element: two slices updated
-    alone end where one update of the whole vector does (to float32 rounding of vectorised kernels)."""
+    alone end where one update of the whole vector does (to float32 rounding of vectorised kernels), also
+    where a parameter group's stretch (another lr, no weight decay) begins inside a slice."""
     import torch
 
     from elasticflow.backends.torch_optim import FlatAdam
-    from elasticflow.optim import SGD, Adam, AdamW
+    from elasticflow.optim import SGD, Adam, AdamW, Hyper
     from elasticflow.shard import FlatUpdate
 
     spec = {"sgd_nesterov_wd": SGD(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
             "adam_l2": Adam(0.01, weight_decay=0.1), "adamw": AdamW(0.01)}[spec]
+    runs = [(0, 500, Hyper(1.0, spec.weight_decay)), (500, 1000, Hyper(2.0, 0.0))] if grouped else \
+        [(0, 1000, Hyper(1.0, spec.weight_decay))]
     g = torch.Generator().manual_seed(0)
     start = torch.randn(1000, generator=g)
     grads = [torch.randn(1000, generator=g) for _ in range(5)]
     whole, sliced = start.clone(), start.clone()
     if isinstance(spec, SGD):
-        p = torch.nn.Parameter(whole)
-        opt = torch.optim.SGD([p], lr=spec.lr, momentum=spec.momentum, nesterov=True, weight_decay=spec.weight_decay)
+        params = [torch.nn.Parameter(whole[lo:hi]) for lo, hi, _ in runs]  # views of whole
+        opt = torch.optim.SGD([{"params": [q], "lr": spec.lr * h.lr_scale, "weight_decay": h.weight_decay}
+                               for q, (_, _, h) in zip(params, runs)], lr=spec.lr, momentum=spec.momentum,
+                              nesterov=True)
     else:
         grad = torch.zeros(1000)
-        p = torch.nn.Parameter(whole)
-        opt = FlatAdam(spec, whole, grad, [p])
-    update = FlatUpdate(spec)
+        params = [torch.nn.Parameter(whole)]
+        opt = FlatAdam(spec, whole, grad, params, runs)
+    update = FlatUpdate(spec, runs)
     ranges = [(0, 333), (333, 1000)]
     slots = {r: {s: torch.zeros(r[1] - r[0]) for s in update.slots} for r in ranges}
     scratch = torch.empty(2000)
     for step, gr in enumerate(grads, 1):
         if isinstance(spec, SGD):
-            p.grad = gr.clone()
+            for q, (lo, hi, _) in zip(params, runs):
+                q.grad = gr[lo:hi].clone()
         else:
             grad.copy_(gr)
         opt.step()
         for lo, hi in ranges:
-            update(sliced[lo:hi], gr[lo:hi], slots[(lo, hi)], spec.lr, step, scratch)
-    np.testing.assert_allclose(sliced.numpy(), p.detach().numpy(), rtol=1e-6, atol=1e-7)
+            update(lo, sliced[lo:hi], gr[lo:hi], slots[(lo, hi)], spec.lr, step, scratch)
+    np.testing.assert_allclose(sliced.numpy(), whole.numpy(), rtol=1e-6, atol=1e-7)

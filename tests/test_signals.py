@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
+from test_checkpoint import SLOW  # a model file whose steps take 0.05 s
 
 # Ctrl-C arriving while the main thread is inside a logging call that holds the console queue's lock
 # (a worker writing a step's record): a handler that logged there waited for that lock forever.
@@ -35,3 +38,40 @@ def test_ctrl_c_inside_a_logging_call_is_recorded_and_announced_once_from_the_lo
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["requested"] is True
     assert got["logged"] == ["Ctrl-C: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)"]
+
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_a_two_worker_run_is_announced_once_and_status_says_interrupted(write_model, tmp_path):
+    """A terminal's Ctrl-C reaches the CLI's process group (the agent; workers have sessions of their own):
+    the agent said it, and then every worker said it again."""
+    import signal
+    import time
+
+    from conftest import ELASTICFLOW, run_cli
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(ELASTICFLOW + ["train", str(write_model(SLOW)), f"hydra.run.dir={run}", "launcher.workers=2",
+                                           "trainer.max_steps=100000", "trainer.log_every=1", "trainer.progress=false",
+                                           "trainer.global_batch_size=8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        metrics = run / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert stderr.count("Ctrl-C:") == 1, stderr  # the agent's line; not once more per worker
+    assert stderr.count("interrupted: checkpoint written") == 1
+    for worker in (0, 1):  # each worker's own log still says it stopped for the signal
+        assert "Ctrl-C: finishing the current step" in (run / "logs" / f"worker-{worker}.log").read_text()
+    rows = run_cli(["status", run], check=True).stdout.splitlines()
+    assert [r.split()[-1] for r in rows if r.split()[:2] in (["0", "0"], ["1", "1"])] == ["interrupted"] * 2, rows

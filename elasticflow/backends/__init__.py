@@ -14,12 +14,14 @@ module on each micro-batch, so forward()'s ``elasticflow.ops`` calls reach it wh
 another trainer in the process chose since.
 
 Adding a backend is one new file here and one name in ``PACKAGES``. The TensorFlow backend has
-five helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
+helpers beside it, each a seam of its own: ``tensorflow_ops.py`` (its ops, which
 tensorflow.py exports), ``tensorflow_data.py`` (tensors from numpy, and ``Rows``: a batch gathered
 inside the compiled step), ``tensorflow_optim.py`` (torch.optim's update formulas for tf.Variables),
-``tensorflow_compiled.py`` (the cheaper call of a compiled step) and ``tensorflow_native.py``
-(keras models and tf.Modules: variable names, seed generators, BatchNormalization's rules). Backends know nothing of distribution: the layers above reduce
-``Engine.grad_view()`` in place.
+``tensorflow_compiled.py`` (the cheaper call of a compiled step), ``tensorflow_native.py``
+(keras models and tf.Modules: variable names, frozen weights, keras's own losses, seed generators,
+BatchNormalization's rules), ``tensorflow_devices.py`` (GPUs, threads, seeds, keras's dtype policy) and
+``tensorflow_quiet.py`` (the first import of TF without its start-up noise). Backends know nothing
+of distribution: the layers above reduce ``Engine.grad_view()`` in place.
 """
 from __future__ import annotations
 
@@ -42,12 +44,13 @@ def load(name: str) -> ModuleType:
         raise ElasticFlowError(f"unknown backend {name!r}; expected one of {', '.join(PACKAGES)}",
                                "pass backend=torch or backend=tensorflow")
     framework, package = PACKAGES[name]
-    if framework == "tensorflow":  # keep TF's C++ start-up INFO lines (oneDNN, CPU features) off the console
-        import os
-
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
-        importlib.import_module(framework)
+        if framework == "tensorflow":  # without its start-up lines (oneDNN, absl) on the console
+            from .tensorflow_quiet import import_tensorflow
+
+            import_tensorflow()
+        else:
+            importlib.import_module(framework)
     except ImportError as exc:
         raise ElasticFlowError(f"backend={name} needs the '{framework}' package, which is not installed ({exc})",
                                f"install it: .venv/bin/pip install {package}") from exc

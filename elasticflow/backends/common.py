@@ -7,11 +7,11 @@ Imports no framework (describing a model must not import torch) and not ``elasti
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import ElasticFlowError
+from ..errors import CheckpointMismatch, ElasticFlowError
 
 # ---------------------------------------------------------------- the active backend
 # The backend module elasticflow.ops dispatches to; None until something chooses one. Here, not in
@@ -143,3 +143,19 @@ def buckets(sizes: Sequence[int], bucket_bytes: int) -> List[Tuple[int, int]]:
             ranges.append((lo, hi))
             hi = lo
     return ranges
+
+
+def check_trainable(state: Mapping[str, Any], params: Iterable[str], slots: Sequence[str], steps: int) -> None:
+    """Refuse a checkpoint in which a parameter that trains now was frozen (so has no optimizer state)
+    under Adam: its bias correction counts the steps of each parameter since it first trained, and the
+    flat update keeps one count for all. SGD's momentum may start at zero (0 * m + g == g): accepted.
+    A parameter frozen now that trained then just leaves its slots unread, as in torch.optim."""
+    if "exp_avg" not in slots or steps == 0 or not any(k.startswith("optimizer/") for k in state):
+        return
+    missing = [n for n in params if f"optimizer/{n}/exp_avg" not in state and n in state]
+    if missing:
+        raise CheckpointMismatch(  # not a damaged checkpoint: resume=auto must stop, not start fresh
+            f"parameter {missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} trains now "
+            "but was frozen when the checkpoint was written, so it has no Adam state to resume",
+            "keep it frozen until this run ends, or start a new run from the weights: elasticflow export "
+            "CHECKPOINT --to DIR, load them in model(), and pass resume=none")

@@ -13,7 +13,11 @@ the gradient without copying it), ``buckets``/``arm`` (reductions started while 
 torch Engine has them; the TensorFlow one does not. For ``trainer.shard`` (``elasticflow/shard.py``), both:
 ``flat_params()`` (the parameters as one flat float32 torch tensor in the flat gradient's order; torch's IS
 the parameters, TensorFlow's a copy written back by ``params_written()``), ``flat_layout()`` ([(name,
-shape)] in that order) and ``release_optimizer()`` (drop the engine's own whole-model slots).
+shape)] in that order), ``flat_runs()`` ([(lo, hi, optim.Hyper)]: each parameter group's stretch of that
+order and its lr scale and weight decay) and ``release_optimizer()`` (drop the engine's own whole-model slots).
+
+Parameters that do not train (torch ``requires_grad=False``, keras ``trainable=False``) are in ``state()``
+and ``load_state()`` by name, but not in the flat gradient, the flat parameters or the optimizer.
 """
 from __future__ import annotations
 

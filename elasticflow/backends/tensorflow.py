@@ -1,11 +1,12 @@
 """TensorFlow backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with GradientTape.
 
 The same names, semantics and layouts as ``backends/torch.py``, so one model file and its
-checkpoints move between backends. Four modules beside this one hold what takes TensorFlow more
+checkpoints move between backends. Modules beside this one hold what takes TensorFlow more
 code than torch: the ops with torch's layouts and rules (``tensorflow_ops.py``, exported from here),
-SGD, Adam and AdamW with torch.optim's formulas, slot names and float32 rounding of the scalars
-(``tensorflow_optim.py``), the cheaper call of a compiled step (``tensorflow_compiled.py``), and
-keras models and tf.Modules with stable variable names (``tensorflow_native.py``).
+SGD, Adam and AdamW with torch.optim's formulas, slot names, float32 rounding of the scalars and
+parameter groups (``tensorflow_optim.py``), the cheaper call of a compiled step (``tensorflow_compiled.py``),
+keras models and tf.Modules (``tensorflow_native.py``: stable variable names, frozen weights, keras's
+own losses), devices and start-up (``tensorflow_devices.py``) and a quiet first import (``tensorflow_quiet.py``).
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
@@ -20,23 +21,26 @@ a params dict by casting the parameters and the inputs' floats inside the step.
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-import tensorflow as tf
 
-from . import tensorflow_data as tf_data
+from .tensorflow_quiet import import_tensorflow
+
+tf = import_tensorflow()  # the process's first import of TF, if it is: without its start-up noise
 from . import tensorflow_ops as tf_ops
 from . import tensorflow_optim as tf_optim
 from .common import activate, buckets, check_loss, flatten, rebuild, state_names
 from .common import set_training, training  # noqa: F401 - names every backend module provides
 from .tensorflow_compiled import Compiled
+from .tensorflow_devices import bf16_supported, gpus, setup  # noqa: F401 - names every backend module provides
 # The data path, under the names a backend module provides (Rows: a batch gathered inside the compiled step).
 from .tensorflow_data import (  # noqa: F401
     Rows, _on_rows, _split, _view, gather, index, resident, to_device, to_numpy, to_tensor)
-from .tensorflow_native import buffer_rules, is_native, native_kind, native_variables, seed_generators  # noqa: F401
+from .tensorflow_native import buffer_rules, is_native, mixed_native, native_kind, native_variables, seed_generators  # noqa: F401
+from .tensorflow_native import owners, unfrozen_error, with_model_losses
+from .tensorflow_native import spec_from_native  # noqa: F401 - modelfile.build asks every backend
 from .tensorflow_ops import _generator
 # The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
 from .tensorflow_ops import (  # noqa: F401
@@ -46,120 +50,14 @@ from .tensorflow_ops import (  # noqa: F401
 from ..buffers import Rule
 from ..devices import Placement
 from ..errors import ElasticFlowError
-from ..optim import OptimizerSpec
+from ..optim import Hyper, OptimizerSpec
 
 NAME = "tensorflow"
 _SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
-_log = logging.getLogger("elasticflow")
 _LOW = {"bfloat16": tf.bfloat16, "float16": tf.float16}
-_POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}  # keras's mixed policies by trainer.precision
-
-
-# ---------------------------------------------------------------- devices
-def gpus() -> List[str]:
-    """Names of the GPUs this process sees ("NVIDIA H100 80GB HBM3"); [] on a CPU-only host or build.
-    Listing physical devices does not start TF's runtime, so setup() can still choose among them."""
-    return [tf.config.experimental.get_device_details(d).get("device_name", d.name)
-            for d in tf.config.list_physical_devices("GPU")]
-
-
-def bf16_supported() -> bool:
-    """Whether the first visible GPU computes in bfloat16 (compute capability 8.0, Ampere, or newer);
-    True without a GPU (TF's CPU kernels take bfloat16). A GPU that reports no capability counts as
-    unable: refusing bf16 with a hint beats kernels that fail mid-run."""
-    found = tf.config.list_physical_devices("GPU")
-    if not found:
-        return True
-    capability = tf.config.experimental.get_device_details(found[0]).get("compute_capability")
-    return capability is not None and tuple(capability) >= (8, 0)
-
-
-def _bind_gpu(number: int) -> None:
-    """Make GPU ``number`` the only one TF uses, growing its memory as needed (several workers may
-    share a GPU under gloo, and one that grabbed all memory would starve the others)."""
-    found = tf.config.list_physical_devices("GPU")
-    if number >= len(found):
-        raise ElasticFlowError(f"placement cuda:{number} but TensorFlow sees {len(found)} GPUs",
-                               "check CUDA_VISIBLE_DEVICES, or pass trainer.device=cpu")
-    try:
-        tf.config.experimental.set_memory_growth(found[number], True)
-        tf.config.set_visible_devices([found[number]], "GPU")
-    except RuntimeError:
-        # TF fixes its devices when its runtime starts: a second trainer in the same process keeps
-        # the first one's, which is right only if they bound the same GPU.
-        visible = [d.name for d in tf.config.get_visible_devices("GPU")]
-        if visible != [found[number].name]:
-            raise ElasticFlowError(
-                f"TensorFlow started on {visible or 'the CPU'} before this trainer could bind {found[number].name}",
-                "run one trainer per process on a GPU, or pass trainer.device=cpu") from None
-
-
-def _keras_policy(precision: str) -> None:
-    """Keras's global dtype policy for model() to build its layers with: mixed for bf16/16, else
-    float32. Only set where needed: importing keras costs a dict model seconds."""
-    if precision not in _POLICIES and "keras" not in sys.modules:
-        return
-    import keras
-
-    current = keras.config.dtype_policy().name
-    wanted = _POLICIES.get(precision, "float32")
-    # float32 undoes only our own mixed policy (an earlier trainer's), not one the user chose.
-    if current != wanted and (precision in _POLICIES or current in _POLICIES.values()):
-        keras.config.set_dtype_policy(wanted)
-
-
-def setup(threads: Optional[int], seed: int, placement: Placement = None) -> None:
-    """Threads, seeds and the placement, before anything starts TF's runtime or model() builds layers.
-
-    ``placement`` None: the CPU in float32. On a GPU only ``placement.index`` is made visible, so
-    TF calls it "/GPU:0".
-    """
-    placement = placement or Placement()
-    if placement.kind == "cuda":
-        _bind_gpu(placement.index or 0)
-    tf_data.record(placement)
-    _keras_policy(placement.precision)
-    if threads:
-        # inter-op 1: on a few cores, running independent graph ops side by side only
-        # oversubscribes the intra-op pool that each matmul/conv already fills.
-        for setter, want in ((tf.config.threading.set_intra_op_parallelism_threads, threads),
-                             (tf.config.threading.set_inter_op_parallelism_threads, 1)):
-            try:
-                setter(want)
-            except RuntimeError:
-                # TF fixes its thread pools when it runs its first op; a second trainer in the
-                # same process keeps the first one's pools.
-                _log.debug("tensorflow already initialised; thread settings unchanged")
-    tf.random.set_seed(seed)
-    _generator().reset_from_seed(seed)
 
 
 # ---------------------------------------------------------------- engine
-def _mixed_native(model: Any, precision: str) -> None:
-    """A native model computing in ``precision``'s keras mixed policy; its variables stay float32.
-
-    A model built under the mixed global policy (setup() sets it before model()) is left as built,
-    float32 layers the user asked for included (a final softmax, as keras's guide advises). One built
-    in float32 (an Engine made without setup()) has each layer's policy switched: keras reads a
-    layer's policy at every call, and variables created in float32 stay float32.
-    """
-    if not _is_keras_model(model):
-        raise ElasticFlowError(
-            f"trainer.precision={precision} needs a keras model or a params dict; a tf.Module computes in its "
-            "variables' dtype", "pass trainer.precision=32, or build the model with keras")
-    layers = list(model._flatten_layers(include_self=True))
-    if any(layer.dtype_policy.name == _POLICIES[precision] for layer in layers):
-        return
-    for layer in layers:
-        if layer.dtype_policy.name == "float32":
-            layer.dtype_policy = _POLICIES[precision]
-
-
-def _is_keras_model(model: Any) -> bool:
-    keras = sys.modules.get("keras")
-    return keras is not None and isinstance(model, keras.Layer)
-
-
 def _size(x: Any) -> Optional[int]:
     """check_loss's test: the number of elements of a TF tensor (-1 while a dimension is unknown),
     None for anything else."""
@@ -198,6 +96,12 @@ class Engine:
     cost). Integer arrays are buffers, kept as they are. A native model's variables stay its own:
     its gradients are concatenated into the flat buffer and updated variable by variable.
 
+    A keras model trains as ``fit()`` trains it: its own losses (regularizers, ``add_loss``) join
+    forward()'s loss, weighted with it, and in the loss reported; a weight with ``trainable=False``
+    is state (checkpointed, restored) outside the gradient, the optimizer and the reconciliation of
+    buffers. Parameter groups (``optimizer.groups``/``no_decay``) give each parameter its group's lr
+    and weight decay; the flat order keeps each group contiguous (``flat_runs()``).
+
     In bf16/16 the variables and slots stay float32. A dict model's parameters and the batch's
     float tensors are cast to the compute dtype inside the step (a cast's gradient is float32
     again); a keras model computes under keras's mixed policy (its layers cast inputs and read
@@ -223,32 +127,35 @@ class Engine:
         _generator()
         self.native = model if is_native(model) else None
         if self.native is not None and self._compute is not None:
-            _mixed_native(self.native, self.placement.precision)
+            mixed_native(self.native, self.placement.precision)
         self.buffers: Dict[str, Any] = {}
-        arrays: Dict[str, np.ndarray] = {}
+        self.frozen: Dict[str, Any] = {}  # keras weights with trainable=False: state that nothing changes
+        named: Dict[str, Any] = {}  # the parameters: a native model's variables, or a dict model's arrays
         self._seed, self._seed_generators = 0, seed_generators(model)
         if self.native is not None:
-            named, self.buffers = native_variables(model)
-            self.param_names = list(named)
-            self._targets = list(named.values())  # the variables the optimizer updates
+            named, self.buffers, self.frozen = native_variables(model)
         else:
             self._tree = model
             for name, value in flatten(model):
                 array = to_numpy(value)
                 if np.issubdtype(array.dtype, np.floating):
-                    arrays[name] = array.astype(np.float32)
+                    named[name] = array.astype(np.float32)
                 else:
                     self.buffers[name] = tf.Variable(array, trainable=False)
-            self.param_names = list(arrays)
-        if not self.param_names:
+        if not named:
             hint = ("build the keras model before returning it (start it with keras.Input(shape) or call "
                     "model.build(shape))" if self.native is not None
                     else "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
             raise ElasticFlowError("model() returned no floating-point parameters to train", hint)
+        # Parameter groups: the flat order keeps each group contiguous (model order without groups).
+        self._groups = tf_optim.Groups(spec, list(named), owners(model, named),
+                                       {id(v): n for n, v in named.items()} if self.native is not None else {})
+        self.param_names = self._groups.order
         if self.native is None:
-            self._shapes = [arrays[n].shape for n in self.param_names]
-            self._targets = [tf.Variable(np.concatenate([arrays[n].reshape(-1) for n in self.param_names]))]
+            self._shapes = [named[n].shape for n in self.param_names]
+            self._targets = [tf.Variable(np.concatenate([named[n].reshape(-1) for n in self.param_names]))]
         else:
+            self._targets = [named[n] for n in self.param_names]  # the variables the optimizer updates
             self._shapes = [tuple(int(d) for d in v.shape) for v in self._targets]
         self._sizes = [int(np.prod(s, dtype=np.int64)) for s in self._shapes]
         self._offsets = np.concatenate([[0], np.cumsum(self._sizes)]).astype(int).tolist()
@@ -268,7 +175,7 @@ class Engine:
         # the compiled step reads: every argument of a tf.function call costs its own share of the
         # call's dispatch, so the step's only argument is the batch (or just its row indices).
         self._scalars = ()
-        self._k = tf.Variable(tf.zeros([len(tf_optim.scalars(spec, 0.0, 1))], tf.float32), trainable=False)
+        self._k = tf.Variable(tf.zeros([len(self._groups.scalars(0.0, 1))], tf.float32), trainable=False)
         self._metric_names: List[str] = []  # forward()'s metrics, in the order the step returns them
         self._weight_value = 1.0
         self._weight = tf.Variable(1.0, trainable=False)
@@ -444,7 +351,7 @@ class Engine:
         """
         self._settle()
         step = self._updates + 1
-        scalars = tf_optim.scalars(self.spec, lr, step)
+        scalars = self._groups.scalars(lr, step)
         if scalars != self._scalars:  # constant-lr SGD: the same scalars every step, no eager op
             self._k.assign(np.array(scalars, np.float32))
             self._scalars = scalars
@@ -455,7 +362,7 @@ class Engine:
     def _apply_step(self):
         grads = tf.split(tf.convert_to_tensor(self.flat_grad), self._target_sizes)
         grads = [tf.reshape(g, shape) for g, shape in zip(grads, self._target_shapes)]
-        tf_optim.apply(self.spec, tf.unstack(tf.convert_to_tensor(self._k)), self._targets, grads, self._slots)
+        self._groups.apply(tf.convert_to_tensor(self._k), self._targets, grads, self._slots, self._sizes)
 
     def evaluate(self, batch) -> Dict[str, float]:
         self._flush()
@@ -474,13 +381,14 @@ class Engine:
     def _forward(self, batch, where: str):
         """forward() on ``batch`` as (float32 scalar loss, float32 metrics), in the compute dtype."""
         if self._compute is None:
-            return _check_loss(self.forward(*batch, params=self._params()), where)
+            loss, metrics = _check_loss(self.forward(*batch, params=self._params()), where)
+            return with_model_losses(self.native, loss), metrics  # keras's regularizers, as fit() adds them
         if self.native is None:  # keras casts a layer's inputs itself: a float target keeps its float32
             batch = tuple(tf.cast(t, self._compute) if tf.is_tensor(t) and t.dtype.is_floating else t
                           for t in batch)
         with tf_ops.computing(self._compute):
             loss, metrics = _check_loss(self.forward(*batch, params=self._params()), where)
-        return tf.cast(loss, tf.float32), metrics
+        return with_model_losses(self.native, tf.cast(loss, tf.float32)), metrics
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
     def _by_name(self, variables: List[Any], copy: bool = True) -> Dict[str, np.ndarray]:
@@ -508,7 +416,7 @@ class Engine:
         """
         self._flush()
         out = self._by_name(self._targets, copy)
-        out.update({n: _view(b).copy() if copy else _view(b) for n, b in self.buffers.items()})
+        out.update({n: _view(b).copy() if copy else _view(b) for n, b in {**self.buffers, **self.frozen}.items()})
         if self._slots_live:
             for slot, variables in self._slots.items():
                 out.update({f"optimizer/{n}/{slot}": a for n, a in self._by_name(variables, copy).items()})
@@ -517,20 +425,22 @@ class Engine:
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
         self._pending_update = False  # overwritten below in any case
         self._assign_by_name(self._targets, state)
-        for n, v in self.buffers.items():
-            v.assign(np.asarray(state[n]).astype(_np_dtype(v)).reshape(v.shape))
-        names = [f"optimizer/{n}/{slot}" for n in self.param_names for slot in self._slots]
-        # All or nothing: torch starts a parameter without saved slots afresh; one flag for all
-        # keeps the update a single compiled function.
-        self._slots_live = bool(names) and all(n in state for n in names)
+        self.set_buffers({n: state[n] for n in [*self.buffers, *self.frozen]})
+        have = {n for n in self.param_names if all(f"optimizer/{n}/{slot}" in state for slot in self._slots)}
+        if have and len(have) < len(self.param_names) and "exp_avg" in self._slots:
+            # A parameter without saved slots was frozen when they were saved. SGD starts its momentum
+            # afresh, as torch does; Adam's bias correction counts one step for the whole model here,
+            # where torch counts per parameter: the resumed run would not be the one torch trains.
+            raise unfrozen_error(sorted(set(self.param_names) - have))
+        self._slots_live = bool(self._slots) and bool(have)
         for slot, variables in self._slots.items():
-            self._assign_by_name(variables, {n: state[f"optimizer/{n}/{slot}"] if self._slots_live
+            self._assign_by_name(variables, {n: state[f"optimizer/{n}/{slot}"] if n in have
                                              else np.zeros(shape, np.float32)
                                              for n, shape in zip(self.param_names, self._shapes)})
         self._updates = optimizer_steps if self._slots_live else 0
 
     def state_names(self) -> List[str]:
-        return state_names(self.param_names, self.buffers, self.spec.slots())
+        return state_names(self.param_names, [*self.buffers, *self.frozen], self.spec.slots())
 
     # -- sharded optimizer state (elasticflow/shard.py)
     def flat_params(self):
@@ -554,8 +464,13 @@ class Engine:
             at += size
 
     def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
-        """(name, shape) of each parameter, in the flat order."""
+        """(name, shape) of each parameter, in the flat order (each optimizer group contiguous)."""
         return list(zip(self.param_names, self._shapes))
+
+    def flat_runs(self) -> List[Tuple[int, int, Hyper]]:
+        """[(lo, hi, hyper)]: the flat gradient cut into stretches of equal lr scale and weight decay, in
+        ``flat_layout()``'s order (one stretch without groups); a sharded update applies them."""
+        return self._groups.runs(self._sizes)
 
     def release_optimizer(self) -> None:
         """Drop the whole-model slot variables: a sharded update (trainer.shard) replaces ``apply``."""
@@ -577,5 +492,5 @@ class Engine:
 
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
         for name, value in values.items():
-            var = self.buffers[name]
+            var = self.buffers[name] if name in self.buffers else self.frozen[name]  # a peer's frozen weights too
             var.assign(np.asarray(value).astype(_np_dtype(var)).reshape(var.shape))

@@ -3,6 +3,8 @@ torch one in one line, and naming their variables stably for checkpoints.
 
 A native model's variables stay its own (the Engine does not copy them into its flat variable),
 so their names are what a checkpoint holds and must not depend on the order layers were built.
+What keras's ``fit()`` does beyond the gradient of the loss is here too: its own losses (regularizers,
+``add_loss``) join forward()'s loss, and frozen (``trainable=False``) weights are state, not parameters.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from ..buffers import Rule, default_rule
+from ..errors import CheckpointMismatch, ElasticFlowError
+
+POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}  # keras's mixed policies by trainer.precision
 
 
 def _is_keras(obj: Any) -> bool:
@@ -39,8 +44,18 @@ def native_kind(obj: Any) -> Optional[str]:
     return None
 
 
-def native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """(trainable, non-trainable) variables of a keras model or tf.Module, by stable unique name.
+def spec_from_native(opt: Any) -> None:
+    """A framework optimizer's spec: none here (a keras optimizer is not read; use elasticflow.optim)."""
+    return None
+
+
+def native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+    """(trainable, buffers, frozen) variables of a keras model or tf.Module, by stable unique name.
+
+    Frozen: a keras weight made non-trainable after it was created (``layer.trainable = False``), as
+    opposed to one created non-trainable (BatchNormalization's moving statistics, a buffer). Frozen
+    weights are state (checkpointed, restored) that nothing changes: no gradient, no optimizer, no
+    reconciliation across workers. A tf.Module's non-trainable variables are all buffers.
 
     Keras: the variable path without the model's own name ("dense/kernel",
     "batch_normalization/moving_mean"). tf.Module: the attribute path ("layers/0/w").
@@ -56,8 +71,11 @@ def native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     else:
         found = [("/".join(map(str, path)), v, v.trainable)
                  for path, v in model._flatten(with_path=True, predicate=lambda x: isinstance(x, tf.Variable))]
+    declared = {id(v) for layer in model._flatten_layers(include_self=True)
+                for v in getattr(layer, "_trainable_variables", ())} if _is_keras(model) else set()
     params: Dict[str, Any] = {}
     buffers: Dict[str, Any] = {}
+    frozen: Dict[str, Any] = {}
     seen, taken = set(), set()
     for name, var, trainable in found:
         if id(var) in seen:  # a shared layer's variable reached twice
@@ -67,8 +85,69 @@ def native_variables(model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         while unique in taken:
             unique, n = f"{name}_{n}", n + 1
         taken.add(unique)
-        (params if trainable else buffers)[unique] = var
-    return params, buffers
+        (params if trainable else frozen if id(var) in declared else buffers)[unique] = var
+    return params, buffers, frozen
+
+
+def owners(model: Any, params: Dict[str, Any]) -> Dict[str, str]:
+    """Parameter name -> class name of the keras layer that owns it (``norm`` then matches a
+    LayerNormalization's gamma and beta in ``optimizer.no_decay``); {} for a tf.Module."""
+    if not _is_keras(model):
+        return {}
+    name_of = {id(v): n for n, v in params.items()}
+    found: Dict[str, str] = {}
+    for layer in model._flatten_layers(include_self=True):
+        for v in getattr(layer, "_trainable_variables", ()):
+            if id(v) in name_of:
+                found.setdefault(name_of[id(v)], type(layer).__name__)
+    return found
+
+
+def with_model_losses(model: Any, loss: tf.Tensor) -> tf.Tensor:
+    """forward()'s float32 ``loss`` plus a keras model's own losses (weight regularizers, ``add_loss``,
+    activity regularizers), each summed and added as ``keras.Model.fit()`` adds them; ``loss`` itself
+    for anything else. Called after forward(), inside the tape: the regularizers are computed from
+    the variables there, and ``add_loss`` terms are those of the model's last call.
+
+    Note: the Engine weights the total like the loss (by the micro-batch's share of the global batch),
+    so over a step the regularization counts once, as in one ``fit()`` batch. A term that grows with
+    the batch (a sum over rows, not a mean) would count once per micro-batch share instead. The eval
+    loss includes them too, as ``keras.Model.evaluate()``'s does.
+    """
+    extra = model.losses if _is_keras(model) else ()
+    if not extra:
+        return loss
+    return tf.reduce_sum(tf.stack([loss] + [tf.reduce_sum(tf.cast(x, tf.float32)) for x in extra]))
+
+
+def unfrozen_error(names: List[str]) -> CheckpointMismatch:
+    """Resuming Adam's state for parameters some of which were frozen when it was saved (a mismatch:
+    resume=auto must stop, not fall back to an older checkpoint of the same run or start afresh)."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return CheckpointMismatch(
+        f"the checkpoint has Adam state for some parameters but not for {shown}, which train now: they were "
+        "frozen (trainable=False) when it was saved", "keep them frozen until this run ends, or start a new run "
+        "(resume=none) from the checkpoint's weights; Adam's bias correction cannot restart for them alone")
+
+
+def mixed_native(model: Any, precision: str) -> None:
+    """A native model computing in ``precision``'s keras mixed policy; its variables stay float32.
+
+    A model built under the mixed global policy (setup() sets it before model()) is left as built,
+    float32 layers the user asked for included (a final softmax, as keras's guide advises). One built
+    in float32 (an Engine made without setup()) has each layer's policy switched: keras reads a
+    layer's policy at every call, and variables created in float32 stay float32.
+    """
+    if not _is_keras(model):
+        raise ElasticFlowError(
+            f"trainer.precision={precision} needs a keras model or a params dict; a tf.Module computes in its "
+            "variables' dtype", "pass trainer.precision=32, or build the model with keras")
+    layers = list(model._flatten_layers(include_self=True))
+    if any(layer.dtype_policy.name == POLICIES[precision] for layer in layers):
+        return
+    for layer in layers:
+        if layer.dtype_policy.name == "float32":
+            layer.dtype_policy = POLICIES[precision]
 
 
 def seed_generators(model: Any) -> List[Any]:

@@ -21,8 +21,9 @@ from .common import set_training, training  # noqa: F401 - names every backend m
 from ..errors import ElasticFlowError
 from ..buffers import Rule, default_rule
 from ..devices import Placement
+from .. import optim
 from ..optim import SGD, Adam, OptimizerSpec
-from .torch_optim import FlatAdam, FlatSGD
+from .torch_optim import FlatAdam, FlatSGD, spec_from_native  # noqa: F401 - spec_from_native: modelfile.build
 
 NAME = "torch"
 FOLD_SCALARS = 64  # room after the flat gradient for the step's loss, metrics and votes (Engine.fold_buffer)
@@ -251,10 +252,17 @@ class Engine:
             torch.autocast, self.device.type, dtype=getattr(torch, dtype))
         self.grad_scale = 1.0
         self.module: Optional[torch.nn.Module] = None
-        if isinstance(model, torch.nn.Module):
-            self.module = model.to(self.device)
-            self.params = dict(model.named_parameters())
-            self.buffers = dict(model.named_buffers())
+        self.frozen: Dict[str, torch.Tensor] = {}  # requires_grad=False: state, never trained (torch.optim's skip)
+        owners: Dict[str, str] = {}
+        if isinstance(model, torch.nn.Module) or _modules_only(model):
+            # {"net": module, ...} (what model() returned beside its optimizer): one ModuleDict to train,
+            # while forward() receives the dict as it was returned.
+            self.module = (model if isinstance(model, torch.nn.Module) else torch.nn.ModuleDict(model)).to(self.device)
+            named = dict(self.module.named_parameters())
+            self.frozen = {n: p for n, p in named.items() if not p.requires_grad}
+            self.params = {n: p for n, p in named.items() if p.requires_grad}
+            self.buffers = dict(self.module.named_buffers())
+            owners = _owners(self.module)
             self.view = model
         else:
             leaves: Dict[str, torch.Tensor] = {}
@@ -270,8 +278,19 @@ class Engine:
                 leaves[name] = t
             self.view = rebuild(model, leaves)
         if not self.params:
-            raise ElasticFlowError("model() returned no floating-point parameters to train",
-                                   "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
+            raise ElasticFlowError("model() returned no floating-point parameters to train" +
+                                   (" (every parameter has requires_grad=False)" if self.frozen else ""),
+                                   "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}, "
+                                   "or leave some parameters trainable")
+        # Parameter groups: parameters of equal hyperparameters sit next to each other in the flat
+        # buffers, so the update runs once per group instead of once per tensor (optim.grouped_order).
+        identity = {id(p): n for n, p in {**self.frozen, **self.params}.items()}
+        hyper = optim.hypers(spec, list(self.params), owners, identity)
+        self.params = {n: self.params[n] for n in optim.grouped_order(list(self.params), hyper)}
+        self._runs = optim.runs(list(self.params), [p.numel() for p in self.params.values()], hyper)
+        # What state() holds: the module's state_dict names (non-persistent buffers such as position ids
+        # are rebuilt by the module, not state), frozen parameters included.
+        self._stateful = set(self.module.state_dict()) if self.module is not None else None
         plist = list(self.params.values())
         self.num_params = int(np.sum([p.numel() for p in plist]))
         # The flat gradient is the head of a longer buffer: the replica writes the step's scalars and
@@ -291,7 +310,7 @@ class Engine:
             p.data = view
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
-        self.optimizer = _make_optimizer(spec, plist, self.flat_param, self.flat_grad)
+        self.optimizer = _make_optimizer(spec, plist, self.flat_param, self.flat_grad, self._runs)
         self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
         self._host: Optional[Dict[str, torch.Tensor]] = None  # state(copy=False) on a GPU: pinned mirrors
         self._checked = False
@@ -411,7 +430,8 @@ class Engine:
         checkpoint snapshot, a state transfer) and never write to them.
         """
         tensors = {n: p for n, p in self.params.items()}
-        tensors.update(self.buffers)
+        tensors.update(self.frozen)
+        tensors.update((n, b) for n, b in self.buffers.items() if self._stateful is None or n in self._stateful)
         for n, p in self.params.items():
             slots = self.optimizer.state.get(p, {})
             for slot in self.spec.slots():
@@ -435,7 +455,10 @@ class Engine:
 
     @torch.no_grad()
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
-        for n, t in list(self.params.items()) + list(self.buffers.items()):
+        common.check_trainable(state, self.params, self.spec.slots(), optimizer_steps)
+        for n, t in [*self.params.items(), *self.frozen.items(), *self.buffers.items()]:
+            if n not in state and n in self.buffers and self._stateful is not None and n not in self._stateful:
+                continue  # a non-persistent buffer (older checkpoints held them): the module's own value
             t.copy_(torch.from_numpy(np.asarray(state[n])).to(t.dtype).reshape(t.shape))
         for n, p in self.params.items():
             slots = {s: torch.from_numpy(np.array(state[f"optimizer/{n}/{s}"], dtype=np.float32))
@@ -445,7 +468,8 @@ class Engine:
                 self.optimizer.load_slots(p, slots, optimizer_steps)
 
     def state_names(self) -> List[str]:
-        return state_names(self.params, self.buffers, self.spec.slots())
+        stateful = [n for n in self.buffers if self._stateful is None or n in self._stateful]
+        return state_names(self.params, [*self.frozen, *stateful], self.spec.slots())
 
     # -- sharded optimizer state (elasticflow/shard.py): the parameters as one flat tensor
     def flat_params(self) -> torch.Tensor:
@@ -456,6 +480,10 @@ class Engine:
     def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """(name, shape) of each parameter, in the flat order."""
         return [(n, tuple(p.shape)) for n, p in self.params.items()]
+
+    def flat_runs(self) -> List[Tuple[int, int, optim.Hyper]]:
+        """[(lo, hi, hyperparameters)]: the flat order's stretches of one parameter group each."""
+        return list(self._runs)
 
     def release_optimizer(self) -> None:
         """Drop this engine's own optimizer and its whole-model slots: a sharded update replaces it."""
@@ -530,11 +558,22 @@ class _Released:
         self.state[p] = slots
 
 
+def _modules_only(model: Any) -> bool:
+    """model() returned a dict of modules (``{"net": module}`` beside its optimizer)."""
+    return isinstance(model, dict) and bool(model) and all(isinstance(v, torch.nn.Module) for v in model.values())
+
+
+def _owners(module: torch.nn.Module) -> Dict[str, str]:
+    """Parameter name -> class name of the module that holds it (``norm`` patterns match a LayerNorm's)."""
+    return {f"{prefix}.{n}" if prefix else n: type(m).__name__
+            for prefix, m in module.named_modules() for n, _ in m.named_parameters(recurse=False)}
+
+
 def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: torch.Tensor,
-                    flat_grad: torch.Tensor):
+                    flat_grad: torch.Tensor, runs):
     if isinstance(spec, SGD):
-        return FlatSGD(spec, flat_param, flat_grad, params)
+        return FlatSGD(spec, flat_param, flat_grad, params, runs)
     if isinstance(spec, Adam):
-        return FlatAdam(spec, flat_param, flat_grad, params)
+        return FlatAdam(spec, flat_param, flat_grad, params, runs)
     raise ElasticFlowError(f"the torch backend has no optimizer for {type(spec).__name__}",
                            "use elasticflow.optim.SGD, Adam or AdamW")

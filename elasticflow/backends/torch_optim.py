@@ -14,14 +14,20 @@ element sees the same float32 operations: SGD's updates are bit-identical; Adam'
 split between vectorised body and scalar tail of a kernel, which tests/test_optim.py bounds.
 State is per parameter to the outside (``state[p]["exp_avg"]`` is a view of the flat slot), so
 checkpoints keep the ``optimizer/<param>/<slot>`` layout and load from torch.optim runs and back.
+Parameter groups are stretches of the flat buffers (the Engine puts each group's parameters together,
+``optim.grouped_order``): the formulas run once per stretch with its own lr and weight decay, which is
+torch.optim's per-group update elementwise.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..optim import SGD, Adam, AdamW
+from ..errors import ElasticFlowError
+from ..optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec
+
+Run = Tuple[int, int, Hyper]  # a stretch [lo, hi) of the flat buffers and its group's hyperparameters
 
 
 class _Flat:
@@ -31,8 +37,9 @@ class _Flat:
     single buffers."""
 
     def __init__(self, lr: float, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor],
-                 slots: Dict[str, torch.Tensor]):
-        self.param_groups = [{"lr": lr}]
+                 slots: Dict[str, torch.Tensor], runs: Sequence[Run]):
+        self.param_groups = [{"lr": lr}]  # the schedule's lr; a group's is lr * its lr_scale
+        self.runs = list(runs)
         self.flat_param, self.flat_grad = flat_param, flat_grad
         self.steps = 0
         self.state: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
@@ -42,6 +49,11 @@ class _Flat:
             n = p.numel()
             self._views[p] = {name: flat[offset:offset + n].view_as(p) for name, flat in slots.items()}
             offset += n
+
+    def _views_by_run(self, *flats: Optional[torch.Tensor]) -> List[Tuple[Hyper, Tuple[Optional[torch.Tensor], ...]]]:
+        """Each run's hyperparameters and its views of ``flats`` (None stays None), made once: the buffers
+        never move, and slicing six tensors a step is a few microseconds on a millisecond step."""
+        return [(h, tuple(None if f is None else f[lo:hi] for f in flats)) for lo, hi, h in self.runs]
 
     @torch.no_grad()
     def load_slots(self, p: torch.Tensor, slots: Dict[str, torch.Tensor], steps: int) -> None:
@@ -56,22 +68,27 @@ class _Flat:
 class FlatSGD(_Flat):
     """torch.optim.SGD (momentum, Nesterov, weight decay) over flat param/grad buffers; see ``_Flat``."""
 
-    def __init__(self, spec: SGD, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor]):
-        self.momentum, self.nesterov, self.weight_decay = spec.momentum, spec.nesterov, spec.weight_decay
+    def __init__(self, spec: SGD, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor],
+                 runs: Sequence[Run]):
+        self.momentum, self.nesterov = spec.momentum, spec.nesterov
         self.momentum_buffer = torch.zeros_like(flat_param) if spec.momentum else None
         # Scratch for grad + wd * param and Nesterov's grad + momentum * buf (torch.optim allocates both
         # per parameter per step); the reduced gradient itself stays what was reduced.
-        self._scratch = torch.empty_like(flat_param) if spec.weight_decay or spec.nesterov else None
+        decays = any(h.weight_decay for _, _, h in runs)
+        self._scratch = torch.empty_like(flat_param) if decays or spec.nesterov else None
         super().__init__(spec.lr, flat_param, flat_grad, params,
-                         {"momentum_buffer": self.momentum_buffer} if spec.momentum else {})
+                         {"momentum_buffer": self.momentum_buffer} if spec.momentum else {}, runs)
+        self._stretches = self._views_by_run(flat_param, flat_grad, self.momentum_buffer, self._scratch)
 
     @torch.no_grad()
     def step(self) -> None:
         first = not self.state  # no momentum yet: neither a step taken nor slots loaded
         if first and self.momentum:
             self.state.update(self._views)
-        sgd_update(self.flat_param, self.flat_grad, self.momentum_buffer, self.param_groups[0]["lr"],
-                   self.momentum, self.nesterov, self.weight_decay, first=first, scratch=self._scratch)
+        lr = self.param_groups[0]["lr"]
+        for h, (param, grad, buf, scratch) in self._stretches:
+            sgd_update(param, grad, buf, lr * h.lr_scale, self.momentum, self.nesterov, h.weight_decay,
+                       first=first, scratch=scratch)
         self.steps += 1
 
 
@@ -84,10 +101,11 @@ class FlatAdam(_Flat):
             laid out in order.
     """
 
-    def __init__(self, spec: Adam, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor]):
+    def __init__(self, spec: Adam, flat_param: torch.Tensor, flat_grad: torch.Tensor, params: List[torch.Tensor],
+                 runs: Sequence[Run]):
         self.decoupled = isinstance(spec, AdamW)
         self.beta1, self.beta2 = spec.betas
-        self.eps, self.weight_decay = spec.eps, spec.weight_decay
+        self.eps = spec.eps
         self.exp_avg = torch.zeros_like(flat_param)
         self.exp_avg_sq = torch.zeros_like(flat_param)
         # Scratch for the denominator (torch.optim allocates it per parameter per step: for a large
@@ -95,18 +113,22 @@ class FlatAdam(_Flat):
         self._denom = torch.empty_like(flat_param)
         # Adam's L2 term makes grad + wd * param without touching the gradient buffer (the reduced
         # gradient stays what was reduced); one more model-sized buffer, only when used.
-        self._l2 = torch.empty_like(flat_param) if weight_decay_is_l2(spec) else None
+        l2 = not self.decoupled and any(h.weight_decay for _, _, h in runs)
+        self._l2 = torch.empty_like(flat_param) if l2 else None
         super().__init__(spec.lr, flat_param, flat_grad, params,
-                         {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq})
+                         {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}, runs)
+        self._stretches = self._views_by_run(flat_param, flat_grad, self.exp_avg, self.exp_avg_sq, self._denom,
+                                             self._l2)
 
     @torch.no_grad()
     def step(self) -> None:
         if not self.state:
             self.state.update(self._views)
         self.steps += 1
-        adam_update(self.flat_param, self.flat_grad, self.exp_avg, self.exp_avg_sq, self._denom,
-                    self.param_groups[0]["lr"], (self.beta1, self.beta2), self.eps, self.weight_decay,
-                    self.decoupled, self.steps, self._l2)
+        lr = self.param_groups[0]["lr"]
+        for h, (param, grad, exp_avg, exp_avg_sq, denom, l2) in self._stretches:
+            adam_update(param, grad, exp_avg, exp_avg_sq, denom, lr * h.lr_scale, (self.beta1, self.beta2),
+                        self.eps, h.weight_decay, self.decoupled, self.steps, l2)
 
 
 @torch.no_grad()
@@ -150,5 +172,54 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-def weight_decay_is_l2(spec: Adam) -> bool:
-    return spec.weight_decay != 0 and not isinstance(spec, AdamW)
+def weight_decay_is_l2(spec: Adam, runs: Sequence[Run] = ()) -> bool:
+    """Whether Adam's weight decay is an L2 term (not AdamW's decoupled one) for some parameter."""
+    decays = any(h.weight_decay for _, _, h in runs) if runs else spec.weight_decay != 0
+    return decays and not isinstance(spec, AdamW)
+
+
+_NATIVE = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}
+_PER_GROUP = ("lr", "weight_decay")  # what a group may change; other per-group settings are refused
+
+
+def spec_from_native(opt: Any) -> Optional[OptimizerSpec]:
+    """The spec of a ``torch.optim`` SGD, Adam or AdamW that model() built (its param groups become
+    ``Group``s of the tensors); None for anything that is not a torch optimizer.
+
+    Example (model() of a fine-tune, the Hugging Face habit):
+        >>> decay = [p for n, p in net.named_parameters() if not n.endswith("bias")]
+        >>> rest = [p for n, p in net.named_parameters() if n.endswith("bias")]
+        >>> return {"net": net, "optimizer": torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+        ...                                                     {"params": rest, "weight_decay": 0.0}], lr=1e-3)}
+    """
+    if not isinstance(opt, torch.optim.Optimizer):
+        return None
+    kind = type(opt).__name__
+    d = opt.defaults
+    if kind not in _NATIVE or any(d.get(k) for k in ("amsgrad", "maximize", "dampening", "differentiable")):
+        raise ElasticFlowError(f"model()['optimizer'] is a torch.optim.{kind}"
+                               f"{' with ' + ', '.join(k for k in ('amsgrad', 'maximize', 'dampening') if d.get(k)) if kind in _NATIVE else ''}, "
+                               "which the flat update does not compute",
+                               "use torch.optim.SGD, Adam or AdamW with their default options, or elasticflow.optim")
+    if kind == "Adam" and d.get("decoupled_weight_decay"):
+        kind = "AdamW"
+    for i, g in enumerate(opt.param_groups):
+        other = [k for k, v in g.items() if k not in ("params", *_PER_GROUP) and k in d and _differs(v, d[k])]
+        if other:
+            raise ElasticFlowError(f"torch.optim.{kind} param group {i} sets its own {', '.join(other)}",
+                                   "a group may change lr and weight_decay; set the others on the optimizer")
+    groups = [Group(tuple(g["params"]), lr=float(g["lr"]), weight_decay=float(g["weight_decay"]))
+              for g in opt.param_groups]
+    lr, wd = float(d["lr"]), float(d.get("weight_decay", 0.0))
+    if kind == "SGD":
+        return SGD(lr, momentum=float(d.get("momentum", 0.0)), nesterov=bool(d.get("nesterov")), weight_decay=wd,
+                   groups=groups)
+    return _NATIVE[kind](lr, betas=tuple(float(b) for b in d["betas"]), eps=float(d["eps"]), weight_decay=wd,
+                         groups=groups)
+
+
+def _differs(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except RuntimeError:  # tensors (a tensor lr or betas): compare their values
+        return bool(torch.as_tensor(a).ne(torch.as_tensor(b)).any())

@@ -60,6 +60,7 @@ class Agent:
         self.preempted = False
         self.generation = -1                  # nothing published yet
         self.members: List[Worker] = []      # the published generation, rank order
+        self.published: List[Worker] = []    # ... as published (members leave it as they exit)
         self.joining: Dict[int, Worker] = {}  # spawned, join request not yet accepted
         self.admitted: List[Worker] = []     # accepted, enter at the next generation
         self.retiring: List[Worker] = []     # dropped by a scale-down, exiting at a step boundary
@@ -109,6 +110,7 @@ class Agent:
             self.admitted.sort(key=lambda w: w.id)
         self.members += self.admitted
         self.admitted = []
+        self.published = list(self.members)
         self.generation += 1
         g = self.generation
         if self.rdv.forming:  # replaced before it formed: a member left, or the job stops
@@ -160,6 +162,7 @@ class Agent:
             signal.signal(signal.SIGUSR1, previous_usr1)
             self._announce()
             self._reap_all()
+            self._write_ended()
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
             console.close(timeout_s=CONSOLE_DRAIN_S)
 
@@ -476,6 +479,17 @@ class Agent:
             other.signal(signal.SIGTERM)
         raise ElasticFlowError(err["message"], err.get("hint", ""), exit_code=rc)
 
+    def _write_ended(self) -> None:
+        """The job's last workers.json: the last generation's members, each with how it ended (`status` of
+        an ended job showed them all as still training)."""
+        for w in self.published:
+            w.state = _end_state(w.poll())
+        self.members = self.published
+        try:
+            self.write_workers_json("ended")
+        except OSError as exc:  # in a finally: a status file must not hide the job's own error
+            log.warning("could not write the final workers.json: %s", exc)
+
     def _reap_all(self) -> None:
         deadline = time.monotonic() + 10
         for w in self.live():
@@ -485,3 +499,18 @@ class Agent:
                 w.signal(signal.SIGKILL)
                 if w.proc is not None:
                     w.proc.wait(5)
+
+
+def _end_state(rc: Optional[int]) -> str:
+    """How a worker ended, from its exit code, as `elasticflow status` shows it."""
+    if rc is None:  # not our child (started by srun elsewhere): its end is not known here
+        return "ended"
+    if rc < 0:
+        try:
+            return f"killed ({signal.Signals(-rc).name})"
+        except ValueError:
+            return f"killed (signal {-rc})"
+    return {protocol.EXIT_OK: "finished", protocol.EXIT_INTERRUPTED: "interrupted",
+            protocol.EXIT_BELOW_MIN: "stopped (below launcher.min_workers)",
+            protocol.EXIT_AGENT_LOST: "stopped (agent lost)",
+            protocol.EXIT_REMOVED: "retired"}.get(rc, f"failed (exit code {rc})")

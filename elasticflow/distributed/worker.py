@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from ..console import DetachedConsole
 from ..fileio import write_atomic
@@ -17,15 +18,32 @@ from . import protocol
 
 
 class _RankFilter(logging.Filter):
-    """Console: info from whoever is rank 0 now; warnings from every worker."""
+    """Console: info from whoever is rank 0 now; warnings from every worker.
 
-    def __init__(self, trainer_ref):
+    Before this worker has a rank (the model file's ``model()``/``data()``, a library imported there, the
+    join), info shows from worker 0 only: the first generation ranks by worker id, so it becomes rank 0.
+    A record logged with ``extra={"console": False}`` goes to the worker's log file only.
+
+    Note: a filter runs inside whatever logging call the user's code or a library made, at any moment of
+    start-up; one that raised (it read ``trainer.rank`` before the replica existed) killed every worker
+    of a multi-worker run whose ``data()`` logged, or that imported ``datasets``. It never raises.
+    """
+
+    def __init__(self, trainer_ref, worker_id: Optional[int]):
         super().__init__()
-        self.trainer_ref = trainer_ref
+        self.trainer_ref, self.worker_id = trainer_ref, worker_id
 
     def filter(self, record: logging.LogRecord) -> bool:
-        trainer = self.trainer_ref()
-        return record.levelno >= logging.WARNING or (trainer is not None and trainer.rank == 0)
+        if getattr(record, "console", True) is False:
+            return False
+        if record.levelno >= logging.WARNING:
+            return True
+        try:
+            replica = getattr(self.trainer_ref(), "replica", None)  # set late in prepare()
+            rank = -1 if replica is None else replica.rank
+        except Exception:  # noqa: BLE001 - a half-built trainer must not break the caller's log call
+            rank = -1
+        return rank == 0 or (rank < 0 and self.worker_id == 0)
 
 
 def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> DetachedConsole:
@@ -35,7 +53,7 @@ def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> DetachedConsol
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(message)s"))
-    console.addFilter(_RankFilter(trainer_ref))
+    console.addFilter(_RankFilter(trainer_ref, worker_id))
     file = logging.FileHandler(logs / f"worker-{worker_id}.log")
     file.setFormatter(logging.Formatter(f"[%(asctime)s][worker {worker_id}][%(levelname)s] %(message)s"))
     root.addHandler(console)

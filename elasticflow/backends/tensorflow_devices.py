@@ -1,0 +1,98 @@
+"""The TensorFlow backend's devices and start-up: which GPUs TF sees, binding one, threads, seeds and
+keras's dtype policy, all before anything starts TF's runtime or model() builds layers.
+
+``gpus``, ``bf16_supported`` and ``setup`` are backend-module names: tensorflow.py exports them.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import List, Optional
+
+import tensorflow as tf
+
+from . import tensorflow_data as tf_data
+from .tensorflow_native import POLICIES
+from .tensorflow_ops import _generator
+from ..devices import Placement
+from ..errors import ElasticFlowError
+
+_log = logging.getLogger("elasticflow")
+
+
+def gpus() -> List[str]:
+    """Names of the GPUs this process sees ("NVIDIA H100 80GB HBM3"); [] on a CPU-only host or build.
+    Listing physical devices does not start TF's runtime, so setup() can still choose among them."""
+    return [tf.config.experimental.get_device_details(d).get("device_name", d.name)
+            for d in tf.config.list_physical_devices("GPU")]
+
+
+def bf16_supported() -> bool:
+    """Whether the first visible GPU computes in bfloat16 (compute capability 8.0, Ampere, or newer);
+    True without a GPU (TF's CPU kernels take bfloat16). A GPU that reports no capability counts as
+    unable: refusing bf16 with a hint beats kernels that fail mid-run."""
+    found = tf.config.list_physical_devices("GPU")
+    if not found:
+        return True
+    capability = tf.config.experimental.get_device_details(found[0]).get("compute_capability")
+    return capability is not None and tuple(capability) >= (8, 0)
+
+
+def _bind_gpu(number: int) -> None:
+    """Make GPU ``number`` the only one TF uses, growing its memory as needed (several workers may
+    share a GPU under gloo, and one that grabbed all memory would starve the others)."""
+    found = tf.config.list_physical_devices("GPU")
+    if number >= len(found):
+        raise ElasticFlowError(f"placement cuda:{number} but TensorFlow sees {len(found)} GPUs",
+                               "check CUDA_VISIBLE_DEVICES, or pass trainer.device=cpu")
+    try:
+        tf.config.experimental.set_memory_growth(found[number], True)
+        tf.config.set_visible_devices([found[number]], "GPU")
+    except RuntimeError:
+        # TF fixes its devices when its runtime starts: a second trainer in the same process keeps
+        # the first one's, which is right only if they bound the same GPU.
+        visible = [d.name for d in tf.config.get_visible_devices("GPU")]
+        if visible != [found[number].name]:
+            raise ElasticFlowError(
+                f"TensorFlow started on {visible or 'the CPU'} before this trainer could bind {found[number].name}",
+                "run one trainer per process on a GPU, or pass trainer.device=cpu") from None
+
+
+def _keras_policy(precision: str) -> None:
+    """Keras's global dtype policy for model() to build its layers with: mixed for bf16/16, else
+    float32. Only set where needed: importing keras costs a dict model seconds."""
+    if precision not in POLICIES and "keras" not in sys.modules:
+        return
+    import keras
+
+    current = keras.config.dtype_policy().name
+    wanted = POLICIES.get(precision, "float32")
+    # float32 undoes only our own mixed policy (an earlier trainer's), not one the user chose.
+    if current != wanted and (precision in POLICIES or current in POLICIES.values()):
+        keras.config.set_dtype_policy(wanted)
+
+
+def setup(threads: Optional[int], seed: int, placement: Placement = None) -> None:
+    """Threads, seeds and the placement, before anything starts TF's runtime or model() builds layers.
+
+    ``placement`` None: the CPU in float32. On a GPU only ``placement.index`` is made visible, so
+    TF calls it "/GPU:0".
+    """
+    placement = placement or Placement()
+    if placement.kind == "cuda":
+        _bind_gpu(placement.index or 0)
+    tf_data.record(placement)
+    _keras_policy(placement.precision)
+    if threads:
+        # inter-op 1: on a few cores, running independent graph ops side by side only
+        # oversubscribes the intra-op pool that each matmul/conv already fills.
+        for setter, want in ((tf.config.threading.set_intra_op_parallelism_threads, threads),
+                             (tf.config.threading.set_inter_op_parallelism_threads, 1)):
+            try:
+                setter(want)
+            except RuntimeError:
+                # TF fixes its thread pools when it runs its first op; a second trainer in the
+                # same process keeps the first one's pools.
+                _log.debug("tensorflow already initialised; thread settings unchanged")
+    tf.random.set_seed(seed)
+    _generator().reset_from_seed(seed)

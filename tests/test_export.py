@@ -1,0 +1,250 @@
+"""`elasticflow export`: a checkpoint's weights loaded back into a fresh instance of the user's own model.
+
+Each model trains a few steps with the real CLI; the export is loaded the framework's own way
+(``load_state_dict(strict=True)``, ``from_pretrained``, ``load_weights``) and its outputs are compared
+with the checkpoint's tensors (equal, or a numpy forward pass of them within float32 rounding).
+"""
+import shutil
+
+import numpy as np
+import pytest
+
+import elasticflow
+import elasticflow.checkpoint as ckpt
+from elasticflow import modelfile
+from elasticflow.config import compose
+from elasticflow.errors import ElasticFlowError
+
+from conftest import MODELS, run_cli, train
+
+# A masked-LM BERT with its decoder tied to the word embeddings (state_dict lists both), non-persistent
+# position/token-type id buffers (not state), and a frozen token-type embedding.
+BERT = '''
+import numpy as np
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+CONFIG = dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+              max_position_embeddings=16, tie_word_embeddings=True)
+
+
+def model(cfg):
+    torch.manual_seed(cfg.seed)
+    net = BertForMaskedLM(BertConfig(**CONFIG))
+    net.bert.embeddings.token_type_embeddings.weight.requires_grad_(False)
+    return net
+
+
+def forward(ids, labels, net):
+    return net(input_ids=ids, labels=labels).loss
+
+
+def data(cfg):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, (64, 8))
+    return ids, np.where(rng.random((64, 8)) < 0.3, ids, -100)
+'''
+
+# A plain module: a non-persistent buffer (not state), a persistent one, a frozen parameter; with
+# model_args.dict it comes as {"net": module, "optimizer": ...} (checkpoint names "net.<key>").
+NET = '''
+import numpy as np
+import torch
+from elasticflow import optim
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.head = torch.nn.Linear(3, 1)
+        self.fc.bias.requires_grad_(False)
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+        self.register_buffer("offset", torch.full((1,), 0.5))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) * self.scale) + self.offset
+
+
+def model(cfg):
+    torch.manual_seed(cfg.seed)
+    net = Net()
+    return {"net": net, "optimizer": optim.Adam(0.05)} if cfg.model_args.get("dict") else net
+
+
+def forward(x, y, net):
+    net = net["net"] if isinstance(net, dict) else net
+    return torch.nn.functional.mse_loss(net(x), y)
+
+
+def data(cfg):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    return x, (x[:, :1] - x[:, 1:2]).astype(np.float32)
+'''
+
+STEPS = ["trainer.max_steps=3", "trainer.global_batch_size=16"]
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _checkpoint_of(run_dir):
+    path = ckpt.latest(run_dir / "checkpoints")
+    return path, ckpt.load(path)
+
+
+@pytest.fixture(scope="module")
+def net_runs(tmp_path_factory):
+    """The plain module trained as it is and as {"net": module, "optimizer": ...}: {form: (model file, run dir)}."""
+    root = tmp_path_factory.mktemp("net")
+    (root / "net.py").write_text(NET)
+    runs = {}
+    for form, extra in (("module", []), ("dict", ["+model_args.dict=true"])):
+        train(root / "net.py", root / form, *STEPS, *extra, timeout=120)
+        runs[form] = (root / "net.py", root / form)
+    return runs
+
+
+def test_bert_export_loads_strict_and_with_from_pretrained(tmp_path):
+    import torch
+    from transformers import BertForMaskedLM
+
+    (tmp_path / "bert.py").write_text(BERT)
+    run = tmp_path / "run"
+    train(tmp_path / "bert.py", run, *STEPS, "optimizer=adamw", timeout=120)
+    proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=120, check=True)
+    assert "exported step 3 of" in proc.stdout and "BertForMaskedLM (save_pretrained)" in proc.stdout
+
+    cfg = compose(str(tmp_path / "bert.py"))
+    build = modelfile.load(str(tmp_path / "bert.py")).model
+    weights = _weights(tmp_path / "out" / "model.safetensors")
+    fresh, initial = build(cfg), build(cfg)
+    assert set(weights) == set(fresh.state_dict())  # the decoder alias present, position_ids absent
+    assert "cls.predictions.decoder.weight" in weights and "bert.embeddings.position_ids" not in weights
+    fresh.load_state_dict(weights, strict=True)
+
+    _, state = _checkpoint_of(run)
+    aliases = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+               "cls.predictions.decoder.bias": "cls.predictions.bias"}  # tied: not in the checkpoint
+    for name, tensor in weights.items():
+        assert np.array_equal(tensor.numpy(), state[aliases.get(name, name)]), name
+    frozen = "bert.embeddings.token_type_embeddings.weight"
+    assert torch.equal(weights[frozen], initial.state_dict()[frozen])  # frozen: exported as it started
+    assert not torch.equal(weights["cls.predictions.transform.dense.weight"],
+                           initial.cls.predictions.transform.dense.weight)  # trained: not the initial values
+
+    pretrained = BertForMaskedLM.from_pretrained(tmp_path / "out")
+    embeddings = pretrained.bert.embeddings.word_embeddings.weight
+    assert pretrained.cls.predictions.decoder.weight.data_ptr() == embeddings.data_ptr()  # tied again
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, 50, (4, 8)))
+    with torch.no_grad():
+        logits = [m.eval()(input_ids=ids).logits for m in (fresh, pretrained)]
+    assert torch.equal(logits[0], logits[1])
+    assert not torch.equal(logits[0], initial.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("form", ["module", "dict"])
+def test_native_module_exports_its_own_keys(net_runs, form, tmp_path, restore_ops):
+    import torch
+
+    model_file, run = net_runs[form]
+    if form == "module":  # the API; the CLI for the dict form (its model_args.dict comes from the run's .hydra)
+        exported = elasticflow.export(run, tmp_path / "out")
+        assert exported.form == "torch state_dict" and exported.files == ["model.safetensors"]
+    else:
+        run_cli(["export", run, "--to", tmp_path / "out"], timeout=120, check=True)
+    weights = _weights(tmp_path / "out" / "model.safetensors")
+    assert sorted(weights) == ["fc.bias", "fc.weight", "head.bias", "head.weight", "offset"]
+
+    net = modelfile.load(str(model_file)).model(compose(str(model_file)))
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    net.load_state_dict(weights, strict=True)
+    _, state = _checkpoint_of(run)
+    prefix = "net." if form == "dict" else ""
+    w = {k: state[prefix + k] for k in weights}
+    assert torch.equal(weights["fc.bias"], initial["fc.bias"])  # frozen
+    assert not torch.equal(weights["fc.weight"], initial["fc.weight"])  # trained
+    x = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
+    expected = np.tanh(x @ w["fc.weight"].T + w["fc.bias"]) * 2.0 @ w["head.weight"].T + w["head.bias"] + w["offset"]
+    with torch.no_grad():
+        np.testing.assert_allclose(net(torch.from_numpy(x)).numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_dict_of_arrays_exports_arrays_by_name(tmp_path):
+    from safetensors.numpy import load_file
+
+    train("linear.py", tmp_path / "run", *STEPS, timeout=120)
+    proc = run_cli(["export", tmp_path / "run", "--to", tmp_path / "out"], timeout=120, check=True)
+    assert "arrays by name" in proc.stdout
+    _, state = _checkpoint_of(tmp_path / "run")
+    arrays = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(arrays) == sorted(n for n in state if not n.startswith("optimizer/"))
+    assert all(np.array_equal(arrays[n], state[n]) for n in arrays)
+
+
+def test_keras_export_loads_with_load_weights(tmp_path, restore_ops):
+    model = MODELS / "keras_bn.py"
+    run = tmp_path / "run"
+    train(model, run, "backend=tensorflow", *STEPS, timeout=180)
+    proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=180, check=True)
+    assert "keras weights (save_weights)" in proc.stdout
+
+    net = modelfile.load(str(model)).model(compose(str(model), ["backend=tensorflow"]))
+    net.load_weights(str(tmp_path / "out" / "model.weights.h5"))
+    _, s = _checkpoint_of(run)
+    assert np.array_equal(net.get_layer("out").kernel.numpy(), s["out/kernel"])
+    assert not np.array_equal(s["bn/moving_mean"], 0 * s["bn/moving_mean"])  # trained state, not keras's zeros
+    x = np.random.default_rng(3).random((16, 64)).astype(np.float32)
+    h = x @ s["hidden/kernel"]
+    h = (h - s["bn/moving_mean"]) / np.sqrt(s["bn/moving_variance"] + 1e-3) * s["bn/gamma"] + s["bn/beta"]
+    expected = np.maximum(h, 0) @ s["out/kernel"] + s["out/bias"]
+    np.testing.assert_allclose(net(x, training=False).numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- one line and a hint for each mistake
+def test_mistakes_are_one_line_with_a_hint(net_runs, tmp_path, restore_ops):
+    model_file, run = net_runs["module"]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    moved = tmp_path / "moved"
+    shutil.copytree(run / "checkpoints", moved)  # a checkpoint away from its run's .hydra
+    renamed = tmp_path / "renamed"
+    shutil.copytree(run, renamed)
+    overrides = renamed / ".hydra" / "overrides.yaml"
+    overrides.write_text(overrides.read_text().replace(str(model_file), str(tmp_path / "gone.py")))
+    (tmp_path / "other.py").write_text(NET.replace("Linear(3, 1)", "Linear(3, 2)"))
+    cases = [
+        ((tmp_path / "nothing", tmp_path / "o"), {}, "does not exist", "RUN_DIR/checkpoints/<job>/step_100"),
+        ((tmp_path / "full", tmp_path / "o"), {}, "is not a checkpoint: no metadata.json", "or a run directory"),
+        ((run, tmp_path / "full"), {}, "exists and is not empty", "export never overwrites"),
+        ((moved, tmp_path / "o"), {}, "cannot tell which model file wrote", "--model MODEL.py"),
+        ((renamed, tmp_path / "o"), {}, "gone.py, is not found", "pass its new path with --model"),
+        ((moved, tmp_path / "o"), {"model": str(tmp_path / "gone.py")}, "gone.py' not found", "--model the Python"),
+        ((moved, tmp_path / "o"), {"model": str(tmp_path / "other.py")},
+         "does not fit the model other.py builds: head.bias: model has shape (2,), checkpoint has (1,)", "--model"),
+        ((run, tmp_path / "o"), {"overrides": ["model_args.x"]}, "unexpected argument 'model_args.x'", "key=value"),
+    ]
+    for args, kwargs, message, hint in cases:
+        with pytest.raises(ElasticFlowError) as info:
+            elasticflow.export(*args, **kwargs)
+        assert message in info.value.message and hint in info.value.hint, (message, str(info.value))
+    assert not (tmp_path / "o").exists() and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+
+    proc = run_cli(["export", moved, "--to", tmp_path / "o"], timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: cannot tell which model file wrote '{ckpt.latest(moved)}': no .hydra/overrides.yaml in its run "
+        "directory (trained with ElasticTrainer, or checkpoint.dir outside the run)",
+        "hint: pass the model file and the overrides it trained with: --model MODEL.py [key=value ...]"]
+
+
+@pytest.fixture
+def restore_ops():
+    from elasticflow import ops
+
+    with ops.using():
+        yield
