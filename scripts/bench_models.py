@@ -13,6 +13,7 @@ steps excluded, median and minimum of wall and CPU time per step with the ratio 
     .venv/bin/python scripts/bench_models.py --optimizer adam --vocab 1000 --chunks 30
     .venv/bin/python scripts/bench_models.py --model small_resnet --optimizer sgd --global-batch 64
     .venv/bin/python scripts/bench_models.py --update-only                    # the optimizer update alone
+    .venv/bin/python scripts/bench_models.py --no-decay bias norm             # two parameter groups (both rows)
     .venv/bin/python scripts/bench_models.py --profile                        # torch.profiler tables, no timing
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Setup:
     weight_decay: float = 0.01
     seed: int = 0
     log_every: int = 10  # elasticflow's default trainer.log_every; the hand-written loop logs as often
+    no_decay: tuple = ()  # name patterns without weight decay: parameter groups in both rows
     log_file: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench_models_")) / "train.log")
 
     def model_args(self):
@@ -67,6 +69,7 @@ class Setup:
                  f"trainer.global_batch_size={self.global_batch}", f"optimizer.lr={self.lr}",
                  f"optimizer.weight_decay={self.weight_decay}", "checkpoint.interval.steps=1000000000",
                  *(["optimizer.momentum=0.9"] if self.optimizer == "sgd" else []),
+                 *([f"optimizer.no_decay=[{','.join(self.no_decay)}]"] if self.no_decay else []),
                  "trainer.progress=false", "resume=none"])
 
 
@@ -81,7 +84,7 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
     mod = setup.module()
     net = mod.model(cfg)
     x, y = (torch.from_numpy(a) for a in mod.data(cfg))
-    opt = _torch_optimizer(setup, net.parameters())
+    opt = _torch_optimizer(setup, _groups(setup, net))
     for step, positions in batch_order(len(x), setup.global_batch, setup.seed, total_steps):
         idx = torch.from_numpy(positions)
         loss = mod.forward(x.index_select(0, idx), y.index_select(0, idx), net)
@@ -92,6 +95,21 @@ def handwritten_torch(setup: Setup, total_steps: int) -> Iterator[None]:
         if step % setup.log_every == 0:
             log.info("step %d loss %.5g", step, loss.item())
         yield
+
+
+def _groups(setup: Setup, net):
+    """torch.optim's param groups for ``--no-decay``, picked by the rule optimizer.no_decay uses (a pattern
+    in the name or the owning module's class): what a user writes by hand, the Hugging Face habit."""
+    from elasticflow.optim import matches
+
+    if not setup.no_decay:
+        return list(net.parameters())
+    owners = {f"{m_name}.{n}" if m_name else n: type(m).__name__
+              for m_name, m in net.named_modules() for n, _ in m.named_parameters(recurse=False)}
+    plain = [(n, p) for n, p in net.named_parameters()]
+    off = {n for n, _ in plain if any(matches(pat, n, owners.get(n, "")) for pat in setup.no_decay)}
+    return [{"params": [p for n, p in plain if n not in off]},
+            {"params": [p for n, p in plain if n in off], "weight_decay": 0.0}]
 
 
 def _torch_optimizer(setup: Setup, params):
@@ -130,8 +148,7 @@ def torch_optim_update(setup: Setup, total_steps: int) -> Iterator[None]:
     _, net, grads = _gradients(setup)
     for p, g in zip(net.parameters(), grads):
         p.grad = g
-    cls = torch.optim.AdamW if setup.optimizer == "adamw" else torch.optim.Adam
-    opt = cls(net.parameters(), lr=setup.lr, weight_decay=setup.weight_decay)
+    opt = _torch_optimizer(setup, _groups(setup, net))
     for _ in range(total_steps):
         opt.step()
         yield
@@ -146,9 +163,14 @@ def engine_update(setup: Setup, total_steps: int) -> Iterator[None]:
 
     torch.set_num_threads(setup.threads)
     mod, net, grads = _gradients(setup)
-    cls = optim.AdamW if setup.optimizer == "adamw" else optim.Adam
-    engine = Engine(net, mod.forward, cls(setup.lr, weight_decay=setup.weight_decay))
-    engine.grad_view().copy_(torch.cat([g.reshape(-1) for g in grads]))
+    if setup.optimizer == "sgd":  # as _torch_optimizer's
+        spec = optim.SGD(setup.lr, momentum=0.9, weight_decay=setup.weight_decay, no_decay=setup.no_decay)
+    else:
+        cls = optim.AdamW if setup.optimizer == "adamw" else optim.Adam
+        spec = cls(setup.lr, weight_decay=setup.weight_decay, no_decay=setup.no_decay)
+    engine = Engine(net, mod.forward, spec)
+    by_name = {n: g for (n, _), g in zip(net.named_parameters(), grads)}  # the engine's order: grouped
+    engine.grad_view().copy_(torch.cat([by_name[n].reshape(-1) for n, _ in engine.flat_layout()]))
     for _ in range(total_steps):
         engine.apply(setup.lr)
         yield
@@ -190,6 +212,8 @@ def main(argv=None) -> None:
     p.add_argument("--chunks", type=int, default=20)
     p.add_argument("--chunk-steps", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables instead of timing")
+    p.add_argument("--no-decay", nargs="*", default=[], metavar="PATTERN",
+                   help="parameters without weight decay (optimizer.no_decay): two parameter groups in every row")
     p.add_argument("--update-only", action="store_true",
                    help="time the optimizer update alone (fixed gradients), torch.optim against Engine.apply")
     args = p.parse_args(argv)
@@ -197,9 +221,11 @@ def main(argv=None) -> None:
     for vocab in args.vocab if "vocab" in defaults else [None]:
         model_args = {k: (vocab if k == "vocab" else getattr(args, k) if getattr(args, k) is not None else d)
                       for k, d in defaults.items()}
-        setup = Setup(args.model, args.optimizer, model_args, args.threads, args.global_batch)
+        setup = Setup(args.model, args.optimizer, model_args, args.threads, args.global_batch,
+                      no_decay=tuple(args.no_decay))
         print(f"{args.model} {' '.join(f'{k}={v}' for k, v in model_args.items())}, global batch "
-              f"{setup.global_batch}, {args.optimizer}(lr={setup.lr}, weight_decay={setup.weight_decay}), "
+              f"{setup.global_batch}, {args.optimizer}(lr={setup.lr}, weight_decay={setup.weight_decay}"
+              f"{', no_decay=' + str(list(setup.no_decay)) if setup.no_decay else ''}), "
               f"{args.threads} thread(s); {args.chunks} interleaved chunks of {args.chunk_steps} steps after "
               f"{args.warmup} warm-up steps; ratios to the first row")
         if args.profile:
