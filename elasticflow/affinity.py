@@ -1,10 +1,10 @@
 """Each CPU worker's training thread on a share of the host's cores of its own (``backend.pin_cores``).
 
 Only the training thread is pinned. gloo's transport and run-loop threads stay free to run on any core:
-pinning each whole worker to its core was 1.5x slower (gloo's thread then waits behind its own training
-thread). Pinning the training threads alone: 2 workers on 2 cores, digits MLP, 0.83-1.08 against
-1.14-1.49 ms a step in 15 alternating pairs of plain runs, and in scripts/bench_elastic.py 1.36x torchrun +
-DDP's throughput against 0.86-1.04x unpinned in the same runs (2026-11-25; the README has the figures).
+pinning each whole worker to its core was slower (gloo's thread then waits behind its own training
+thread). Pinning the training threads alone made 2 workers on 2 cores clearly faster than torchrun + DDP,
+where unpinned they were about even (scripts/bench_elastic.py; the figures are in docs/benchmarks.md,
+"Multi-worker throughput", and the A/B runs in docs/benchmarks/history.md, "pin-cores").
 
 A thread starts with the CPU mask of the thread that starts it, so threads started by the pinned
 training thread call :func:`release` first (the data and checkpoint pools), and a new gloo group is

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .distributed.protocol import ENV_DEBUG
+from .envnames import ENV_DEBUG
 from .exits import debug_requested, fail, print_done, report
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
@@ -159,7 +159,7 @@ def scale_command(args: List[str]) -> None:
 def status_command(args: List[str]) -> None:
     import json
 
-    from .distributed.control import status, status_record
+    from .status import status, status_record
 
     as_json = "--json" in args
     args = [a for a in args if a != "--json"]

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from .distributed.protocol import ENV_LOCAL_SLOT
+from .envnames import ENV_LOCAL_SLOT
 from .errors import ElasticFlowError
 
 DEVICES = ("auto", "cpu", "cuda")

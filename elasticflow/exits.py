@@ -2,7 +2,7 @@
 
 Shared by the CLI and the SLURM batch entry (``python -m elasticflow.launchers.slurm``). It lives
 apart from cli.py so that a launcher can end its process the same way without importing the CLI
-(which imports the launchers): it depends on errors.py, protocol.py and goodput.py only.
+(which imports the launchers): it depends on errors.py, envnames.py and goodput.py only.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional
 
-from .distributed.protocol import ENV_DEBUG
+from .envnames import ENV_DEBUG
 from .errors import ElasticFlowError, TrainingInterrupted
 
 

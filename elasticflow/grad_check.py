@@ -37,3 +37,19 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     if finite and grad_clip is not None and grad_norm > grad_clip:
         engine.scale_grad(grad_clip / (grad_norm + 1e-6))
     return Verdict(grad_norm, overflow, finite)
+
+
+class Update(NamedTuple):
+    """What a step does with its summed gradient: ``apply`` it, ``skip`` it, or ``stop`` the run."""
+    action: str                 # apply | skip | stop
+    why: Optional[str] = None   # skip/stop: what was wrong (float16 overflow, a non-finite loss or gradient)
+
+
+def decide(verdict: Verdict, loss: float, on_nonfinite: str) -> Update:
+    """The update's fate: float16's overflow skips it (as torch's GradScaler does, lowering the scale);
+    a non-finite loss or gradient skips it or stops the run, as ``trainer.on_nonfinite`` says."""
+    if verdict.overflow:
+        return Update("skip", "overflow")
+    if not verdict.finite:
+        return Update("stop" if on_nonfinite == "stop" else "skip", verdict.problem(loss))
+    return Update("apply")

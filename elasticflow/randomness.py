@@ -41,7 +41,7 @@ def _torch_modules(model: Any) -> Iterator[Tuple[str, Any]]:
 
 
 def _keras_layers(model: Any) -> Iterator[Tuple[str, Any]]:
-    flatten = getattr(model, "_flatten_layers", None)  # keras 3 (tensorflow_native.py reads it too)
+    flatten = getattr(model, "_flatten_layers", None)  # keras 3 (backends/tensorflow/native.py reads it too)
     if callable(flatten):
         for layer in flatten(include_self=True):
             yield getattr(layer, "name", type(layer).__name__), layer

@@ -91,7 +91,7 @@ class Recovery:
 
 
 class Replica:
-    """This worker's seat in the group: reductions, state sync, recovery.
+    """This worker's place in the group: reductions, state sync, recovery.
 
     Args:
         membership: a ``distributed.membership.Membership``; None for a single-process run.
@@ -167,7 +167,7 @@ class Replica:
         allreduce as soon as backward has finished it, while backward goes on (``comm.bucket_mb``)."""
         self._reset_buckets()
         ranges = self._buckets()
-        if ranges and hasattr(self.engine, "arm"):  # TensorFlow's tape has no per-variable callback
+        if ranges:  # TensorFlow's arm never reports: its tape has no per-variable callback
             self.engine.arm(ranges, self._bucket_ready)
 
     def _buckets(self) -> Optional[List[Tuple[int, int]]]:
@@ -252,8 +252,7 @@ class Replica:
             # the engine keeps after its flat gradient, so the gradient is reduced where it lies.
             head = grad.numel()
             extra = n + (0 if buffers is None else buffers.size)
-            fold = getattr(self.engine, "fold_buffer", None)
-            buf = fold(extra) if fold is not None else None
+            buf = self.engine.fold_buffer(extra)
             if buf is not None:
                 buf[head:head + n].copy_(torch.tensor(votes, dtype=buf.dtype))
                 if buffers is not None:
@@ -267,7 +266,7 @@ class Replica:
             self._start(r, buf)
             r.tail = buf[head:]
         else:  # bandwidth-bound: a second, small round trip is noise beside the gradient's, and keeps the
-            # scalars in float64 (an engine without fold_buffer would also copy a big gradient twice)
+            # scalars in float64 (an engine whose fold_buffer is None would also copy a big gradient twice)
             tail = torch.tensor(votes, dtype=torch.float64)
             if buffers is not None:
                 tail = torch.cat([tail, torch.from_numpy(buffers)])
@@ -313,8 +312,7 @@ class Replica:
         import torch
 
         try:
-            if hasattr(self.engine, "arm"):
-                self.engine.arm(ranges, None)
+            self.engine.arm(ranges, None)
             last = len(ranges) - 1
             self._ready.update(range(last))
             self._start_ready(last)
@@ -375,7 +373,7 @@ class Replica:
             if len(pairs) == self.world or not pairs:
                 return  # nobody leaves: the next generation moves what it needs
             plan = self.shards.redistribute(m.group, samples_seen, (pairs, len(new)))
-            moved = sum(p.hi - p.lo for p in plan.pieces if p.src != p.dst)
+            moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
             log.info("handed over %d elements of sharded state before %d member(s) leave", moved,
                      self.world - len(pairs))
         except protocol.CommError as exc:
@@ -385,7 +383,7 @@ class Replica:
     def _sync_shards(self, samples_seen: int) -> None:
         plan = self.shards.redistribute(self.membership.group, samples_seen)
         self.lost = plan.lost
-        self.shard_moved = sum(p.hi - p.lo for p in plan.pieces if p.src != p.dst)
+        self.shard_moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
 
     # ------------------------------------------------------------------ state
     def sync_state(self, samples_seen: int) -> bool:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 from .data import deal, split_evenly
 from .fileio import append_event
+from .memory import rss_mib  # also re-exported: the trainer reads it from here
 
 log = logging.getLogger("elasticflow")
 
@@ -21,18 +22,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep the line parseable
     return value
-
-
-_PAGE_MIB = os.sysconf("SC_PAGE_SIZE") / 2 ** 20 if hasattr(os, "sysconf") else 0.0
-
-
-def rss_mib() -> float:
-    """This process's resident memory in MiB (Linux's /proc/self/statm, ~10 us; 0.0 where it cannot be read)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE_MIB
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def last_logged_step(path: Path, field: str = "step") -> int:
@@ -271,3 +260,23 @@ def step_line(record: Dict[str, Any]) -> str:
                      and isinstance(v, float))
     return (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.5g} lr {record['lr']:.3g} "
             f"samples {record['samples_seen']} {record['step_time_s'] * 1e3:.1f} ms {extra}").rstrip()
+
+
+class WorkerMemory:
+    """Resident MiB of each worker, by worker id, for rank 0's step records (TensorBoard's memory/):
+    what rank 0's membership thread gathered, or without one this process's own, read at most every 2 s
+    (a /proc read: not on every logged step)."""
+
+    def __init__(self, membership: Any, worker_id: Callable[[], Any]):
+        self.membership, self.worker_id = membership, worker_id
+        self._own = (-1e9, 0.0)  # (monotonic time read, resident MiB)
+
+    def __call__(self) -> Dict[str, float]:
+        m = self.membership
+        if m is not None and m.memory:
+            return {str(k): v for k, v in m.memory.items()}
+        read_at, mib = self._own
+        if time.monotonic() - read_at > 2.0:
+            mib = round(rss_mib(), 1)
+            self._own = (time.monotonic(), mib)
+        return {str(self.worker_id() or 0): mib}

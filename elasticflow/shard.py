@@ -10,7 +10,7 @@ pieces; the short tail is padded in a scratch chunk). One rule, here and in the 
 only for the ranges a worker holds: its own and, with ``elastic.shard_replicas=1``, its buddy's, the slice
 of rank (r - 1) mod W (every slice is held twice: by its owner and by the next rank). Optimizer bytes per
 worker: 2/W of the replicated optimizer's (1/W with ``shard_replicas=0``), plus nothing else: the
-parameters stay whole on every worker (stages 1 and 2; stage 3 is not built, README says what it needs).
+parameters stay whole on every worker (stages 1 and 2; stage 3 is not built, docs/sharded-state.md says what it needs).
 
 **The step.** Stage 1 (``optimizer``): the gradient is reduced exactly as without sharding (one allreduce
 of the flat gradient with the step's scalars and votes folded in, ``Replica.start_reduce``), so every
@@ -20,9 +20,10 @@ update from the same reduced gradient, no bytes moved), commits the step, and th
 ranges are all-gathered. Stage 2 (``gradients``): the gradient is reduce-scattered (each member receives
 only the sum of its own chunk; the votes go in a small allreduce queued behind it), each owner sends its
 reduced chunk to its buddy, then the same update and allgather. The update is an elementwise formula
-(``torch_optim.sgd_update`` and ``adam_update``, torch.optim's formulas) applied to a range instead of the
-whole vector: each element sees the same float32 operations as in a 1-worker run, so the result differs
-from it only by the order the reduction summed the workers' gradients (as without sharding).
+(``sgd_update`` and ``adam_update`` of ``backends/torch/optim.py``, torch.optim's formulas) applied to a
+range instead of the whole vector: each element sees the same float32 operations as in a 1-worker run, so
+the result differs from it only by the order the reduction summed the workers' gradients (as without
+sharding).
 
 **Where state lives between steps.** ``at``: the committed progress (samples seen) at which the held
 ranges are valid, parameters and slots alike. A worker's parameters outside its ranges are valid only
@@ -58,7 +59,7 @@ import numpy as np
 import torch
 
 from .backends.common import check_trainable
-from .backends.torch_optim import adam_update, sgd_update, weight_decay_is_l2
+from .backends.torch.optim import adam_update, sgd_update, weight_decay_is_l2
 from .checkpoint.format import Partial, Sharded
 from .errors import ElasticFlowError
 from .optim import SGD, Adam, AdamW, OptimizerSpec
@@ -87,7 +88,7 @@ def needed(n: int, world: int, rank: int, replicas: int) -> List[Range]:
 
 
 @dataclass
-class Piece:
+class RangeMove:
     """Elements [lo, hi) that member ``src`` gives member ``dst`` (src == dst: already there)."""
     src: int
     dst: int
@@ -98,7 +99,7 @@ class Piece:
 @dataclass
 class Plan:
     target: int                          # the progress (samples seen) every range is taken at
-    pieces: List[Piece] = field(default_factory=list)
+    moves: List[RangeMove] = field(default_factory=list)
     lost: List[Range] = field(default_factory=list)   # ranges nobody holds at ``target``
 
 
@@ -126,7 +127,7 @@ def plan_moves(table: np.ndarray, want: Dict[int, List[Range]]) -> Plan:
                     continue
                 _, _, src, b = min(found)
                 end = min(b, hi)
-                plan.pieces.append(Piece(src, dst, at, end))
+                plan.moves.append(RangeMove(src, dst, at, end))
                 at = end
     merged: List[Range] = []
     for lo, hi in sorted(set(plan.lost)):  # wanted twice (an owner's and a buddy's): said once
@@ -183,19 +184,15 @@ class ShardedState:
     """This worker's ranges of the optimizer state and the steps that keep them.
 
     Args:
-        engine: the backend Engine; it must offer ``flat_params()`` (a 1-D float32 torch tensor that is
-            the parameters, in the flat gradient's order) and ``flat_layout()`` ([(name, shape)] in that
-            order). ``params_written()``, when present, is called after the tensor was written (an engine
-            that handed out a copy writes it back).
+        engine: the backend Engine: its ``flat_params()`` (a 1-D float32 torch tensor of the parameters,
+            in the flat gradient's order) is what the update writes, then ``params_written()`` (an engine
+            that handed out a copy writes it back); ``flat_layout()``/``flat_runs()`` describe that order.
         spec: the optimizer spec (its ``slots()`` are what is sharded).
         stage: ``optimizer`` (stage 1) or ``gradients`` (stage 2).
         replicas: ``elastic.shard_replicas``: 1 keeps a buddy copy of every slice, 0 none.
     """
 
     def __init__(self, engine: Any, spec: OptimizerSpec, stage: str, replicas: int):
-        if not hasattr(engine, "flat_params"):
-            raise ElasticFlowError(f"trainer.shard={stage} needs an engine with flat parameters, and "
-                                   f"{type(engine).__module__} has none", "pass trainer.shard=none")
         if not isinstance(spec, (SGD, Adam)):
             raise ElasticFlowError(f"trainer.shard={stage} has no sharded update for {type(spec).__name__}",
                                    "use SGD, Adam or AdamW, or pass trainer.shard=none")
@@ -223,7 +220,7 @@ class ShardedState:
         return {s: torch.zeros(hi - lo, dtype=torch.float32) for s in self.slot_names}
 
     def slot_bytes(self) -> int:
-        """Optimizer-state bytes this worker holds (the README's per-worker figure)."""
+        """Optimizer-state bytes this worker holds (the per-worker figure on docs/benchmarks.md)."""
         return sum(t.numel() * 4 for slots in self.held.values() for t in slots.values())
 
     def sharding(self) -> Sharded:
@@ -292,9 +289,7 @@ class ShardedState:
             self._written()
 
     def _written(self) -> None:
-        written = getattr(self.engine, "params_written", None)
-        if written is not None:
-            written()
+        self.engine.params_written()
 
     def scatters(self) -> bool:
         """Whether this step's gradient is reduce-scattered (stage 2): not where each member holds the whole
@@ -408,10 +403,10 @@ class ShardedState:
             return plan
         mine = want.get(group.rank, [])
         new: Dict[Range, Dict[str, torch.Tensor]] = {r: self._fresh(*r) for r in mine}
-        # Each piece travels as its parameters and each slot, sent from where they lie and received into
+        # Each move travels as its parameters and each slot, sent from where they lie and received into
         # their final place: no packing copy on either side (ranges a member sends and receives are disjoint).
         sends, recvs, k = [], [], 1 + len(self.slot_names)
-        for i, p in enumerate(plan.pieces):
+        for i, p in enumerate(plan.moves):
             if p.dst == group.rank:
                 into = self._into(new, p.lo, p.hi)
                 if p.src == group.rank:

@@ -154,7 +154,7 @@ def handwritten_tensorflow(setup: Setup, total_steps: int, flat_call: bool = Fal
     """The same by hand in TensorFlow: resident tensors, and one tf.function per step that gathers the
     batch, runs forward and GradientTape, and applies torch's SGD-momentum update to tf.Variables.
 
-    ``flat_call``: call the step the way elasticflow's Engine does (``backends/tensorflow_compiled.py``:
+    ``flat_call``: call the step the way elasticflow's Engine does (``backends/tensorflow/compiled.py``:
     the concrete function's flat entry point, skipping tf.function's Python dispatch), so that the
     ratio of elasticflow to this row is the cost of elasticflow's own loop alone.
     """
@@ -189,7 +189,7 @@ def handwritten_tensorflow(setup: Setup, total_steps: int, flat_call: bool = Fal
         return loss, accuracy
 
     if flat_call:
-        from elasticflow.backends.tensorflow_compiled import Compiled
+        from elasticflow.backends.tensorflow.compiled import Compiled
         train_step = Compiled(train_step)
     else:
         train_step = tf.function(train_step)

@@ -3,7 +3,7 @@ that it finished with the model one worker trains, used every sample once, and f
 generation within its timeouts.
 
     .venv/bin/python scripts/chaos.py --duration 60 --seed 1 --min-events 20   # tests/test_chaos.py runs this
-    .venv/bin/python scripts/chaos.py --duration 600 --seed 13    # the long soak in README
+    .venv/bin/python scripts/chaos.py --duration 600 --seed 13    # the long soak (docs/benchmarks.md)
 
 The job: ``elasticflow train tests/models/digits_probe.py`` (digits MLP, SGD lr 0.05, global batch 64,
 every step logged) with launcher.workers=3 min_workers=2 max_workers=4, elastic.timeout_s=15,
@@ -73,7 +73,8 @@ def common(steps: int) -> List[str]:
     # float32 rounding difference in the gradient sum (any other summation order: more workers, or one
     # worker with trainer.micro_batch_size=16) sends it onto a neighbouring path that ends 1.95e-4 away.
     # Measured: 10 of 40 runs with 1e-7 relative noise per step took it; at 0.05, 0 of 40, and 11
-    # summation orders (micro-batches 4..40, 2-4 workers) all ended within 7.1e-7. README, "Chaos soak".
+    # summation orders (micro-batches 4..40, 2-4 workers) all ended within 7.1e-7 (2026-11-25;
+    # docs/benchmarks/history.md, "Rounding forks and the chaos soak").
     return [f"trainer.max_steps={steps}", "trainer.global_batch_size=64", "trainer.log_every=1",
             "trainer.progress=false", "optimizer.lr=0.05"]
 

@@ -9,7 +9,7 @@ batch 64, SGD, the epochs' sample order from elasticflow.data.permutation). Any 
 step's gradient (more workers, micro-batches) perturbs it by about 1e-7 relative; where the trajectory
 has a fork (a ReLU unit at its threshold), that perturbation picks the branch, and the final parameters
 land on one of a few neighbouring points. A check against the 1-worker run with a tolerance below that
-distance then fails with no fault anywhere (README, "Chaos soak").
+distance then fails with no fault anywhere (docs/benchmarks/history.md, "Rounding forks and the chaos soak").
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The backends as a family: every Engine keeps the one contract (backends/engine.py), forward()'s
-output is checked with the same messages everywhere, and elasticflow.ops dispatches to the right one."""
+"""The backends as a family: packages of the same shape, every Engine keeps the one contract
+(backends/engine.py) and the contract holds every member its callers use, forward()'s output is checked
+with the same messages everywhere, and elasticflow.ops dispatches to the right one."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +16,8 @@ from elasticflow.backends.engine import Engine as Contract
 from elasticflow.errors import ElasticFlowError
 
 BACKENDS = ["torch", "tensorflow"]
+PACKAGE = Path(backends.__file__).parent
+ELASTICFLOW = PACKAGE.parent
 METHODS = sorted(n for n, v in vars(Contract).items() if inspect.isfunction(v) and not n.startswith("_"))
 ATTRIBUTES = sorted(n for n in Contract.__annotations__)
 
@@ -43,8 +46,10 @@ def _problems(want: inspect.Signature, have: inspect.Signature) -> list:
 def test_the_contract_lists_what_the_trainer_calls():
     # A test that cannot fail is a defect: an empty or shrunken contract would pass the one below.
     assert {"train_mode", "zero_grad", "accumulate", "grad_view", "grad_norm", "scale_grad", "apply", "evaluate",
-            "state", "load_state", "state_names", "seed", "buffer_rules", "buffer_arrays", "set_buffers"} <= set(METHODS)
-    assert ATTRIBUTES == ["grad_scale", "num_params"]
+            "state", "load_state", "state_names", "seed", "buffer_rules", "buffer_arrays", "set_buffers",
+            "buckets", "arm", "fold_buffer", "flat_params", "params_written", "flat_layout", "flat_runs",
+            "release_optimizer"} <= set(METHODS)
+    assert ATTRIBUTES == ["grad_scale", "num_params", "placement"]
     assert _problems(inspect.signature(Contract.state), inspect.signature(lambda self: None)) == [
         "no argument 'copy'"]
     assert _problems(inspect.signature(Contract.apply), inspect.signature(lambda self, lr=0.1, extra=1: None)) == []
@@ -67,18 +72,120 @@ def test_every_engine_keeps_the_contract(name):
     assert isinstance(engine, Contract) and engine.num_params == 6
 
 
+def _two_layers(name):
+    module = backends.load(name)
+    model = {"a": np.ones((3, 2), np.float32), "b": np.full(2, 0.5, np.float32)}
+    engine = module.Engine(model, lambda x, params: ops.mean(ops.square(x @ params["a"] + params["b"])), optim.SGD(0.1))
+    return module, engine, (module.to_tensor(np.ones((4, 3), np.float32)),)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_members_a_backend_has_no_use_for_are_harmless(name):
+    """The no-op defaults callers rely on instead of probing: TensorFlow's ``arm`` never reports and its
+    ``fold_buffer`` is None; torch's ``params_written`` leaves the model as written."""
+    with ops.using(name):
+        module, engine, batch = _two_layers(name)
+        ranges = engine.buckets(1)
+        assert ranges == [(6, 8), (0, 6)]  # the last parameters first, each bucket a whole parameter
+        ready = []
+        engine.arm(ranges, ready.append)
+        engine.zero_grad()
+        engine.accumulate(batch, 1.0)
+        grad = engine.grad_view()
+        engine.arm(ranges, None)
+        fold = engine.fold_buffer(3)
+        params = engine.flat_params()
+        params[:6] = 2.0
+        engine.params_written()
+        written = engine.state()["a"]
+    if name == "torch":
+        assert sorted(ready) == [0, 1]  # each bucket as backward finished it
+        assert fold.numel() == 8 + 3 and fold.data_ptr() == grad.data_ptr()  # the gradient's own memory
+        assert engine.fold_buffer(10 ** 6) is None  # more than the room kept after the gradient
+    else:
+        assert ready == [] and fold is None
+    np.testing.assert_array_equal(written, np.full((3, 2), 2.0, np.float32))
+
+
+def _engine_uses(tree: ast.AST):
+    """(line, member, probed) for every ``engine.X``/``<...>.engine.X`` in ``tree``; ``probed``: X is the
+    string passed to hasattr/getattr on an engine (``hasattr(self.engine, "arm")``)."""
+    def is_engine(node):
+        return (isinstance(node, ast.Name) and node.id == "engine") or \
+               (isinstance(node, ast.Attribute) and node.attr == "engine")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_engine(node.value):
+            yield node.lineno, node.attr, False
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr") \
+                and node.args and is_engine(node.args[0]):
+            member = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else "?"
+            yield node.lineno, member, True
+
+
+def _callers():
+    """elasticflow's modules outside the backends, parsed: the engine's callers."""
+    for path in sorted(ELASTICFLOW.rglob("*.py")):
+        if PACKAGE not in path.parents:
+            yield path.relative_to(ELASTICFLOW.parent), ast.parse(path.read_text())
+
+
+def test_the_contract_declares_every_member_its_callers_use():
+    """What replica, shard, evaluation, checkpoints ... call on an engine is in the Protocol, so each backend
+    must have it (the test above), and nobody asks an engine whether it has a member."""
+    declared = set(METHODS) | set(ATTRIBUTES)
+    undeclared, probes, used = [], [], set()
+    for path, tree in _callers():
+        for line, member, probed in _engine_uses(tree):
+            used.add(member)
+            if probed:
+                probes.append(f"{path}:{line} probes the engine for {member!r}")
+            elif member not in declared:
+                undeclared.append(f"{path}:{line} uses engine.{member}, which backends/engine.py does not declare")
+    assert not probes, "\n".join(probes) + "\ndeclare the member in backends/engine.py (a no-op where a backend has none)"
+    assert not undeclared, "\n".join(undeclared)
+    assert {"arm", "fold_buffer", "params_written", "flat_params", "accumulate"} <= used  # the scan sees the callers
+
+
+def test_the_scan_finds_an_engine_probe():
+    code = "def f(self, engine):\n    if hasattr(self.engine, 'arm'):\n        engine.undeclared()\n"
+    assert list(_engine_uses(ast.parse(code))) == [(2, "arm", True), (3, "undeclared", False)]
+
+
+def test_the_backends_have_the_same_shape():
+    """Keras 3's backend/{torch,tensorflow}/: the same module names wherever a concern exists on both."""
+    modules = {name: {p.stem for p in (PACKAGE / name).glob("*.py")} for name in BACKENDS}
+    assert modules["torch"] == {"__init__", "ops", "data", "devices", "native", "optim", "engine"}
+    assert modules["tensorflow"] - modules["torch"] == {"compiled", "quiet"}  # TensorFlow's own extras
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.stem in BACKENDS or p.stem.startswith(("torch_", "tensorflow_"))]
+
+
+def _imported(path: Path, node: ast.stmt):
+    """The absolute module names ``node`` in the file at ``path`` imports (a from-import: the module and
+    each module.name)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    parts = list(path.relative_to(ELASTICFLOW.parent).with_suffix("").parts)
+    package = parts[:-1] if node.level else []
+    for _ in range(max(node.level - 1, 0)):
+        package = package[:-1]
+    base = ".".join(package + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
 def test_no_backend_imports_ops():
-    """ops dispatches through backends.common; a backend importing ops back would be an import cycle."""
-    for path in sorted(Path(backends.__file__).parent.glob("*.py")):
+    """ops dispatches through backends.common; a backend importing ops back would be an import cycle.
+    (A backend's own ``ops.py`` is not ``elasticflow.ops``.)"""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names = [f"{node.module or ''}.{a.name}" for a in node.names] + [node.module or ""]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            assert not [n for n in names if n.split(".")[-1] == "ops" or n.endswith("elasticflow.ops")], \
-                f"{path.name}:{node.lineno} imports elasticflow.ops"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [f"{path.name}:{node.lineno}" for n in _imported(path, node)
+                          if n == "elasticflow.ops" or n.startswith("elasticflow.ops.")]
+    assert not found, f"imports of elasticflow.ops in a backend: {found}"
+    own = ast.parse("from . import ops").body[0]
+    assert _imported(PACKAGE / "torch" / "__init__.py", own) == ["elasticflow.backends.torch",
+                                                                  "elasticflow.backends.torch.ops"]
+    assert "elasticflow.ops" in _imported(PACKAGE / "torch" / "engine.py", ast.parse("from ... import ops").body[0])
 
 
 # ---------------------------------------------------------------- dispatch
@@ -123,7 +230,7 @@ def test_an_engine_routes_ops_to_its_own_backend(name):
 def _messages(name, out):
     module = backends.load(name)
     with pytest.raises(ElasticFlowError) as info:
-        module._check_loss(out(module), "for a micro-batch")
+        module.engine._check_loss(out(module), "for a micro-batch")
     return info.value.message, info.value.hint
 
 
@@ -143,7 +250,7 @@ def test_bad_forward_outputs_give_the_same_messages_on_every_backend(name):
         "forward() returned a dict without a 'loss' key (keys: ['lost'])",
         "return {'loss': loss, 'accuracy': acc, ...}")
     module = backends.load(name)
-    loss, metrics = module._check_loss({"loss": module.to_tensor(np.full((1, 1), 2.0)), "n": 3}, "in evaluation")
+    loss, metrics = module.engine._check_loss({"loss": module.to_tensor(np.full((1, 1), 2.0)), "n": 3}, "in evaluation")
     assert tuple(loss.shape) == () and float(loss) == 2.0 and float(metrics["n"]) == 3.0
 
 

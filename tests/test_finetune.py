@@ -152,7 +152,7 @@ def test_patterns_pick_by_name_by_module_class_or_by_glob():
 
 
 def test_torch_optimizers_that_the_flat_update_cannot_compute_are_refused():
-    from elasticflow.backends.torch_optim import spec_from_native
+    from elasticflow.backends.torch.optim import spec_from_native
 
     net = torch.nn.Linear(2, 2)
     with pytest.raises(ElasticFlowError, match="AdamW with amsgrad"):

@@ -1,10 +1,17 @@
-"""No import cycles inside elasticflow/: data flows one way (CLI -> config -> trainer -> lower layers).
+"""Imports inside elasticflow/ flow one way: no import cycles, and nothing imports a higher layer.
 
 Every ``import``/``from ... import`` in every module counts, at any nesting level: a lazy import inside a
 function only postpones a cycle, it does not remove it. Not counted: imports under ``if TYPE_CHECKING:``
 (never executed) and importlib calls (not statements). Importing a submodule is not counted as an edge
 to its parent packages: Python has initialized those already, and counting them would make every
 ``__init__`` that re-exports a submodule look like a cycle.
+
+The layers (``LAYERS``, lowest first; STYLE.md's "Layers") place every module; a module may import its
+own layer and the ones below, never one above (``test_imports_point_down_the_layers``). Imports within
+a layer are allowed where the layer is one subject: a package's own modules (checkpoint/, distributed/,
+backends/, launchers/), config -> devices, reporting -> data, exporting -> checkpoint and ops, the
+trainer's helpers (builder, stepper, regroup) -> each other; the cycle test still keeps them acyclic.
+A new module must be placed in a layer: the test names the ones that are not.
 """
 from __future__ import annotations
 
@@ -203,3 +210,126 @@ def test_the_else_of_type_checking_counts(tmp_path):
                                 "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\n"
                                             "else:\n    from . import a\n"})
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+# ---------------------------------------------------------------- layers: imports point down only
+# Lowest first: (layer, what it holds, modules). Names are relative to elasticflow/; "pkg.*" is the package
+# and everything under it; "__init__" is elasticflow/__init__.py itself (the public names).
+LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
+    ("leaf", "helpers and names that import nothing of elasticflow above them",
+     ("errors", "fileio", "paths", "console", "envnames", "memory", "current", "signals", "affinity")),
+    ("specs", "backend-neutral descriptions the backends implement, and the config schema",
+     ("optim", "buffers", "devices", "config")),
+    ("backends", "the frameworks: torch and TensorFlow behind one Engine and one set of ops",
+     ("backends.*",)),
+    ("parts", "one worker's parts, each on its own: data, ops, model file, checkpoints, records",
+     ("forms", "data", "state", "loss_scale", "grad_check", "randomness", "ops", "modelfile", "evaluation",
+      "prefetch", "checkpoint.*", "reporting", "tensorboard", "goodput", "plot", "exporting")),
+    ("distributed", "membership, collectives, the agent and its store",
+     ("distributed.*",)),
+    ("replica", "one worker's replica of the state, kept equal to the others' through failures",
+     ("replica", "shard")),
+    ("trainer", "the loop, its helpers, and the package's public names",
+     ("trainer", "builder", "stepper", "regroup", "__init__")),
+    ("launchers", "how processes start and end: the launchers, the worker's main, the exit line",
+     ("launchers.*", "exits")),
+    ("cli", "the commands: parse, hand over, render",
+     ("cli", "confighelp", "status")),
+]
+
+
+def _entry_matches(entry: str, short: str) -> bool:
+    if entry.endswith(".*"):
+        return short == entry[:-2] or short.startswith(entry[:-1])
+    return short == entry
+
+
+def layer_of(module: str, package: str, layers=LAYERS) -> Optional[int]:
+    """The index in ``layers`` of ``module`` (a dotted name under ``package``), None if it has none.
+
+    An exact name wins over a ``pkg.*`` entry, and a longer ``pkg.*`` over a shorter one."""
+    short = "__init__" if module == package else module[len(package) + 1:]
+    best: Optional[Tuple[int, int]] = None  # (specificity, layer)
+    for i, (_, _, entries) in enumerate(layers):
+        for entry in entries:
+            if _entry_matches(entry, short):
+                rank = 10 ** 6 if not entry.endswith(".*") else len(entry)
+                if best is None or rank > best[0]:
+                    best = (rank, i)
+    return None if best is None else best[1]
+
+
+def unplaced(graph: Graph, package: str, layers=LAYERS) -> List[str]:
+    """Modules of ``graph`` in no layer."""
+    return sorted(m for m in graph if layer_of(m, package, layers) is None)
+
+
+def stale_entries(graph: Graph, package: str, layers=LAYERS) -> List[str]:
+    """Entries of ``layers`` that name no module (a module renamed or removed: its entry must follow)."""
+    shorts = ["__init__" if m == package else m[len(package) + 1:] for m in graph]
+    return [f"{name}: {entry}" for name, _, entries in layers for entry in entries
+            if not any(_entry_matches(entry, s) for s in shorts)]
+
+
+def upward_imports(graph: Graph, package: str, layers=LAYERS) -> List[str]:
+    """Each import of a higher layer, as 'importer (layer L) imports imported (layer H) at line N'."""
+    found = []
+    for importer in sorted(graph):
+        low = layer_of(importer, package, layers)
+        for imported, line in sorted(graph[importer].items()):
+            high = layer_of(imported, package, layers)
+            if low is not None and high is not None and high > low:
+                found.append(f"{importer} (layer {layers[low][0]!r}) imports {imported} (layer {layers[high][0]!r}) "
+                             f"at line {line}")
+    return found
+
+
+def test_every_module_has_a_layer():
+    graph = import_graph(REPO, "elasticflow")
+    missing = unplaced(graph, "elasticflow")
+    assert not missing, ("modules in no layer: place each in LAYERS (tests/test_imports.py), in the lowest layer "
+                         "whose subject it is:\n  " + "\n  ".join(missing))
+    stale = stale_entries(graph, "elasticflow")
+    assert not stale, "LAYERS names modules that do not exist (renamed or removed?):\n  " + "\n  ".join(stale)
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph(REPO, "elasticflow")
+    found = upward_imports(graph, "elasticflow")
+    layers = " -> ".join(name for name, _, _ in LAYERS)
+    assert not found, (f"imports from a lower layer to a higher one ({layers}); a lower layer that needs "
+                       "something from a higher one takes it as an argument, or the shared code moves down:\n  "
+                       + "\n  ".join(found))
+
+
+# ---------------------------------------------------------------- the layer check itself can fail
+TOY_LAYERS = [("low", "", ("base", "sub.*")), ("high", "", ("top", "sub.up", "__init__"))]
+
+
+def test_a_planted_upward_import_is_named_with_both_layers(tmp_path):
+    graph = _package(tmp_path, {"pkg/base.py": "def f():\n    from .top import x\n    return x\n",
+                                "pkg/top.py": "from . import base\n", "pkg/sub/__init__.py": "",
+                                "pkg/sub/up.py": "from .. import top\n"})
+    assert upward_imports(graph, "pkg", TOY_LAYERS) == [
+        "pkg.base (layer 'low') imports pkg.top (layer 'high') at line 2"]
+
+
+def test_a_longer_entry_places_a_module_over_its_package(tmp_path):
+    graph = _package(tmp_path, {"pkg/base.py": "", "pkg/top.py": "", "pkg/sub/__init__.py": "",
+                                "pkg/sub/down.py": "from . import up\n", "pkg/sub/up.py": ""})
+    assert [layer_of(m, "pkg", TOY_LAYERS) for m in ("pkg", "pkg.sub", "pkg.sub.down", "pkg.sub.up")] == [1, 0, 0, 1]
+    assert upward_imports(graph, "pkg", TOY_LAYERS) == [
+        "pkg.sub.down (layer 'low') imports pkg.sub.up (layer 'high') at line 1"]
+
+
+def test_same_layer_and_downward_imports_pass(tmp_path):
+    graph = _package(tmp_path, {"pkg/base.py": "from .sub import helper\n", "pkg/sub/__init__.py": "",
+                                "pkg/sub/helper.py": "", "pkg/top.py": "from . import base\nfrom .sub import up\n",
+                                "pkg/sub/up.py": "from . import helper\n"})
+    assert upward_imports(graph, "pkg", TOY_LAYERS) == []
+
+
+def test_a_module_in_no_layer_and_an_entry_for_no_module_are_named(tmp_path):
+    graph = _package(tmp_path, {"pkg/base.py": "", "pkg/new.py": "", "pkg/sub/__init__.py": ""})
+    assert unplaced(graph, "pkg", TOY_LAYERS) == ["pkg.new"]
+    assert stale_entries(graph, "pkg", TOY_LAYERS) == ["high: top", "high: sub.up"]

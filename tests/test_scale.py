@@ -22,6 +22,7 @@ from conftest import ELASTICFLOW, metrics, run_cli
 from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
                           start, tf_reference, wait_for)
 
+from elasticflow import status as run_status
 from elasticflow.distributed import control, protocol, scaling
 from elasticflow.distributed.membership import Membership
 from elasticflow.distributed.process import listening_store
@@ -200,7 +201,7 @@ def test_strangers_without_the_token_are_refused(tmp_path, reference):
             env.update({protocol.ENV_STORE: address, protocol.ENV_RUN_DIR: str(run)})
             if token:
                 env[protocol.ENV_TOKEN] = token
-            stranger = subprocess.run(ELASTICFLOW[:1] + ["-m", "elasticflow.distributed.worker"], env=env,
+            stranger = subprocess.run(ELASTICFLOW[:1] + ["-m", "elasticflow.launchers.worker"], env=env,
                                       capture_output=True, text=True, timeout=120)
             assert stranger.returncode == 6, stranger.stderr[-2000:]
             assert "refused" in stranger.stderr and "token" in stranger.stderr
@@ -249,7 +250,7 @@ def test_status_shows_the_devices_reported_and_nothing_for_the_others(tmp_path):
             "joining": [{"worker_id": 5, "pid": 101, "host": "node1", "state": "joining"}], "retiring": []}))
         store.set(protocol.device_key(2), "cuda:1 (NVIDIA A100), bf16 mixed, nccl")
         store.set(protocol.device_key(5), "cuda:0 (NVIDIA A100), bf16 mixed, nccl")
-        lines = control.status(tmp_path).splitlines()
+        lines = run_status.status(tmp_path).splitlines()
         assert lines[lines.index("devices:") + 1:][:2] == ["  worker 2: rank 1, cuda:1 (NVIDIA A100), bf16 mixed, nccl",
                                                            "  worker 5: joining, cuda:0 (NVIDIA A100), bf16 mixed, nccl"]
         assert not any("worker 4:" in line for line in lines)  # worker 4 has not reported (yet)
@@ -260,7 +261,7 @@ def test_status_shows_the_devices_reported_and_nothing_for_the_others(tmp_path):
     dead.bind(("127.0.0.1", 0))
     protocol.agent_file(tmp_path).write_text(json.dumps({"address": f"127.0.0.1:{dead.getsockname()[1]}", "pid": 1}))
     dead.close()
-    out = control.status(tmp_path)
+    out = run_status.status(tmp_path)
     assert "devices:" not in out and "generation 2  workers 2" in out
 
 

@@ -77,7 +77,7 @@ def test_plan_moves_only_ranges_that_change_owner_and_uses_the_buddy_of_a_dead_o
     table = np.array([_row(64, (0, 4), (8, 12)), _row(64, (4, 8), (8, 12))])  # survivors: old ranks 0 and 2
     plan = plan_moves(table, {r: needed(n, 2, r, 1) for r in range(2)})
     assert not plan.lost and plan.target == 64
-    moved = [(p.src, p.dst, p.lo, p.hi) for p in plan.pieces if p.src != p.dst]
+    moved = [(p.src, p.dst, p.lo, p.hi) for p in plan.moves if p.src != p.dst]
     # W=2 with buddies: each holds both slices. Member 1 (old rank 2) held the dead one's [4,8) as its
     # buddy and gives it to member 0; member 0 gives [0,4); nothing else moves.
     assert moved == [(1, 0, 4, 6), (1, 0, 6, 8), (0, 1, 0, 4)]
@@ -160,7 +160,7 @@ def test_the_update_over_slices_is_the_update_over_the_whole_vector(spec, groupe
     where a parameter group's stretch (another lr, no weight decay) begins inside a slice."""
     import torch
 
-    from elasticflow.backends.torch_optim import FlatAdam
+    from elasticflow.backends.torch.optim import FlatAdam
     from elasticflow.optim import SGD, Adam, AdamW, Hyper
     from elasticflow.shard import FlatUpdate
 

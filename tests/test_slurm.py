@@ -80,7 +80,7 @@ def test_a_gpu_job_asks_for_gpus_per_node_and_binds_one_gpu_per_worker_step(tmp_
     assert args[:6] == ["--exact", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=0", "--job-name=worker-3",
                         "--gpus-per-task=1"]
     assert not any(a.startswith(("--gpus=", "--gpu-bind", "--gres")) for a in args)
-    assert args[-2:] == ["-m", "elasticflow.distributed.worker"]
+    assert args[-2:] == ["-m", "elasticflow.launchers.worker"]
 
 
 class FakeCuda:

@@ -10,7 +10,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from elasticflow.backends.tensorflow_compiled import Compiled  # noqa: E402
+from elasticflow.backends.tensorflow.compiled import Compiled  # noqa: E402
 
 
 def _step_with_state():

@@ -76,13 +76,13 @@ def _train(tfb, model, forward, precision, steps=STEPS):
 
 
 def _assert_float32(engine):
-    from elasticflow.backends.tensorflow import _np_dtype
+    from elasticflow.backends.tensorflow.data import np_dtype
 
     state = engine.state()
     assert any(n.startswith("optimizer/") for n in state)
     assert {str(a.dtype) for a in state.values()} == {"float32"}, {n: a.dtype for n, a in state.items()}
     live = engine._targets + [v for slot in engine._slots.values() for v in slot]
-    assert {_np_dtype(v) for v in live} == {np.dtype(np.float32)}
+    assert {np_dtype(v) for v in live} == {np.dtype(np.float32)}
 
 
 # ---------------------------------------------------------------- devices and setup
@@ -92,7 +92,7 @@ def test_no_gpu_on_this_host(tfb):
 
 
 def test_setup_without_a_placement_is_the_cpu_in_float32(tfb):
-    from elasticflow.backends import tensorflow_data
+    from elasticflow.backends.tensorflow import data as tensorflow_data
 
     tfb.setup(None, 3)
     assert tensorflow_data._placement == Placement()
@@ -165,7 +165,7 @@ def test_a_tf_module_in_bf16_is_refused(tfb):
 def test_ops_keep_float32_islands_under_mixed_precision(tfb):
     import tensorflow as tf
 
-    from elasticflow.backends import tensorflow_ops as tops
+    from elasticflow.backends.tensorflow import ops as tops
 
     logits = tf.constant([[1.0, 2.0, 0.5]], tf.bfloat16)
     assert tops.cross_entropy(logits, tf.constant([1])).dtype == tf.float32

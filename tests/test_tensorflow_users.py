@@ -327,7 +327,7 @@ def test_quiet_import_keeps_every_other_line(tmp_path):
                     b"I0000 00:00:1.0 1 port.cc:153] oneDNN custom operations are on. You may see ...\\n"
                     b"E0000 00:00:1.0 1 cuda_dnn.cc:8] Unable to load cuDNN: a real error\\n")
     '''))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from elasticflow.backends.tensorflow_quiet import "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from elasticflow.backends.tensorflow.quiet import "
             "import_tensorflow; import_tensorflow('noisy_framework'); print('imported')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPP")}
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, text=True,

@@ -1,32 +1,28 @@
-"""The Engine contract: what the trainer, replica sync and checkpoints call on a backend's ``Engine``.
+"""The Engine contract: what the trainer, replica sync, sharded state, evaluation and checkpoints call
+on a backend's ``Engine``.
 
-Every backend module's ``Engine`` class satisfies ``Engine`` below (tests/test_backends.py checks
+Every backend package's ``Engine`` class satisfies ``Engine`` below (tests/test_backends.py checks
 each member and its signature), so the layers above never ask which backend they hold.
 The backends do not subclass it: a subclass would inherit these stubs and hide a missing method.
 
 Gradients live in one flat float32 buffer in parameter order; state is exchanged by name, as
 numpy arrays, so a checkpoint written by one backend loads on the other.
 
-Optional members, which the replica looks for (``getattr``) and works without: ``fold_buffer(extra)``
-(the flat gradient with free slots after it, one contiguous tensor: the step's scalars are reduced with
-the gradient without copying it), ``buckets``/``arm`` (reductions started while backward runs). The
-torch Engine has them; the TensorFlow one does not. For ``trainer.shard`` (``elasticflow/shard.py``), both:
-``flat_params()`` (the parameters as one flat float32 torch tensor in the flat gradient's order; torch's IS
-the parameters, TensorFlow's a copy written back by ``params_written()``), ``flat_layout()`` ([(name,
-shape)] in that order), ``flat_runs()`` ([(lo, hi, optim.Hyper)]: each parameter group's stretch of that
-order and its lr scale and weight decay) and ``release_optimizer()`` (drop the engine's own whole-model slots).
+Every member is declared, so no caller asks an engine what it has (no ``hasattr``): where a backend has
+nothing to do, its method is a no-op with the same signature (TensorFlow's ``arm`` never reports and its
+``fold_buffer`` is None; torch's ``params_written`` does nothing, its flat parameters ARE the model).
 
 Parameters that do not train (torch ``requires_grad=False``, keras ``trainable=False``) are in ``state()``
 and ``load_state()`` by name, but not in the flat gradient, the flat parameters or the optimizer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
 from ..buffers import Rule
-from ..optim import OptimizerSpec
+from ..optim import Hyper, OptimizerSpec
 
 
 @runtime_checkable
@@ -42,6 +38,8 @@ class Engine(Protocol):
     """Number of trainable scalars: the length of ``grad_view()``."""
 
     grad_scale: float  # multiplies the loss before backward (float16's loss scale); 1.0 otherwise
+
+    placement: Any  # the devices.Placement it computes on (evaluation builds its batches there)
 
     def __init__(self, model: Any, forward: Callable[..., Any], spec: OptimizerSpec, jit: bool = True,
                  placement: Any = None) -> None:
@@ -94,3 +92,37 @@ class Engine(Protocol):
 
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
         """Overwrite the named buffers (the reconciled ones, or a failed step's starting values)."""
+
+    # -- gradient buckets (``comm.bucket_mb``): reductions started while backward still runs (replica.py)
+    def buckets(self, bucket_bytes: int) -> List[Tuple[int, int]]:
+        """Ranges [lo, hi) of the flat gradient, whole parameters each, in the order backward finishes
+        them (``common.buckets``): the last parameters first."""
+
+    def arm(self, ranges: List[Tuple[int, int]], on_ready: Optional[Callable[[int], None]]) -> None:
+        """Call ``on_ready(k)`` during the next backward as soon as bucket k (``ranges[k]``) is complete;
+        None disarms. A bucket that never reports (a parameter outside the forward pass, or a backend
+        without per-parameter callbacks: TensorFlow's arm does nothing) is the caller's to start after
+        backward."""
+
+    def fold_buffer(self, extra: int) -> Optional[Any]:
+        """The flat gradient followed by ``extra`` free float32 slots, as one contiguous 1-D torch tensor
+        whose head IS the gradient (reducing it in place reduces the gradient): the step's scalars ride
+        with it. None when there is no such room (TensorFlow's, always): the caller copies instead."""
+
+    # -- sharded optimizer state (``trainer.shard``, elasticflow/shard.py)
+    def flat_params(self) -> Any:
+        """The trainable parameters as one flat float32 torch tensor, in the flat gradient's order. torch's
+        IS the parameters; TensorFlow's is a copy, written back by ``params_written()``."""
+
+    def params_written(self) -> None:
+        """``flat_params()``'s tensor was written: make the model's parameters hold it (a no-op where
+        the tensor is the parameters)."""
+
+    def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(name, shape) of each trainable parameter, in the flat order (each parameter group contiguous)."""
+
+    def flat_runs(self) -> List[Tuple[int, int, Hyper]]:
+        """[(lo, hi, hyper)]: each parameter group's stretch of the flat order, its lr scale and weight decay."""
+
+    def release_optimizer(self) -> None:
+        """Drop the engine's own whole-model optimizer slots: a sharded update replaces ``apply``."""

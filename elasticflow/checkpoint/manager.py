@@ -70,17 +70,17 @@ class CheckpointManager:
         """Allocate the snapshot buffer for this rank's slice now, off the training thread."""
         self.checkpointer.reserve(self.state_dict()[0], rank, world, sharded)
 
-    def save(self, name: str, seat: Any, wait: bool = True) -> Optional[Path]:
+    def save(self, name: str, replica: Any, wait: bool = True) -> Optional[Path]:
         """Every member writes its 1/W slice of the state; rank 0 commits once all W are on disk.
 
-        ``seat`` is the worker's ``Replica`` (rank, world, generation, and whether the store still
+        ``replica`` is the worker's ``Replica`` (rank, world, generation, and whether the store still
         coordinates a save). ``wait=False`` (the interval saves) returns after an in-memory snapshot
         when ``checkpoint.async_save``; other saves (final, Ctrl-C, stop, agent lost) return once
         written, since the process may exit next. Returns the checkpoint's path on rank 0.
         """
-        rank, world = seat.rank, seat.world
-        sharded = getattr(seat, "sharding", lambda: None)()  # trainer.shard: each rank holds (and writes) only its slice of the optimizer
-        if world > 1 and not seat.coordinated():
+        rank, world = replica.rank, replica.world
+        sharded = getattr(replica, "sharding", lambda: None)()  # trainer.shard: each rank holds (and writes) only its slice of the optimizer
+        if world > 1 and not replica.coordinated():
             if sharded is not None:
                 log.warning("checkpoint %s not written: the agent's store is gone and the optimizer state is "
                             "sharded, so no worker holds all of it", name)
@@ -90,9 +90,9 @@ class CheckpointManager:
                 return None
             rank, world = 0, 1
         arrays, progress = self.state_dict()  # views: the checkpointer copies only this rank's slice
-        info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": seat.world,
-                "generation": seat.generation, "saved_at": time.time(), **self.recorded}
-        return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=seat.generation,
+        info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": replica.world,
+                "generation": replica.generation, "saved_at": time.time(), **self.recorded}
+        return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=replica.generation,
                                       wait=wait, sharded=sharded)
 
     def load(self, path: Path) -> None:

@@ -1,9 +1,9 @@
 """The agent (job master): hosts the store, spawns and watches workers, owns membership.
 
 Membership is a generation number plus the member list in rank order. At every change the agent
-publishes the next generation in the store and rewrites RUN_DIR/workers.json; survivors keep their
-relative order, so ranks stay dense. Workers enter through a join request signed with the job
-token; a refused request is logged to RUN_DIR/events.jsonl.
+publishes the next generation in the store and rewrites RUN_DIR/workers.json (workers_json.py);
+survivors keep their relative order, so ranks stay dense. Workers enter through a join request signed
+with the job token; a refused request is logged to RUN_DIR/events.jsonl.
 
 A generation that fails to form (rendezvous.py says when) is superseded by the next one, with the
 members that arrived or reported; the others *wait* (alive, out of the generation) and re-enter a
@@ -28,9 +28,9 @@ from omegaconf import OmegaConf
 
 from ..console import DetachedConsole
 from ..errors import ElasticFlowError, TrainingInterrupted
-from ..fileio import append_event, write_atomic
-from . import protocol, scaling
-from .process import Worker, listening_store, local_launch
+from ..fileio import append_event
+from . import protocol, scaling, workers_json
+from .process import Worker, listening_store
 from .rendezvous import Rendezvous, key
 
 log = logging.getLogger("elasticflow")
@@ -46,10 +46,13 @@ CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_
 
 
 class Agent:
-    """Run ``cfg`` with ``launcher.workers`` local worker processes; returns rank 0's summary."""
+    """Run ``cfg`` with ``launcher.workers`` worker processes; returns rank 0's summary.
 
-    def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1",
-                 launch: Callable[[Dict[str, str]], subprocess.Popen] = local_launch, worker_env=None):
+    ``launch(env)`` starts one worker process with that environment (the launcher's: local.py, slurm.py).
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1", *,
+                 launch: Callable[[Dict[str, str]], subprocess.Popen], worker_env=None):
         self.cfg, self.run_dir, self.host, self.launch = cfg, Path(run_dir), host, launch
         self.worker_env = dict(worker_env or {})
         self.state_dir = self.run_dir / ".elasticflow"
@@ -128,15 +131,7 @@ class Agent:
         self.write_workers_json(action)
 
     def write_workers_json(self, action: str = "train") -> None:
-        snapshot = {"generation": self.generation, "time": time.time(), "action": action,
-                    "members": [w.describe(r) for r, w in enumerate(self.members)],
-                    "joining": [w.describe() for w in [*self.joining.values(), *self.admitted]],
-                    "retiring": [w.describe() for w in self.retiring],
-                    "waiting": [w.describe() for w in self.waiting],
-                    "restarts": self.restarts, "max_restarts": self.cfg.launcher.max_restarts,
-                    "agent_pid": os.getpid()}
-        # Atomic: `elasticflow status` and `scale` read it while the job runs.
-        write_atomic(self.run_dir / "workers.json", json.dumps(snapshot, indent=1))
+        workers_json.write(self, action)
 
     def event(self, kind: str, **fields) -> None:
         append_event(self.run_dir / "events.jsonl", kind, "agent", **fields)
@@ -162,7 +157,7 @@ class Agent:
             signal.signal(signal.SIGUSR1, previous_usr1)
             self._announce()
             self._reap_all()
-            self._write_ended()
+            workers_json.write_ended(self)
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
             console.close(timeout_s=CONSOLE_DRAIN_S)
 
@@ -479,17 +474,6 @@ class Agent:
             other.signal(signal.SIGTERM)
         raise ElasticFlowError(err["message"], err.get("hint", ""), exit_code=rc)
 
-    def _write_ended(self) -> None:
-        """The job's last workers.json: the last generation's members, each with how it ended (`status` of
-        an ended job showed them all as still training)."""
-        for w in self.published:
-            w.state = _end_state(w.poll())
-        self.members = self.published
-        try:
-            self.write_workers_json("ended")
-        except OSError as exc:  # in a finally: a status file must not hide the job's own error
-            log.warning("could not write the final workers.json: %s", exc)
-
     def _reap_all(self) -> None:
         deadline = time.monotonic() + 10
         for w in self.live():
@@ -499,18 +483,3 @@ class Agent:
                 w.signal(signal.SIGKILL)
                 if w.proc is not None:
                     w.proc.wait(5)
-
-
-def _end_state(rc: Optional[int]) -> str:
-    """How a worker ended, from its exit code, as `elasticflow status` shows it."""
-    if rc is None:  # not our child (started by srun elsewhere): its end is not known here
-        return "ended"
-    if rc < 0:
-        try:
-            return f"killed ({signal.Signals(-rc).name})"
-        except ValueError:
-            return f"killed (signal {-rc})"
-    return {protocol.EXIT_OK: "finished", protocol.EXIT_INTERRUPTED: "interrupted",
-            protocol.EXIT_BELOW_MIN: "stopped (below launcher.min_workers)",
-            protocol.EXIT_AGENT_LOST: "stopped (agent lost)",
-            protocol.EXIT_REMOVED: "retired"}.get(rc, f"failed (exit code {rc})")

@@ -23,9 +23,10 @@ from .protocol import CommError
 
 BIG = 1 << 20  # bytes: a tensor this large travels as its own message in share_state, without a copy
 # A sum of at most this many bytes among 3 or more members is a direct exchange (SumByExchange), not gloo's
-# ring: 4 workers on 2 cores, digits MLP, 2.43-2.62 against 6.10-6.65 ms a step (medians of three
-# scripts/bench_elastic.py --rows mlp4 runs, 2026-11-25). Not for 2 members: there it was slower at hidden
-# 64 (1.44-1.53 against 0.86-1.02 ms) and no faster at hidden 1024 (1.60-1.79 against 1.51-1.68).
+# ring: one round of messages instead of the ring's 2 x (W - 1), each a wake-up of every member's threads,
+# which with 4 workers on 2 cores more than halved the digits MLP's step. Not for 2 members: there the ring
+# was as fast or faster. The figures: docs/benchmarks.md ("Multi-worker throughput") and the A/B in
+# docs/benchmarks/history.md ("The point-to-point sum").
 EXCHANGE_MAX = 1 << 20
 EXCHANGE_MIN_WORLD = 3
 SUM_TAG = 1 << 24  # point-to-point tags from here on are the exchanged sums' (share_state counts from 0)

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 from torch.distributed import TCPStore
 
-from ..reporting import rss_mib
+from ..memory import rss_mib
 from . import protocol
 from .comm import Group
 from .protocol import CommError

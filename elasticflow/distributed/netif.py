@@ -1,7 +1,7 @@
 """Turn ``launcher.interface`` (an interface name, an address, or nothing) into an address to listen on.
 
-Here, not in launchers/: the worker needs it for gloo's address, and launchers import distributed,
-never the reverse.
+Used by the agent's host (launchers/slurm.py) and by each worker for gloo's address (launchers/worker.py):
+where a process listens is the distributed layer's, whichever launcher started it.
 """
 from __future__ import annotations
 

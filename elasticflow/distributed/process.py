@@ -1,4 +1,7 @@
-"""The agent's handle on one worker process, and how the agent starts workers and its store."""
+"""The agent's handle on one worker process, and how the agent starts its store.
+
+How a worker process starts is the launcher's (``Agent(launch=...)``: launchers/local.py, slurm.py).
+"""
 from __future__ import annotations
 
 import datetime
@@ -6,20 +9,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Optional
 
 from torch.distributed import TCPStore
 
 HOSTNAME = socket.gethostname()
-
-
-def local_launch(env: Dict[str, str]) -> subprocess.Popen:
-    """Start a worker process on this machine."""
-    # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
-    return subprocess.Popen([sys.executable, "-m", "elasticflow.distributed.worker"], env=env, start_new_session=True)
 
 
 def listening_store(host: str, timeout_s: float) -> "tuple[TCPStore, socket.socket]":

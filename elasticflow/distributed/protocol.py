@@ -29,15 +29,9 @@ import secrets
 from pathlib import Path
 from typing import Any, Dict
 
-ENV_STORE = "ELASTICFLOW_STORE"            # host:port of the agent's TCPStore
-ENV_WORKER_ID = "ELASTICFLOW_WORKER_ID"    # the id the agent assigned when it spawned this worker
-ENV_RUN_DIR = "ELASTICFLOW_RUN_DIR"
-ENV_LOCAL_WORKERS = "ELASTICFLOW_LOCAL_WORKERS"
-ENV_TOKEN = "ELASTICFLOW_TOKEN"
-ENV_BIND = "ELASTICFLOW_BIND"              # the address gloo listens on ("auto": see worker.bind_address)
-ENV_SPAWNED_AT = "ELASTICFLOW_SPAWNED_AT"  # time.time() when the agent started the worker (start-up cost)
-ENV_LOCAL_SLOT = "ELASTICFLOW_LOCAL_SLOT"    # the worker's slot on its host: which GPU it binds (devices.py)
-ENV_DEBUG = "ELASTICFLOW_DEBUG"            # "1": tracebacks, not one line; set by `--debug`, inherited by children
+# The environment variables between the agent and its workers live in a leaf (devices.py reads one too).
+from ..envnames import (ENV_BIND, ENV_DEBUG, ENV_LOCAL_SLOT, ENV_LOCAL_WORKERS, ENV_RUN_DIR,  # noqa: F401
+                        ENV_SPAWNED_AT, ENV_STORE, ENV_TOKEN, ENV_WORKER_ID)
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130

@@ -5,8 +5,17 @@ worker trains in the CLI process itself and skips the store and the process spaw
 """
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any, Dict
+
+from .worker import COMMAND
+
+
+def local_launch(env: Dict[str, str]) -> subprocess.Popen:
+    """Start a worker process on this machine (the agent's ``launch``)."""
+    # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
+    return subprocess.Popen(COMMAND, env=env, start_new_session=True)
 
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
@@ -20,4 +29,4 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
             return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
         from ..distributed.agent import Agent
 
-        return Agent(cfg, run_dir).run()
+        return Agent(cfg, run_dir, launch=local_launch).run()

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from ..distributed import protocol
 from ..errors import ElasticFlowError, TrainingInterrupted
+from .worker import COMMAND
 
 log = logging.getLogger("elasticflow")
 
@@ -91,7 +92,7 @@ def srun_launch(cfg: Any):
             # cannot spread workers: each worker is the only task of its own step, so SLURM_LOCALID is 0
             # everywhere and the binding chooses only among the GPUs the step already holds.
             cmd.append("--gpus-per-task=1")
-        cmd += [sys.executable, "-m", "elasticflow.distributed.worker"]
+        cmd += COMMAND
         return subprocess.Popen(cmd, env=env, start_new_session=True)
 
     return launch

@@ -1,5 +1,5 @@
 """The TensorFlow backend's data path: numpy to tensors, the resident dataset, and ``Rows`` -- a batch the
-Engine gathers inside its compiled step -- plus the one no-copy view of a variable.
+Engine gathers inside its compiled step -- plus the one no-copy view of a variable and its numpy dtype.
 
 On a GPU (``setup`` made only the placement's GPU visible, so TF calls it "/GPU:0") the resident
 dataset is copied to it once; a batch needs no copy of its own (``to_device``).
@@ -11,9 +11,9 @@ from typing import Any, Iterable, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from . import common
-from .common import host_array
-from ..devices import Placement
+from .. import common
+from ..common import host_array
+from ...devices import Placement
 
 _placement = Placement()  # what setup() recorded: the default of resident() and to_device()
 
@@ -100,6 +100,11 @@ def _on_rows(step, source: Optional[Tuple[tf.Tensor, ...]]):
 
 def to_numpy(t: Any) -> np.ndarray:
     return np.asarray(t.numpy()) if hasattr(t, "numpy") else np.asarray(t)
+
+
+def np_dtype(var: Any) -> np.dtype:
+    """A variable's dtype as numpy's (a tf.DType, or keras's dtype string)."""
+    return np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype))
 
 
 def _view(variable: Any) -> np.ndarray:

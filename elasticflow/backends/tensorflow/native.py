@@ -15,8 +15,9 @@ import numpy as np
 
 import tensorflow as tf
 
-from ..buffers import Rule, default_rule
-from ..errors import CheckpointMismatch, ElasticFlowError
+from ...buffers import Rule, default_rule
+from ...errors import ElasticFlowError
+from .data import np_dtype
 
 POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}  # keras's mixed policies by trainer.precision
 
@@ -41,11 +42,6 @@ def native_kind(obj: Any) -> Optional[str]:
     for cls in type(obj).__mro__:
         if cls.__module__.split(".")[0] == "torch":
             return f"a PyTorch model (torch.nn.Module subclass {type(obj).__qualname__!r})"
-    return None
-
-
-def spec_from_native(opt: Any) -> None:
-    """A framework optimizer's spec: none here (a keras optimizer is not read; use elasticflow.optim)."""
     return None
 
 
@@ -120,16 +116,6 @@ def with_model_losses(model: Any, loss: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.stack([loss] + [tf.reduce_sum(tf.cast(x, tf.float32)) for x in extra]))
 
 
-def unfrozen_error(names: List[str]) -> CheckpointMismatch:
-    """Resuming Adam's state for parameters some of which were frozen when it was saved (a mismatch:
-    resume=auto must stop, not fall back to an older checkpoint of the same run or start afresh)."""
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return CheckpointMismatch(
-        f"the checkpoint has Adam state for some parameters but not for {shown}, which train now: they were "
-        "frozen (trainable=False) when it was saved", "keep them frozen until this run ends, or start a new run "
-        "(resume=none) from the checkpoint's weights; Adam's bias correction cannot restart for them alone")
-
-
 def mixed_native(model: Any, precision: str) -> None:
     """A native model computing in ``precision``'s keras mixed policy; its variables stay float32.
 
@@ -175,5 +161,5 @@ def buffer_rules(model: Any, buffers: Dict[str, Any]) -> Dict[str, Rule]:
                     if id(var) in name_of:
                         rules[name_of[id(var)]] = Rule("ema", momentum=1.0 - float(layer.momentum))
     for name, var in buffers.items():
-        rules.setdefault(name, default_rule(np.zeros((), np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype)))))
+        rules.setdefault(name, default_rule(np.zeros((), np_dtype(var))))
     return rules

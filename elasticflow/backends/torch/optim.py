@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import ElasticFlowError
-from ..optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec
+from ...errors import ElasticFlowError
+from ...optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec
 
 Run = Tuple[int, int, Hyper]  # a stretch [lo, hi) of the flat buffers and its group's hyperparameters
 
@@ -223,3 +223,28 @@ def _differs(a: Any, b: Any) -> bool:
         return bool(a != b)
     except RuntimeError:  # tensors (a tensor lr or betas): compare their values
         return bool(torch.as_tensor(a).ne(torch.as_tensor(b)).any())
+
+
+def make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: torch.Tensor,
+                   flat_grad: torch.Tensor, runs: Sequence[Run]):
+    """The flat update of ``spec`` over the Engine's buffers (``params[i]`` are views of ``flat_param``)."""
+    if isinstance(spec, SGD):
+        return FlatSGD(spec, flat_param, flat_grad, params, runs)
+    if isinstance(spec, Adam):
+        return FlatAdam(spec, flat_param, flat_grad, params, runs)
+    raise ElasticFlowError(f"the torch backend has no optimizer for {type(spec).__name__}",
+                           "use elasticflow.optim.SGD, Adam or AdamW")
+
+
+class Released:
+    """The optimizer's place once ``release_optimizer`` ran: no slots, and no update of its own."""
+
+    def __init__(self):
+        self.state: Dict[Any, Any] = {}
+        self.param_groups: List[Dict[str, Any]] = [{}]
+
+    def step(self) -> None:
+        raise RuntimeError("this engine's optimizer was released for a sharded update (trainer.shard)")
+
+    def load_slots(self, p: Any, slots: Dict[str, Any], steps: int) -> None:
+        self.state[p] = slots

@@ -1,6 +1,6 @@
 """The TensorFlow backend's ops: ``elasticflow.ops`` with torch's semantics and layouts.
 
-``backends/tensorflow.py`` exports these under the names ``elasticflow.ops`` dispatches to. They take
+``tensorflow/__init__.py`` exports these under the names ``elasticflow.ops`` dispatches to. They take
 more code than their torch twins: images are NCHW and conv weights OIHW at the API (TF's CPU
 convolution only takes NHWC, so conv2d and max_pool2d transpose inside), ``maximum`` splits a tie's
 gradient as torch does, and dropout draws from a generator whose state is checkpointed.
@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 
 import tensorflow as tf
 
-from . import common
+from .. import common
 
 _rng: Optional[tf.random.Generator] = None  # dropout's randomness; its state is checkpointed
 _compute: Optional[tf.DType] = None  # the low dtype while a mixed-precision Engine traces forward()
@@ -41,7 +41,7 @@ def _wide(x):
     return tf.cast(x, tf.float32) if tf.is_tensor(x) and x.dtype in _LOW else x  # numpy: as before
 
 
-def _float32() -> tf.DType:
+def _float32_dtype() -> tf.DType:
     """What "float32" means in forward(): the compute dtype under mixed precision. A float32 mask added
     to bfloat16 scores would be a dtype error in TF (torch promotes instead)."""
     return _compute or tf.float32
@@ -140,7 +140,7 @@ def log_softmax(x, axis=-1):
 
 
 def one_hot(ids, num_classes):
-    return tf.one_hot(tf.cast(ids, tf.int64), num_classes, dtype=_float32())
+    return tf.one_hot(tf.cast(ids, tf.int64), num_classes, dtype=_float32_dtype())
 
 
 def cross_entropy(logits, labels):
@@ -229,4 +229,4 @@ _DTYPES = {"float32": tf.float32, "float64": tf.float64, "int32": tf.int32, "int
 
 
 def cast(x, dtype):
-    return tf.cast(x, _float32() if dtype == "float32" else _DTYPES[dtype])
+    return tf.cast(x, _float32_dtype() if dtype == "float32" else _DTYPES[dtype])

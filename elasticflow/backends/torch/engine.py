@@ -1,8 +1,8 @@
-"""PyTorch backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with autograd.
+"""The torch backend's ``Engine``: parameters, autograd, the flat gradient buffer and the optimizer.
 
 Gradients accumulate into one flat buffer (each parameter's ``.grad`` is a view of it), so a
 distributed reduction is a single call on one tensor and zeroing is one ``zero_()``; the parameters
-are views of another, so the optimizer's update is a few calls over the whole model (torch_optim.py).
+are views of another, so the optimizer's update is a few calls over the whole model (``optim.py``).
 """
 from __future__ import annotations
 
@@ -13,204 +13,26 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from . import common
-from .common import activate, check_loss, flatten, host_array, rebuild, split_output, state_names
-from .common import set_training, training  # noqa: F401 - names every backend module provides
-from ..errors import ElasticFlowError
-from ..buffers import Rule, default_rule
-from ..devices import Placement
-from .. import optim
-from ..optim import SGD, Adam, OptimizerSpec
-from .torch_optim import FlatAdam, FlatSGD, spec_from_native  # noqa: F401 - spec_from_native: modelfile.build
+from ... import optim
+from ...buffers import Rule
+from ...devices import Placement
+from ...errors import ElasticFlowError
+from ...optim import OptimizerSpec
+from .. import common
+from ..common import activate, check_loss, flatten, rebuild, set_training, split_output, state_names
+from . import native
+from .data import to_numpy, to_tensor
+from .optim import Released, make_optimizer
 
-NAME = "torch"
 FOLD_SCALARS = 64  # room after the flat gradient for the step's loss, metrics and votes (Engine.fold_buffer)
-_SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
+# What an Engine activates for elasticflow.ops: the backend package, which is importing this module now
+# (looked up, not imported: an import of the package from here would be a cycle).
+_SELF = sys.modules[__package__]
 
 
-def setup(threads: Optional[int], seed: int, placement: Optional[Placement] = None) -> None:
-    if threads:
-        torch.set_num_threads(threads)
-    if placement is not None and placement.kind == "cuda":
-        # Before anything allocates: otherwise a context (~500 MB) lands on GPU 0 for every worker.
-        torch.cuda.set_device(placement.index)
-    torch.manual_seed(seed)
-
-
-def gpus() -> List[str]:
-    """The names of the GPUs this process sees ([] without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-
-
-def bf16_supported() -> bool:
-    """Whether the visible GPUs compute in bfloat16 (True without a GPU: the CPU does).
-
-    Compute capability 8.0 (Ampere) or newer. Not ``torch.cuda.is_bf16_supported()``: it counts
-    emulation as support, and may allocate on GPU 0 before this worker has bound its own GPU.
-    """
-    return all(torch.cuda.get_device_properties(i).major >= 8 for i in range(torch.cuda.device_count()))
-
-
-def is_native(obj: Any) -> bool:
-    """A model object this backend trains as-is (forward() receives it instead of a params dict)."""
-    return isinstance(obj, torch.nn.Module)
-
-
-def native_kind(obj: Any) -> Optional[str]:
-    """A description of ``obj`` when it is a framework-native model this backend cannot train."""
-    return None if isinstance(obj, torch.nn.Module) else _foreign_kind(obj)
-
-
-def _foreign_kind(obj: Any) -> Optional[str]:
-    for cls in type(obj).__mro__:
-        if cls.__module__.split(".")[0] in ("keras", "tf_keras", "tensorflow"):
-            return f"a TensorFlow model ({type(obj).__module__}.{type(obj).__name__})"
-    return None
-
-
-# ---------------------------------------------------------------- ops
-matmul = torch.matmul
-relu = torch.relu
-tanh = torch.tanh
-sigmoid = torch.sigmoid
-exp = torch.exp
-log = torch.log
-sqrt = torch.sqrt
-square = torch.square
-abs = torch.abs  # noqa: A001
-maximum = torch.maximum
-stop_gradient = torch.Tensor.detach
-
-
-def gelu(x):
-    return F.gelu(x)
-
-
-def _dims(axis):
-    return tuple(axis) if isinstance(axis, (tuple, list)) else axis
-
-
-def mean(x, axis=None, keepdims=False):
-    return torch.mean(x) if axis is None and not keepdims else torch.mean(x, dim=_dims(axis), keepdim=keepdims)
-
-
-def sum(x, axis=None, keepdims=False):  # noqa: A001
-    return torch.sum(x) if axis is None and not keepdims else torch.sum(x, dim=_dims(axis), keepdim=keepdims)
-
-
-def reshape(x, shape):
-    return torch.reshape(x, shape)
-
-
-def transpose(x, perm=None):
-    return x.permute(*(perm if perm is not None else range(x.dim() - 1, -1, -1)))
-
-
-def concat(xs, axis=0):
-    return torch.cat(xs, dim=axis)
-
-
-def softmax(x, axis=-1):
-    return torch.softmax(x, dim=axis)
-
-
-def log_softmax(x, axis=-1):
-    return torch.log_softmax(x, dim=axis)
-
-
-def one_hot(ids, num_classes):
-    return F.one_hot(ids.long(), num_classes).to(torch.float32)
-
-
-def cross_entropy(logits, labels):
-    return F.cross_entropy(logits, labels.long())
-
-
-def mse(pred, target):
-    return F.mse_loss(pred, target)
-
-
-def accuracy(logits, labels):
-    # No torch.no_grad() (~5 us a call): argmax's integer output already cuts the graph.
-    return (logits.argmax(dim=-1) == labels.long()).to(torch.float32).mean()
-
-
-def argmax(x, axis=-1):
-    return torch.argmax(x, dim=axis)
-
-
-def conv2d(x, w, b, stride, padding):
-    return F.conv2d(x, w, b, stride=stride, padding=padding)
-
-
-def max_pool2d(x, size, stride):
-    return F.max_pool2d(x, size, stride)
-
-
-def layer_norm(x, gamma, beta, eps):
-    return F.layer_norm(x, x.shape[-1:], gamma, beta, eps)
-
-
-def embedding(table, ids):
-    return F.embedding(ids.long(), table)
-
-
-def dropout(x, rate):
-    return F.dropout(x, rate, training=common._training) if rate else x
-
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-
-
-def cast(x, dtype):
-    return x.to(_DTYPES[dtype])
-
-
-# ---------------------------------------------------------------- data
-def to_tensor(array: np.ndarray) -> torch.Tensor:
-    """float64 becomes float32 (the framework's parameter dtype); other dtypes keep theirs."""
-    array = np.asarray(array)
-    if array.dtype != np.float64 and (not array.flags.writeable or not array.flags.c_contiguous):
-        array = np.ascontiguousarray(array).copy()  # from_numpy shares memory: a read-only array warns
-    return torch.from_numpy(host_array(array))
-
-
-def resident(arrays, placement: Optional[Placement] = None) -> Tuple[torch.Tensor, ...]:
-    """The whole dataset as tensors, converted once: on ``placement``'s device, else on the host."""
-    tensors = common.resident(to_tensor, arrays)
-    if placement is None or placement.kind == "cpu":
-        return tensors
-    return tuple(t.to(placement.device) for t in tensors)
-
-
-def to_device(batch: Tuple[torch.Tensor, ...], placement: Optional[Placement] = None) -> Tuple[torch.Tensor, ...]:
-    """A host batch on ``placement``'s device: through pinned memory, so the copy runs beside the
-    GPU's queued work instead of stalling for it (the copy is ordered before the step's kernels)."""
-    if placement is None or placement.kind == "cpu":
-        return batch
-    return tuple(t.pin_memory().to(placement.device, non_blocking=True) for t in batch)
-
-
-def index(positions: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(positions)
-
-
-def gather(tensors: Tuple[torch.Tensor, ...], idx: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    if tensors and tensors[0].is_cuda:  # a resident dataset on the GPU: the positions go there (small)
-        idx = idx.to(tensors[0].device, non_blocking=True)
-    return tuple(t.index_select(0, idx) for t in tensors)
-
-
-def to_numpy(t: Any) -> np.ndarray:
-    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-
-
-# ---------------------------------------------------------------- engine
-def _float32(x: Any) -> Any:
+def _to_float32(x: Any) -> Any:
+    """A floating-point tensor cast to float32; anything else as it is."""
     return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
@@ -221,7 +43,7 @@ def _size(x: Any) -> Optional[int]:
 
 def _check_loss(out: Any, where: str):
     """forward()'s output as (scalar loss, {metric: scalar}); see ``common.check_loss``."""
-    loss, metrics = check_loss(out, where, _size, NAME)
+    loss, metrics = check_loss(out, where, _size, "torch")
     return loss.reshape(()), metrics
 
 
@@ -254,7 +76,7 @@ class Engine:
         self.module: Optional[torch.nn.Module] = None
         self.frozen: Dict[str, torch.Tensor] = {}  # requires_grad=False: state, never trained (torch.optim's skip)
         owners: Dict[str, str] = {}
-        if isinstance(model, torch.nn.Module) or _modules_only(model):
+        if isinstance(model, torch.nn.Module) or native.modules_only(model):
             # {"net": module, ...} (what model() returned beside its optimizer): one ModuleDict to train,
             # while forward() receives the dict as it was returned.
             self.module = (model if isinstance(model, torch.nn.Module) else torch.nn.ModuleDict(model)).to(self.device)
@@ -262,7 +84,7 @@ class Engine:
             self.frozen = {n: p for n, p in named.items() if not p.requires_grad}
             self.params = {n: p for n, p in named.items() if p.requires_grad}
             self.buffers = dict(self.module.named_buffers())
-            owners = _owners(self.module)
+            owners = native.owners(self.module)
             self.view = model
         else:
             leaves: Dict[str, torch.Tensor] = {}
@@ -299,7 +121,7 @@ class Engine:
         self._fold = torch.zeros(self.num_params + self._fold_room(), dtype=torch.float32, device=self.device)
         self.flat_grad = self._fold[:self.num_params]
         # Parameters become views of one flat buffer too, so the optimizer runs once over the model
-        # (torch_optim.py). A copy of the model's values at start-up; the Parameter objects stay
+        # (optim.py). A copy of the model's values at start-up; the Parameter objects stay
         # the module's own, only their storage moves (as .data, which autograd allows on leaves).
         self.flat_param = torch.empty(self.num_params, dtype=torch.float32, device=self.device)
         offset = 0
@@ -310,7 +132,7 @@ class Engine:
             p.data = view
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
-        self.optimizer = _make_optimizer(spec, plist, self.flat_param, self.flat_grad, self._runs)
+        self.optimizer = make_optimizer(spec, plist, self.flat_param, self.flat_grad, self._runs)
         self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
         self._host: Optional[Dict[str, torch.Tensor]] = None  # state(copy=False) on a GPU: pinned mirrors
         self._checked = False
@@ -348,7 +170,7 @@ class Engine:
         with self.autocast():
             loss, metrics = split_output(self.forward(*batch, params=self.view))
         # The step's numbers in float32, whatever autocast computed them in (a float16 sum overflows).
-        return {"loss": _float32(loss), **{k: _float32(v) for k, v in metrics.items()}}
+        return {"loss": _to_float32(loss), **{k: _to_float32(v) for k, v in metrics.items()}}
 
     def _check_grad_views(self) -> None:
         # Autograd accumulates in place into an existing .grad; verify once that it kept our views.
@@ -487,8 +309,10 @@ class Engine:
 
     def release_optimizer(self) -> None:
         """Drop this engine's own optimizer and its whole-model slots: a sharded update replaces it."""
-        self.optimizer = _Released()
+        self.optimizer = Released()
 
+    def params_written(self) -> None:
+        """Nothing to do: ``flat_params()`` IS the parameters, so writing it wrote the model."""
 
     # -- the same result for any number of workers: randomness per micro-batch, buffers reconciled
     def seed(self, value: int) -> None:
@@ -502,25 +326,9 @@ class Engine:
             torch.cuda.default_generators[self.device.index or 0].manual_seed(value)
 
     def buffer_rules(self) -> Dict[str, Rule]:
-        """How each buffer combines across workers (``elasticflow.buffers``): BatchNorm's running
-        statistics by its momentum (or cumulative average), its counter by sum, other persistent buffers
-        by the default rule. Non-persistent buffers (causal masks, position ids) are not state: skipped."""
-        rules: Dict[str, Rule] = {}
-        if self.module is not None:
-            persistent = set(self.module.state_dict())
-            for prefix, layer in self.module.named_modules():
-                if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.running_mean is not None:
-                    at = f"{prefix}." if prefix else ""
-                    stat = (Rule("cma", counter=f"{at}num_batches_tracked") if layer.momentum is None
-                            else Rule("ema", momentum=float(layer.momentum)))
-                    rules[f"{at}running_mean"] = rules[f"{at}running_var"] = stat
-                    rules[f"{at}num_batches_tracked"] = Rule("count")
-            names = [n for n in self.buffers if n in persistent]
-        else:
-            names = list(self.buffers)
-        for name in names:
-            rules.setdefault(name, default_rule(to_numpy(self.buffers[name])))
-        return rules
+        """How each buffer combines across workers (``native.buffer_rules``): BatchNorm's running statistics
+        by its momentum, its counter by sum, other persistent buffers by the default rule."""
+        return native.buffer_rules(self.module, self.buffers)
 
     def buffer_arrays(self) -> Dict[str, np.ndarray]:
         """Every buffer by name, as numpy views of the live tensors (made once: BatchNorm, load_state and
@@ -543,37 +351,3 @@ class Engine:
         for name, value in values.items():
             np.copyto(views[name], np.reshape(value, views[name].shape), casting="unsafe")
 
-
-class _Released:
-    """The optimizer's place once ``release_optimizer`` ran: no slots, and no update of its own."""
-
-    def __init__(self):
-        self.state: Dict[Any, Any] = {}
-        self.param_groups: List[Dict[str, Any]] = [{}]
-
-    def step(self) -> None:
-        raise RuntimeError("this engine's optimizer was released for a sharded update (trainer.shard)")
-
-    def load_slots(self, p: Any, slots: Dict[str, Any], steps: int) -> None:
-        self.state[p] = slots
-
-
-def _modules_only(model: Any) -> bool:
-    """model() returned a dict of modules (``{"net": module}`` beside its optimizer)."""
-    return isinstance(model, dict) and bool(model) and all(isinstance(v, torch.nn.Module) for v in model.values())
-
-
-def _owners(module: torch.nn.Module) -> Dict[str, str]:
-    """Parameter name -> class name of the module that holds it (``norm`` patterns match a LayerNorm's)."""
-    return {f"{prefix}.{n}" if prefix else n: type(m).__name__
-            for prefix, m in module.named_modules() for n, _ in m.named_parameters(recurse=False)}
-
-
-def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: torch.Tensor,
-                    flat_grad: torch.Tensor, runs):
-    if isinstance(spec, SGD):
-        return FlatSGD(spec, flat_param, flat_grad, params, runs)
-    if isinstance(spec, Adam):
-        return FlatAdam(spec, flat_param, flat_grad, params, runs)
-    raise ElasticFlowError(f"the torch backend has no optimizer for {type(spec).__name__}",
-                           "use elasticflow.optim.SGD, Adam or AdamW")

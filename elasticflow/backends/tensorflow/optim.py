@@ -7,16 +7,17 @@ scalars, so a checkpoint moves between backends and both take the same steps.
 Parameter groups (``optimizer.groups``, ``optimizer.no_decay``) are torch.optim's: each group's lr and
 weight decay in its own row of scalars. ``Groups`` orders the parameters so a group is contiguous in the
 flat vector; a variable (a native model's) takes its group's row, the one flat variable of a dict model
-is updated run by run (``apply_runs``) and assigned once.
+is updated run by run (``apply_runs``) and assigned once. A keras optimizer that model() returns is
+not read (``spec_from_native`` is None: model file loading refuses it with a hint to use elasticflow.optim).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from .. import optim
-from ..optim import SGD, AdamW, Hyper, OptimizerSpec
+from ... import optim
+from ...optim import SGD, AdamW, Hyper, OptimizerSpec
 
 
 class Groups:
@@ -133,3 +134,8 @@ def apply_runs(spec: OptimizerSpec, ks: Sequence[Sequence[tf.Tensor]], param: tf
     for s, v in slots.items():
         v[0].assign(tf.concat([new[s] for _, new in done], 0))
     param.assign(tf.concat([w for w, _ in done], 0))
+
+
+def spec_from_native(opt: Any) -> Optional[OptimizerSpec]:
+    """A framework optimizer's spec: none here (a keras optimizer is not read; use elasticflow.optim)."""
+    return None

@@ -1,7 +1,7 @@
 """The TensorFlow backend's devices and start-up: which GPUs TF sees, binding one, threads, seeds and
 keras's dtype policy, all before anything starts TF's runtime or model() builds layers.
 
-``gpus``, ``bf16_supported`` and ``setup`` are backend-module names: tensorflow.py exports them.
+``gpus``, ``bf16_supported`` and ``setup`` are backend-package names: ``tensorflow/__init__.py`` exports them.
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from . import tensorflow_data as tf_data
-from .tensorflow_native import POLICIES
-from .tensorflow_ops import _generator
-from ..devices import Placement
-from ..errors import ElasticFlowError
+from ...devices import Placement
+from ...errors import ElasticFlowError
+from . import data as tf_data
+from .native import POLICIES
+from .ops import _generator
 
 _log = logging.getLogger("elasticflow")
 

@@ -1,17 +1,9 @@
-"""TensorFlow backend: the ops of ``elasticflow.ops`` and the ``Engine`` that trains with GradientTape.
-
-The same names, semantics and layouts as ``backends/torch.py``, so one model file and its
-checkpoints move between backends. Modules beside this one hold what takes TensorFlow more
-code than torch: the ops with torch's layouts and rules (``tensorflow_ops.py``, exported from here),
-SGD, Adam and AdamW with torch.optim's formulas, slot names, float32 rounding of the scalars and
-parameter groups (``tensorflow_optim.py``), the cheaper call of a compiled step (``tensorflow_compiled.py``),
-keras models and tf.Modules (``tensorflow_native.py``: stable variable names, frozen weights, keras's
-own losses), devices and start-up (``tensorflow_devices.py``) and a quiet first import (``tensorflow_quiet.py``).
+"""The TensorFlow backend's ``Engine``: variables, GradientTape, the flat gradient buffer and the optimizer.
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
 per-micro-batch gradient step is a ``tf.function`` (called through its flat entry point:
-``tensorflow_compiled.py``), and the optimizer update runs inside the next step's call (one dispatch
+``compiled.py``), and the optimizer update runs inside the next step's call (one dispatch
 per step, like a hand-written loop). ``backend.jit=false`` runs both eagerly for debugging.
 
 Mixed precision (``trainer.precision=bf16|16``) keeps float32 variables and optimizer slots and
@@ -25,39 +17,28 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+import tensorflow as tf  # imported quietly already: tensorflow/__init__.py imports it before this module
 
-from .tensorflow_quiet import import_tensorflow
+from ...buffers import Rule
+from ...devices import Placement
+from ...errors import ElasticFlowError
+from ...optim import Hyper, OptimizerSpec
+from ..common import (activate, buckets, check_loss, check_trainable, flatten, rebuild, set_training, state_names,
+                      training)
+from . import ops as tf_ops
+from . import optim as tf_optim
+from .compiled import Compiled
+from .data import _on_rows, _split, _view, np_dtype, to_numpy
+from .native import (buffer_rules, is_native, mixed_native, native_variables, owners, seed_generators,
+                     with_model_losses)
+from .ops import _generator
 
-tf = import_tensorflow()  # the process's first import of TF, if it is: without its start-up noise
-from . import tensorflow_ops as tf_ops
-from . import tensorflow_optim as tf_optim
-from .common import activate, buckets, check_loss, flatten, rebuild, state_names
-from .common import set_training, training  # noqa: F401 - names every backend module provides
-from .tensorflow_compiled import Compiled
-from .tensorflow_devices import bf16_supported, gpus, setup  # noqa: F401 - names every backend module provides
-# The data path, under the names a backend module provides (Rows: a batch gathered inside the compiled step).
-from .tensorflow_data import (  # noqa: F401
-    Rows, _on_rows, _split, _view, gather, index, resident, to_device, to_numpy, to_tensor)
-from .tensorflow_native import buffer_rules, is_native, mixed_native, native_kind, native_variables, seed_generators  # noqa: F401
-from .tensorflow_native import owners, unfrozen_error, with_model_losses
-from .tensorflow_native import spec_from_native  # noqa: F401 - modelfile.build asks every backend
-from .tensorflow_ops import _generator
-# The ops, under the names elasticflow.ops calls (this module is the backend it dispatches to).
-from .tensorflow_ops import (  # noqa: F401
-    abs, accuracy, argmax, cast, concat, conv2d, cross_entropy, dropout, embedding, exp, gelu, layer_norm, log,
-    log_softmax, matmul, max_pool2d, maximum, mean, mse, one_hot, relu, reshape, sigmoid, softmax, sqrt, square,
-    stop_gradient, sum, tanh, transpose)
-from ..buffers import Rule
-from ..devices import Placement
-from ..errors import ElasticFlowError
-from ..optim import Hyper, OptimizerSpec
-
-NAME = "tensorflow"
-_SELF = sys.modules[__name__]  # what an Engine activates for elasticflow.ops
+# What an Engine activates for elasticflow.ops: the backend package, which is importing this module now
+# (looked up, not imported: an import of the package from here would be a cycle).
+_SELF = sys.modules[__package__]
 _LOW = {"bfloat16": tf.bfloat16, "float16": tf.float16}
 
 
-# ---------------------------------------------------------------- engine
 def _size(x: Any) -> Optional[int]:
     """check_loss's test: the number of elements of a TF tensor (-1 while a dimension is unknown),
     None for anything else."""
@@ -69,12 +50,9 @@ def _size(x: Any) -> Optional[int]:
 
 def _check_loss(out: Any, where: str):
     """forward()'s output as (scalar loss, {metric: float32 scalar}); see ``common.check_loss``."""
-    loss, metrics = check_loss(out, where, _size, NAME)
+    loss, metrics = check_loss(out, where, _size, "tensorflow")
     return tf.reshape(loss, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
 
-
-def _np_dtype(var: Any) -> np.dtype:
-    return np.dtype(getattr(var.dtype, "as_numpy_dtype", var.dtype))  # tf.DType, or keras's dtype string
 
 
 class Engine:
@@ -195,6 +173,7 @@ class Engine:
         # cost more than they save (measured: +8% per step at 300k parameters, +9% at 5k).
         # Takes no argument, so the public call: it runs only when something reads the state early.
         self._apply_fn = tf.function(self._apply_step, autograph=False) if jit else self._apply_step
+        self._flat_copy = None  # flat_params()'s tensor, made at its first call
 
     def _compile(self, step):
         """``step(batch)`` as the compiled function the Engine calls, or as it is without jit."""
@@ -339,6 +318,15 @@ class Engine:
         """
         return buckets(self._sizes, bucket_bytes)  # per parameter, also of a dict model's one flat variable
 
+    def arm(self, ranges: List[Tuple[int, int]], on_ready: Optional[Any]) -> None:
+        """Nothing to arm: no bucket ever reports during backward (see ``buckets``), so the caller
+        starts every bucket once the step's gradient is complete."""
+
+    def fold_buffer(self, extra: int) -> None:
+        """None: no room is kept after the flat gradient (a variable, handed out through DLPack),
+        so the caller reduces the step's scalars beside the gradient, not folded into it."""
+        return None
+
     def apply(self, lr: float) -> None:
         """One optimizer update from the flat gradient, with torch.optim's formulas.
 
@@ -402,7 +390,7 @@ class Engine:
     def _assign_by_name(self, variables: List[Any], named: Dict[str, np.ndarray]) -> None:
         if self.native is not None:
             for v, n, shape in zip(variables, self.param_names, self._shapes):
-                v.assign(np.asarray(named[n]).astype(_np_dtype(v)).reshape(shape))
+                v.assign(np.asarray(named[n]).astype(np_dtype(v)).reshape(shape))
         else:
             variables[0].assign(np.concatenate([np.asarray(named[n], np.float32).reshape(-1)
                                                 for n in self.param_names]))
@@ -423,15 +411,14 @@ class Engine:
         return out
 
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
+        # A parameter without saved slots was frozen when they were saved. SGD starts its momentum
+        # afresh (zeros below), as torch does; Adam's bias correction counts one step for the whole
+        # model, so the resumed run would not be the one torch trains: refused, as the torch Engine does.
+        check_trainable(state, self.param_names, self.spec.slots(), optimizer_steps)
         self._pending_update = False  # overwritten below in any case
         self._assign_by_name(self._targets, state)
         self.set_buffers({n: state[n] for n in [*self.buffers, *self.frozen]})
         have = {n for n in self.param_names if all(f"optimizer/{n}/{slot}" in state for slot in self._slots)}
-        if have and len(have) < len(self.param_names) and "exp_avg" in self._slots:
-            # A parameter without saved slots was frozen when they were saved. SGD starts its momentum
-            # afresh, as torch does; Adam's bias correction counts one step for the whole model here,
-            # where torch counts per parameter: the resumed run would not be the one torch trains.
-            raise unfrozen_error(sorted(set(self.param_names) - have))
         self._slots_live = bool(self._slots) and bool(have)
         for slot, variables in self._slots.items():
             self._assign_by_name(variables, {n: state[f"optimizer/{n}/{slot}"] if n in have
@@ -450,7 +437,7 @@ class Engine:
         import torch
 
         self._flush()
-        if getattr(self, "_flat_copy", None) is None:
+        if self._flat_copy is None:
             self._flat_copy = torch.empty(self.num_params, dtype=torch.float32)
         np.concatenate([_view(v).reshape(-1) for v in self._targets], out=self._flat_copy.numpy())
         return self._flat_copy
@@ -493,4 +480,4 @@ class Engine:
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
         for name, value in values.items():
             var = self.buffers[name] if name in self.buffers else self.frozen[name]  # a peer's frozen weights too
-            var.assign(np.asarray(value).astype(_np_dtype(var)).reshape(var.shape))
+            var.assign(np.asarray(value).astype(np_dtype(var)).reshape(var.shape))

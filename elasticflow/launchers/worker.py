@@ -1,7 +1,10 @@
-"""A worker process: `python -m elasticflow.distributed.worker`, started by the agent.
+"""A worker process: `python -m elasticflow.launchers.worker` (``COMMAND``), started by the agent through
+its launcher's ``launch`` (local.py, slurm.py).
 
 Reads the run's config from RUN_DIR/.elasticflow/config.yaml, joins the membership and trains.
 Errors go to RUN_DIR/.elasticflow/error-<id>.json for the agent to report as one line.
+
+Here, above the trainer (it builds one), not in distributed/: the agent there only starts the command.
 """
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..console import DetachedConsole
+from ..distributed import protocol
 from ..fileio import write_atomic
-from . import protocol
+
+COMMAND = [sys.executable, "-m", "elasticflow.launchers.worker"]  # what a launcher runs to start one worker
 
 
 class _RankFilter(logging.Filter):
@@ -69,7 +74,7 @@ def bind_address(interface) -> str:
         return explicit
     if explicit != "auto":
         return "127.0.0.1"
-    from .netif import address_of
+    from ..distributed.netif import address_of
 
     return address_of(interface)
 
@@ -87,8 +92,8 @@ def main() -> None:
 
     from ..config import Config
     from ..errors import ElasticFlowError, TrainingInterrupted
+    from ..distributed.membership import AgentLost, Membership, Refused
     from ..trainer import ElasticTrainer
-    from .membership import AgentLost, Membership, Refused
 
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
     worker_id = int(os.environ[protocol.ENV_WORKER_ID]) if os.environ.get(protocol.ENV_WORKER_ID) else None

@@ -1,0 +1,33 @@
+"""The torch backend's devices and start-up: threads, the seed, binding this worker's GPU, what the GPUs can do."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ...devices import Placement
+
+
+def setup(threads: Optional[int], seed: int, placement: Optional[Placement] = None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    if placement is not None and placement.kind == "cuda":
+        # Before anything allocates: otherwise a context (~500 MB) lands on GPU 0 for every worker.
+        torch.cuda.set_device(placement.index)
+    torch.manual_seed(seed)
+
+
+def gpus() -> List[str]:
+    """The names of the GPUs this process sees ([] without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def bf16_supported() -> bool:
+    """Whether the visible GPUs compute in bfloat16 (True without a GPU: the CPU does).
+
+    Compute capability 8.0 (Ampere) or newer. Not ``torch.cuda.is_bf16_supported()``: it counts
+    emulation as support, and may allocate on GPU 0 before this worker has bound its own GPU.
+    """
+    return all(torch.cuda.get_device_properties(i).major >= 8 for i in range(torch.cuda.device_count()))
