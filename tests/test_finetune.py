@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import elasticflow.checkpoint as ckpt
-from conftest import losses, train
+from conftest import losses, metrics, train
 from elasticflow import data as efdata
 from elasticflow import optim
 from elasticflow.config import compose
@@ -101,7 +101,7 @@ def test_three_workers_one_killed_equal_one_worker(tmp_path, shard):
                                    "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5"]
     train(MODEL, tmp_path / "one", *overrides)
     train(MODEL, tmp_path / "three", *overrides, "launcher.workers=3", env={"EF_FT_KILL": "1:3"})
-    sizes = [r["world_size"] for r in __import__("conftest").metrics(tmp_path / "three") if "loss" in r]
+    sizes = [r["world_size"] for r in metrics(tmp_path / "three") if "loss" in r]
     assert sizes[0] == 3 and sizes[-1] == 2, sizes
     one, three = final(tmp_path / "one"), final(tmp_path / "three")
     assert set(one) == set(three)
