@@ -6,13 +6,13 @@ of the wrong type or a missing group choice fails before anything runs, as one l
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from .config_ranges import check_ranges
 from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from .errors import ElasticFlowError
 
@@ -31,14 +31,18 @@ class BackendConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"            # local | slurm
-    workers: int = 1               # local: worker processes; slurm: nodes * tasks_per_node (set for you)
+    name: str = "local"            # local | nodes | slurm
+    workers: int = 1               # local: worker processes; nodes: procs_per_node; slurm: nodes * tasks_per_node (set for you)
     min_workers: int = 1           # below this many for elastic.wait_s, the job checkpoints and stops
     max_workers: Optional[int] = None  # `elasticflow scale` limit (null = none)
     restart_failed: bool = False   # replace a dead worker with a fresh one ...
     max_restarts: int = 3          # ... at most this many times per job
+    # Several hosts (launcher=nodes): the same command on every host, torchrun-style (docs/multi-host.md)
+    endpoint: Optional[str] = None  # HOST:PORT of the job's agent and store; the host owning HOST runs them
+    procs_per_node: int = 1        # workers each host starts (and restarts)
+    token_file: Optional[str] = None  # a file holding the job's shared secret (else $ELASTICFLOW_JOB_TOKEN)
     # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end
-    nodes: int = 1                 # nodes to ask for
+    nodes: int = 1                 # slurm: nodes to ask for; nodes: hosts the first generation waits for
     tasks_per_node: int = 1        # workers per node
     partition: Optional[str] = None  # null = the cluster's default partition
     time: Optional[str] = None     # e.g. "02:00:00"
@@ -202,20 +206,24 @@ def _positive_int(value: Any, key: str, hint: str) -> None:
         raise ElasticFlowError(f"{key} must be a positive integer, got {value!r}", hint)
 
 
+def _check_nodes(lc: Any) -> None:
+    """launcher=nodes: an endpoint every host names the same way, and how many workers per host."""
+    hint = "pass launcher.endpoint=HOST:PORT, the address and a free port of the host that runs the agent"
+    if not lc.endpoint:
+        raise ElasticFlowError("launcher=nodes needs launcher.endpoint, the job's meeting point", hint)
+    host, _, port = str(lc.endpoint).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ElasticFlowError(f"launcher.endpoint={lc.endpoint!r} is not HOST:PORT", hint)
+    _positive_int(lc.procs_per_node, "launcher.procs_per_node", "pass e.g. launcher.procs_per_node=2")
+    _positive_int(lc.nodes, "launcher.nodes", "pass the number of hosts to wait for at the start, e.g. launcher.nodes=2")
+    lc.workers = lc.procs_per_node
+
+
 def validate(cfg: Any) -> None:
-    """Check the values Hydra's types cannot: ranges and string choices. Raises ElasticFlowError."""
+    """Check the values Hydra's types cannot: ranges (config_ranges.py), string choices, and keys against
+    each other. Raises ElasticFlowError."""
+    check_ranges(cfg)
     t = cfg.trainer
-    _positive_int(t.global_batch_size, "trainer.global_batch_size", "set e.g. trainer.global_batch_size=64")
-    if t.micro_batch_size is not None:
-        _positive_int(t.micro_batch_size, "trainer.micro_batch_size",
-                      "set a positive micro-batch size, or null to use each worker's whole share")
-    for key in ("max_steps", "epochs", "eval_every"):
-        if t[key] is not None:
-            _positive_int(t[key], f"trainer.{key}", f"set trainer.{key} to a positive integer or null")
-    _positive_int(t.log_every, "trainer.log_every", "set trainer.log_every=1 to log every step")
-    if t.grad_clip is not None and not (t.grad_clip > 0 and math.isfinite(t.grad_clip)):
-        raise ElasticFlowError(f"trainer.grad_clip must be a positive number, got {t.grad_clip!r}",
-                               "set trainer.grad_clip=1.0, or null to disable clipping")
     if t.on_nonfinite not in ("stop", "skip"):
         raise ElasticFlowError(f"trainer.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}",
                                "set trainer.on_nonfinite=skip to skip steps whose loss is NaN or inf")
@@ -225,18 +233,10 @@ def validate(cfg: Any) -> None:
         what = "trainer.grad_clip" if t.grad_clip is not None else "trainer.precision=16"
         raise ElasticFlowError(f"trainer.shard=gradients does not support {what} (no worker holds the whole "
                                "reduced gradient to take its norm)", "pass trainer.shard=optimizer")
-    replicas = cfg.elastic.shard_replicas
-    if isinstance(replicas, bool) or replicas not in (0, 1):
-        raise ElasticFlowError(f"elastic.shard_replicas must be 0 or 1, got {replicas!r}",
-                               "pass elastic.shard_replicas=1 (a buddy copy of every slice) or 0 (none)")
     _choice(t.device, DEVICES, "trainer.device", "pass trainer.device=auto (a GPU where there is one) or cpu")
     _choice(precision_name(t.precision), PRECISIONS, "trainer.precision",
             "pass trainer.precision=bf16 for mixed precision (16: float16 with loss scaling, 32: none)")
     _choice(cfg.comm.backend, COMM_BACKENDS, "comm.backend", "pass comm.backend=auto")
-    bucket = cfg.comm.bucket_mb
-    if bucket is not None and not (bucket >= 0 and math.isfinite(bucket)):
-        raise ElasticFlowError(f"comm.bucket_mb must be a size in MiB >= 0, got {bucket!r}",
-                               "pass e.g. comm.bucket_mb=25, or null to reduce the gradient in one piece")
     if cfg.backend.name not in BACKENDS:
         raise ElasticFlowError(f"unknown backend {cfg.backend.name!r}; expected one of {', '.join(BACKENDS)}",
                                "pass backend=torch or backend=tensorflow")
@@ -247,14 +247,12 @@ def validate(cfg: Any) -> None:
     if o.schedule not in SCHEDULES:
         raise ElasticFlowError(f"unknown optimizer.schedule {o.schedule!r}; expected one of {', '.join(SCHEDULES)}",
                                "pass e.g. optimizer.schedule=cosine")
-    if not o.lr > 0:
-        raise ElasticFlowError(f"optimizer.lr must be positive, got {o.lr!r}", "pass e.g. optimizer.lr=0.01")
     lc = cfg.launcher
-    if lc.name not in ("local", "slurm"):
-        raise ElasticFlowError(f"unknown launcher {lc.name!r}", "pass launcher=local or launcher=slurm")
+    if lc.name not in ("local", "nodes", "slurm"):
+        raise ElasticFlowError(f"unknown launcher {lc.name!r}", "pass launcher=local, launcher=nodes or launcher=slurm")
+    if lc.name == "nodes":
+        _check_nodes(lc)
     if lc.name == "slurm":
-        _positive_int(lc.nodes, "launcher.nodes", "pass e.g. launcher.nodes=2")
-        _positive_int(lc.tasks_per_node, "launcher.tasks_per_node", "pass e.g. launcher.tasks_per_node=4")
         if not re.fullmatch(r"[A-Z0-9]+@\d+", lc.signal):
             raise ElasticFlowError(f"launcher.signal={lc.signal!r} is not SIGNAL@SECONDS",
                                    "pass e.g. launcher.signal=USR1@90")
@@ -264,8 +262,6 @@ def validate(cfg: Any) -> None:
             raise ElasticFlowError("trainer.device=cuda with launcher=slurm but launcher.gpus_per_node is not set, "
                                    "so the job would be given no GPU",
                                    "pass launcher.gpus_per_node=N (N GPUs on each node, one per task)")
-        if gpus is not None:
-            _positive_int(gpus, "launcher.gpus_per_node", "pass e.g. launcher.gpus_per_node=4, or null for no GPUs")
         if gpus is not None and lc.tasks_per_node > gpus:
             # Refused for every comm.backend, not only nccl: each step asks for a GPU of its own, so the
             # steps beyond the node's GPUs would wait in srun ("Requested nodes are busy") until one frees.
@@ -274,42 +270,26 @@ def validate(cfg: Any) -> None:
             raise ElasticFlowError(f"launcher.tasks_per_node={lc.tasks_per_node} is more than "
                                    f"launcher.gpus_per_node={gpus}: {why}",
                                    f"pass launcher.tasks_per_node={gpus}, or launcher.gpus_per_node={lc.tasks_per_node}")
-    _positive_int(lc.workers, "launcher.workers", "pass launcher.workers=1 for a single worker")
-    _positive_int(lc.min_workers, "launcher.min_workers", "pass launcher.min_workers=1")
     if lc.max_workers is not None and lc.max_workers < lc.workers and lc.name == "local":
         raise ElasticFlowError(f"launcher.max_workers={lc.max_workers} is less than launcher.workers={lc.workers}",
                                "raise launcher.max_workers, or leave it null for no limit")
-    if lc.max_restarts < 0:
-        raise ElasticFlowError(f"launcher.max_restarts must be >= 0, got {lc.max_restarts}", "pass e.g. launcher.max_restarts=3")
-    workers = lc.nodes * lc.tasks_per_node if lc.name == "slurm" else lc.workers
+    workers = {"slurm": lc.nodes * lc.tasks_per_node, "nodes": lc.nodes * lc.procs_per_node}.get(lc.name, lc.workers)
     if lc.min_workers > workers:
         raise ElasticFlowError(f"launcher.min_workers={lc.min_workers} is more than the {workers} workers asked for",
                                "lower launcher.min_workers or ask for more workers")
     el = cfg.elastic
-    if not (el.timeout_s > 0 and math.isfinite(el.timeout_s)):
-        raise ElasticFlowError(f"elastic.timeout_s must be a positive number of seconds, got {el.timeout_s!r}",
-                               "pass e.g. elastic.timeout_s=30 (never leave collectives without a timeout)")
     if not (0 < el.heartbeat_timeout_s < el.timeout_s):
         raise ElasticFlowError(
             f"elastic.heartbeat_timeout_s={el.heartbeat_timeout_s:g} must be positive and shorter than "
             f"elastic.timeout_s={el.timeout_s:g}",
             "the agent must cut a hung worker out before its peers' collectives time out, e.g. "
             "elastic.heartbeat_timeout_s=10 elastic.timeout_s=30")
-    if not el.wait_s >= 0:
-        raise ElasticFlowError(f"elastic.wait_s must be >= 0, got {el.wait_s!r}", "pass e.g. elastic.wait_s=60")
-    d = cfg.data
-    if isinstance(d.prefetch, bool) or not isinstance(d.prefetch, int) or d.prefetch < 0:
-        raise ElasticFlowError(f"data.prefetch must be an integer >= 0, got {d.prefetch!r}",
-                               "pass e.g. data.prefetch=2 (micro-batches read ahead), or 0 to read on demand")
-    _positive_int(d.workers, "data.workers", "pass e.g. data.workers=2")
-    _choice(d.worker_type, WORKER_TYPES, "data.worker_type",
+    _choice(cfg.data.worker_type, WORKER_TYPES, "data.worker_type",
             "pass data.worker_type=process for CPU-heavy decoding in Python, else thread")
     iv = cfg.checkpoint.interval
     if iv.steps is not None and iv.epochs is not None:
         raise ElasticFlowError("checkpoint.interval.steps and checkpoint.interval.epochs are both set",
                                "set only one of them (the other to null)")
-    if cfg.checkpoint.keep is not None:
-        _positive_int(cfg.checkpoint.keep, "checkpoint.keep", "set checkpoint.keep to keep the newest K, or null for all")
 
 
 def compose(model: str, overrides: Optional[List[str]] = None) -> Any:

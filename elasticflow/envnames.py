@@ -13,4 +13,6 @@ ENV_TOKEN = "ELASTICFLOW_TOKEN"
 ENV_BIND = "ELASTICFLOW_BIND"              # the address gloo listens on ("auto": see launchers/worker.bind_address)
 ENV_SPAWNED_AT = "ELASTICFLOW_SPAWNED_AT"  # time.time() when the agent started the worker (start-up cost)
 ENV_LOCAL_SLOT = "ELASTICFLOW_LOCAL_SLOT"    # the worker's slot on its host: which GPU it binds (devices.py)
+ENV_NODE = "ELASTICFLOW_NODE"              # the node agent that started the worker (launcher=nodes): its host's name
+ENV_JOB_TOKEN = "ELASTICFLOW_JOB_TOKEN"    # launcher=nodes: the job's shared secret, as users pass secrets
 ENV_DEBUG = "ELASTICFLOW_DEBUG"            # "1": tracebacks, not one line; set by `--debug`, inherited by children

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import modelfile, ops
 from .checkpoint.format import HINT_PATH, METADATA, read_metadata, resolve
+from .checkpoint.validate import check_metadata
 from .checkpoint.load import compare_names, load
 from .config import composed, refuse_renamed, validate
 from .errors import ElasticFlowError
@@ -73,6 +74,7 @@ def export(checkpoint: str | Path, to: str | Path, model: Optional[str] = None,
     path = _checkpoint(Path(checkpoint).expanduser())
     to = _target(Path(to).expanduser())
     meta = read_metadata(path)
+    check_metadata(path, meta)  # a crafted metadata.json is one error line here too, before anything is read
     cfg = run_config(path, model, list(overrides or []))
     tmp = to.parent / f".{to.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir(parents=True)

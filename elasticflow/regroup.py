@@ -83,11 +83,19 @@ class Regrouper:
             log.info("worker %s retired by the agent (%s)", self.replica.worker_id, r.stop_reason)
             raise ElasticFlowError(f"worker {self.replica.worker_id} retired: {r.stop_reason}", "",
                                    exit_code=protocol.EXIT_REMOVED)
+        if r.stop == "cut_out":  # nothing to save: the job went on without this worker's state
+            raise ElasticFlowError(r.stop_reason, "with launcher.restart_failed=true a fresh worker is started in "
+                                   "its place and joins as a new member", exit_code=protocol.EXIT_CUT_OUT)
         if r.stop == "agent_lost":
-            self.checkpoint_and_raise(ElasticFlowError(
+            if self.save(f"step_{s.step}") is not None:
+                # This worker wrote the checkpoint (manager._claim): its rank 0, the step records' writer, may
+                # be lost with the agent's host; the records it did not write are this worker's to write.
+                self.run_log.take_over()
+                self.step_log.rewrite(s.last_metrics)
+            raise ElasticFlowError(
                 f"the agent (job master) is gone: {r.stop_reason}",
                 "rerun the same command: resume=auto continues from the newest checkpoint",
-                exit_code=protocol.EXIT_AGENT_LOST))
+                exit_code=protocol.EXIT_AGENT_LOST)
         self.entered_generation()
         if self.replica.rank == 0:
             self.step_log.rewrite(s.last_metrics)  # the records a rank 0 that left may not have written

@@ -79,7 +79,8 @@ class Recovery:
     """What a recovery did; ``stop`` says why the worker must now stop (None: train on).
 
     ``stop`` is one of ``"below_min"`` (the agent stopped the job: fewer than launcher.min_workers),
-    ``"agent_lost"`` (the store stopped answering) or ``"removed"`` (the agent retired this worker).
+    ``"agent_lost"`` (the store stopped answering), ``"removed"`` (the agent retired this worker) or
+    ``"cut_out"`` (the agent cut it out: silent past elastic.heartbeat_timeout_s, e.g. its host was cut off).
     """
     previous_generation: int
     previous_world: int
@@ -460,7 +461,7 @@ class Replica:
                 stop, stop_reason = "agent_lost", str(exc)
                 break
             except Removed as exc:
-                stop, stop_reason = "removed", str(exc)
+                stop, stop_reason = "cut_out" if exc.cut else "removed", str(exc)
                 break
         return Recovery(previous_generation=previous_generation, previous_world=previous_world,
                         rolled_forward=moved, recovery_s=time.time() - failed_at, transfer_s=transfer_s, stop=stop,

@@ -17,35 +17,66 @@
 # machine (Debian builds SLURM with multiple-slurmd support), nodes node1..nodeN, all on 127.0.0.1: a job
 # may then span "nodes" (-N 2), each step's SLURMD_NODENAME names its node, all processes run here.
 #
+# Hosts mode, SLURM_LOCAL_HOSTS=N: a cluster of N "hosts" built by scripts/hosts.sh (network, PID, UTS and
+# mount namespaces; prefix EF_HOSTS_PREFIX [efs], subnet EF_HOSTS_SUBNET [10.232.0], so it does not meet the
+# hosts of other tests). Node hI is host hI at $EF_HOSTS_SUBNET.I with its own munged and slurmd; slurmctld
+# runs on h1 too. Each host sees $SLURM_LOCAL_DIR/etc on /etc/slurm, an /etc/hosts naming h1..hN, and its
+# own munge socket directory on /run/munge (bind mounts in its mount namespace), so `sbatch`, `srun` and
+# `scontrol` just work there, and this machine's own /etc/slurm and munged are left alone: the two kinds of
+# cluster can run side by side.
+# Clients run on a host: `scripts/hosts.sh run h1 sbatch ...` (with the same EF_HOSTS_* in the environment).
+# `hosts.sh off h2` powers a node off (slurmd, munged, steps, workers die at once; slurmctld marks it DOWN
+# after SLURM_LOCAL_MESSAGE_TIMEOUT, below); `start` again powers every lost host on and restarts its daemons,
+# and the node returns to service (ReturnToService=2) while the controller and the jobs keep running.
+# `stop` kills every process of every host (`hosts.sh down`: daemons, jobs, steps) and removes the state.
+#
 # Environment (all optional):
-#   SLURM_LOCAL_DIR          state, spool, logs and pid files                  [/var/lib/slurm-local]
+#   SLURM_LOCAL_DIR          state, spool, logs and pid files  [/var/lib/slurm-local; hosts: /var/lib/slurm-local-hosts]
 #   SLURM_LOCAL_NODES        number of nodes                                   [1]
+#   SLURM_LOCAL_HOSTS        number of namespace hosts, one node each (hosts mode, see above)       [unset]
 #   SLURM_LOCAL_CPUS         CPUs each node advertises (may exceed the cores)  [8]
 #   SLURM_LOCAL_CRED_EXPIRE  AuthInfo cred_expire, seconds; it is also how long a requeued job is held
 #                            before it may start again                         [unset: SLURM's 120]
 #   SLURM_LOCAL_TIMEOUT      seconds to wait for the nodes to be idle          [60]
+#   SLURM_LOCAL_SLURMD_TIMEOUT  SlurmdTimeout, seconds                                              [30]
+#   SLURM_LOCAL_MESSAGE_TIMEOUT MessageTimeout, seconds: a ping of a dead node fails only after about this
+#                            long, and a node is DOWN after two failed pings. A powered-off host's node is
+#                            DOWN after ~30 s with the defaults, ~6 s with SLURMD_TIMEOUT=4 and this 2   [10]
 set -euo pipefail
 
-BASE="${SLURM_LOCAL_DIR:-/var/lib/slurm-local}"
-NNODES="${SLURM_LOCAL_NODES:-1}"
+say() { echo "slurm-local: $*"; }
+die() { echo "slurm-local: error: $*" >&2; exit 1; }
+
+HOSTS_N="${SLURM_LOCAL_HOSTS:-}"   # empty: the cluster on this machine; N: hosts mode
+NNODES="${HOSTS_N:-${SLURM_LOCAL_NODES:-1}}"
 CPUS="${SLURM_LOCAL_CPUS:-8}"
 CRED_EXPIRE="${SLURM_LOCAL_CRED_EXPIRE:-}"
 WAIT="${SLURM_LOCAL_TIMEOUT:-60}"
-CONF=/etc/slurm/slurm.conf
+SLURMD_TIMEOUT="${SLURM_LOCAL_SLURMD_TIMEOUT:-30}"
+MESSAGE_TIMEOUT="${SLURM_LOCAL_MESSAGE_TIMEOUT:-10}"
+HOSTS_SH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/hosts.sh"
+if [ -n "$HOSTS_N" ]; then
+  BASE="${SLURM_LOCAL_DIR:-/var/lib/slurm-local-hosts}"
+  CONF="$BASE/etc/slurm.conf"   # /etc/slurm/slurm.conf on every host (a bind mount)
+  export EF_HOSTS_PREFIX="${EF_HOSTS_PREFIX:-efs}" EF_HOSTS_SUBNET="${EF_HOSTS_SUBNET:-10.232.0}"
+else
+  BASE="${SLURM_LOCAL_DIR:-/var/lib/slurm-local}"
+  CONF=/etc/slurm/slurm.conf
+fi
 MARK="# Written by slurm-local.sh"
 MUNGE_KEY=/etc/munge/munge.key
 PACKAGES=(slurmctld slurmd slurm-client munge)
 HOST="$(hostname -s)"
 RUN="$BASE/run"
 LOG="$BASE/log"
-SLURMD_PORT0=6818   # node i listens on SLURMD_PORT0 + i - 1
+SLURMD_PORT0=6818   # node i listens on SLURMD_PORT0 + i - 1 (one machine; each host has its own 6818)
 
-say() { echo "slurm-local: $*"; }
-die() { echo "slurm-local: error: $*" >&2; exit 1; }
-
-[[ "$NNODES" =~ ^[1-9][0-9]?$ ]] || die "SLURM_LOCAL_NODES must be a number from 1 to 99, not '$NNODES'"
+[[ "$NNODES" =~ ^[1-9][0-9]?$ ]] || die "SLURM_LOCAL_${HOSTS_N:+HOSTS}${HOSTS_N:-NODES} must be a number from 1 to 99, not '$NNODES'"
 [[ "$CPUS" =~ ^[1-9][0-9]*$ ]] || die "SLURM_LOCAL_CPUS must be a positive number, not '$CPUS'"
-if [ "$NNODES" -eq 1 ]; then NODES=("$HOST"); else NODES=(); for i in $(seq "$NNODES"); do NODES+=("node$i"); done; fi
+[[ "$SLURMD_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "SLURM_LOCAL_SLURMD_TIMEOUT must be a positive number, not '$SLURMD_TIMEOUT'"
+[[ "$MESSAGE_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "SLURM_LOCAL_MESSAGE_TIMEOUT must be a positive number, not '$MESSAGE_TIMEOUT'"
+if [ -n "$HOSTS_N" ]; then NODES=(); for i in $(seq "$NNODES"); do NODES+=("h$i"); done
+elif [ "$NNODES" -eq 1 ]; then NODES=("$HOST"); else NODES=(); for i in $(seq "$NNODES"); do NODES+=("node$i"); done; fi
 
 alive() { # alive PIDFILE: the pid recorded there is a live process
   local pid
@@ -54,7 +85,23 @@ alive() { # alive PIDFILE: the pid recorded there is a live process
   [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
 }
 
-node_states() { sinfo -h -N -o '%N %T' 2>/dev/null | sort -u; }   # "NAME STATE" per node
+on_host() { bash "$HOSTS_SH" run "$@"; }   # on_host H CMD...: run CMD on namespace host H
+
+client() { # client CMD...: a SLURM client command where the cluster's config is: on h1 in hosts mode
+  if [ -n "$HOSTS_N" ]; then on_host h1 "$@"; else "$@"; fi
+}
+
+host_alive() { # host_alive H PIDFILE: the pid recorded there is a live process of host H (pids are per host)
+  [ -s "$2" ] || return 1
+  # Not a zombie (an orphan waits, a moment, for the host's init to reap it).
+  on_host "$1" sh -c 'read -r pid <"$1" && read -r _ _ s _ <"/proc/$pid/stat" && [ "$s" != Z ]' sh "$2" 2>/dev/null
+}
+
+running() { # running HOST PIDFILE: alive on HOST ("" = this machine)
+  if [ -z "$1" ]; then alive "$2"; else host_alive "$1" "$2"; fi
+}
+
+node_states() { client sinfo -h -N -o '%N %T' 2>/dev/null | sort -u; }   # "NAME STATE" per node
 
 munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
 
@@ -91,12 +138,14 @@ write_conf() {
   fi
   local mem_mb i
   mem_mb=$(awk -v n="$NNODES" '/^MemTotal:/ {print int($2 / 1024 * 0.9 / n)}' /proc/meminfo)
-  mkdir -p /etc/slurm
+  mkdir -p "$(dirname "$CONF")"
+  local ctld="$HOST(127.0.0.1)" what="one machine"
+  [ -n "$HOSTS_N" ] && ctld="h1($EF_HOSTS_SUBNET.1)" what="$NNODES namespace hosts (scripts/hosts.sh)"
   {
     cat <<EOF
-$MARK ($(date -u +%Y-%m-%dT%H:%M:%SZ)): a test cluster on one machine, no cgroups, no accounting database.
+$MARK ($(date -u +%Y-%m-%dT%H:%M:%SZ)): a test cluster on $what, no cgroups, no accounting database.
 ClusterName=localcluster
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$ctld
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -131,25 +180,25 @@ ReturnToService=2
 JobRequeue=1
 # Short timeouts for tests.
 KillWait=2
-MessageTimeout=10
-SlurmdTimeout=30
+MessageTimeout=$MESSAGE_TIMEOUT
+SlurmdTimeout=$SLURMD_TIMEOUT
 SlurmctldTimeout=30
 InactiveLimit=0
 Waittime=0
 MinJobAge=3600
 EOF
     for i in "${!NODES[@]}"; do
-      echo "NodeName=${NODES[$i]} NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((SLURMD_PORT0 + i)) CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN"
+      if [ -n "$HOSTS_N" ]; then
+        echo "NodeName=${NODES[$i]} NodeAddr=$EF_HOSTS_SUBNET.$((i + 1)) CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN"
+      else
+        echo "NodeName=${NODES[$i]} NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((SLURMD_PORT0 + i)) CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN"
+      fi
     done
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
   } | grep -v '^$' >"$CONF"
 }
 
-start_munge() {
-  if munge_works; then
-    say "munged already answers; using it"
-    return 0
-  fi
+munge_key() { # create the munge key if there is none; every munged here (and on the hosts) shares it
   if [ ! -s "$MUNGE_KEY" ]; then
     mkdir -p "$(dirname "$MUNGE_KEY")"
     if command -v mungekey >/dev/null 2>&1; then
@@ -162,6 +211,14 @@ start_munge() {
   chown munge:munge "$(dirname "$MUNGE_KEY")" "$MUNGE_KEY"
   chmod 0700 "$(dirname "$MUNGE_KEY")"
   chmod 0400 "$MUNGE_KEY"
+}
+
+start_munge() {
+  if munge_works; then
+    say "munged already answers; using it"
+    return 0
+  fi
+  munge_key
   install -d -o munge -g munge -m 0755 /run/munge
   install -d -o munge -g munge -m 0700 /var/log/munge
   install -d -o munge -g munge -m 0711 /var/lib/munge
@@ -175,19 +232,21 @@ start_munge() {
   say "started munged (pid $(cat "$RUN/munged.pid"))"
 }
 
-start_daemon() { # start_daemon PIDFILE OUTFILE COMMAND...: the command daemonizes itself and writes PIDFILE
-  local pidfile=$1 out=$2; shift 2
-  local log="$LOG/$(basename "$out" .out).log"
-  "$@" </dev/null >>"$out" 2>&1 || { tail -n 20 "$out" "$log" >&2 2>/dev/null; die "$* did not start"; }
+start_daemon() { # start_daemon HOST PIDFILE OUTFILE COMMAND...: on HOST ("" = here), the command daemonizes
+  local host=$1 pidfile=$2 out=$3; shift 3   # itself and writes PIDFILE
+  local log="$LOG/$(basename "$out" .out).log" pre=()
+  [ -n "$host" ] && { pre=(bash "$HOSTS_SH" run "$host"); rm -f "$pidfile"; }  # a stale pid may be reused there
+  "${pre[@]}" "$@" </dev/null >>"$out" 2>&1 || { tail -n 20 "$out" "$log" >&2 2>/dev/null; die "$* did not start${host:+ on $host}"; }
   local i
-  for i in $(seq 50); do alive "$pidfile" && break; sleep 0.1; done
-  alive "$pidfile" || { tail -n 20 "$out" "$log" >&2 2>/dev/null; die "$* did not stay up"; }
+  for i in $(seq 50); do running "$host" "$pidfile" && break; sleep 0.1; done
+  running "$host" "$pidfile" || { tail -n 20 "$out" "$log" >&2 2>/dev/null; die "$* did not stay up${host:+ on $host}"; }
 }
 
 cluster_up() {
-  local n
-  alive "$RUN/slurmctld.pid" || return 1
-  for n in "${NODES[@]}"; do alive "$RUN/slurmd-$n.pid" || return 1; done
+  local n ctld_host=""
+  [ -n "$HOSTS_N" ] && ctld_host=h1
+  running "$ctld_host" "$RUN/slurmctld.pid" || return 1
+  for n in "${NODES[@]}"; do running "${HOSTS_N:+$n}" "$RUN/slurmd-$n.pid" || return 1; done
   # every node answers (idle, mixed, allocated or completing), none down/drained/invalid
   [ "$(node_states | grep -cE ' (idle|mix|mixed|alloc|allocated|comp|completing)$')" -eq "${#NODES[@]}" ]
 }
@@ -212,21 +271,28 @@ do_start() {
   for n in "${NODES[@]}"; do mkdir -p "$BASE/spool/$n"; : >"$LOG/slurmd-$n.log"; done
   : >"$LOG/slurmctld.log"
   start_munge
-  start_daemon "$RUN/slurmctld.pid" "$LOG/slurmctld.out" slurmctld -f "$CONF"
+  start_daemon "" "$RUN/slurmctld.pid" "$LOG/slurmctld.out" slurmctld -f "$CONF"
   for n in "${NODES[@]}"; do
-    start_daemon "$RUN/slurmd-$n.pid" "$LOG/slurmd-$n.out" slurmd -f "$CONF" -N "$n"
+    start_daemon "" "$RUN/slurmd-$n.pid" "$LOG/slurmd-$n.out" slurmd -f "$CONF" -N "$n"
   done
-  local deadline=$((SECONDS + WAIT)) idle=0
+  wait_idle "$t0"
+}
+
+# wait_idle T0 [answering]: wait until every node is idle (with `answering`: idle, allocated, mixed or
+# completing), else show why and fail. T0: when the start began, for the message.
+wait_idle() {
+  local t0=$1 n deadline=$((SECONDS + WAIT)) idle=0 want=' idle$'
+  [ "${2:-}" = answering ] && want=' (idle|mix|mixed|alloc|allocated|comp|completing)$'
   while [ $SECONDS -lt $deadline ]; do
-    idle=$(node_states | grep -c ' idle$' || true)
+    idle=$(node_states | grep -cE "$want" || true)
     [ "$idle" -eq "${#NODES[@]}" ] && break
     sleep 0.2
   done
   if [ "$idle" -ne "${#NODES[@]}" ]; then
     {
-      echo "only $idle of ${#NODES[@]} nodes idle after ${WAIT} s:"
+      echo "only $idle of ${#NODES[@]} nodes ${2:-idle} after ${WAIT} s:"
       node_states
-      scontrol show node 2>&1 | grep -E "NodeName=|State=|Reason=" || true
+      client scontrol show node 2>&1 | grep -E "NodeName=|State=|Reason=" || true
       echo "--- $LOG/slurmctld.log (tail)"; tail -n 15 "$LOG/slurmctld.log" 2>/dev/null || true
       echo "--- $LOG/slurmd-${NODES[0]}.log (tail)"; tail -n 15 "$LOG/slurmd-${NODES[0]}.log" 2>/dev/null || true
     } >&2
@@ -234,8 +300,8 @@ do_start() {
   fi
   local pids=""
   for n in "${NODES[@]}"; do pids+=" $n:$(cat "$RUN/slurmd-$n.pid")"; done
-  say "started slurmctld (pid $(cat "$RUN/slurmctld.pid")) and slurmd (pid$pids)"
-  say "${#NODES[@]} node(s) idle (${NODES[*]}, $CPUS CPUs each), partition debug; config $CONF, logs $LOG ($((SECONDS - t0)) s)"
+  say "slurmctld (pid $(cat "$RUN/slurmctld.pid")${HOSTS_N:+ on h1}) and slurmd (pid$pids) up"
+  say "${#NODES[@]} node(s) ${2:-idle} (${NODES[*]}, $CPUS CPUs each), partition debug; config $CONF, logs $LOG ($((SECONDS - t0)) s)"
 }
 
 stop_pidfiles() { # stop_pidfiles PIDFILE...: TERM the recorded pids together, KILL what is left after 10 s
@@ -295,9 +361,102 @@ do_status() {
   return $rc
 }
 
-case "${1:-}" in
+# ---------------------------------------------------------------------------------------------- hosts mode
+start_host() { # start_host H: power H on if it is off; its mounts, then its munged (slurmd comes after slurmctld)
+  local h=$1 d="$BASE/hosts/$1" i
+  bash "$HOSTS_SH" on "$h"
+  install -d -o munge -g munge -m 0755 "$d/munge"
+  # Each host's own /etc/slurm, /etc/hosts and /run/munge: the cluster's config, the hosts' names (as a
+  # cluster's DNS would give them; slurmctld looks its clients up), and a munge socket of its own (a
+  # powered-off host loses its munged as a real one would). And /sys/fs/cgroup: `ip netns exec` mounts a
+  # fresh /sys without it, and slurmd 22.05 refuses to start unless it finds cgroup v1's tmpfs with the
+  # name=systemd hierarchy in it (the machine's own; proctrack/linuxproc never makes a cgroup). Once per
+  # power-on: a mount namespace is born with the host.
+  on_host "$h" sh -c 'mkdir -p /etc/slurm /run/munge &&
+    { mountpoint -q /etc/slurm || mount --bind "$1" /etc/slurm; } &&
+    { mountpoint -q /etc/hosts || mount --bind "$2" /etc/hosts; } &&
+    { mountpoint -q /run/munge || mount --bind "$3" /run/munge; } &&
+    { mountpoint -q /sys/fs/cgroup || { mount -t tmpfs -o mode=0755 cgroup /sys/fs/cgroup &&
+      mkdir /sys/fs/cgroup/systemd && mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd; }; }' \
+    sh "$(dirname "$CONF")" "$BASE/hosts/etc-hosts" "$d/munge" \
+    || die "could not mount /etc/slurm, /etc/hosts, /run/munge and /sys/fs/cgroup on host $h"
+  on_host "$h" sh -c 'munge -n | unmunge' >/dev/null 2>&1 && return 0
+  rm -f "$d/munge/munge.socket.2" "$d/munge/munge.socket.2.lock" "$d/munge/munged.pid"
+  touch "$LOG/munged-$h.log" && chown munge:munge "$LOG/munged-$h.log"
+  # --origin: the address this host's credentials name, without a name lookup.
+  on_host "$h" runuser -u munge -- /usr/sbin/munged --origin="$EF_HOSTS_SUBNET.${h#h}" \
+    --seed-file="$d/munge/munged.seed" --log-file="$LOG/munged-$h.log" </dev/null >>"$LOG/munged.out" 2>&1 \
+    || { tail -n 5 "$LOG/munged-$h.log" >&2; die "munged did not start on host $h"; }
+  for i in $(seq 50); do on_host "$h" sh -c 'munge -n | unmunge' >/dev/null 2>&1 && return 0; sleep 0.1; done
+  die "munged on host $h does not answer (see $LOG/munged-$h.log)"
+}
+
+start_slurmd() { # start_slurmd H: slurmd of node H on host H, unless it runs
+  host_alive "$1" "$RUN/slurmd-$1.pid" && return 0
+  mkdir -p "$BASE/spool/$1"
+  start_daemon "$1" "$RUN/slurmd-$1.pid" "$LOG/slurmd-$1.out" slurmd -f /etc/slurm/slurm.conf -N "$1"
+}
+
+do_start_hosts() {
+  [ "$(id -u)" -eq 0 ] || die "must run as root (network namespaces, and the SLURM daemons run as root here)"
+  local t0=$SECONDS n
+  if [ -s "$CONF" ] && [ "$(grep -c '^NodeName=' "$CONF")" -eq "$NNODES" ] && host_alive h1 "$RUN/slurmctld.pid"; then
+    if cluster_up 2>/dev/null; then
+      say "already running: $(node_states | tr '\n' ' ')"
+      return 0
+    fi
+    # The controller runs (so do the jobs): power on the hosts that are off, restart what died on them.
+    for n in "${NODES[@]}"; do start_host "$n"; start_slurmd "$n"; done
+    wait_idle "$t0" answering   # jobs may run on: nodes answer, not necessarily idle
+    return 0
+  fi
+  do_stop_hosts quiet
+  mkdir -p "$RUN" "$LOG"
+  install_packages
+  munge_key
+  bash "$HOSTS_SH" up "$NNODES" >/dev/null
+  write_conf
+  mkdir -p "$BASE/hosts"
+  { echo "127.0.0.1 localhost"; for n in "${NODES[@]}"; do echo "$EF_HOSTS_SUBNET.${n#h} $n"; done; } >"$BASE/hosts/etc-hosts"
+  mkdir -p "$BASE/state"
+  for n in "${NODES[@]}"; do : >"$LOG/slurmd-$n.log"; done
+  : >"$LOG/slurmctld.log"
+  for n in "${NODES[@]}"; do start_host "$n"; done
+  start_daemon h1 "$RUN/slurmctld.pid" "$LOG/slurmctld.out" slurmctld -f /etc/slurm/slurm.conf
+  for n in "${NODES[@]}"; do start_slurmd "$n"; done
+  wait_idle "$t0"
+}
+
+do_stop_hosts() {
+  [ "$(id -u)" -eq 0 ] || die "must run as root"
+  # Powering every host off ends the daemons, the jobs and their steps at once: nothing of them is left
+  # for a later start to meet, and nothing outside the hosts is touched.
+  bash "$HOSTS_SH" down >/dev/null
+  rm -f "$RUN"/*.pid
+  rm -rf "$BASE/state" "$BASE/spool" "$BASE/hosts"
+  [ "${1:-}" = quiet ] || say "hosts $EF_HOSTS_PREFIX-h* powered off and removed"
+}
+
+do_status_hosts() {
+  local rc=0 n
+  bash "$HOSTS_SH" list
+  if host_alive h1 "$RUN/slurmctld.pid"; then say "slurmctld running on h1"; else say "slurmctld not running"; rc=1; fi
+  for n in "${NODES[@]}"; do
+    if ! on_host "$n" true 2>/dev/null; then say "host $n is off (start powers it on)"; rc=1; continue; fi
+    if on_host "$n" sh -c 'munge -n | unmunge' >/dev/null 2>&1; then say "munged running on $n"
+    else say "munged not running on $n"; rc=1; fi
+    if host_alive "$n" "$RUN/slurmd-$n.pid"; then say "slurmd running on $n"; else say "slurmd not running on $n"; rc=1; fi
+  done
+  if [ $rc -eq 0 ]; then client sinfo -N 2>&1 || rc=1; fi
+  return $rc
+}
+
+case "${HOSTS_N:+hosts-}${1:-}" in
   start) do_start ;;
   stop) do_stop ;;
   status) do_status ;;
+  hosts-start) do_start_hosts ;;
+  hosts-stop) do_stop_hosts ;;
+  hosts-status) do_status_hosts ;;
   *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
 esac

@@ -15,6 +15,16 @@ running when the test ends. The cluster has SLURM_LOCAL_NODES nodes (default 2 h
 see the script) with SLURM_LOCAL_CPUS CPUs each (default 8), one partition `debug`. There is no accounting
 database, so no `sacct`: `job_info` (scontrol, kept for 1 h after a job ends) and `jobcomp` (the job completion
 log) stand in for it.
+
+Several hosts: `slurm_hosts_cluster` (session) and `slurm_hosts` (per test) are a second cluster, of
+HOSTS namespace hosts h1, h2 (`SLURM_LOCAL_HOSTS=2 scripts/slurm-local.sh start`: each host has its own
+network, hostname, processes, munged and slurmd; slurmctld runs on h1). It has its own state directory and
+namespaces (prefix efs, subnet 10.232.0), so it runs beside `slurm_cluster`. A `SlurmHosts` runs every
+client command on h1, the cluster's login node (`run`, `sbatch`, ... as above; `on(host, *argv)` is the
+argv that runs a command on a host, e.g. `elasticflow train`), and loses a node with `power_off("h2")`:
+every process of the host (slurmd, munged, job steps, workers) is SIGKILLed at once, and slurmctld marks the
+node DOWN about 6 s later (SlurmdTimeout 4 s, MessageTimeout 2 s). `slurm_hosts` powers lost hosts on
+again and restarts their daemons when the test ends, so every test starts with all nodes idle.
 """
 from __future__ import annotations
 
@@ -30,7 +40,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm-local.sh"
+HOSTS_SH = REPO / "scripts" / "hosts.sh"
 DEFAULT_NODES = "2"
+HOSTS = 2
+# The hosts cluster's own namespaces and state: other tests' hosts use hosts.sh's defaults (ef, 10.231.0).
+# Short timeouts: a powered-off node is DOWN in ~6 s rather than ~30 s (a ping of a dead node takes about
+# MessageTimeout to fail, and it takes two).
+HOSTS_ENV = {"SLURM_LOCAL_HOSTS": str(HOSTS), "EF_HOSTS_PREFIX": "efs", "EF_HOSTS_SUBNET": "10.232.0",
+             "SLURM_LOCAL_DIR": "/var/lib/slurm-local-hosts", "SLURM_LOCAL_SLURMD_TIMEOUT": "4",
+             "SLURM_LOCAL_MESSAGE_TIMEOUT": "2"}
 
 # Job states after which a job does not run again by itself (a requeued job goes back to PENDING instead).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
@@ -232,8 +250,58 @@ class SlurmCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
-def _start_or_skip() -> tuple:
-    """Start the cluster; returns (cluster, started_here). Skips (or fails, with SLURM_LOCAL_REQUIRED=1)."""
+class SlurmHosts(SlurmCluster):
+    """The cluster of namespace hosts: client commands run on h1; nodes can be powered off."""
+
+    def __init__(self, env: Dict[str, str] = HOSTS_ENV):
+        super().__init__(log_dir=Path(env["SLURM_LOCAL_DIR"]) / "log")
+        self.env = dict(env)  # what slurm-local.sh and hosts.sh need to find these hosts
+        self.hosts = [f"h{i}" for i in range(1, int(env["SLURM_LOCAL_HOSTS"]) + 1)]
+
+    def on(self, host: str, *argv: Union[str, Path]) -> List[str]:
+        """The argv that runs ARGV on HOST (its network, hostname, processes), in the current directory; run
+        it with env=self.host_env(...)."""
+        return ["bash", str(HOSTS_SH), "run", host, *map(str, argv)]
+
+    def host_env(self, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """A clean environment (clean_env) that hosts.sh finds these hosts with, plus EXTRA."""
+        return clean_env({**self.env, **(extra or {})})
+
+    def run(self, *args: Union[str, Path], timeout: float = 60, check: bool = True, cwd: Optional[Path] = None,
+            env: Optional[Dict[str, str]] = None, host: str = "h1") -> subprocess.CompletedProcess:
+        """Run a command on HOST (h1, the login node, by default); as SlurmCluster.run."""
+        return super().run(*self.on(host, *args), timeout=timeout, check=check, cwd=cwd,
+                           env={**self.env, **(env or {})})
+
+    def node_state(self, node: str) -> str:
+        """sinfo's state of NODE: idle, allocated, mixed, down* ("*": not responding), ..."""
+        return self.run("sinfo", "-h", "-n", node, "-o", "%T").stdout.strip()
+
+    def power_off(self, host: str) -> None:
+        """Lose a node: SIGKILL every process of HOST at once (slurmd, munged, job steps, workers)."""
+        self._tool("hosts.sh off", ["bash", str(HOSTS_SH), "off", host])
+
+    def powered_on(self) -> List[str]:
+        """The hosts that are on now."""
+        out = self._tool("hosts.sh list", ["bash", str(HOSTS_SH), "list"]).stdout
+        return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+    def restore(self) -> None:
+        """Power every lost host on again and restart its daemons (slurm-local.sh start); returns once every
+        node answers again (a DOWN node returns to service when its slurmd registers)."""
+        self._tool("slurm-local.sh start", ["bash", str(SCRIPT), "start"], timeout=120)
+
+    def _tool(self, what: str, argv: List[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env={**os.environ, **self.env})
+        if proc.returncode != 0:
+            raise SlurmError(f"{what} exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-1500:]}")
+        return proc
+
+
+def _start_or_skip(extra_env: Optional[Dict[str, str]] = None) -> bool:
+    """Start the cluster (the namespace hosts' one with EXTRA_ENV=HOSTS_ENV); returns whether this call started
+    it (False: it was running already). Skips (or fails, with SLURM_LOCAL_REQUIRED=1)."""
     required = os.environ.get("SLURM_LOCAL_REQUIRED", "") not in ("", "0")
 
     def unavailable(reason: str):
@@ -243,7 +311,7 @@ def _start_or_skip() -> tuple:
 
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         unavailable("the local SLURM cluster needs root (scripts/slurm-local.sh runs the daemons as root)")
-    env = {**os.environ, "SLURM_LOCAL_NODES": os.environ.get("SLURM_LOCAL_NODES", DEFAULT_NODES)}
+    env = {**os.environ, "SLURM_LOCAL_NODES": os.environ.get("SLURM_LOCAL_NODES", DEFAULT_NODES), **(extra_env or {})}
     try:
         proc = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=900,
                               env=env, stdin=subprocess.DEVNULL)
@@ -252,19 +320,49 @@ def _start_or_skip() -> tuple:
     if proc.returncode != 0:
         err = (proc.stderr.strip() or proc.stdout.strip())[-1500:]
         unavailable(f"scripts/slurm-local.sh start failed (exit {proc.returncode}): {err}")
-    return SlurmCluster(), "already running" not in proc.stdout
+    return "already running" not in proc.stdout
+
+
+def _stop(extra_env: Optional[Dict[str, str]] = None) -> None:
+    subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True, timeout=120,
+                   stdin=subprocess.DEVNULL, env={**os.environ, **(extra_env or {})})
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A running local SLURM cluster (a SlurmCluster); stopped at session end if this session started it."""
-    cluster, started_here = _start_or_skip()
+    started_here = _start_or_skip()
+    try:
+        yield SlurmCluster()
+    finally:
+        if started_here:
+            _stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_hosts_cluster():
+    """A running SLURM cluster of HOSTS namespace hosts (a SlurmHosts); stopped (every host powered off and
+    removed) at session end if this session started it."""
+    started_here = _start_or_skip(HOSTS_ENV)
+    try:
+        yield SlurmHosts()
+    finally:
+        if started_here:
+            _stop(HOSTS_ENV)
+
+
+@pytest.fixture
+def slurm_hosts(slurm_hosts_cluster):
+    """The session's SlurmHosts for one test; afterwards cancels every job left and brings lost nodes back."""
+    cluster = slurm_hosts_cluster
     try:
         yield cluster
     finally:
-        if started_here:
-            subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True, timeout=120,
-                           stdin=subprocess.DEVNULL)
+        if "h1" in cluster.powered_on():  # else slurmctld went with it: restore() starts a fresh cluster
+            cluster.cancel_all()
+        states = [cluster.node_state(h) for h in cluster.hosts] if "h1" in cluster.powered_on() else []
+        if set(cluster.hosts) - set(cluster.powered_on()) or any("down" in s or "*" in s for s in states):
+            cluster.restore()
 
 
 @pytest.fixture

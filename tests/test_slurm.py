@@ -47,7 +47,7 @@ def test_submit_false_writes_a_batch_script(tmp_path):
     script = (run / "slurm" / "job.sbatch").read_text()
     assert f"wrote {run}/slurm/job.sbatch" in proc.stdout
     for directive in ("--nodes=2", "--ntasks-per-node=4", "--partition=gpu", "--time=01:30:00", "--cpus-per-task=2",
-                      "--gpus-per-node=4", "--signal=B:USR1@90", "--requeue", "--open-mode=append",
+                      "--gpus-per-node=4", "--signal=B:USR1@90", "--requeue", "--no-kill", "--open-mode=append",
                       f"--output={run}/slurm/job-%j.out", "--qos=high", "--job-name=elasticflow-digits_probe"):
         assert f"#SBATCH {directive}\n" in script, directive
     assert script.startswith("#!/bin/bash\n")

@@ -60,6 +60,14 @@ def shard_name(rank: int, world: int) -> str:
     return f"shard-{rank:05d}-of-{world:05d}.safetensors"
 
 
+SHARD_RE = re.compile(r"shard-\d{5,}-of-\d{5,}\.safetensors")  # every name shard_name makes, and only those
+
+
+class CorruptCheckpoint(ElasticFlowError):
+    """A checkpoint whose metadata or shard files are damaged, truncated or inconsistent: resume=auto
+    falls back past it to the previous one (unlike CheckpointMismatch, which stops the run)."""
+
+
 # ---------------------------------------------------------------- the plan: who writes which elements
 @dataclass(frozen=True)
 class Piece:
@@ -213,8 +221,11 @@ def read_shard_header(path: Path) -> Tuple[Dict[str, Any], int, bytes]:
             raw = f.read(n)
         header = json.loads(raw)
     except (OSError, ValueError, struct.error) as exc:
-        raise ElasticFlowError(f"checkpoint shard '{path}' is corrupt (unreadable header: {exc})",
-                               HINT_FALLBACK) from exc
+        raise CorruptCheckpoint(f"checkpoint shard '{path}' is corrupt (unreadable header: {exc})",
+                                HINT_FALLBACK) from exc
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"checkpoint shard '{path}' is corrupt: its header is a JSON "
+                                f"{type(header).__name__}, expected an object", HINT_FALLBACK)
     header.pop("__metadata__", None)
     return header, 8 + n, prefix + raw
 
@@ -342,15 +353,15 @@ def read_metadata(path: Path) -> Dict[str, Any]:
         raise ElasticFlowError(f"checkpoint '{path}' has no {METADATA}", HINT_PATH) from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         where = f" ({exc.msg} at char {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
-        raise ElasticFlowError(f"checkpoint metadata '{meta_file}' is corrupt or truncated{where}",
-                               HINT_FALLBACK) from exc
+        raise CorruptCheckpoint(f"checkpoint metadata '{meta_file}' is corrupt or truncated{where}",
+                                HINT_FALLBACK) from exc
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise ElasticFlowError(f"checkpoint '{path}' has format version {version!r}, "
                                f"this elasticflow reads {FORMAT_VERSION}", "use the elasticflow that wrote it")
     for key in ("step", "cursor", "tensors", "files"):
         if key not in meta:
-            raise ElasticFlowError(f"checkpoint metadata '{meta_file}' has no {key!r} entry", HINT_FALLBACK)
+            raise CorruptCheckpoint(f"checkpoint metadata '{meta_file}' has no {key!r} entry", HINT_FALLBACK)
     return meta
 
 

@@ -7,6 +7,7 @@ from typing import List, Sequence
 import numpy as np
 
 from .format import is_complete, read_metadata, resolve
+from .validate import check_metadata
 
 
 def _size(nbytes: float) -> str:
@@ -26,6 +27,7 @@ def render(path: Path) -> str:
     """The text ``elasticflow inspect`` prints; ``path`` may also be a job dir or checkpoint.dir (its newest)."""
     path = resolve(Path(path))
     meta = read_metadata(path)
+    check_metadata(path, meta)  # a damaged or hand-edited one is one error line, not a traceback
     cursor = meta.get("cursor", {})
     files = meta["files"]
     ranks = {f: info.get("rank", i) for i, (f, info) in enumerate(sorted(files.items()))}

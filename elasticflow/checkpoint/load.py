@@ -12,8 +12,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
-from .format import (HINT_FALLBACK, HINT_PATH, NUMPY_DTYPES, file_digest, hashed, hasher, is_complete, read_chunks,
-                     read_metadata, read_shard_header)
+from .format import (HINT_FALLBACK, HINT_PATH, CorruptCheckpoint, file_digest, hashed, hasher, is_complete,
+                     read_chunks, read_metadata, read_shard_header)
+from .validate import check_entry, check_metadata
 
 
 def load(path: str | Path, names: Optional[Iterable[str]] = None, verify: bool = True) -> Dict[str, np.ndarray]:
@@ -30,8 +31,8 @@ def load(path: str | Path, names: Optional[Iterable[str]] = None, verify: bool =
     return load_with_metadata(path, names, verify)[0]
 
 
-def _corrupt(fpath: Path, what: str) -> ElasticFlowError:
-    return ElasticFlowError(f"checkpoint shard '{fpath}' fails its checksum ({what})", HINT_FALLBACK)
+def _corrupt(fpath: Path, what: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"checkpoint shard '{fpath}' fails its checksum ({what})", HINT_FALLBACK)
 
 
 def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
@@ -43,36 +44,32 @@ def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
         raise ElasticFlowError(f"checkpoint '{path}' is incomplete (no COMMIT marker): its save was interrupted",
                                "resume from an earlier checkpoint; resume=auto skips incomplete ones")
     meta = read_metadata(path)
+    check_metadata(path, meta)  # before anything is allocated or read: the metadata is input like any other
     tensors, files = meta["tensors"], meta["files"]
     wanted = sorted(tensors) if names is None else list(dict.fromkeys(names))
     unknown = [n for n in wanted if n not in tensors]
     if unknown:
         raise ElasticFlowError(f"checkpoint '{path}' has no tensor(s) {', '.join(unknown[:8])}",
                                "elasticflow inspect CHECKPOINT lists what it holds")
+    # Every file is checked for presence and size, not only those read: a missing shard is an
+    # incomplete checkpoint whatever the reader asks for. And as check_metadata bounded the pieces by
+    # these sizes, nothing allocated below is larger than the files on disk.
+    for fname, info in files.items():
+        fpath = path / fname
+        if not fpath.is_file():
+            raise CorruptCheckpoint(f"checkpoint shard '{fpath}' is missing (the checkpoint was written by "
+                                    f"{meta.get('writers', len(files))} ranks)", HINT_FALLBACK)
+        size = fpath.stat().st_size
+        if size != info["bytes"]:
+            raise _corrupt(fpath, f"corrupt or truncated: {size} bytes, metadata says {info['bytes']}")
     out: Dict[str, np.ndarray] = {}
     by_file: Dict[str, List[Tuple[str, dict, np.ndarray]]] = {}
     for name in wanted:
         t = tensors[name]
         flat = np.empty(int(np.prod(t["shape"], dtype=np.int64)), dtype=np.dtype(t["dtype"]))
-        if sum(p["end"] - p["start"] for p in t["shards"]) != flat.size:
-            raise ElasticFlowError(f"checkpoint metadata '{path / 'metadata.json'}' is inconsistent: the pieces "
-                                   f"of {name!r} do not cover its {flat.size} elements", HINT_FALLBACK)
-        for piece in t["shards"]:
-            if piece["file"] not in files:
-                raise ElasticFlowError(f"checkpoint metadata '{path / 'metadata.json'}' is inconsistent: "
-                                       f"{name!r} names an unlisted file {piece['file']!r}", HINT_FALLBACK)
+        for piece in t["shards"]:  # they cover the tensor exactly (check_metadata): every element is read
             by_file.setdefault(piece["file"], []).append((name, piece, flat[piece["start"]:piece["end"]]))
         out[name] = flat.reshape(t["shape"])
-    # Every file is checked for presence and size, not only those read: a missing shard is an
-    # incomplete checkpoint whatever the reader asks for.
-    for fname, info in files.items():
-        fpath = path / fname
-        if not fpath.is_file():
-            raise ElasticFlowError(f"checkpoint shard '{fpath}' is missing (the checkpoint was written by "
-                                   f"{meta.get('writers', len(files))} ranks)", HINT_FALLBACK)
-        size = fpath.stat().st_size
-        if size != info["bytes"]:
-            raise _corrupt(fpath, f"corrupt or truncated: {size} bytes, metadata says {info['bytes']}")
     algorithm = meta.get("checksum", "crc32")
     for fname, items in by_file.items():
         whole = names is None and len(items) == files[fname].get("tensors", -1)
@@ -85,23 +82,18 @@ def _read_file(fpath: Path, info: dict, items: Sequence[Tuple[str, dict, np.ndar
     """Read ``items`` (name, piece, destination) from one shard; check each piece's checksum, and
     the file's when the pieces read are all of it (``whole``)."""
     header, data_start, raw_header = read_shard_header(fpath)
-    items = sorted(items, key=lambda it: header.get(it[0], {}).get("data_offsets", [0])[0])
+    # Each piece's byte range, checked against the header and the file's size before any is read.
+    spans = [(check_entry(fpath, name, header.get(name), piece, dst.dtype, data_start, info["bytes"]), name, piece,
+              dst) for name, piece, dst in items]
+    spans.sort(key=lambda it: it[0].start)
     digests: Optional[List[str]] = [] if algorithm and whole else None
-    at_expected = 0
+    at_expected = data_start
     with open(fpath, "rb", buffering=0) as f:
-        for name, piece, dst in items:
-            entry = header.get(name)
-            if (entry is None or NUMPY_DTYPES.get(entry.get("dtype")) != dst.dtype.name
-                    or entry.get("shape") != [dst.size]):
-                raise _corrupt(fpath, f"its header does not hold {name!r}[{piece['start']}:{piece['end']}] "
-                                      f"as the metadata says")
-            begin, end = entry["data_offsets"]
-            if end - begin != dst.nbytes:
-                raise _corrupt(fpath, f"the data range of {name!r} has the wrong length")
-            if begin != at_expected:
+        for span, name, piece, dst in spans:
+            if span.start != at_expected:
                 digests = None  # a gap: the file's checksum cannot be checked from the pieces
-            at_expected = end
-            f.seek(data_start + begin)
+            at_expected = span.stop
+            f.seek(span.start)
             mv = memoryview(dst).cast("B") if dst.size else memoryview(b"")
             piece_hash = hasher(algorithm) if algorithm else None
             landed = read_chunks(f, len(mv), into=mv)

@@ -7,6 +7,7 @@ never hands it ``self``: ``state_dict() -> (arrays, progress)`` and ``load_state
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -85,8 +86,10 @@ class CheckpointManager:
                 log.warning("checkpoint %s not written: the agent's store is gone and the optimizer state is "
                             "sharded, so no worker holds all of it", name)
                 return None
-            # No store, no coordinated save: the state is replicated, so rank 0 writes all of it.
-            if rank != 0:
+            # No store, no coordinated save: the state is replicated, so one survivor writes all of it --
+            # whichever claims it first. Not "rank 0": when the agent's host is lost, rank 0 is usually
+            # lost with it, and the survivors on other hosts cannot agree on anything else.
+            if not self._claim(name, replica.generation):
                 return None
             rank, world = 0, 1
         arrays, progress = self.state_dict()  # views: the checkpointer copies only this rank's slice
@@ -94,6 +97,16 @@ class CheckpointManager:
                 "generation": replica.generation, "saved_at": time.time(), **self.recorded}
         return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=replica.generation,
                                       wait=wait, sharded=sharded)
+
+    def _claim(self, name: str, generation: int) -> bool:
+        """True for the one process that creates ``.<name>.solo-g<generation>`` in the job directory (an
+        exclusive create, atomic on a local or NFS filesystem)."""
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(self.job_dir / f".{name}.solo-g{generation}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
 
     def load(self, path: Path) -> None:
         """Load checkpoint ``path`` into the training state; CheckpointMismatch if it is another model's."""
@@ -115,8 +128,9 @@ class CheckpointManager:
         """Load what ``resume`` asks for; returns the checkpoint loaded (None: a fresh start).
 
         ``auto``: this job's newest complete checkpoint that loads (a corrupt one is skipped with a
-        warning; one of another model stops the run rather than silently start fresh). ``none``:
-        nothing. A path: that checkpoint, or the newest complete one of a job or checkpoint directory.
+        warning; one of another model stops the run, and so does a job none of whose checkpoints
+        loads, rather than silently start fresh). ``none``: nothing. A path: that checkpoint, or the
+        newest complete one of a job or checkpoint directory (an error if it does not load).
         """
         if self.resume_mode == "none":
             return None
@@ -124,13 +138,19 @@ class CheckpointManager:
             path = resolve(Path(self.resume_mode).expanduser())
             self.load(path)
             return path
-        for path in reversed(complete_checkpoints(self.job_dir)):
+        found = complete_checkpoints(self.job_dir)
+        for i, path in enumerate(reversed(found)):
             try:
                 self.load(path)
                 return path
             except CheckpointMismatch:
                 raise  # starting fresh would silently discard this job's training
             except ElasticFlowError as exc:
+                if i == len(found) - 1:
+                    raise ElasticFlowError(
+                        f"none of the {len(found)} checkpoint(s) of job {self.job_dir} loads; the oldest, {path}: "
+                        f"{exc.message}", "pass resume=none to start fresh, or resume=PATH to a checkpoint that "
+                        "loads (elasticflow inspect PATH checks one)") from exc
                 log.warning("skipping checkpoint %s: %s; falling back to the previous one", path, exc.message)
         return None
 

@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import signal
 import sys
 import threading
@@ -302,7 +303,7 @@ class Checkpointer:
             raise OSError(f"{path} has {path.stat().st_size} bytes after writing {nbytes}")
         job.views = []  # the snapshot is on disk: let the buffer go back to the next save
         self._kill_at("after_write", job)
-        return {"ok": True, "rank": job.rank, "file": fname, "bytes": nbytes,
+        return {"ok": True, "rank": job.rank, "host": socket.gethostname(), "file": fname, "bytes": nbytes,
                 "checksum": file_digest(CHECKSUM, header, piece_sums),
                 "pieces": piece_sums, "plan": job.digest}
 
@@ -335,6 +336,14 @@ class Checkpointer:
             raise ElasticFlowError(f"checkpoint {job.name}: the ranks' states differ in names, dtypes or shapes "
                                    f"(plans {sorted({r['plan'] for r in reports})})",
                                    "this is a bug in the replicas; report it with RUN_DIR/logs/")
+        for r in reports:  # rank 0 must see every shard where its writer put it: checkpoint.dir is shared
+            shard = job.tmp / r["file"]
+            if not shard.is_file() or shard.stat().st_size != r["bytes"]:
+                raise ElasticFlowError(
+                    f"checkpoint {job.name}: rank {r['rank']} on {r.get('host', '?')} wrote {shard}, which rank 0 on "
+                    f"{socket.gethostname()} cannot see: checkpoint.dir is not on a filesystem every host shares",
+                    "put checkpoint.dir (and hydra.run.dir) on a shared filesystem mounted at the same path on every "
+                    "host")
         meta = self._metadata(job, reports)
         _write_file(job.tmp / METADATA, json.dumps(meta, indent=1, sort_keys=True).encode())
         self._kill_at("before_commit", job)

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from ..console import DetachedConsole
 from ..errors import ElasticFlowError, TrainingInterrupted
 from ..fileio import append_event
-from . import protocol, scaling, workers_json
+from . import admission, hosts, protocol, scaling, workers_json
 from .process import Worker, listening_store
 from .rendezvous import Rendezvous, key
 
@@ -42,24 +42,29 @@ REQUESTS_S = 0.05  # how often join and scale requests are read: two store round
 HEALTH_S = 0.1     # how often heartbeats and failure reports are read
 REPORT_GRACE_S = 2.0  # after a peer reports a failed collective, how long the others have to report too
 CONSOLE_DRAIN_S = 30.0  # at the end, how long the agent waits for a console that is not read (then writes on)
+ENDED = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN)  # a member's exit that ends the job
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
 
 class Agent:
     """Run ``cfg`` with ``launcher.workers`` worker processes; returns rank 0's summary.
 
-    ``launch(env)`` starts one worker process with that environment (the launcher's: local.py, slurm.py).
+    ``launch(env)`` starts one worker process with that environment (the launcher's: local.py, slurm.py,
+    nodes.py). ``port``: where the store listens (0: any free port); ``token``: the job's shared secret
+    (None: a new random one). Workers on other hosts are started by their node agents (hosts.py).
     """
 
     def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1", *,
-                 launch: Callable[[Dict[str, str]], subprocess.Popen], worker_env=None):
+                 launch: Callable[[Dict[str, str]], subprocess.Popen], worker_env=None, port: int = 0,
+                 token: Optional[str] = None):
         self.cfg, self.run_dir, self.host, self.launch = cfg, Path(run_dir), host, launch
         self.worker_env = dict(worker_env or {})
         self.state_dir = self.run_dir / ".elasticflow"
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.token = protocol.new_token(self.run_dir)
-        self.store, self._listener = listening_store(host, cfg.elastic.timeout_s)
+        self.token = protocol.new_token(self.run_dir, token)
+        self.store, self._listener = listening_store(host, cfg.elastic.timeout_s, port)
         self.address = f"{host}:{self.store.port}"
+        self.hosts = hosts.Hosts(self)        # the node agents of other hosts, and their workers' exits
         self.preempted = False
         self.generation = -1                  # nothing published yet
         self.members: List[Worker] = []      # the published generation, rank order
@@ -69,9 +74,7 @@ class Agent:
         self.retiring: List[Worker] = []     # dropped by a scale-down, exiting at a step boundary
         self.waiting: List[Worker] = []      # alive, left out of a generation that failed to form
         self.finished: List[Worker] = []
-        self.next_id = 0
-        self.requests_seen = 0                # join requests counted so far (join/count) ...
-        self.unread: List[int] = []           # ... of which these have not been written yet
+        self.join_requests = protocol.Inbox("join/count", "join/request")
         self.restarts = 0
         self.dirty = False                    # members changed since the last publish
         self.below_min_since: Optional[float] = None
@@ -85,16 +88,20 @@ class Agent:
         self.supersede_cause = ""
 
     # ------------------------------------------------------------------ workers
+    def new_id(self) -> int:
+        """The next worker id, from the store's counter: node agents on other hosts draw from it too."""
+        return int(self.store.add(protocol.IDS_KEY, 1)) - 1
+
     def spawn(self) -> Worker:
-        wid = self.next_id
-        self.next_id += 1
-        # The lowest slot no live worker holds: a replacement binds the GPU of the worker it replaces.
-        held = {w.slot for w in self.members + self.admitted + list(self.joining.values()) + self.waiting}
+        wid = self.new_id()
+        here = [w for w in self.members + self.admitted + list(self.joining.values()) + self.waiting if w.node is None]
+        # The lowest slot no live worker of this host holds: a replacement binds the GPU of the one it replaces.
+        held = {w.slot for w in here}
         slot = next(i for i in range(len(held) + 1) if i not in held)
         env = {**os.environ, **self.worker_env, protocol.ENV_LOCAL_SLOT: str(slot),
                protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
                protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
-               protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, self.target_workers() + 1)),
+               protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, len(here) + 1)),
                protocol.ENV_SPAWNED_AT: str(time.time())}
         proc = self.launch(env)
         worker = Worker(wid, proc.pid, proc, slot=slot)
@@ -205,6 +212,7 @@ class Agent:
             now = time.monotonic()
             if now >= next_requests:
                 self._admit()
+                self.hosts.serve()
                 self._control()
                 next_requests = now + REQUESTS_S
             if now >= next_health:
@@ -225,7 +233,9 @@ class Agent:
             if rc is None:
                 continue
             self.members.remove(w)
-            if rc in CLEAN_EXITS:
+            if rc in CLEAN_EXITS and not self._announced(w):
+                self._lost(w, f"exit code {rc} without the worker's exit record (its node or its srun failed)")
+            elif rc in CLEAN_EXITS:
                 w.state = "finished"
                 self.finished.append(w)
             elif rc in (1, 2, protocol.EXIT_REFUSED):
@@ -252,7 +262,7 @@ class Agent:
             if rc in (1, 2, protocol.EXIT_REFUSED):
                 self.finished.append(w)
                 return w, rc
-            if rc in CLEAN_EXITS or rc == protocol.EXIT_REMOVED:
+            if (rc in CLEAN_EXITS or rc == protocol.EXIT_REMOVED) and self._announced(w):
                 w.state = "finished"
                 self.finished.append(w)
             else:  # not in the generation: its loss changes no group, so nothing to publish
@@ -265,6 +275,10 @@ class Agent:
                 self.write_workers_json()
         return None
 
+    def _announced(self, w: Worker) -> bool:
+        """Whether ``w`` recorded its exit code (protocol.exit_key): a clean code from srun may be srun's own."""
+        return self.store.check([protocol.exit_key(w.id)])
+
     def _lost(self, w: Worker, cause: str, dirty: bool = True) -> None:
         log.warning("worker %d (pid %d) left (%s)", w.id, w.pid, cause)
         self.event("left", worker=w.id, pid=w.pid, cause=cause, generation=self.generation)
@@ -273,8 +287,8 @@ class Agent:
 
     def _maybe_restart(self, w: Worker) -> None:
         lc = self.cfg.launcher
-        if not lc.restart_failed or self.finished or self.interrupted:
-            return
+        if not lc.restart_failed or self.finished or self.interrupted or w.node is not None:
+            return  # a worker of another host is restarted by its node agent
         if self.restarts >= lc.max_restarts:
             self.event("restart_refused", replacing=w.id, restarts=self.restarts, max_restarts=lc.max_restarts)
             return
@@ -285,56 +299,16 @@ class Agent:
 
     # ------------------------------------------------------------------ joins
     def _admit(self) -> None:
-        count = int(self.store.add("join/count", 0))
-        self.unread += range(self.requests_seen + 1, count + 1)
-        self.requests_seen = count
-        # Each counted request is read when it is written, in any order: a joiner killed or stopped between
-        # counting itself and writing its request must not hold up every join behind it. (A dead one's number
-        # stays in the list: one store round trip per round each, no more.)
-        for n in list(self.unread):
-            key = f"join/request/{n}"
-            if not self.store.check([key]):
-                continue  # counted but not written yet; next round
-            self.unread.remove(n)
-            try:
-                request = protocol.decode(self.store.get(key))
-                verdict = self._judge(n, request)
-            except (ValueError, KeyError) as exc:
-                verdict = {"ok": False, "reason": f"malformed join request ({exc})"}
-                request = {}
-            if not verdict["ok"]:
-                log.warning("refused a join request from pid %s on %s: %s", request.get("pid"), request.get("host"),
-                            verdict["reason"])
-                self.event("refused", pid=request.get("pid"), host=request.get("host"), reason=verdict["reason"])
-            self.store.set(f"join/verdict/{n}", json.dumps(verdict))
-            if verdict["ok"]:
-                self.write_workers_json()  # `status` and `scale` see it admitted (it enters the next generation)
-
-    def _judge(self, n: int, request: dict) -> dict:
-        wid, pid = int(request["id"]), int(request["pid"])
-        if not protocol.verify(self.token, f"{n}:{wid}:{pid}", request.get("mac", "")):
-            return {"ok": False, "reason": "wrong or missing job token"}
-        cap = self.cfg.launcher.max_workers
-        if cap and len(self.members) + len(self.admitted) >= cap:
-            return {"ok": False, "reason": f"the job already has launcher.max_workers={cap} workers"}
-        worker = self.joining.pop(wid, None)
-        if worker is not None:
-            worker.pid = pid  # behind srun, the process we started is srun, not the worker
-        else:
-            # Started by someone holding the token (another launcher): give it a fresh id.
-            worker = Worker(self.next_id, pid, None, request.get("host", "?"))
-            self.next_id += 1
-        worker.state = "admitted"
-        worker.host = request.get("host", worker.host)
-        self.admitted.append(worker)
-        return {"ok": True, "id": worker.id}
+        admission.admit(self)
 
     def _maybe_publish(self, now: float) -> None:
         lc, el = self.cfg.launcher, self.cfg.elastic
         if self.generation < 0:
-            # The first generation waits for every initial worker (or min_workers after wait_s).
+            # The first generation waits for every initial worker, on every host launcher.nodes names (or
+            # min_workers after wait_s).
             ready = len(self.admitted)
-            if ready and (not self.joining or (now - self.started > el.wait_s and ready >= lc.min_workers)):
+            every = not self.joining and (lc.name != "nodes" or ready >= lc.nodes * lc.procs_per_node)
+            if ready and (every or (now - self.started > el.wait_s and ready >= lc.min_workers)):
                 self.publish()
             return
         if not (self.members or self.admitted):
@@ -369,6 +343,7 @@ class Agent:
     # ------------------------------------------------------------------ health
     def _check_health(self, now: float) -> None:
         el = self.cfg.elastic
+        ended = any(w.poll() in ENDED for w in self.finished)  # the others stop heartbeating as they close
         # Retiring workers too: until a retiring worker leaves at the step boundary it is still in the current
         # group, and its peers' allreduce waits for it; stopped, it would hold them for elastic.timeout_s.
         for w in [*self.members, *self.waiting, *self.retiring]:
@@ -377,8 +352,18 @@ class Agent:
             beats = int(self.store.add(f"worker/{w.id}/hb", 0))
             if beats != w.hb_value:
                 w.hb_value, w.hb_seen = beats, now
-            elif now - w.hb_seen > el.heartbeat_timeout_s:
+            elif now - w.hb_seen > el.heartbeat_timeout_s and not ended:
                 self._cut_out(w, f"no heartbeat for {now - w.hb_seen:.1f}s (stopped or hung)")
+            elif now - w.hb_seen > el.heartbeat_timeout_s and w.proc is None and w.node is not None:
+                # After the end, a worker of another host whose exit was never reported (its host went down
+                # as the job ended) is not waited for: it has nothing left to do.
+                for group in (self.members, self.waiting, self.retiring):
+                    if w in group:
+                        group.remove(w)
+                w.state = "finished"
+                self.finished.append(w)
+        if ended:
+            return
         g = self.generation
         if g < 0 or not self.members:
             return
@@ -400,8 +385,10 @@ class Agent:
             self.failed_reports_since.pop(g, None)
             return
         since = self.failed_reports_since.setdefault(g, now)
+        for w in [w for w in self.members if w not in reported and w.node is not None and self.hosts.silent(w.node, now)]:
+            self._cut_out(w, f"its peers' collectives failed and its host {w.node} went silent (down or cut off)")
         if now - since > min(REPORT_GRACE_S, el.heartbeat_timeout_s):
-            for w in self.members:
+            for w in list(self.members):  # _cut_out removes a worker of another host from the list
                 if w not in reported and w.state != "killed":
                     self._cut_out(w, "its peers' collectives failed and it never reported (stuck or deadlocked)")
 
@@ -433,6 +420,7 @@ class Agent:
     def _cut_out(self, w: Worker, why: str) -> None:
         log.warning("worker %d (pid %d): %s; killing it", w.id, w.pid, why)
         self.event("hung", worker=w.id, pid=w.pid, reason=why, generation=self.generation)
+        self.store.set(protocol.cut_key(w.id), why)  # a cut-off worker that outlives the kill reads why
         w.state = "killed"
         w.signal(signal.SIGKILL)
         if w.proc is None:  # not our child: we cannot wait for its exit code

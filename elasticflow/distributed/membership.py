@@ -42,7 +42,12 @@ class AgentLost(Exception):
 
 
 class Removed(Exception):
-    """The newest generation does not include this worker."""
+    """The newest generation does not include this worker: retired (a scale-down), or ``cut`` out by the agent
+    (it stopped heartbeating: hung, or its host was cut off)."""
+
+    def __init__(self, message: str, cut: bool = False):
+        super().__init__(message)
+        self.cut = cut
 
 
 class Refused(Exception):
@@ -65,8 +70,8 @@ class Membership:
     """
 
     def __init__(self, address: str, worker_id: Optional[int], timeout_s: float, wait_s: float,
-                 token: Optional[str], host: str = "127.0.0.1"):
-        self.address, self.worker_id, self.token = address, worker_id, token
+                 token: Optional[str], host: str = "127.0.0.1", node: Optional[str] = None):
+        self.address, self.worker_id, self.token, self.node = address, worker_id, token, node
         self.timeout_s, self.wait_s, self.host = timeout_s, wait_s, host
         self.store = _connect(address, timeout_s)
         self.generation = -1
@@ -130,12 +135,16 @@ class Membership:
     def join(self) -> None:
         """Ask the agent to admit this worker (signed with the job token), then enter the first
         generation that lists it. Call when ready to train: the agent adds joiners at once."""
-        n = int(self.store.add("join/count", 1))
-        wid = -1 if self.worker_id is None else self.worker_id
-        request = {"n": n, "id": wid, "pid": os.getpid(), "host": socket.gethostname()}
-        request["mac"] = protocol.sign(self.token, f"{n}:{wid}:{os.getpid()}") if self.token else ""
-        self.store.set(f"join/request/{n}", json.dumps(request))
         try:
+            n = int(self.store.add("join/count", 1))
+        except Exception as exc:  # a worker that started as the job ended
+            raise AgentLost(f"the agent at {self.address} is gone ({str(exc).splitlines()[0][:120]})") from exc
+        wid = -1 if self.worker_id is None else self.worker_id
+        request = {"n": n, "id": wid, "pid": os.getpid(), "host": socket.gethostname(), "node": self.node}
+        message = protocol.join_message(n, wid, os.getpid(), self.node)
+        request["mac"] = protocol.sign(self.token, message) if self.token else ""
+        try:
+            self.store.set(f"join/request/{n}", json.dumps(request))
             # The agent answers within its next round (~10 ms); poll rather than wait with a deadline,
             # so only a store that stops answering ends this.
             while not self.store.check([f"join/verdict/{n}"]):
@@ -193,7 +202,7 @@ class Membership:
                 # A joiner not yet let in, or a worker left out of a generation that failed to form: say
                 # we are ready, so the agent lets us into the next one.
                 if self.generation >= 0 and self.worker_id not in info.get("waiting", []):
-                    raise Removed(f"generation {g} does not include worker {self.worker_id}")
+                    self._removed(g)
                 self._mark(g, "arrived")
                 continue
             self._mark(g, "arrived")
@@ -211,6 +220,16 @@ class Membership:
             if info.get("action") == "stop":
                 raise StopRequested(info.get("reason", "the agent stopped the job"))
             return
+
+    def _removed(self, g: int) -> None:
+        cut = protocol.cut_key(self.worker_id)
+        try:
+            why = self.store.get(cut).decode() if self.store.check([cut]) else None
+        except Exception as exc:
+            raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
+        if why is not None:
+            raise Removed(f"the agent cut worker {self.worker_id} out of the job in generation {g}: {why}", cut=True)
+        raise Removed(f"generation {g} does not include worker {self.worker_id}")
 
     def _mark(self, g: int, what: str) -> None:
         try:

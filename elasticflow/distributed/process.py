@@ -18,12 +18,12 @@ from torch.distributed import TCPStore
 HOSTNAME = socket.gethostname()
 
 
-def listening_store(host: str, timeout_s: float) -> "tuple[TCPStore, socket.socket]":
+def listening_store(host: str, timeout_s: float, port: int = 0) -> "tuple[TCPStore, socket.socket]":
     """A TCPStore listening on ``host`` only (TCPStore alone would listen on every interface)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    sock.bind((host, port))
     sock.listen(1024)
     store = TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
                      wait_for_workers=False, master_listen_fd=sock.fileno())
@@ -42,13 +42,19 @@ class Worker:
     hb_seen: float = field(default_factory=time.monotonic)
     has_state: bool = False                   # was a member of a generation that formed (holds the training state)
     slot: int = 0                             # its slot on the host: which GPU it binds (devices.local_slot)
+    node: Optional[str] = None                # started by the node agent of this host (launcher=nodes) ...
+    outbox: Optional[list] = None             # ... to which signals go, through the agent's store (hosts.py)
+    exit_code: Optional[int] = None           # ... which reported its exit code
 
     def poll(self) -> Optional[int]:
-        return self.proc.poll() if self.proc is not None else None
+        return self.proc.poll() if self.proc is not None else self.exit_code
 
     def signal(self, sig: int) -> None:
         """Signal the worker itself; on another node, through its srun (which forwards USR1, and
-        cancels the step on TERM)."""
+        cancels the step on TERM), or its node agent."""
+        if self.node is not None:
+            self.outbox.append((self.node, self.id, int(sig)))  # sent from the agent's loop: not from a handler
+            return
         try:
             if self.host == HOSTNAME or self.proc is None:
                 os.kill(self.pid, sig)

@@ -1,4 +1,4 @@
-"""Launchers: how the workers of a run are started (local processes, or SLURM job steps)."""
+"""Launchers: how the workers of a run are started (local processes, processes on several hosts, or SLURM job steps)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +11,10 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
         from .slurm import run as run_slurm
 
         return run_slurm(cfg, run_dir)
+    if cfg.launcher.name == "nodes":
+        from .nodes import run as run_nodes
+
+        return run_nodes(cfg, run_dir)
     from .local import run as run_local
 
     return run_local(cfg, run_dir)

@@ -28,6 +28,7 @@ from typing import Any, Dict, List
 
 from omegaconf import OmegaConf
 
+from ..config_ranges import has_control_characters
 from ..distributed import protocol
 from ..errors import ElasticFlowError, TrainingInterrupted
 from .worker import COMMAND
@@ -55,6 +56,10 @@ def batch_script(cfg: Any, run_dir: Path) -> str:
     name = f"elasticflow-{Path(cfg.model).stem}"
     directives = [f"--job-name={name}", f"--nodes={lc.nodes}", f"--ntasks-per-node={lc.tasks_per_node}",
                   f"--signal=B:{lc.signal}", "--requeue" if lc.requeue else "--no-requeue",
+                  # A node that fails takes only its own steps (workers) with it: without --no-kill SLURM
+                  # ends the whole job once the node is DOWN (and requeues it, from the last checkpoint),
+                  # while the agent on the first node would have gone on with the workers left.
+                  "--no-kill",
                   # A requeued job must append to the log, not truncate the first run's.
                   "--open-mode=append", f"--output={run_dir}/slurm/job-%j.out"]
     for key, flag in (("partition", "partition"), ("time", "time"), ("cpus_per_task", "cpus-per-task"),
@@ -62,6 +67,11 @@ def batch_script(cfg: Any, run_dir: Path) -> str:
         if lc[key] is not None:
             directives.append(f"--{flag}={lc[key]}")
     directives += list(lc.sbatch_args)
+    # validate() keeps launcher.* on one line, but not the run directory (hydra.run.dir is no config key).
+    for directive in directives:
+        if has_control_characters(directive):
+            raise ElasticFlowError(f"the job.sbatch directive {directive!r} would hold a newline or control "
+                                   "character", "pass hydra.run.dir and launcher.* values on one line")
     lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [
         "# Written by elasticflow. The agent runs on the first node and starts every worker as its own",
         "# `srun --exact` step; the run directory below is fixed, so a requeued job resumes from it.",

@@ -68,15 +68,16 @@ def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> DetachedConsol
 
 def bind_address(interface) -> str:
     """Where this worker's gloo listens: $ELASTICFLOW_BIND, else 127.0.0.1 for local runs, else
-    ``launcher.interface`` (a name like eth0 or an address), else this host's name resolved."""
+    ``launcher.interface`` (a name like eth0 or an address), else this host's address on the route to the
+    agent's store: the one the other hosts' workers reach (netif.address_toward), never a loopback one."""
     explicit = os.environ.get(protocol.ENV_BIND)
     if explicit and explicit != "auto":
         return explicit
     if explicit != "auto":
         return "127.0.0.1"
-    from ..distributed.netif import address_of
+    from ..distributed.netif import address_toward
 
-    return address_of(interface)
+    return address_toward(os.environ[protocol.ENV_STORE].rsplit(":", 1)[0], interface)
 
 
 def _write_error(run_dir: Path, holder: dict, worker_id, message: str, hint: str) -> None:
@@ -87,12 +88,27 @@ def _write_error(run_dir: Path, holder: dict, worker_id, message: str, hint: str
     (run_dir / ".elasticflow" / f"error-{worker_id}.json").write_text(json.dumps({"message": message, "hint": hint}))
 
 
+def _record_exit(holder: dict, code: int) -> None:
+    """Tell the agent this worker's exit code (protocol.exit_key): the only proof of a clean exit behind srun,
+    whose own code is 0 also when this worker's node failed."""
+    trainer = holder["trainer"]
+    membership = getattr(trainer, "membership", None)
+    if membership is None or membership.worker_id is None:
+        return
+    try:
+        membership.store.set(protocol.exit_key(membership.worker_id), str(code))
+    except Exception:  # noqa: BLE001 - the agent is gone: nobody to tell
+        pass
+
+
 def main() -> None:
     from omegaconf import OmegaConf
 
     from ..config import Config
     from ..errors import ElasticFlowError, TrainingInterrupted
     from ..distributed.membership import AgentLost, Membership, Refused
+    from torch.distributed import DistNetworkError
+
     from ..trainer import ElasticTrainer
 
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
@@ -103,7 +119,8 @@ def main() -> None:
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
         membership = Membership(os.environ[protocol.ENV_STORE], worker_id, cfg.elastic.timeout_s, cfg.elastic.wait_s,
-                                os.environ.get(protocol.ENV_TOKEN), host=bind_address(cfg.launcher.interface))
+                                os.environ.get(protocol.ENV_TOKEN), host=bind_address(cfg.launcher.interface),
+                                node=os.environ.get(protocol.ENV_NODE))
         trainer = ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir), membership=membership)
         holder["trainer"] = trainer
         summary = trainer.fit()
@@ -116,15 +133,19 @@ def main() -> None:
         print(f"error: the agent refused this worker: {exc}\nhint: workers must be started by the agent, "
               f"or carry the job token from RUN_DIR/.elasticflow/token in ${protocol.ENV_TOKEN}", file=sys.stderr)
         code = protocol.EXIT_REFUSED
-    except AgentLost as exc:
-        print(f"error: {exc}\nhint: is the job still running? see RUN_DIR/workers.json", file=sys.stderr)
+    except (AgentLost, DistNetworkError) as exc:
+        # DistNetworkError: the store closed under a call outside membership (a worker that started as the job
+        # ended, and asked for the checkpoint folder): the agent is gone, as for AgentLost.
+        what = str(exc) if isinstance(exc, AgentLost) else \
+            f"the agent at {os.environ[protocol.ENV_STORE]} is gone ({str(exc).splitlines()[0][:160]})"
+        print(f"error: {what}\nhint: is the job still running? see RUN_DIR/workers.json", file=sys.stderr)
         code = protocol.EXIT_AGENT_LOST
     except ElasticFlowError as exc:
         code = exc.exit_code
         if code == protocol.EXIT_REMOVED:
             logging.getLogger("elasticflow").info("worker %s: %s", worker_id, exc.message)
         else:
-            if code not in (protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST):
+            if code not in (protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST, protocol.EXIT_CUT_OUT):
                 _write_error(run_dir, holder, worker_id, exc.message, exc.hint)
             logging.getLogger("elasticflow").warning("worker %s: %s", worker_id, exc.message)
     except BaseException as exc:  # noqa: BLE001 - report any failure to the agent as one line
@@ -134,6 +155,7 @@ def main() -> None:
         _write_error(run_dir, holder, worker_id, f"worker {worker_id}: {type(exc).__name__}: {exc}",
                      f"see {run_dir}/logs/worker-{worker_id}.log for the traceback")
         code = 1
+    _record_exit(holder, code)
     # A process whose gloo group failed can abort in its exit handlers: flush, then leave at once.
     console.close(timeout_s=5.0)  # bounded: the agent waits for this exit
     logging.shutdown()

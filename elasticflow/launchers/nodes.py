@@ -1,0 +1,83 @@
+"""launcher=nodes: a job across hosts started torchrun-style, the same command on every host.
+
+    elasticflow train model.py launcher=nodes launcher.endpoint=10.0.0.1:29400 launcher.procs_per_node=2 \
+        launcher.nodes=2 launcher.token_file=/shared/job.token hydra.run.dir=/shared/runs/job1
+
+The host that owns the endpoint's address runs the job's agent (its store listens there) and its own
+workers; every other host runs a node agent (distributed/node_agent.py) that starts, watches and restarts
+its workers and joins them to the job. A host started later joins the running job: that is how a job
+grows by a host. docs/multi-host.md says what the hosts must share (the token, the run directory and
+checkpoint.dir) and what the endpoint trusts.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import Any, Dict
+
+from ..distributed import netif, protocol
+from ..errors import ElasticFlowError
+from .local import local_launch
+
+TOKEN_HINT = ("write one secret to a file readable only by you (`openssl rand -hex 32 > ~/.ef-token; "
+              "chmod 600 ~/.ef-token`) and pass launcher.token_file=$HOME/.ef-token on every host, or export "
+              f"{protocol.ENV_JOB_TOKEN}")
+
+
+def job_token(cfg: Any) -> str:
+    """The job's shared secret: launcher.token_file, else $ELASTICFLOW_JOB_TOKEN. It signs every request to
+    the agent and never crosses the network itself."""
+    path = cfg.launcher.token_file
+    if path:
+        path = Path(path).expanduser()
+        try:
+            token = path.read_text().strip()
+            mode = path.stat().st_mode
+        except OSError as exc:
+            raise ElasticFlowError(f"cannot read launcher.token_file={str(path)!r} ({exc.strerror})", TOKEN_HINT) from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ElasticFlowError(f"launcher.token_file={str(path)!r} can be read by others (mode "
+                                   f"{stat.S_IMODE(mode):o}): anyone who reads it can join or stop the job",
+                                   f"chmod 600 {path}")
+    else:
+        token = os.environ.get(protocol.ENV_JOB_TOKEN, "").strip()
+    if len(token) < 16:
+        raise ElasticFlowError("launcher=nodes needs the job's shared token, of at least 16 characters" +
+                               (f"; {path} holds {len(token)}" if path else ""), TOKEN_HINT)
+    return token
+
+
+def owns(host: str) -> bool:
+    """Whether ``host`` (the endpoint's) is an address of this machine."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        raise ElasticFlowError(f"cannot resolve launcher.endpoint's host {host!r} ({exc})",
+                               "pass its address: launcher.endpoint=10.0.0.1:29400") from None
+    return address in netif.interfaces().values()
+
+
+def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
+    host, port = cfg.launcher.endpoint.rsplit(":", 1)
+    token = job_token(cfg)
+    if not owns(host):
+        from ..distributed.node_agent import NodeAgent
+
+        return NodeAgent(cfg, cfg.launcher.endpoint, token, local_launch,
+                         bind=netif.address_toward(host, cfg.launcher.interface)).run()
+    from ..distributed.agent import Agent
+    from ..goodput import job
+
+    address = socket.gethostbyname(host)
+    if cfg.checkpoint.dir:  # the workers of every host must name the same directory: no relative path
+        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).expanduser().absolute())
+    try:
+        agent = Agent(cfg, run_dir, host=address, port=int(port), token=token, launch=local_launch,
+                      worker_env={protocol.ENV_BIND: address})
+    except OSError as exc:
+        raise ElasticFlowError(f"cannot listen on launcher.endpoint={cfg.launcher.endpoint} ({exc.strerror})",
+                               "pick a free port (another job may hold this one), the same on every host") from None
+    with job(run_dir):  # the job's start and end, for the goodput ledger
+        return agent.run()

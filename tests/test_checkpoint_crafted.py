@@ -1,0 +1,253 @@
+"""Hand-crafted checkpoints: metadata.json and shard headers are input, and the loader checks them first.
+
+Each case writes a real checkpoint through the public API, edits its metadata.json (or a shard's header)
+the way a damaged disk or a hand edit would, and expects one CorruptCheckpoint (an ElasticFlowError)
+naming the file and the field -- never a MemoryError, a KeyError, uninitialised memory, or a read
+outside the checkpoint. Then: resume=auto falls back past such a checkpoint with one warning line, an
+explicit resume=PATH to it is an error, and `elasticflow inspect` prints one error line.
+"""
+import json
+import struct
+
+import numpy as np
+import pytest
+
+import elasticflow.checkpoint as ckpt
+from elasticflow.checkpoint import CorruptCheckpoint
+from elasticflow.checkpoint.inspect import render
+from elasticflow.errors import ElasticFlowError
+
+from conftest import run_cli, train
+
+STATE = {"W": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.arange(3, dtype=np.int64)}
+INFO = {"step": 10, "epoch": 0, "cursor": {"epoch": 0, "samples_in_epoch": 160, "samples_seen": 160}}
+SHARD = ckpt.shard_name(0, 1)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A real checkpoint (one shard), written by elasticflow; each test edits its own copy."""
+    path = ckpt.save(tmp_path / "job_20250101-000000", "step_10", STATE, INFO)
+    loaded = ckpt.load(path)
+    assert all(np.array_equal(loaded[k], v) for k, v in STATE.items())
+    return path
+
+
+def edit_metadata(path, change):
+    meta = json.loads((path / ckpt.METADATA).read_text())
+    change(meta)
+    (path / ckpt.METADATA).write_text(json.dumps(meta))
+
+
+def refused(path, *fields, file=ckpt.METADATA, verify=True):
+    """The one error loading (and inspecting) ``path`` gives: a CorruptCheckpoint naming ``file`` and ``fields``."""
+    with pytest.raises(ElasticFlowError) as caught:
+        ckpt.load(path, verify=verify)
+    err = caught.value
+    assert isinstance(err, CorruptCheckpoint), repr(err)
+    assert f"'{path / file}'" in err.message and all(f in err.message for f in fields), err.message
+    assert err.hint and "\n" not in err.message
+    if file == ckpt.METADATA:  # inspect reads the metadata only: the same refusal
+        with pytest.raises(CorruptCheckpoint) as inspected:
+            render(path)
+        assert inspected.value.message == err.message
+    return err.message
+
+
+# ---------------------------------------------------------------- shapes: checked before anything is allocated
+def test_a_huge_shape_is_refused_before_it_is_allocated(checkpoint):
+    edit_metadata(checkpoint, lambda m: m["tensors"]["W"].update(shape=[2 ** 50]))
+    message = refused(checkpoint, "tensors['W']['shards']", "1125899906842624 elements of its 'shape'")
+    assert "pieces covering [0, 12)" in message
+
+
+def test_a_huge_shape_with_a_piece_to_match_is_bounded_by_the_file_size(checkpoint):
+    def huge(meta):
+        meta["tensors"]["W"].update(shape=[2 ** 50])
+        meta["tensors"]["W"]["shards"][0]["end"] = 2 ** 50
+    edit_metadata(checkpoint, huge)
+    refused(checkpoint, f"files['{SHARD}']['bytes']", "bytes of the pieces")
+
+
+def test_a_shape_no_array_can_have_is_refused(checkpoint):
+    edit_metadata(checkpoint, lambda m: m["tensors"]["W"].update(shape=[0, 2 ** 70]))
+    refused(checkpoint, "tensors['W']['shape']", "a shape an array can have")
+
+
+def test_a_negative_shape_is_refused(checkpoint):
+    edit_metadata(checkpoint, lambda m: m["tensors"]["W"].update(shape=[-4]))
+    refused(checkpoint, "tensors['W']['shape']", "[-4]", "non-negative integers")
+
+
+def test_an_unknown_dtype_is_refused(checkpoint):
+    edit_metadata(checkpoint, lambda m: m["tensors"]["W"].update(dtype="object"))
+    refused(checkpoint, "tensors['W']['dtype']", "'object'", "float32")
+
+
+# ---------------------------------------------------------------- pieces: disjoint, in range, covering exactly
+def split_b(first, second):
+    def change(meta):
+        piece = meta["tensors"]["b"]["shards"][0]
+        meta["tensors"]["b"]["shards"] = [{**piece, "start": first[0], "end": first[1]},
+                                          {**piece, "start": second[0], "end": second[1]}]
+    return change
+
+
+def test_pieces_with_a_negative_start_are_refused_though_their_lengths_add_up(checkpoint):
+    edit_metadata(checkpoint, split_b((0, 3), (-3, 0)))  # 3 + 3 elements... of a 3-element tensor
+    edit_metadata(checkpoint, lambda m: m["tensors"]["b"].update(shape=[6]))
+    refused(checkpoint, "tensors['b']['shards'][1]['start']", "-3", "non-negative")
+
+
+def test_overlapping_pieces_are_refused_though_their_lengths_add_up(checkpoint):
+    edit_metadata(checkpoint, split_b((0, 2), (0, 2)))
+    edit_metadata(checkpoint, lambda m: m["tensors"]["b"].update(shape=[4]))
+    refused(checkpoint, "tensors['b']['shards']", "an overlap", "piece starting at element 2")
+
+
+def test_a_gap_between_pieces_is_refused(checkpoint):
+    edit_metadata(checkpoint, split_b((0, 1), (2, 3)))
+    refused(checkpoint, "tensors['b']['shards']", "a gap", "piece starting at element 1")
+
+
+def test_a_piece_past_the_end_of_its_tensor_is_refused(checkpoint):
+    edit_metadata(checkpoint, split_b((0, 3), (3, 5)))
+    refused(checkpoint, "tensors['b']['shards'][1]", "[3, 5]", "inside the tensor's 3 elements")
+
+
+# ---------------------------------------------------------------- shard file names: never a path
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", f"sub/{SHARD}", f"..{SHARD}"])
+def test_a_shard_name_that_is_not_one_the_format_makes_is_refused(checkpoint, name):
+    (checkpoint.parent / "outside.safetensors").write_bytes((checkpoint / SHARD).read_bytes())
+
+    def rename(meta):
+        meta["files"] = {name: meta["files"][SHARD]}
+        for t in meta["tensors"].values():
+            for piece in t["shards"]:
+                piece["file"] = name
+    edit_metadata(checkpoint, rename)
+    refused(checkpoint, "shard file name", repr(name), "never a path")
+
+
+def test_a_piece_in_an_unlisted_file_is_refused(checkpoint):
+    edit_metadata(checkpoint, lambda m: m["tensors"]["W"]["shards"][0].update(file="../outside.safetensors"))
+    refused(checkpoint, "tensors['W']['shards'][0]['file']", "one of the files the metadata lists")
+
+
+# ---------------------------------------------------------------- required keys, with their types
+@pytest.mark.parametrize("remove, field", [
+    (lambda m: m["tensors"]["W"].pop("shards"), "tensors['W'] has no 'shards' entry"),
+    (lambda m: m["tensors"]["W"].pop("dtype"), "tensors['W'] has no 'dtype' entry"),
+    (lambda m: m["files"][SHARD].pop("bytes"), f"files['{SHARD}'] has no 'bytes' entry"),
+    (lambda m: m["tensors"]["b"]["shards"][0].pop("end"), "tensors['b']['shards'][0] has no 'end' entry"),
+    (lambda m: m.pop("files"), "has no 'files' entry"),
+], ids=["shards", "dtype", "bytes", "end", "files"])
+def test_a_missing_required_key_is_refused(checkpoint, remove, field):
+    edit_metadata(checkpoint, remove)
+    refused(checkpoint, field)
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda m: m["tensors"]["W"].update(shape="4x3"), "tensors['W']['shape'] is '4x3'"),
+    (lambda m: m["tensors"]["W"]["shards"][0].update(start="0"), "tensors['W']['shards'][0]['start'] is '0'"),
+    (lambda m: m["tensors"].update(W=[1, 2]), "tensors['W'] is [1, 2]"),
+    (lambda m: m.update(step=True), "['step'] is True"),
+    (lambda m: m["cursor"].update(samples_seen=-1), "'cursor'['samples_seen'] is -1"),
+    (lambda m: m["tensors"]["W"].update(dtype=["float32"]), "tensors['W']['dtype'] is ['float32']"),
+    (lambda m: m["tensors"]["W"]["shards"][0].update(file=["x"]), "tensors['W']['shards'][0]['file'] is ['x']"),
+], ids=["shape", "start", "tensor", "step", "cursor", "dtype", "file"])
+def test_a_key_of_the_wrong_type_is_refused(checkpoint, change, field):
+    edit_metadata(checkpoint, change)
+    refused(checkpoint, field)
+
+
+# ---------------------------------------------------------------- shard headers: offsets inside the file's data
+def edit_header(path, name, offsets):
+    """Rewrite the shard's header with ``name``'s data_offsets changed (and the metadata's byte count to match)."""
+    shard = path / SHARD
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header[name]["data_offsets"] = offsets
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    edit_metadata(path, lambda m: m["files"][SHARD].update(bytes=shard.stat().st_size))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_negative_data_offsets_never_read_header_bytes(checkpoint, verify):
+    edit_header(checkpoint, "W", [-16, 32])
+    refused(checkpoint, "the header entry 'W'['data_offsets']", "[-16, 32]", "inside the file's", file=SHARD,
+            verify=verify)
+
+
+def test_data_offsets_past_the_end_of_the_file_are_refused(checkpoint):
+    edit_header(checkpoint, "b", [48, 10 ** 9])
+    refused(checkpoint, "the header entry 'b'['data_offsets']", file=SHARD, verify=False)
+
+
+# ---------------------------------------------------------------- resume, inspect
+MODEL = '''
+import numpy as np
+from elasticflow import ops, optim
+
+
+def model(cfg):
+    return {"W": np.zeros((4, 2), np.float32), "optimizer": optim.SGD(0.05)}
+
+
+def forward(x, y, params):
+    return ops.mse(x @ params["W"], y)
+
+
+def data(cfg):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    return x, (x @ rng.normal(size=(4, 2))).astype(np.float32)
+'''
+
+RUN = ["trainer.global_batch_size=16", "checkpoint.interval.steps=5", "checkpoint.keep=null"]
+
+
+def one_error_line(proc):
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_resume_auto_falls_back_past_a_crafted_checkpoint_and_an_explicit_path_is_an_error(tmp_path, write_model):
+    path, run = write_model(MODEL), tmp_path / "run"
+    train(path, run, *RUN, "trainer.max_steps=10")
+    found = sorted((p for p in (run / "checkpoints").rglob("step_*") if ckpt.is_complete(p)), key=lambda p: p.name)
+    step10, step5 = found[0], found[1]
+    assert (step5.name, step10.name) == ("step_5", "step_10")
+    edit_metadata(step10, lambda m: m["tensors"]["W"].update(shape=[-4]))
+    meta_file = step10 / ckpt.METADATA
+
+    # an explicit path to it: one error line naming the file and the field, no fallback
+    proc = train(path, tmp_path / "other", *RUN, "trainer.max_steps=12", f"resume={step10}", check=False)
+    line = one_error_line(proc)
+    assert str(meta_file) in line and "tensors['W']['shape']" in line and "resumed from" not in proc.stderr
+
+    # inspect: the same one line
+    line = one_error_line(run_cli(["inspect", step10], timeout=60))
+    assert str(meta_file) in line and "tensors['W']['shape']" in line
+
+    # resume=auto: one warning line naming the bad checkpoint and why, then step_5
+    proc = train(path, run, *RUN, "trainer.max_steps=12")
+    warnings = [line for line in proc.stderr.splitlines() if "skipping checkpoint" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert str(step10) in warnings[0] and "tensors['W']['shape']" in warnings[0] and "falling back" in warnings[0]
+    assert f"resumed from {step5}" in proc.stderr
+
+
+def test_resume_auto_with_no_checkpoint_that_loads_is_one_error(tmp_path, write_model):
+    path, run = write_model(MODEL), tmp_path / "run"
+    train(path, run, *RUN, "trainer.max_steps=10")
+    for p in (run / "checkpoints").rglob("step_*"):
+        edit_metadata(p, lambda m: m["files"].clear())
+    proc = train(path, run, *RUN, "trainer.max_steps=12", check=False)
+    line = one_error_line(proc)
+    assert "none of the 2 checkpoint(s)" in line and "step_5" in line and "resumed from" not in proc.stderr
+    assert "resume=none" in proc.stderr  # the hint

@@ -1,0 +1,338 @@
+"""launcher=nodes across real hosts (network namespaces: tests/hosts.py): the same command on every host,
+and what only happens across hosts -- a host powered off, a partition that heals, a host joining late, the
+agent's own host lost. Each run is checked against the 1-worker run and the exactly-once sample record."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import metrics, run_cli
+from hosts import Hosts, hosts  # noqa: F401 - fixture
+from test_elastic import COMMON, PROBE, assert_equivalent, events, logged_step, train_ok, wait_for
+
+from elasticflow import checkpoint as ckpt
+
+TOKEN = "3f1c9a7be2d4405f8c6a1d2e9b7f0a53"
+ENDPOINT = "10.231.0.1:29400"
+SAMPLES = 1437  # the digits set
+
+
+def nodes_args(*extra: str) -> list:
+    return [*COMMON, "launcher=nodes", f"launcher.endpoint={ENDPOINT}", "launcher.procs_per_node=2", *extra]
+
+
+def start_job(net, run: Path, hosts_: list, *extra: str, env: dict | None = None, record: Path | None = None):
+    """The same `elasticflow train` on each host (h1 owns the endpoint); returns {host: process}."""
+    env = {"ELASTICFLOW_JOB_TOKEN": TOKEN, **(env or {}), **({"EF_PROBE_RECORD": str(record)} if record else {})}
+    procs = {}
+    for h in hosts_:
+        # Every host names the same run directory: it is on the filesystem they share.
+        procs[h] = net.train(h, PROBE, run, *nodes_args(*extra), env=env)
+    return procs
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = Hosts.kill(proc)
+        raise AssertionError(f"did not finish in {timeout}s:\n{out[-4000:]}")
+    return out
+
+
+def assert_each_sample_once(run: Path, record: Path) -> None:
+    """Per epoch, the ids that went into committed steps: every sample exactly once (the last, partial epoch:
+    none twice). A step's ids count from the generation that committed it."""
+    committed = {r["step"]: (r["generation"], r["epoch"]) for r in metrics(run) if "loss" in r}
+    consumed: dict = {}
+    for f in record.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if committed.get(r["step"], (None,))[0] == r["generation"]:
+                consumed.setdefault(r["epoch"], Counter()).update(r["ids"])
+    last = max(consumed)
+    for epoch, seen in consumed.items():
+        if epoch < last:
+            assert seen == Counter(range(SAMPLES)), f"epoch {epoch}"
+        else:
+            assert max(seen.values()) == 1, f"epoch {epoch}: a sample used twice"
+    assert sum(sum(c.values()) for c in consumed.values()) == metrics(run)[-1]["samples_seen"]
+
+
+def workers(run: Path) -> list:
+    """Members and admitted joiners, from workers.json."""
+    try:
+        snapshot = json.loads((run / "workers.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return []
+    return snapshot["members"] + [w for w in snapshot["joining"] if w["state"] == "admitted"]
+
+
+def worker_hosts(run: Path) -> Counter:
+    return Counter(m["host"] for m in json.loads((run / "workers.json").read_text())["members"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("reference")
+    train_ok(run)
+    return run
+
+
+def test_two_hosts_of_two_workers_equal_one_worker(hosts, tmp_path, reference):
+    net = hosts(2)
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", record=record)
+    out = {h: finish(p) for h, p in procs.items()}
+    assert procs["h1"].returncode == 0, out["h1"][-3000:]
+    assert procs["h2"].returncode == 0, out["h2"][-3000:]
+    assert "done: host=h2 workers=2" in out["h2"]
+    assert_equivalent(run, reference)
+    assert_each_sample_once(run, record)
+    assert {r["world_size"] for r in metrics(run) if "loss" in r} == {4}
+    hosts_seen = {e["host"] for e in events(run) if e["event"] == "node"}
+    assert hosts_seen == {"h2"}
+    # Every worker advertised its host's own address to its peers, never a loopback one.
+    for log in (run / "logs").glob("worker-*.log"):
+        assert "127.0.0.1" not in log.read_text()
+
+
+def test_host_powered_off_mid_step(hosts, tmp_path, reference):
+    net = hosts(2)
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.min_workers=2",
+                      env={"EF_PROBE_SLEEP": "0.1"}, record=record)
+    wait_for(lambda: logged_step(run) >= 20, 150, "step 20")
+    net.off("h2")  # both of its workers and its node agent die at once
+    killed_at = time.time()
+    out = finish(procs["h1"])
+    assert procs["h1"].returncode == 0, out[-3000:]
+    assert_equivalent(run, reference)
+    assert_each_sample_once(run, record)
+    world = [r["world_size"] for r in metrics(run) if "loss" in r]
+    assert world[0] == 4 and world[-1] == 2
+    cut = [e for e in events(run) if e["event"] == "hung"]
+    assert len(cut) == 2 and all("host h2 went silent" in e["reason"] or "never reported" in e["reason"] for e in cut)
+    recovered = [e for e in events(run) if e["event"] == "recovered"]
+    assert recovered and recovered[0]["world_size"] == 2
+    # The survivors' next step came within the node-silence bound (hosts.NODE_SILENT_S), not a timeout.
+    assert recovered[0]["time"] - killed_at < COMMON_TIMEOUT_S, recovered[0]
+
+
+COMMON_TIMEOUT_S = 10.0  # elastic.timeout_s in COMMON
+
+
+def test_partition_longer_than_the_timeouts_then_heal(hosts, tmp_path, reference):
+    """h2 cut off for longer than elastic.timeout_s: the job goes on with h1 after at most timeout_s; h2's
+    workers, cut off, write nothing the job reads and exit; when the link heals h2's node agent starts them
+    again and they join as new members. The result is still the 1-worker run's."""
+    net = hosts(2)
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    pace = tmp_path / "pace"  # steps take EF_PROBE_SLEEP while it exists: the job outlasts h2's restarts
+    pace.touch()
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.min_workers=2",
+                      "elastic.heartbeat_timeout_s=2", "elastic.timeout_s=4", "launcher.restart_failed=true",
+                      env={"EF_PROBE_SLEEP": "0.6", "EF_PROBE_PACE": str(pace)}, record=record)
+    wait_for(lambda: logged_step(run) >= 12, 150, "step 12")
+    net.cut("h2")
+    cut_at = time.time()
+    wait_for(lambda: any(r.get("world_size") == 2 for r in metrics(run) if "loss" in r), 30, "h1 alone training")
+    time.sleep(max(0.0, cut_at + 7 - time.time()))  # cut off past every timeout
+    net.heal("h2")
+    wait_for(lambda: sum(1 for w in workers(run) if w["host"] == "h2" and w["worker_id"] >= 4) == 2, 150,
+             "h2's workers started again and admitted")
+    pace.unlink()
+    out = finish(procs["h1"])
+    out2 = finish(procs["h2"])
+    assert procs["h1"].returncode == 0, out[-3000:]
+    assert_equivalent(run, reference)
+    assert_each_sample_once(run, record)
+    world = [r["world_size"] for r in metrics(run) if "loss" in r]
+    assert world[0] == 4 and 2 in world
+    assert world[-1] == 4, ("h2's workers should rejoin as new members", world, out2[-3000:])
+    assert "was cut out of the job by the agent" in out2 and "done: host=h2 workers=4 restarts=2" in out2, out2
+    first_alone = next(r for r in metrics(run) if r.get("world_size") == 2)
+    assert first_alone["time"] - cut_at < 4 + 2 + 3, "cut out within elastic.timeout_s (+ the regroup)"
+    joined = [e for e in events(run) if e["event"] == "joined"]
+    assert {e["worker"] for e in joined} >= {4, 5}, joined
+
+
+def test_a_host_started_late_joins_the_running_job(hosts, tmp_path, reference):
+    net = hosts(2)
+    run, record, pace = tmp_path / "run", tmp_path / "record", tmp_path / "pace"
+    record.mkdir()
+    pace.touch()  # steps take EF_PROBE_SLEEP until h2's workers are in: the job outlasts their start-up
+    env = {"EF_PROBE_SLEEP": "0.25", "EF_PROBE_PACE": str(pace)}
+    procs = start_job(net, run, ["h1"], "launcher.nodes=1", env=env, record=record)
+    wait_for(lambda: logged_step(run) >= 5, 150, "step 5")
+    procs.update(start_job(net, run, ["h2"], "launcher.nodes=1", env=env, record=record))
+    wait_for(lambda: sum(1 for w in workers(run) if w["host"] == "h2") == 2, 150, "h2's workers admitted")
+    pace.unlink()
+    out = {h: finish(p) for h, p in procs.items()}
+    assert procs["h1"].returncode == 0 and procs["h2"].returncode == 0, (out["h1"][-2000:], out["h2"][-2000:])
+    assert_equivalent(run, reference)
+    assert_each_sample_once(run, record)
+    world = [r["world_size"] for r in metrics(run) if "loss" in r]
+    assert world[0] == 2 and world[-1] == 4, world
+    assert worker_hosts(run) == Counter({"h1": 2, "h2": 2})
+
+
+def test_agent_host_lost_every_worker_checkpoints_and_a_rerun_resumes(hosts, tmp_path, reference):
+    net = hosts(2)
+    run = tmp_path / "run"
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", env={"EF_PROBE_SLEEP": "0.1"})
+    wait_for(lambda: logged_step(run) >= 20, 150, "step 20")
+    net.off("h1")  # the agent, its store and rank 0 with it
+    out = finish(procs["h2"], timeout=60)
+    assert procs["h2"].returncode == 4, out[-3000:]
+    assert "the job's agent at 10.231.0.1:29400 is gone" in out and "Traceback" not in out
+    saved = ckpt.latest(run / "checkpoints")
+    assert saved is not None and ckpt.read_metadata(saved)["step"] >= 20, "h2's workers wrote where they were"
+    net.on("h1")
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2")
+    out = {h: finish(p) for h, p in procs.items()}
+    assert procs["h1"].returncode == 0, out["h1"][-3000:]
+    assert f"resumed from {saved}" in out["h1"] or "resum" in out["h1"], out["h1"][-3000:]
+    assert_equivalent(run, reference)
+
+
+def test_a_host_that_cannot_see_the_run_directory_fails_in_one_line(hosts, tmp_path):
+    net = hosts(2)
+    run = tmp_path / "run"
+    job = start_job(net, run, ["h1"], "launcher.nodes=2", "elastic.wait_s=60")
+    # h2 has its own (empty) filesystem where the run directory is: no shared filesystem.
+    hidden = net.run("h2", ["mount", "-t", "tmpfs", "tmpfs", str(tmp_path)])
+    assert hidden.returncode == 0, hidden.stderr
+    node = start_job(net, tmp_path / "elsewhere", ["h2"])["h2"]
+    out = finish(node, timeout=60)
+    assert node.returncode == 2, out[-2000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith(("error:", "hint:"))]
+    assert lines[0] == (f"error: host h2 cannot see the run directory {run} that the endpoint's host writes: "
+                        "launcher=nodes needs it on a filesystem every host shares")
+    assert lines[1].startswith("hint: put hydra.run.dir and checkpoint.dir on a shared filesystem")
+    assert "Traceback" not in out
+    # A host with another token is refused, and the job is untouched.
+    wrong = net.train("h2", PROBE, tmp_path / "other", *nodes_args(), env={"ELASTICFLOW_JOB_TOKEN": "x" * 32})
+    out = finish(wrong, timeout=60)
+    assert wrong.returncode == 6 and "refused host h2: wrong or missing job token" in out, out[-2000:]
+    Hosts.kill(job["h1"])
+
+
+def test_the_token_comes_from_a_private_file_or_the_environment(tmp_path):
+    base = ["train", PROBE, f"hydra.run.dir={tmp_path / 'r'}", "launcher=nodes", "launcher.endpoint=127.0.0.1:29433"]
+    missing = run_cli(base, env={"ELASTICFLOW_JOB_TOKEN": ""})
+    assert missing.returncode == 2
+    assert "error: launcher=nodes needs the job's shared token" in missing.stderr
+    assert "launcher.token_file" in missing.stderr and "Traceback" not in missing.stderr
+    loose = tmp_path / "token"
+    loose.write_text(TOKEN)
+    loose.chmod(0o644)
+    shared = run_cli(base + [f"launcher.token_file={loose}"], env={"ELASTICFLOW_JOB_TOKEN": ""})
+    assert shared.returncode == 2 and "can be read by others (mode 644)" in shared.stderr
+    assert f"hint: chmod 600 {loose}" in shared.stderr
+    no_endpoint = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path / 'e'}", "launcher=nodes"])
+    assert no_endpoint.returncode == 2 and "launcher=nodes needs launcher.endpoint" in no_endpoint.stderr
+    bad = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path / 'b'}", "launcher=nodes", "launcher.endpoint=10.0.0.1"])
+    assert bad.returncode == 2 and "error: launcher.endpoint='10.0.0.1' is not HOST:PORT" in bad.stderr
+    assert "hint: pass launcher.endpoint=HOST:PORT" in bad.stderr
+
+
+def test_a_slow_link_where_a_step_outlasts_the_heartbeat_timeout_cuts_no_one(hosts, tmp_path):
+    """20 Mbit/s between the hosts and 8 MB of gradients: every step's allreduce takes seconds, longer than
+    elastic.heartbeat_timeout_s; heartbeats travel beside it, so nobody is taken for hung."""
+    wide = ["+model_args.hidden=27000", "trainer.max_steps=4", "trainer.log_every=1", "trainer.global_batch_size=64",
+            "optimizer.lr=0.01"]
+    reference = tmp_path / "reference"
+    train_ok(reference, *wide)
+    net = hosts(2, rate="20mbit")
+    run = tmp_path / "run"
+    env = {"ELASTICFLOW_JOB_TOKEN": TOKEN}
+    slow = [*nodes_args(*wide), "launcher.procs_per_node=1", "launcher.nodes=2", "elastic.heartbeat_timeout_s=1.5",
+            "elastic.timeout_s=60"]
+    procs = {h: net.train(h, PROBE, run, *slow, env=env) for h in ("h1", "h2")}
+    out = {h: finish(p, timeout=240) for h, p in procs.items()}
+    assert procs["h1"].returncode == 0 and procs["h2"].returncode == 0, (out["h1"][-2000:], out["h2"][-2000:])
+    steps = [r for r in metrics(run) if "loss" in r]
+    assert [r["world_size"] for r in steps] == [2, 2, 2, 2]
+    assert max(r["step_time_s"] for r in steps) > 1.5, "the link did not make steps slower than the heartbeat timeout"
+    assert not [e for e in events(run) if e["event"] in ("hung", "left", "superseded")]
+    assert_equivalent_state(run, reference)
+
+
+def assert_equivalent_state(run: Path, reference: Path) -> None:
+    import numpy as np
+
+    from test_elastic import ATOL, RTOL, final_state
+
+    got, want = final_state(run), final_state(reference)
+    for name in want:
+        if not name.startswith("rng/"):
+            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+NETIF_PROBE = """
+from elasticflow.distributed import netif
+from elasticflow.errors import ElasticFlowError
+print("default", netif.address_of(None))
+print("toward", netif.address_toward("10.231.0.1"))
+print("named", netif.address_of("eth1"))
+try:
+    netif.address_of("nope0")
+except ElasticFlowError as exc:
+    print("bad", exc.message, "|", exc.hint)
+"""
+
+
+def test_a_multi_homed_host_advertises_the_address_its_peers_reach(hosts, tmp_path, reference):
+    """h2 has a second interface, and its default route leaves by it: its workers must still give their
+    peers the address on the route to the endpoint (eth0), never that one, nor a loopback one."""
+    net = hosts(2)
+    # A second NIC (a veth pair inside h2: this kernel has no dummy interfaces) on a network h1 is not on.
+    for cmd in (["ip", "link", "add", "eth1", "type", "veth", "peer", "name", "eth1p"],
+                ["ip", "addr", "add", "10.99.0.2/24", "dev", "eth1"], ["ip", "link", "set", "eth1p", "up"],
+                ["ip", "link", "set", "eth1", "up"], ["ip", "route", "add", "default", "dev", "eth1"]):
+        done = net.run("h2", cmd)
+        assert done.returncode == 0, done.stderr
+    probe = net.run("h2", [__import__("sys").executable, "-c", NETIF_PROBE])
+    assert probe.returncode == 0, probe.stderr
+    lines = dict(line.split(" ", 1) for line in probe.stdout.splitlines())
+    assert lines["default"] == "10.99.0.2"   # what a process without an endpoint to aim at would take
+    assert lines["toward"] == "10.231.0.2"   # what a node agent gives its workers
+    assert lines["named"] == "10.99.0.2"     # launcher.interface=eth1
+    assert lines["bad"] == ("launcher.interface='nope0' has no IPv4 address on h2 | pick one of ['eth0', 'eth1', 'lo'] "
+                            "(`ip -4 addr`), or pass an address")
+    run = tmp_path / "run"
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.procs_per_node=1")
+    out = {h: finish(p) for h, p in procs.items()}
+    assert procs["h1"].returncode == 0 and procs["h2"].returncode == 0, (out["h1"][-2000:], out["h2"][-2000:])
+    assert_equivalent(run, reference)
+
+
+def test_a_checkpoint_whose_shards_rank_0_cannot_see_fails_in_one_line(hosts, tmp_path):
+    """checkpoint.dir stops being shared mid-job (h2 mounts its own filesystem over it): the first save after
+    that cannot be committed from h2's shards, and the job says why instead of writing a checkpoint that no
+    restart could load."""
+    net = hosts(2)
+    run = tmp_path / "run"
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", "checkpoint.interval.steps=30",
+                      env={"EF_PROBE_SLEEP": "0.05"})
+    wait_for(lambda: logged_step(run) >= 5, 150, "step 5")
+    (run / "checkpoints").mkdir(exist_ok=True)
+    hidden = net.run("h2", ["mount", "-t", "tmpfs", "tmpfs", str(run / "checkpoints")])
+    assert hidden.returncode == 0, hidden.stderr
+    out = finish(procs["h1"])
+    assert procs["h1"].returncode == 2, out[-3000:]
+    errors = [ln for ln in out.splitlines() if ln.startswith(("error:", "hint:"))]
+    assert re.fullmatch(r"error: checkpoint step_30: rank [23] on h2 wrote .*, which rank 0 on h1 cannot see: "
+                        r"checkpoint.dir is not on a filesystem every host shares", errors[0]), errors
+    assert errors[1].startswith("hint: put checkpoint.dir (and hydra.run.dir) on a shared filesystem")
+    assert ckpt.latest(run / "checkpoints") is None
