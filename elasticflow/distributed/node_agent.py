@@ -188,11 +188,7 @@ class NodeAgent:
         if self.restarts + self.pending_restarts >= lc.max_restarts:
             log.warning("host %s: not restarted: launcher.max_restarts=%d reached", self.name, lc.max_restarts)
             return
-        if self.store is None or cut_off:
-            self.pending_restarts += 1  # once the endpoint answers again (_talk)
-            return
-        self.restarts += 1
-        self.spawn()
+        self.pending_restarts += 1  # started by the next _talk, once the endpoint answers (at once if it does)
 
     def _talk(self, now: float) -> None:
         """One round with the agent's store: heartbeat, exit reports, signals; reconnect after a failure."""
@@ -221,9 +217,9 @@ class NodeAgent:
                 log.warning("host %s: starting %d worker(s) again; they join the job as new members", self.name,
                             self.pending_restarts)
                 while self.pending_restarts:
+                    self.spawn()
                     self.pending_restarts -= 1
                     self.restarts += 1
-                    self.spawn()
         except Exception as exc:  # noqa: BLE001 - the link is down or the agent is gone: keep the workers
             if self.lost_since is None:
                 log.warning("host %s: the job's endpoint %s stopped answering (%s)", self.name, self.endpoint,
