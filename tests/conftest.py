@@ -5,8 +5,9 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -41,6 +42,19 @@ def metrics(run_dir: Path) -> List[dict]:
     """Every record of RUN_DIR/metrics.jsonl (training and eval records)."""
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def consumed_by_epoch(run_dir: Path, record: Path) -> Dict[int, Counter]:
+    """The sample ids tests/models/digits_probe.py recorded under EF_PROBE_RECORD, per epoch, counting each
+    step's ids from the generation that committed it (metrics.jsonl): a step redone after a failure counts once."""
+    committed = {r["step"]: r["generation"] for r in metrics(run_dir) if "loss" in r}
+    consumed: Dict[int, Counter] = {}
+    for f in Path(record).glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if committed.get(r["step"]) == r["generation"]:
+                consumed.setdefault(r["epoch"], Counter()).update(r["ids"])
+    return consumed
 
 
 def losses(run_dir: Path) -> List[float]:

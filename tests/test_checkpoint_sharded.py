@@ -6,7 +6,6 @@ every phase of a save leave the previous checkpoint loadable; corrupt, truncated
 incompatible checkpoints give one clear error line or the resume=auto fallback. The checkpoint
 module's own behaviour (plan, checksums, async snapshot, failures) is tested in-process.
 """
-import json
 import shutil
 import sys
 import threading
@@ -22,7 +21,7 @@ from elasticflow.config import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 
-from conftest import REPO, losses, metrics, run_cli
+from conftest import REPO, consumed_by_epoch, losses, metrics, run_cli
 from test_checkpoint import flip_a_byte
 from test_elastic import (ATOL, PROBE, RTOL, STEPS, assert_equivalent, events, final_state, finish,  # noqa: F401
                           reference, start, train_ok)
@@ -59,14 +58,8 @@ def assert_exactly_once(run_dir: Path, record: Path, steps: int = STEPS) -> None
     A step's ids count from the attempt whose (run, generation) committed it: records carry the
     generation, and the runs here restart generations at 0 only for steps the earlier run never reached.
     """
-    committed = {r["step"]: (r["generation"], r["epoch"]) for r in metrics(run_dir) if "loss" in r}
-    assert sorted(committed) == list(range(1, steps + 1))
-    consumed: dict = {}
-    for f in record.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if committed.get(r["step"], (None,))[0] == r["generation"]:
-                consumed.setdefault(r["epoch"], Counter()).update(r["ids"])
+    assert sorted(r["step"] for r in metrics(run_dir) if "loss" in r) == list(range(1, steps + 1))
+    consumed = consumed_by_epoch(run_dir, record)
     full, rest = divmod(steps, PER_EPOCH)
     for epoch in range(full):
         assert consumed[epoch] == Counter(range(SAMPLES)), f"epoch {epoch}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import metrics, run_cli
+from conftest import consumed_by_epoch, metrics, run_cli
 from hosts import Hosts, hosts  # noqa: F401 - fixture
 from test_elastic import COMMON, PROBE, assert_equivalent, events, logged_step, train_ok, wait_for
 
@@ -49,13 +49,7 @@ def finish(proc: subprocess.Popen, timeout: float = 180) -> str:
 def assert_each_sample_once(run: Path, record: Path) -> None:
     """Per epoch, the ids that went into committed steps: every sample exactly once (the last, partial epoch:
     none twice). A step's ids count from the generation that committed it."""
-    committed = {r["step"]: (r["generation"], r["epoch"]) for r in metrics(run) if "loss" in r}
-    consumed: dict = {}
-    for f in record.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if committed.get(r["step"], (None,))[0] == r["generation"]:
-                consumed.setdefault(r["epoch"], Counter()).update(r["ids"])
+    consumed = consumed_by_epoch(run, record)
     last = max(consumed)
     for epoch, seen in consumed.items():
         if epoch < last:
