@@ -22,6 +22,7 @@ from .data import GlobalBatch
 from .distributed import protocol
 from .errors import ElasticFlowError, TrainingInterrupted
 from .goodput import Meter
+from .paths import checkpoint_dir
 from .regroup import Regrouper, collective
 from .replica import Agreed, Replica
 from .reporting import Progress, RunLog, StepLog, WorkerMemory
@@ -67,7 +68,7 @@ class ElasticTrainer:
         iv = self.cfg.checkpoint.interval
         self.interval = checkpoint_interval or CheckpointInterval(steps=iv.steps, epochs=iv.epochs)
         self.run_dir = Path(run_dir or ".").resolve()
-        self.ckpt_dir = Path(self.cfg.checkpoint.dir).expanduser() if self.cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.ckpt_dir = checkpoint_dir(self.cfg, self.run_dir)
         self.membership = membership
         self.state = TrainState()
         self.run_log = RunLog(self.run_dir, tensorboard=self.tcfg.tensorboard)

@@ -18,9 +18,9 @@ import json
 import logging
 import secrets
 import time
-from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
+from ..paths import checkpoint_dir
 from . import protocol
 from .process import Worker
 
@@ -37,11 +37,6 @@ def node_message(n: int, name: str, pid: int) -> str:
 
 def exit_message(node: str, worker: int, code: int, k: int) -> str:
     return f"exit:{k}:{node}:{worker}:{code}"
-
-
-def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
-    """Where the job's checkpoints go, as an absolute path every host must see (checkpoint.dir)."""
-    return (Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else Path(run_dir) / "checkpoints").absolute()
 
 
 class Hosts:
@@ -93,7 +88,7 @@ class Hosts:
         # Files the node must see where this host wrote them: the run directory (the config its workers read,
         # their logs, the result) and checkpoint.dir (every worker's shards). node_agent.check_shared reads them.
         probe = secrets.token_hex(8)
-        ckpt = checkpoint_root(agent.cfg, agent.run_dir)
+        ckpt = checkpoint_dir(agent.cfg, agent.run_dir).absolute()  # the path every host must see
         for directory in (agent.state_dir / "hosts", ckpt):
             directory.mkdir(parents=True, exist_ok=True)
             (directory / f".probe-{name}-{probe}").write_text(probe)
