@@ -96,7 +96,10 @@ class Prefetcher:
                                                    initializer=affinity.release)
             return self._threads.submit(self._load, key)
         epoch, start, end = key
-        return self._process_pool().submit(_read_in_loader, self.order(epoch)[start:end], epoch)
+        try:
+            return self._process_pool().submit(_read_in_loader, self.order(epoch)[start:end], epoch)
+        except BrokenProcessPool as exc:  # a loader died while an earlier read was in flight
+            raise self._loader_died(key) from exc
 
     def _ready(self, key: Key, future: Future):
         """The batch of a started read, as tensors (a loader's rows are converted here: from_numpy, no copy)."""
@@ -105,12 +108,15 @@ class Prefetcher:
         try:
             return self.source.convert(_as_numpy(future.result()))
         except BrokenProcessPool as exc:
-            self._processes = None
-            epoch, start, end = key
-            raise ElasticFlowError(
-                f"a data loader process died while reading samples of epoch {epoch} (positions {start}..{end})",
-                "a process killed for memory or crashed inside the dataset's __getitem__; lower data.workers, "
-                "or use data.worker_type=thread to see the error in this process") from exc
+            raise self._loader_died(key) from exc
+
+    def _loader_died(self, key: Key) -> ElasticFlowError:
+        self._processes = None
+        epoch, start, end = key
+        return ElasticFlowError(
+            f"a data loader process died while reading samples of epoch {epoch} (positions {start}..{end})",
+            "a process killed for memory or crashed inside the dataset's __getitem__; lower data.workers, "
+            "or use data.worker_type=thread to see the error in this process")
 
     def _load(self, key: Key):
         epoch, start, end = key
