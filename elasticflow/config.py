@@ -95,7 +95,7 @@ class TrainerConfig:
     log_every: int = 10                      # steps between records in metrics.jsonl and the console
     eval_every: Optional[int] = None         # steps; null = evaluate once at the end (if eval_data exists)
     grad_clip: Optional[float] = None        # clip the global gradient norm to this value
-    on_nonfinite: str = "stop"               # stop | skip
+    on_nonfinite: str = "stop"               # stop | skip: a step whose loss or summed gradient is NaN/inf
     drop_last: bool = False                  # true: skip an epoch's last, smaller global batch
     progress: Optional[bool] = None          # progress bar; null = only on a terminal
     device: str = "auto"                     # auto | cpu | cuda (auto: a GPU where the worker sees one)
@@ -226,7 +226,7 @@ def validate(cfg: Any) -> None:
     t = cfg.trainer
     if t.on_nonfinite not in ("stop", "skip"):
         raise ElasticFlowError(f"trainer.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}",
-                               "set trainer.on_nonfinite=skip to skip steps whose loss is NaN or inf")
+                               "set trainer.on_nonfinite=skip to skip steps whose loss or gradient is NaN or inf")
     _choice(t.shard, SHARD_STAGES, "trainer.shard",
             "pass trainer.shard=optimizer (ZeRO stage 1), gradients (stage 2) or none (replicated state)")
     if t.shard == "gradients" and (t.grad_clip is not None or precision_name(t.precision) == "16"):

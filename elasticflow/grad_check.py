@@ -6,7 +6,7 @@ vote (as ``loss_scale`` relies on).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 
 class Verdict(NamedTuple):
@@ -16,17 +16,32 @@ class Verdict(NamedTuple):
 
     def problem(self, loss: float) -> str:
         """What is not finite, for the message of a step that cannot be applied."""
-        return f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {self.grad_norm}"
+        if not math.isfinite(loss):
+            return f"loss is {loss}"
+        if self.grad_norm is None:  # no norm was taken: grad_finite() said it
+            return f"the summed gradient has NaN or inf values (the loss, {loss:.6g}, is finite)"
+        return f"gradient norm is {self.grad_norm}"
 
 
-def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[float]) -> Verdict:
+def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[float],
+          grad_finite: Optional[Callable[[], bool]] = None) -> Verdict:
     """Unscale the engine's summed gradient (``scale``: float16's loss scale; None without loss scaling)
-    and clip it to ``grad_clip`` (torch.nn.utils.clip_grad_norm_'s formula), in place.
+    and clip it to ``grad_clip`` (torch.nn.utils.clip_grad_norm_'s formula), in place; and check that it
+    is finite, on every step: a NaN gradient with a finite loss (sqrt or log at 0 in forward()) would
+    otherwise be applied, and train and checkpoint NaN weights.
 
-    Note: the norm is a sync point on accelerators; it is computed only when clipping or scaling asks.
+    ``grad_finite``: whether the summed gradient is finite where the engine does not hold all of it
+    (``scattered_finite``, trainer.shard=gradients); None: ``engine.grad_finite``.
+
+    Note: the check reuses the norm where clipping or scaling takes one; otherwise it costs one read of
+    the gradient (its sum: ``Engine.grad_finite``): a fraction of a millisecond for a few million parameters
+    on one CPU core, a few thousandths of such a model's step, below the step's own noise
+    (scripts/bench_nonfinite.py); on accelerators it is one more sync point before the update.
     """
-    if not math.isfinite(loss) or (grad_clip is None and scale is None):
-        return Verdict(None, False, math.isfinite(loss))
+    if not math.isfinite(loss):
+        return Verdict(None, False, False)
+    if grad_clip is None and scale is None:
+        return Verdict(None, False, (grad_finite or engine.grad_finite)())
     grad_norm = engine.grad_norm()
     overflow = False
     if scale is not None:
@@ -39,10 +54,30 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     return Verdict(grad_norm, overflow, finite)
 
 
+def scattered_finite(ranges: Iterable[Any], reduce_sum: Callable[[list], list]) -> bool:
+    """Whether the summed gradient is finite when each member holds the sums of its own ranges only
+    (trainer.shard=gradients: ``ranges``, torch tensors): each checks its ranges and ``reduce_sum`` (a
+    collective every member calls here) adds the verdicts, so every member reaches the same one.
+
+    Note: the extra collective is one small round trip a step; the verdict cannot ride in the step's
+    reduction, which is what produces the sums it judges.
+    """
+    bad = sum(0.0 if math.isfinite(float(r.sum())) else 1.0 for r in ranges)
+    return reduce_sum([bad])[0] == 0.0
+
+
 class Update(NamedTuple):
     """What a step does with its summed gradient: ``apply`` it, ``skip`` it, or ``stop`` the run."""
     action: str                 # apply | skip | stop
     why: Optional[str] = None   # skip/stop: what was wrong (float16 overflow, a non-finite loss or gradient)
+    hint: Optional[str] = None  # stop: how to fix it
+
+
+# A diverging loss wants a smaller step; a NaN gradient under a finite loss comes from an op whose derivative
+# is not finite where it ran, which no learning rate or clipping cures (clipping a NaN norm gives NaN).
+DIVERGED = "lower optimizer.lr, set trainer.grad_clip, or pass trainer.on_nonfinite=skip to skip such steps"
+BAD_DERIVATIVE = ("look in forward() for an op whose derivative is not finite where it ran (sqrt or log at 0, "
+                  "a division by 0), or pass trainer.on_nonfinite=skip to skip such steps")
 
 
 def decide(verdict: Verdict, loss: float, on_nonfinite: str) -> Update:
@@ -51,5 +86,6 @@ def decide(verdict: Verdict, loss: float, on_nonfinite: str) -> Update:
     if verdict.overflow:
         return Update("skip", "overflow")
     if not verdict.finite:
-        return Update("stop" if on_nonfinite == "stop" else "skip", verdict.problem(loss))
+        hint = DIVERGED if not math.isfinite(loss) or verdict.grad_norm is not None else BAD_DERIVATIVE
+        return Update("stop" if on_nonfinite == "stop" else "skip", verdict.problem(loss), hint)
     return Update("apply")

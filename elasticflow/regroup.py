@@ -76,8 +76,10 @@ class Regrouper:
             log.warning("worker step %d: %s; rebuilding", s.step + 1, failure)
         before, before_step = s.cursor.samples_seen, s.step
         r = self.replica.recover(failure, before)
-        # Rolled forward: a member had committed the attempt's step, so its compute was kept, not redone.
-        redone_s = 0.0 if r.rolled_forward else attempt[0]
+        # Rolled forward: a member had committed the attempt's step, so its compute was kept, not redone; so
+        # too where this member had (sharded state: it failed in the step's allgather, after the commit).
+        kept = r.rolled_forward or r.committed
+        redone_s = 0.0 if kept else attempt[0]
         self.meter.lose(redone_s + attempt[1] + r.recovery_s)
         if r.stop == "removed":
             log.info("worker %s retired by the agent (%s)", self.replica.worker_id, r.stop_reason)
@@ -108,8 +110,9 @@ class Regrouper:
                                rolled_forward=r.rolled_forward,
                                **({"shard_elements_moved": self.replica.shard_moved} if self.shards else {}),
                                # An unplanned failure interrupts one step, which the members redo -- unless
-                               # one of them had committed it and the rest adopted its state (rolled forward).
-                               steps_redone=0 if failure is None or r.rolled_forward else 1,
+                               # one of them had committed it and the rest adopted its state (rolled forward),
+                               # or this one had (kept).
+                               steps_redone=0 if failure is None or kept else 1,
                                samples_adopted=s.cursor.samples_seen - before, step=s.step)
         if self.replica.lost:
             self.fall_back(before_step)

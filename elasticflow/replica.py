@@ -20,8 +20,9 @@ trainer has one code path.
 With ``trainer.shard`` the replica also drives the sharded optimizer state (``shard.ShardedState``): the
 update of the ranges this member holds (``update``), the parameters' allgather (``gather``), stage 2's
 reduce-scatter, and the redistribution of the ranges at every membership change (``sync_state``; a
-retiring member hands its ranges over first). When a range has no holder left, ``lost`` says which and
-the trainer falls back to the newest checkpoint.
+retiring member hands its ranges over first; members one step behind first roll forward with the step a
+member ahead kept, ``shard.ShardedState.keep_step``). When a range has no holder left, ``lost`` says
+which and the trainer falls back to the newest checkpoint.
 """
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class Recovery:
     transfer_s: float = 0.0    # ... of which comparing progress and sending the state (sync_state)
     stop: Optional[str] = None
     stop_reason: str = ""
+    committed: bool = False    # trainer.shard: the failed attempt had committed its step (its allgather failed)
 
 
 class Replica:
@@ -434,6 +436,8 @@ class Replica:
 
         m = self.membership
         failed_at = time.time()
+        # A member behind may need the step this one applied (shard_plan's note).
+        committed = self.shards is not None and self.shards.keep_step()
         self.engine.zero_grad()  # a partial step's gradient is discarded
         previous_generation, previous_world = self.generation, self.world
         if failure is not None:
@@ -465,4 +469,4 @@ class Replica:
                 break
         return Recovery(previous_generation=previous_generation, previous_world=previous_world,
                         rolled_forward=moved, recovery_s=time.time() - failed_at, transfer_s=transfer_s, stop=stop,
-                        stop_reason=stop_reason)
+                        stop_reason=stop_reason, committed=committed)

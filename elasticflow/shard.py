@@ -34,12 +34,15 @@ publishes (in one small allreduce) its committed progress and the ranges it hold
 The target progress T is the largest. Every range the new layout needs (each member's own and buddy
 range) is covered by ranges held at T, preferring the member itself (nothing moves), then the lowest
 rank: only ranges that change owner travel, point to point, parameters and slots together. A member
-that died leaves its slice with its buddy. If some range has no holder at T (an owner and its buddy both
-died, or died with the step half-applied) nothing moves: the replica reports ``lost`` and the trainer
-falls back to the newest checkpoint on every member (it logs which ranges were lost and how many steps
-it redoes). After the transfers, the new owners' parameter ranges are all-gathered, so every member
-(joiners, members that missed a generation) holds the whole vector at T; the rest of the state (buffers,
-progress) comes from a member at T as without sharding (``Replica.sync_state``).
+that died leaves its slice with its buddy. Members one step behind T (they failed in the sum a member
+at T completed) first roll forward: a member at T kept the step's reduced gradient until the step's
+allgather completed (``last``), sends them the gradient of their ranges, and they apply the same update
+(``shard_plan``'s note). If some range has still no holder at T (an owner and its buddy both died)
+nothing moves: the replica reports ``lost`` and the trainer falls back to the newest checkpoint on every
+member (it logs which ranges were lost and how many steps it redoes). After the transfers, the new
+owners' parameter ranges are all-gathered, so every member (joiners, members that missed a generation)
+holds the whole vector at T; the rest of the state (buffers, progress) comes from a member at T as
+without sharding (``Replica.sync_state``).
 
 A worker that retires at a step boundary (a shrink) hands its ranges over before it leaves: at an agreed
 change every old member is alive, so the ranges of the next generation's layout are moved over the old
@@ -52,7 +55,7 @@ the same protocol.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -63,80 +66,24 @@ from .backends.torch.optim import adam_update, sgd_update, weight_decay_is_l2
 from .checkpoint.format import Partial, Sharded
 from .errors import ElasticFlowError
 from .optim import SGD, Adam, AdamW, OptimizerSpec
+# The layout and the plans live in shard_plan; imported here for the callers that know this module.
+from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers,  # noqa: F401
+                         held_ranges, needed, owned, plan_moves, plan_roll)
 
 log = logging.getLogger("elasticflow")
-MAX_HELD = 4   # ranges a member can hold at once: own and buddy, old and new during a handoff
-Range = Tuple[int, int]
-
-
-def owned(n: int, world: int, rank: int) -> Range:
-    """Rank ``rank``'s slice [lo, hi) of a flat vector of ``n`` elements over ``world`` members."""
-    c = chunk(n, world)
-    return min(rank * c, n), min((rank + 1) * c, n)
-
-
-def chunk(n: int, world: int) -> int:
-    return -(-n // world)
-
-
-def needed(n: int, world: int, rank: int, replicas: int) -> List[Range]:
-    """The ranges rank ``rank`` holds: its own, then its buddy's (the previous rank's) when replicated."""
-    out = [owned(n, world, rank)]
-    if replicas and world > 1:
-        out.append(owned(n, world, (rank - 1) % world))
-    return [r for r in out if r[1] > r[0]]
 
 
 @dataclass
-class RangeMove:
-    """Elements [lo, hi) that member ``src`` gives member ``dst`` (src == dst: already there)."""
-    src: int
-    dst: int
-    lo: int
-    hi: int
-
-
-@dataclass
-class Plan:
-    target: int                          # the progress (samples seen) every range is taken at
-    moves: List[RangeMove] = field(default_factory=list)
-    lost: List[Range] = field(default_factory=list)   # ranges nobody holds at ``target``
-
-
-def plan_moves(table: np.ndarray, want: Dict[int, List[Range]]) -> Plan:
-    """Which member sends which range to whom, the same on every member (it depends on ``table`` only).
-
-    Args:
-        table: one row per member: [progress, number of ranges, lo1, hi1, ... lo4, hi4].
-        want: for each member, the ranges it must hold afterwards.
-    """
-    target = int(table[:, 0].max())
-    holders = [(int(m), int(row[2 + 2 * i]), int(row[3 + 2 * i]))
-               for m, row in enumerate(table) if int(row[0]) == target for i in range(int(row[1]))]
-    plan = Plan(target)
-    for dst in sorted(want):
-        for lo, hi in want[dst]:
-            at = lo
-            while at < hi:
-                # Prefer the member itself (nothing moves), then the one reaching farthest, then the lowest rank.
-                found = [(src != dst, -b, src, b) for src, a, b in holders if a <= at < b]
-                if not found:
-                    nxt = min([a for _, a, _ in holders if at < a < hi] + [hi])
-                    plan.lost.append((at, nxt))
-                    at = nxt
-                    continue
-                _, _, src, b = min(found)
-                end = min(b, hi)
-                plan.moves.append(RangeMove(src, dst, at, end))
-                at = end
-    merged: List[Range] = []
-    for lo, hi in sorted(set(plan.lost)):  # wanted twice (an owner's and a buddy's): said once
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-        else:
-            merged.append((lo, hi))
-    plan.lost = merged
-    return plan
+class KeptStep:
+    """The step a member applied last, kept until its allgather completes (until then some member may
+    not have applied it, and rolls forward with it: ``shard_plan``'s note)."""
+    before: int                     # the progress the step started from ...
+    at: int                         # ... and the one it committed
+    lr: float
+    step: int                       # the optimizer step (1-based); Adam's bias correction
+    grad: Optional[torch.Tensor]    # the reduced gradient (stage 1's whole vector); None: skipped, or stage 2
+    applied: bool = True            # False: the step was skipped (a non-finite gradient): nothing to apply
+    kept: bool = False              # a recovery kept it: grad is this object's copy (``keep_step``)
 
 
 class FlatUpdate:
@@ -212,6 +159,7 @@ class ShardedState:
         self.at = 0                        # progress at which the held ranges are valid
         self.held: Dict[Range, Dict[str, torch.Tensor]] = {(0, self.n): self._fresh(0, self.n)}
         self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
+        self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
         self._scratch = torch.empty(self._scratch_size(self.n))
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
 
@@ -253,7 +201,7 @@ class ShardedState:
                 value = slots.get(f"optimizer/{p}/{s}")
                 if value is not None:
                     held[s][off:off + size] = torch.from_numpy(np.asarray(value, np.float32).reshape(-1))
-        self.held, self.at = {(0, self.n): held}, int(at)
+        self.held, self.at, self.last = {(0, self.n): held}, int(at), None
 
     def keep_local(self, rank: int, world: int) -> None:
         """Take this worker's ranges of ``world`` out of what it holds, without moving anything (every
@@ -280,13 +228,34 @@ class ShardedState:
         """Update the parameters and slots of every held range from the reduced gradient (stage 1: the
         whole ``grad``; stage 2: the ranges received into ``reduced``). ``step``: the optimizer step this
         is (1-based, Adam's bias correction); ``at``: the progress the step commits."""
+        scatters = self.scatters()
         for (lo, hi), slots in self.held.items():
-            g = self.reduced[(lo, hi)] if self.scatters() else grad[lo:hi]
+            g = self.reduced[(lo, hi)] if scatters else grad[lo:hi]
             self.update_fn(lo, self.params[lo:hi], g, slots, lr, step, self._scratch)
+        # Stage 2's reduced ranges are the ones this member holds anyway: no member behind could use them.
+        self.last = KeptStep(self.at, at, lr, step, None if scatters else grad)
         self.at = at
         self.reduced = {}
         if not self.gathers():  # else gather() writes them back, once all are in
             self._written()
+
+    def skipped(self, at: int) -> None:
+        """A step committed without an update (a non-finite gradient, float16's overflow): the held ranges
+        are valid at ``at`` as they are, and a member behind rolls forward by moving nothing."""
+        self.last = KeptStep(self.at, at, 0.0, 0, None, applied=False)
+        self.at = at
+
+    def keep_step(self) -> bool:
+        """Before a recovery zeroes the gradient: copy the kept step's reduced gradient (the engine's until
+        now; its allgather failed, so a member may be behind and need it). Costs one copy of the gradient.
+        Returns whether the failed attempt had committed its step (it failed in that allgather)."""
+        last = self.last
+        if last is None or last.kept:
+            return False
+        if last.grad is not None:
+            last.grad = last.grad.clone()
+        last.kept = True
+        return True
 
     def _written(self) -> None:
         self.engine.params_written()
@@ -294,7 +263,7 @@ class ShardedState:
     def scatters(self) -> bool:
         """Whether this step's gradient is reduce-scattered (stage 2): not where each member holds the whole
         vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""
-        return self.stage == "gradients" and self.world > 1 and not _covers(list(self.held), self.n)
+        return self.stage == "gradients" and self.world > 1 and not covers(list(self.held), self.n)
 
     def gather(self, group: Any) -> None:
         """All-gather the owners' parameter ranges: afterwards every member holds the whole vector.
@@ -305,10 +274,12 @@ class ShardedState:
         if self.gathers():
             group.allgather_flat(self.params, chunk(self.n, self.world))
             self._written()
+        # Every member entered this allgather, so every member applied the step: nobody can be behind.
+        self.last = None
 
     def gathers(self) -> bool:
         """Whether a step ends with the parameters' allgather (``gather``)."""
-        return self.world > 1 and not _covers(list(self.held), self.n)
+        return self.world > 1 and not covers(list(self.held), self.n)
 
     def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
         lo, hi = owned(self.n, self.world, r)
@@ -371,14 +342,19 @@ class ShardedState:
         return t
 
     # ------------------------------------------------------------------ membership changes
-    def table_row(self, committed: int) -> List[int]:
-        """[progress, count, lo1, hi1, ...] for ``redistribute``'s table. The held ranges count only if
-        they are at the committed progress (a member that applied a step it never committed: never here,
-        the trainer commits before the allgather)."""
+    def table_row(self, committed: int) -> List[float]:
+        """This member's row of ``redistribute``'s table (``shard_plan``'s layout). The held ranges count at
+        ``at`` when it is the committed progress or past it (a retried recovery: they were taken at the
+        target of a redistribution before the trainer's progress followed); a member never applies a step
+        it does not commit (no collective lies between the update and the commit)."""
         held = sorted(self.held)[:MAX_HELD]
-        at = self.at if self.at == committed else -1
+        at = self.at if self.at >= committed else -1
         row = [at, len(held)] + [x for r in held for x in r]
-        return row + [0] * (2 + 2 * MAX_HELD - len(row))
+        row += [0] * (KEPT - len(row))
+        last = self.last
+        if last is not None and last.at == at and (last.grad is not None or not last.applied):
+            return row + [last.before, float(last.applied), last.lr, last.step]
+        return row + [-1, 0, 0, 0]
 
     def redistribute(self, group: Any, committed: int,
                      target_members: Optional[Tuple[Sequence[Tuple[int, int]], int]] = None) -> Plan:
@@ -389,10 +365,14 @@ class ShardedState:
         the held ranges are kept beside the new ones. Returns the plan (its ``lost`` ranges: nothing
         moved, fall back to a checkpoint). Raises CommError when a member fails meanwhile.
         """
-        rows = torch.zeros((group.world, 2 + 2 * MAX_HELD), dtype=torch.int64)
-        rows[group.rank] = torch.tensor(self.table_row(committed), dtype=torch.int64)
+        rows = torch.zeros((group.world, WIDTH), dtype=torch.float64)  # float64: the lr, exactly
+        rows[group.rank] = torch.tensor(self.table_row(committed), dtype=torch.float64)
         group.allreduce_(rows)
         table = rows.numpy()
+        roll = plan_roll(table)
+        if roll is not None:
+            self._roll_forward(group, table, roll)
+            table[roll.takers, 0] = roll.target
         if target_members is None:
             want = {r: needed(self.n, group.world, r, self.replicas) for r in range(group.world)}
         else:
@@ -422,13 +402,34 @@ class ShardedState:
             self._adopt(new, group.rank, group.world, plan.target)
             # Every member's parameters are right where it holds ranges; where those cover the whole vector
             # for every member (W = 2 with buddies), nothing is left to gather.
-            if not all(_covers(r, self.n) for r in want.values()):
+            if not all(covers(r, self.n) for r in want.values()):
                 group.allgather_flat(self.params, chunk(self.n, self.world))
             self._written()
         else:  # keep what is held until the next generation: it may not form, and then it is needed
             self.held.update(new)
             self.at = plan.target
         return plan
+
+    def _roll_forward(self, group: Any, table: np.ndarray, roll: Roll) -> None:
+        """The takers apply the giver's kept step to the ranges they hold (the giver sends its reduced
+        gradient of them): afterwards they hold them at ``roll.target``. Raises CommError as redistribute."""
+        tag = 1 << 20  # apart from the moves' tags (exchange waits for its messages: none is left behind)
+        if roll.applied and group.rank == roll.giver:
+            grad = self.last.grad
+            group.exchange([(grad[lo:hi], m, tag + i) for m in roll.takers
+                            for i, (lo, hi) in enumerate(held_ranges(table[m]))], [])
+        if group.rank not in roll.takers:
+            return
+        if roll.applied:
+            mine = held_ranges(table[group.rank])
+            grads = [torch.empty(hi - lo, dtype=torch.float32) for lo, hi in mine]
+            group.exchange([], [(g, roll.giver, tag + i) for i, g in enumerate(grads)])
+            for (lo, hi), g in zip(mine, grads):
+                self.update_fn(lo, self.params[lo:hi], g, self.held[(lo, hi)], roll.lr, roll.step, self._scratch)
+            self._written()
+        log.info("rolled %d range(s) of sharded state forward to progress %d with member %d's step %d",
+                 len(self.held), roll.target, roll.giver, roll.step)
+        self.at = roll.target
 
     def _held_views(self, lo: int, hi: int) -> List[torch.Tensor]:
         """Parameters then slots of [lo, hi), from a held range containing it (views)."""
@@ -443,12 +444,3 @@ class ShardedState:
             if a <= lo and hi <= b:
                 return {s: v[lo - a:hi - a] for s, v in slots.items()}
         raise KeyError(f"range {(lo, hi)} is not wanted")
-
-
-def _covers(ranges: List[Range], n: int) -> bool:
-    at = 0
-    for lo, hi in sorted(ranges):
-        if lo > at:
-            return False
-        at = max(at, hi)
-    return at >= n

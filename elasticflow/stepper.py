@@ -82,7 +82,10 @@ class Stepper:
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
-        verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None)
+        scattered = None  # stage 2: this member holds the sums of its own ranges only
+        if p.shards is not None and p.shards.scatters():
+            scattered = lambda: grad_check.scattered_finite(p.shards.reduced.values(), replica.reduce_sum)  # noqa: E731
+        verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, scattered)
         lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
         self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record)
         if scaling:
@@ -112,11 +115,12 @@ class Stepper:
         s = self.state
         if update.action == "stop":
             raise ElasticFlowError(f"{update.why} at step {s.step + 1} (epoch {batch.epoch}); training stopped, "
-                                   "no update applied", "lower optimizer.lr, set trainer.grad_clip, or pass "
-                                   "trainer.on_nonfinite=skip to skip such steps", exit_code=1)
+                                   "no update applied", update.hint, exit_code=1)
         if update.action == "skip":
             s.skipped_steps += 1
             record["skipped"] = True
+            if self.p.shards is not None:  # nothing applied: the held ranges are valid at the new progress
+                self.p.shards.skipped(s.cursor.samples_seen + batch.size)
             if update.why == "overflow":  # float16: the loss scale comes down (loss_scale.next_scale)
                 log.debug("float16 gradient overflow at step %d; loss scale %g -> %g", s.step + 1, s.loss_scale,
                           s.loss_scale * loss_scale.BACKOFF)

@@ -2,21 +2,27 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from elasticflow import grad_check
 
 
 class Engine:
-    """The two Engine calls grad_check makes, over one flat gradient; counts the norm's sync points."""
+    """The three Engine calls grad_check makes, over one flat gradient; counts the norm's sync points."""
 
     def __init__(self, *values):
         self.grad = np.array(values, np.float64)
-        self.norms = 0
+        self.norms = self.finite_checks = 0
 
     def grad_norm(self):
         self.norms += 1
         return float(np.linalg.norm(self.grad))
+
+    def grad_finite(self):
+        self.finite_checks += 1
+        with np.errstate(invalid="ignore"):  # inf + -inf is NaN, as the engines' sum
+            return bool(np.isfinite(self.grad.sum()))
 
     def scale_grad(self, factor):
         self.grad *= factor
@@ -50,5 +56,73 @@ def test_no_norm_is_computed_unless_asked_or_when_the_loss_already_says_no():
     bad_loss = Engine(3.0, 4.0)
     verdict = grad_check.check(bad_loss, math.nan, grad_clip=1.0, scale=None)
     assert not verdict.finite and not verdict.overflow and verdict.problem(math.nan) == "loss is nan"
-    assert plain.norms == bad_loss.norms == 0  # no sync point spent
+    assert plain.norms == bad_loss.norms == 0  # no norm taken
+    assert (plain.finite_checks, bad_loss.finite_checks) == (1, 0)  # the loss already said no: no read spent
     np.testing.assert_array_equal(bad_loss.grad, [3.0, 4.0])
+
+
+def test_a_nan_gradient_under_a_finite_loss_is_not_finite_without_clipping_or_scaling():
+    for bad in (math.nan, math.inf, -math.inf):
+        engine = Engine(3.0, bad)
+        verdict = grad_check.check(engine, 0.5, grad_clip=None, scale=None)
+        assert verdict == (None, False, False) and engine.finite_checks == 1 and engine.norms == 0
+        assert verdict.problem(0.5) == "the summed gradient has NaN or inf values (the loss, 0.5, is finite)"
+    assert grad_check.decide(verdict, 0.5, "skip") == ("skip", verdict.problem(0.5), grad_check.BAD_DERIVATIVE)
+    stop = grad_check.decide(verdict, 0.5, "stop")
+    assert stop.action == "stop" and "sqrt or log at 0" in stop.hint and "on_nonfinite=skip" in stop.hint
+    # +inf and -inf in one gradient: their sum is NaN, still caught.
+    assert not grad_check.check(Engine(math.inf, -math.inf), 0.5, grad_clip=None, scale=None).finite
+
+
+def test_the_norm_clipping_takes_is_the_check_no_second_read():
+    engine = Engine(3.0, math.nan)
+    verdict = grad_check.check(engine, 0.5, grad_clip=1.0, scale=None)
+    assert not verdict.finite and not verdict.overflow and (engine.norms, engine.finite_checks) == (1, 0)
+    assert math.isnan(engine.grad[1]) and engine.grad[0] == 3.0  # not clipped: nothing is applied anyway
+    assert grad_check.decide(verdict, 0.5, "stop").hint == grad_check.DIVERGED  # "gradient norm is nan"
+    # A NaN loss says "lower the learning rate", not "look for sqrt(0)".
+    nan_loss = grad_check.check(Engine(3.0, 4.0), math.nan, grad_clip=None, scale=None)
+    assert grad_check.decide(nan_loss, math.nan, "stop") == ("stop", "loss is nan", grad_check.DIVERGED)
+
+
+def test_scattered_ranges_agree_through_one_sum():
+    """trainer.shard=gradients: each member judges its own ranges; the sum of the verdicts decides for all."""
+    calls = []
+
+    def two_members(theirs):  # a stand-in for Replica.reduce_sum: adds another member's verdict
+        def reduce_sum(values):
+            calls.append(list(values))
+            return [values[0] + theirs]
+        return reduce_sum
+
+    clean = [torch.ones(3), torch.zeros(2)]
+    poisoned = [torch.ones(3), torch.tensor([0.0, math.nan])]
+    assert grad_check.scattered_finite(clean, two_members(0.0))
+    assert not grad_check.scattered_finite(clean, two_members(1.0))  # the other member's range is NaN
+    assert not grad_check.scattered_finite(poisoned, two_members(0.0))
+    assert calls == [[0.0], [0.0], [1.0]]  # one collective each, on every member whatever it found
+    engine = Engine(3.0, math.nan)  # the engine's own (unreduced) gradient is not read
+    verdict = grad_check.check(engine, 0.5, None, None, lambda: grad_check.scattered_finite(clean, two_members(0)))
+    assert verdict.finite and engine.finite_checks == 0
+
+
+@pytest.mark.parametrize("name", ["torch", "tensorflow"])
+def test_each_engine_finds_a_non_finite_element_of_its_gradient(name):
+    from elasticflow import backends, ops, optim
+
+    found = []
+    with ops.using(name):
+        module = backends.load(name)
+        # d sqrt(a * x)/da = x / (2 sqrt(a * x)): inf at a * x = 0 with x > 0, NaN (0/0) with x = 0, finite
+        # elsewhere; the loss, sqrt(0) = 0, is finite in every case.
+        engine = module.Engine({"a": np.array([0.0, 1.0], np.float32)},
+                               lambda x, params: ops.sum(ops.sqrt(params["a"] * x)), optim.SGD(0.1))
+        for x in ([1.0, 1.0], [0.0, 1.0], [0.0, 0.0]):
+            engine.zero_grad()
+            loss, _ = engine.accumulate((module.to_tensor(np.array(x, np.float32)),), 1.0)
+            found.append((float(loss), engine.grad_finite()))
+        engine.load_state({"a": np.array([2.0, 1.0], np.float32)}, 0)
+        engine.zero_grad()
+        engine.accumulate((module.to_tensor(np.ones(2, np.float32)),), 1.0)
+        found.append(engine.grad_finite())
+    assert found == [(1.0, False), (1.0, False), (0.0, False), True]

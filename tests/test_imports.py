@@ -217,7 +217,7 @@ def test_the_else_of_type_checking_counts(tmp_path):
 # and everything under it; "__init__" is elasticflow/__init__.py itself (the public names).
 LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("leaf", "helpers and names that import nothing of elasticflow above them",
-     ("errors", "fileio", "paths", "console", "envnames", "memory", "current", "signals", "affinity")),
+     ("errors", "fileio", "paths", "console", "envnames", "memory", "current", "signals", "affinity", "sealing")),
     ("specs", "backend-neutral descriptions the backends implement, and the config schema",
      ("optim", "buffers", "devices", "config", "config_ranges")),
     ("backends", "the frameworks: torch and TensorFlow behind one Engine and one set of ops",
@@ -228,7 +228,7 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("distributed", "membership, collectives, the agent and its store",
      ("distributed.*",)),
     ("replica", "one worker's replica of the state, kept equal to the others' through failures",
-     ("replica", "shard")),
+     ("replica", "shard", "shard_plan")),
     ("trainer", "the loop, its helpers, and the package's public names",
      ("trainer", "builder", "stepper", "regroup", "__init__")),
     ("launchers", "how processes start and end: the launchers, the worker's main, the exit line",

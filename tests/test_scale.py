@@ -266,20 +266,23 @@ def test_status_shows_the_devices_reported_and_nothing_for_the_others(tmp_path):
 
 
 def test_two_scale_commands_at_once_both_get_an_answer(tmp_path):
-    """Both requests are written before the agent reads either: the second must wait for the slot, not
-    overwrite the first (whose client would then wait 30 s for a reply and fail)."""
+    """Both requests are written before the agent reads either: each in its own numbered slot, so neither
+    overwrites the other (whose client would then wait 30 s for a reply and fail)."""
     from omegaconf import OmegaConf
 
     store, listener = listening_store("127.0.0.1", 5.0)
     token = protocol.new_token(tmp_path)
-    protocol.agent_file(tmp_path).write_text(json.dumps({"address": f"127.0.0.1:{store.port}", "pid": 1}))
+    protocol.agent_file(tmp_path).write_text(json.dumps({"address": f"127.0.0.1:{store.port}", "pid": 1,
+                                                         "job": "job1"}))
     (tmp_path / "workers.json").write_text(json.dumps({"generation": 0, "members": [{}, {}], "joining": [],
                                                        "retiring": []}))
     seen = []
     agent = type("StubAgent", (), {  # just what scaling.rescale reads when the target is the current size
         "store": store, "token": token, "cfg": OmegaConf.create({"launcher": {"min_workers": 1, "max_workers": 4}}),
         "event": lambda self, kind, **f: seen.append(f["requested"]), "target_workers": lambda self: 2,
-        "generation": 0, "write_workers_json": lambda self: None})()
+        "generation": 0, "write_workers_json": lambda self: None, "job": "job1",
+        "scale_requests": protocol.Inbox("control/count", "control/request"), "scale_nonces": {},
+        "verdicts": protocol.Sealer(token)})()
     results = []
     clients = [threading.Thread(target=lambda: results.append(control.scale(tmp_path, 2, wait_s=0)), daemon=True)
                for _ in range(2)]

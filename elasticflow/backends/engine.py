@@ -31,7 +31,7 @@ class Engine(Protocol):
 
     Typical step (the trainer's ``_attempt``): ``train_mode(True)``, ``zero_grad()``,
     ``accumulate()`` per micro-batch, reduce ``grad_view()`` in place across workers, optionally
-    ``grad_norm()``/``scale_grad()``, then ``apply(lr)``.
+    ``grad_norm()``/``scale_grad()`` or ``grad_finite()``, then ``apply(lr)``.
     """
 
     num_params: int
@@ -60,6 +60,12 @@ class Engine(Protocol):
 
     def grad_norm(self) -> float:
         """L2 norm of the accumulated flat gradient (a sync point)."""
+
+    def grad_finite(self) -> bool:
+        """Whether every element of the accumulated flat gradient is finite (a sync point).
+
+        Note: one read of the gradient (its sum, NaN or inf when any element is), no norm: every step pays
+        it (``grad_check``). A sum past float32's range (elements near 1e38) also reads as not finite."""
 
     def scale_grad(self, factor: float) -> None:
         """Multiply the accumulated gradient by ``factor`` in place (gradient clipping)."""

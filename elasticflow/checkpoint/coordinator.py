@@ -4,9 +4,10 @@ Each rank ``report``s (ok, file, bytes, file and piece checksums) under the save
 ``collect``s all W reports, bounded by a timeout, and only then commits. A member that died never
 reports, so its save never commits -- and training goes on.
 
-Store keys (the agent's TCPStore):
-    ckpt/job                    the job directory every worker of the run uses (first writer wins)
-    ckpt/token                  a random token naming this run's temporary directories
+Store keys (the agent's TCPStore; every value sealed with the job token, sealing.py):
+    ckpt/job/<tag>              the job directory every worker of the run uses (first writer wins; <tag> is
+                                derived from the token, so a stranger cannot take the slot first)
+    ckpt/token/<tag>            a random token naming this run's temporary directories
     ckpt/<token>/<save>/rank<r> JSON report of rank r for one save
 """
 from __future__ import annotations
@@ -15,7 +16,13 @@ import datetime
 import json
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+from ..errors import ElasticFlowError
+from ..sealing import REFUSED, Forged, Sealer
+
+
+AGREE_TRIES = 12  # 0.2 s apart: the agent's health round (0.1 s) puts an agreed value back well within
 
 
 class CollectTimeout(Exception):
@@ -74,8 +81,8 @@ class StoreCoordinator(Coordinator):
 
     POLL_S = 0.02  # polling ``check`` rather than ``wait``: a timed-out wait logs C++ warnings
 
-    def __init__(self, address: str, timeout_s: float):
-        self.address, self.timeout_s = address, timeout_s
+    def __init__(self, address: str, timeout_s: float, sealer: Sealer):
+        self.address, self.timeout_s, self.sealer = address, timeout_s, sealer
         self._store = None
         self._owner: Optional[int] = None
 
@@ -91,31 +98,75 @@ class StoreCoordinator(Coordinator):
         return self._store
 
     def report(self, key: str, rank: int, value: Dict[str, Any]) -> None:
-        self._client().set(f"{key}/rank{rank}", json.dumps(value))
+        k = f"{key}/rank{rank}"
+        self._client().set(k, self.sealer.seal(k, json.dumps(value)))
 
     def collect(self, key: str, world: int, timeout_s: float) -> List[Dict[str, Any]]:
+        """Every rank's report; a forged one (a stranger's) is refused and waited past, never removed: the
+        rank's own report may land between our read and a delete, which would then lose it."""
         store = self._client()
         keys = [f"{key}/rank{r}" for r in range(world)]
+        got: Dict[int, Dict[str, Any]] = {}
+        forged: Dict[int, bytes] = {}  # the forgery last refused at each rank's key: counted once
         deadline = time.monotonic() + timeout_s
-        while not store.check(keys):
-            if time.monotonic() > deadline:
-                raise CollectTimeout([r for r, k in enumerate(keys) if not store.check([k])], timeout_s)
-            time.sleep(self.POLL_S)
-        out = [json.loads(store.get(k)) for k in keys]
+        while len(got) < world:
+            for r, k in enumerate(keys):
+                if r in got or not store.check([k]):
+                    continue
+                raw = store.get(k)
+                try:
+                    report = json.loads(self.sealer.open(k, raw))
+                except (Forged, ValueError) as exc:
+                    if forged.get(r) != raw:
+                        REFUSED("checkpoint report", str(exc))
+                        forged[r] = raw
+                    continue
+                if isinstance(report, dict):
+                    got[r] = report
+            if len(got) < world:
+                if time.monotonic() > deadline:
+                    raise CollectTimeout([r for r in range(world) if r not in got], timeout_s)
+                time.sleep(self.POLL_S)
         for k in keys:  # keep the store small over a long run
             store.delete_key(k)
-        return out
+        return [got[r] for r in range(world)]
 
     def close(self) -> None:
         self._store = None
 
 
-def agree(store, key: str, candidate: str) -> str:
-    """The value every worker of the run agrees on: the first candidate offered wins (atomic)."""
+def agree(store, key: str, candidate: str, sealer: Optional[Sealer] = None,
+          valid: Callable[[str], bool] = lambda value: True) -> str:
+    """The value every worker of the run agrees on: the first candidate offered wins (atomic).
+
+    The slot's name carries a tag only token holders compute, and its value is sealed: a value that does not
+    verify, or is not ``valid``, is refused and removed, and the slot taken again."""
     if store is None:
         return candidate
-    value = store.compare_set(key, "", candidate)
-    return value.decode() if isinstance(value, bytes) else str(value)
+    slot = f"{key}/{sealer.name(key)}"
+    for attempt in range(AGREE_TRIES):
+        raw = store.compare_set(slot, "", sealer.seal(slot, candidate))
+        try:
+            value = sealer.open(slot, raw)
+            if valid(value):
+                return value
+            raise Forged(f"{value[:80]!r} is not a valid {key}")
+        except Forged as exc:
+            REFUSED("checkpoint job", str(exc))
+            # The agent puts the agreed value back within its health round (health.reassert); only a slot
+            # nobody agreed on yet stays forged, and is cleared for ours.
+            time.sleep(0.2)
+            if attempt == AGREE_TRIES - 2:
+                store.delete_key(slot)
+    raise ElasticFlowError(f"the workers could not agree on {key}: someone keeps writing it",
+                           "a process that can reach the job's store but has no token is interfering; run the "
+                           "job on a private network (docs/multi-host.md, the trust boundary)")
+
+
+def plain_name(value: str) -> bool:
+    """A folder name to use under checkpoint.dir: no separators, no '..', no control characters."""
+    return 0 < len(value) <= 255 and value not in (".", "..") and "/" not in value and "\\" not in value and \
+        value.isprintable()
 
 
 def store_alive(store) -> bool:

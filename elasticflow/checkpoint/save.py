@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +38,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import affinity
+from . import jobdir
 from ..errors import ElasticFlowError
-from ..fileio import write_atomic
-from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree
+from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree, plain_name
 from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, Sharded, TensorSpec, _checkpoints_in, chunks,
-                     file_digest, hashed, hasher, job_dirs, plan, plan_digest, shard_header, shard_name, specs_of,
+                     file_digest, hashed, hasher, plan, plan_digest, shard_header, shard_name, specs_of,
                      temp_dirs)
 from .snapshot import SnapshotBuffer, layout
 
@@ -49,7 +50,6 @@ log = logging.getLogger("elasticflow")
 
 KILL_ENV = "ELASTICFLOW_TEST_CKPT_KILL"
 PHASES = ("before_write", "mid_write", "after_write", "before_commit", "before_rename")
-JOB_RECORD = "checkpoint_job.json"
 NICE = 10         # the writer threads' niceness: under CPU contention, training runs first
 HINT_DISK = "check free space and permissions of checkpoint.dir; the previous checkpoints are intact"
 
@@ -147,6 +147,7 @@ class Checkpointer:
         self._snapshots = SnapshotBuffer()
         self._last_key: Optional[tuple] = None
         self._counts: Dict[tuple, int] = {}
+        self.lease: Optional[jobdir.Lease] = None  # for_run's hold on job_dir; released by close()
 
     # ------------------------------------------------------------------ for a trainer's run
     @classmethod
@@ -155,23 +156,32 @@ class Checkpointer:
 
         The job directory is reused across restarts of the same run: the name recorded in
         RUN_DIR/.elasticflow/checkpoint_job.json, else the newest ``<job_name>_*`` under
-        ``checkpoint_dir``; ``resume=none`` starts a new job directory.
+        ``checkpoint_dir`` that no other live run writes; ``resume=none`` starts a new job directory.
+        The run holds it (``jobdir.hold``) until ``close``: ElasticFlowError if another live run does.
         """
         c = cfg.checkpoint
         job_name = c.get("job_name") or Path(str(cfg.model)).stem
         state_dir = Path(run_dir) / ".elasticflow"
         store = getattr(membership, "store", None)
-        candidate = _choose_job(Path(checkpoint_dir), job_name, state_dir, fresh=str(cfg.resume) == "none",
-                                explicit=bool(c.get("job_name")))
-        name = agree(store, "ckpt/job", candidate)
-        token = agree(store, "ckpt/token", secrets.token_hex(4))
+        candidate, reserved = jobdir.choose(Path(checkpoint_dir), job_name, state_dir, Path(run_dir).absolute(),
+                                            fresh=str(cfg.resume) == "none", explicit=bool(c.get("job_name")))
+        sealer = getattr(membership, "sealer", None)
+        name = agree(store, "ckpt/job", candidate, sealer, valid=plain_name)
+        token = agree(store, "ckpt/token", secrets.token_hex(4), sealer, valid=lambda t: t.isalnum() and len(t) <= 16)
+        if reserved and name != candidate:  # another worker's proposal won: drop the folder this one made
+            jobdir.unreserve(Path(checkpoint_dir) / candidate)
         job_dir = Path(checkpoint_dir) / name
         job_dir.mkdir(parents=True, exist_ok=True)
-        _record_job(state_dir, Path(checkpoint_dir), name)
+        # Before anything is read or written there: a second run must not prune, replace or tidy our saves.
+        lease = jobdir.hold(job_dir, Path(run_dir).absolute(), token)
+        jobdir.record(state_dir, Path(checkpoint_dir), name)
         timeout = float(cfg.elastic.timeout_s)
-        coordinator = StoreCoordinator(membership.address, timeout) if membership is not None else None
-        return cls(job_dir, keep=c.keep, asynchronous=bool(c.async_save), timeout_s=timeout,
-                   coordinator=coordinator, token=token)
+        coordinator = StoreCoordinator(membership.address, timeout, sealer) if membership is not None else None
+        ck = cls(job_dir, keep=c.keep, asynchronous=bool(c.async_save), timeout_s=timeout,
+                 coordinator=coordinator, token=token)
+        ck.lease = lease
+        weakref.finalize(ck, lease.release)  # a trainer dropped without close() (an error in a notebook)
+        return ck
 
     # ------------------------------------------------------------------ the training thread
     def save(self, name: str, state: Dict[str, np.ndarray], info: Dict[str, Any], rank: int = 0, world: int = 1,
@@ -234,6 +244,8 @@ class Checkpointer:
             self._pool = None
             if self.coordinator is not None:
                 self.coordinator.close()
+            if self.lease is not None:
+                self.lease.release()
 
     def reserve(self, state: Dict[str, np.ndarray], rank: int = 0, world: int = 1,
                 sharded: Optional[Sharded] = None) -> None:
@@ -400,36 +412,10 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         if self.keep:
             for old in _checkpoints_in(self.job_dir)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- the job directory
-def _choose_job(checkpoint_dir: Path, job_name: str, state_dir: Path, fresh: bool, explicit: bool) -> str:
-    if not fresh:
-        # The run's recorded job, unless checkpoint.job_name now names another one (a renamed
-        # model file is still the same run: the default name follows the file, the record does not).
-        try:
-            rec = json.loads((state_dir / JOB_RECORD).read_text())
-            if (checkpoint_dir / rec["job"]).is_dir() and (not explicit or rec["job"].startswith(f"{job_name}_")):
-                return rec["job"]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-        existing = job_dirs(checkpoint_dir, job_name)
-        if existing:
-            return existing[-1].name
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name, n = f"{job_name}_{stamp}", 0
-    while (checkpoint_dir / name).exists():
-        n += 1
-        name = f"{job_name}_{stamp}.{n}"
-    return name
-
-
-def _record_job(state_dir: Path, checkpoint_dir: Path, name: str) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    # Every worker writes it at start-up and a restart reads it back: atomic, so never read torn.
-    record = {"job": name, "checkpoint_dir": str(checkpoint_dir)}  # checkpoint_dir: for people reading it
-    write_atomic(state_dir / JOB_RECORD, json.dumps(record))
+                # Never the save just committed, even if older steps sort after it (a resume=PATH from an
+                # earlier step of this folder): pruning it would lose the run's newest state at once.
+                if old != job.final:
+                    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- one-call API

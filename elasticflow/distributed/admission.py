@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from . import protocol
 from .process import Worker
@@ -14,27 +15,69 @@ from .process import Worker
 log = logging.getLogger("elasticflow")
 
 
+REFUSAL_EVENTS = 20   # refused joins written to events.jsonl one by one; past this, only counted (a flood)
+RECHECK_S = 10.0      # how long a request that failed its MAC is re-read: a real worker may overwrite a forgery
+RECHECKS_KEPT = 32    # ... and how many at most (the newest)
+
+
 def admit(agent) -> None:
     """Answer every join request written since the last round (the agent's loop, every REQUESTS_S)."""
-    for n, request in agent.join_requests.read(agent.store):
+    for n, request in list(agent.join_requests.read(agent.store)) + _changed(agent):
         try:
             verdict = judge(agent, n, request)
-        except (ValueError, KeyError, TypeError) as exc:
-            verdict = {"ok": False, "reason": f"malformed join request ({exc})"}
+        except Exception as exc:  # noqa: BLE001 - a request is anyone's to write: never fatal to the agent
+            verdict = {"ok": False, "reason": f"malformed join request ({type(exc).__name__})"}
         if not verdict["ok"]:
-            log.warning("refused a join request from pid %s on %s: %s", request.get("pid"), request.get("host"),
-                        verdict["reason"])
-            agent.event("refused", pid=request.get("pid"), host=request.get("host"), reason=verdict["reason"])
-        agent.store.set(f"join/verdict/{n}", json.dumps(verdict))
+            agent.refused_joins += 1
+            if "token" in verdict["reason"]:
+                agent.join_rechecks[n] = (request, time.monotonic())
+                while len(agent.join_rechecks) > RECHECKS_KEPT:  # a flood: each is a store read per round
+                    del agent.join_rechecks[min(agent.join_rechecks)]
+            if agent.refused_joins <= REFUSAL_EVENTS:
+                log.warning("refused a join request from pid %s on %s: %s", _shown(request.get("pid")),
+                            _shown(request.get("host")), verdict["reason"])
+                agent.event("refused", pid=_shown(request.get("pid")), host=_shown(request.get("host")),
+                            reason=verdict["reason"])
+            else:
+                protocol.REFUSED("join request", verdict["reason"])
+        nonce = request.get("nonce")
+        verdict["nonce"] = nonce if isinstance(nonce, str) else None  # whose request this answers
+        protocol.put(agent.store, agent.verdicts, protocol.verdict_key(n), json.dumps(verdict))
         if verdict["ok"]:
             agent.write_workers_json()  # `status` and `scale` see it admitted (it enters the next generation)
+
+
+def _changed(agent) -> list:
+    """Requests that failed their MAC, read again: a worker that counted ``n`` after a stranger wrote
+    ``join/request/<n>`` overwrites the forgery with its own, which deserves a verdict of its own."""
+    out, now = [], time.monotonic()
+    for n, (seen, since) in list(agent.join_rechecks.items()):
+        if now - since > RECHECK_S:
+            del agent.join_rechecks[n]
+            continue
+        key = f"join/request/{n}"
+        try:  # check first: get() on a key a stranger deleted would wait for the store's whole timeout
+            request = protocol.decode(agent.store.get(key)) if agent.store.check([key]) else seen
+        except ValueError:
+            continue
+        if isinstance(request, dict) and request != seen:
+            del agent.join_rechecks[n]
+            out.append((n, request))
+    return out
+
+
+def _shown(value) -> str:
+    return str(value)[:64]
 
 
 def judge(agent, n: int, request: dict) -> dict:
     """Admit the worker of request ``n`` (an agent's, a node agent's, or one started by hand with the
     token), or say why not."""
-    wid, pid, node = int(request["id"]), int(request["pid"]), request.get("node")
-    if not protocol.verify(agent.token, protocol.join_message(n, wid, pid, node), request.get("mac", "")):
+    wid, pid, node, host, nonce = (request.get(k) for k in ("id", "pid", "node", "host", "nonce"))
+    if not (type(wid) is int and type(pid) is int and pid > 0 and isinstance(host, str) and isinstance(nonce, str)
+            and (node is None or isinstance(node, str))):
+        return {"ok": False, "reason": "wrong or missing job token (a malformed request)"}
+    if not protocol.verify(agent.token, protocol.join_message(n, wid, pid, node, host, nonce), request.get("mac")):
         return {"ok": False, "reason": "wrong or missing job token"}
     cap = agent.cfg.launcher.max_workers
     if cap and len(agent.members) + len(agent.admitted) >= cap:
@@ -46,8 +89,8 @@ def judge(agent, n: int, request: dict) -> dict:
         worker = agent.hosts.worker(node, wid, pid)  # a node agent's, with the id it drew from the store
     else:
         # Started by someone holding the token (another launcher): give it a fresh id.
-        worker = Worker(agent.new_id(), pid, None, request.get("host", "?"))
+        worker = Worker(agent.new_id(), pid, None, host)
     worker.state = "admitted"
-    worker.host = request.get("host", worker.host)
+    worker.host = host
     agent.admitted.append(worker)
-    return {"ok": True, "id": worker.id}
+    return {"ok": True, "id": worker.id, "job": agent.job}

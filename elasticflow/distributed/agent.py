@@ -9,15 +9,15 @@ A generation that fails to form (rendezvous.py says when) is superseded by the n
 members that arrived or reported; the others *wait* (alive, out of the generation) and re-enter a
 later one once they arrive. Joiners admitted while a generation forms enter the next one together.
 
-Health: a member whose heartbeat stops for ``elastic.heartbeat_timeout_s`` (a stopped process) is
-SIGKILLed; so is one that never reports when its peers' collectives of a generation failed (a
-deadlock or a stuck collective). Killing, not aborting, is what wakes peers blocked on it.
+Health (heartbeats, failure reports, cutting out the silent) is health.py's. Every record the agent writes
+is sealed with the job token and every one it reads is checked (sealing.py).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -29,9 +29,9 @@ from omegaconf import OmegaConf
 from ..console import DetachedConsole
 from ..errors import ElasticFlowError, TrainingInterrupted
 from ..fileio import append_event
-from . import admission, hosts, protocol, scaling, workers_json
+from . import admission, health, hosts, protocol, scaling, workers_json
 from .process import Worker, listening_store
-from .rendezvous import Rendezvous, key
+from .rendezvous import Rendezvous
 
 log = logging.getLogger("elasticflow")
 WATCH_S = 0.01     # how often the agent polls its workers: a SIGKILLed worker is noticed within ~10 ms
@@ -40,9 +40,7 @@ REQUESTS_S = 0.05  # how often join and scale requests are read: two store round
                    # core), taken from the workers' cores; a joiner waits <= 50 ms more, beside the seconds
                    # its process takes to start
 HEALTH_S = 0.1     # how often heartbeats and failure reports are read
-REPORT_GRACE_S = 2.0  # after a peer reports a failed collective, how long the others have to report too
 CONSOLE_DRAIN_S = 30.0  # at the end, how long the agent waits for a console that is not read (then writes on)
-ENDED = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN)  # a member's exit that ends the job
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
 
@@ -62,6 +60,13 @@ class Agent:
         self.state_dir = self.run_dir / ".elasticflow"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token = protocol.new_token(self.run_dir, token)
+        self.job = secrets.token_hex(8)       # this run's id, inside every record's MAC (sealing.py)
+        self.sealer = protocol.Sealer(self.token, self.job)
+        self.verdicts = protocol.Sealer(self.token)  # join verdicts: they hand the job id out
+        self.refused_joins = 0
+        self.join_rechecks: Dict[int, tuple] = {}  # admission: requests that failed their MAC, read again
+        self.record: Dict[str, str] = {}      # the agent's own records as sealed, put back if a stranger replaces one
+        protocol.REFUSED.on_first = lambda kind, detail: self.event("forged", record=kind, detail=detail)
         self.store, self._listener = listening_store(host, cfg.elastic.timeout_s, port)
         self.address = f"{host}:{self.store.port}"
         self.hosts = hosts.Hosts(self)        # the node agents of other hosts, and their workers' exits
@@ -75,6 +80,8 @@ class Agent:
         self.waiting: List[Worker] = []      # alive, left out of a generation that failed to form
         self.finished: List[Worker] = []
         self.join_requests = protocol.Inbox("join/count", "join/request")
+        self.scale_requests = protocol.Inbox("control/count", "control/request")
+        self.scale_nonces: Dict[str, None] = {}  # taken once (scaling.py), oldest first
         self.restarts = 0
         self.dirty = False                    # members changed since the last publish
         self.below_min_since: Optional[float] = None
@@ -83,14 +90,14 @@ class Agent:
         self._notices: List[Tuple[str, Optional[str]]] = []  # the signal handlers' (line, event), for _watch
         self.started = time.monotonic()
         self.failed_reports_since: Dict[int, float] = {}
-        self.rdv = Rendezvous(self.store, cfg.elastic.timeout_s)
+        self.rdv = Rendezvous(self.store, cfg.elastic.timeout_s, self.sealer)
         self.supersede_at: Optional[float] = None  # a failed generation's successor is due then (back-off)
         self.supersede_cause = ""
 
     # ------------------------------------------------------------------ workers
     def new_id(self) -> int:
         """The next worker id, from the store's counter: node agents on other hosts draw from it too."""
-        return int(self.store.add(protocol.IDS_KEY, 1)) - 1
+        return protocol.draw(self.store, protocol.IDS_KEY, protocol.IDS_KEY) - 1
 
     def spawn(self) -> Worker:
         wid = self.new_id()
@@ -128,14 +135,19 @@ class Agent:
                        after_s=round(time.monotonic() - self.rdv.published_at, 3), waiting=[], retry_in_s=0)
         ids = [w.id for w in self.members]
         # The generation's record goes in before gen/current names it: a worker reads them in that order.
-        self.store.set(protocol.generation_key(g), protocol.encode(ids, action, reason, [w.id for w in self.waiting]))
-        self.store.set("gen/current", str(g))
+        self._put(protocol.generation_key(g), protocol.encode(ids, action, reason, [w.id for w in self.waiting]))
+        self._put("gen/current", str(g))
         self.rdv.opened(g, ids, time.monotonic())
         self.dirty = False
         self.supersede_at = None
         self.event("generation", generation=g, members=ids, waiting=[w.id for w in self.waiting], action=action,
                    reason=reason)
         self.write_workers_json(action)
+
+    def _put(self, key: str, payload: str) -> None:
+        """Write one of the agent's own records, sealed, and remember it (``reassert``)."""
+        self.record[key] = self.sealer.seal(key, payload)
+        self.store.set(key, self.record[key])
 
     def write_workers_json(self, action: str = "train") -> None:
         workers_json.write(self, action)
@@ -146,9 +158,12 @@ class Agent:
     # ------------------------------------------------------------------ main loop
     def run(self) -> Dict[str, Any]:
         OmegaConf.save(self.cfg, self.state_dir / "config.yaml")
-        protocol.agent_file(self.run_dir).write_text(json.dumps(
-            {"address": self.address, "pid": os.getpid(), "started": time.time()}))
-        self.store.set("gen/current", "-1")
+        protocol.write_private(protocol.agent_file(self.run_dir), json.dumps(  # the job id is `scale`'s to sign
+            {"address": self.address, "pid": os.getpid(), "started": time.time(), "job": self.job}))
+        self._put("gen/current", "-1")
+        # Sealed with the token alone: a worker checks its token against it before it joins (check_token).
+        self.record["job/check"] = self.verdicts.seal("job/check", "ok")
+        self.store.set("job/check", self.record["job/check"])
         self.store.add("join/count", 0)
         for _ in range(self.cfg.launcher.workers):
             self.spawn()
@@ -277,7 +292,7 @@ class Agent:
 
     def _announced(self, w: Worker) -> bool:
         """Whether ``w`` recorded its exit code (protocol.exit_key): a clean code from srun may be srun's own."""
-        return self.store.check([protocol.exit_key(w.id)])
+        return protocol.fetch(self.store, self.sealer, protocol.exit_key(w.id), "exit") is not None
 
     def _lost(self, w: Worker, cause: str, dirty: bool = True) -> None:
         log.warning("worker %d (pid %d) left (%s)", w.id, w.pid, cause)
@@ -342,95 +357,10 @@ class Agent:
 
     # ------------------------------------------------------------------ health
     def _check_health(self, now: float) -> None:
-        el = self.cfg.elastic
-        ended = any(w.poll() in ENDED for w in self.finished)  # the others stop heartbeating as they close
-        # Retiring workers too: until a retiring worker leaves at the step boundary it is still in the current
-        # group, and its peers' allreduce waits for it; stopped, it would hold them for elastic.timeout_s.
-        for w in [*self.members, *self.waiting, *self.retiring]:
-            if w.state == "killed":
-                continue
-            beats = int(self.store.add(f"worker/{w.id}/hb", 0))
-            if beats != w.hb_value:
-                w.hb_value, w.hb_seen = beats, now
-            elif now - w.hb_seen > el.heartbeat_timeout_s and not ended:
-                self._cut_out(w, f"no heartbeat for {now - w.hb_seen:.1f}s (stopped or hung)")
-            elif now - w.hb_seen > el.heartbeat_timeout_s and w.proc is None and w.node is not None:
-                # After the end, a worker of another host whose exit was never reported (its host went down
-                # as the job ended) is not waited for: it has nothing left to do.
-                for group in (self.members, self.waiting, self.retiring):
-                    if w in group:
-                        group.remove(w)
-                w.state = "finished"
-                self.finished.append(w)
-        if ended:
-            return
-        g = self.generation
-        if g < 0 or not self.members:
-            return
-        if self.supersede_at is None:
-            # A waiting worker that arrived at the newest generation is ready: it enters the next one. (Not
-            # while a successor is due: it arrived at the failed generation, before it was left out.)
-            for w in [w for w in self.waiting if self.store.check([key(g, "arrived", w.id)])]:
-                self.waiting.remove(w)
-                w.state = "admitted"
-                self.admitted.append(w)
-        if not self.dirty:  # when dirty, the next generation is published this round anyway
-            verdict = self.rdv.poll(now, [w.id for w in self.members if w.state != "killed"])
-            if verdict is not None:
-                self._judged(verdict, now)
-        if self.rdv.phase != "formed":
-            return
-        reported = [w for w in self.members if self.store.check([key(g, "failed", w.id)])]
-        if not reported or len(reported) == len(self.members):
-            self.failed_reports_since.pop(g, None)
-            return
-        since = self.failed_reports_since.setdefault(g, now)
-        for w in [w for w in self.members if w not in reported and w.node is not None and self.hosts.silent(w.node, now)]:
-            self._cut_out(w, f"its peers' collectives failed and its host {w.node} went silent (down or cut off)")
-        if now - since > min(REPORT_GRACE_S, el.heartbeat_timeout_s):
-            for w in list(self.members):  # _cut_out removes a worker of another host from the list
-                if w not in reported and w.state != "killed":
-                    self._cut_out(w, "its peers' collectives failed and it never reported (stuck or deadlocked)")
-
-    def _judged(self, v, now: float) -> None:
-        """The forming generation formed, or failed: then its successor is due (after the back-off)."""
-        if v.outcome == "formed":
-            for w in self.members:
-                w.has_state = True
-            self.event("formed", generation=v.generation, world=len(self.rdv.ids), formed_s=round(v.after_s, 3))
-            return
-        keep = [w for w in self.members if w.id in v.keep and w.state != "killed"]
-        alive = [w for w in self.members if w.state != "killed"]
-        if len(keep) < max(1, self.cfg.launcher.min_workers) or not any(w.has_state for w in keep):
-            # Too few to go on without the rest, or only joiners, who hold no training state: retry with
-            # every live member (after the back-off).
-            keep = alive
-        left_out = [w for w in alive if w not in keep]
-        for w in left_out:
-            w.state = "waiting"
-        self.waiting += left_out
-        self.members = [w for w in self.members if w not in left_out]
-        delay = self.rdv.backoff_s()
-        log.warning("generation %d did not form (%s); the next one in %.2fs with %d worker(s)",
-                    v.generation, v.cause, delay, len(keep))
-        self.event("superseded", generation=v.generation, cause=v.cause, after_s=round(v.after_s, 3),
-                   waiting=[w.id for w in left_out], retry_in_s=delay, failures=self.rdv.failures)
-        self.supersede_at, self.supersede_cause = now + delay, v.cause
+        health.check(self, now)
 
     def _cut_out(self, w: Worker, why: str) -> None:
-        log.warning("worker %d (pid %d): %s; killing it", w.id, w.pid, why)
-        self.event("hung", worker=w.id, pid=w.pid, reason=why, generation=self.generation)
-        self.store.set(protocol.cut_key(w.id), why)  # a cut-off worker that outlives the kill reads why
-        w.state = "killed"
-        w.signal(signal.SIGKILL)
-        if w.proc is None:  # not our child: we cannot wait for its exit code
-            if w in self.retiring:
-                self.retiring.remove(w)
-                self.event("retired", worker=w.id, pid=w.pid, exit_code=-int(signal.SIGKILL))
-                return
-            member = w in self.members
-            (self.members if member else self.waiting).remove(w)
-            self._lost(w, "killed: hung", dirty=member)  # a waiting worker is in no group: nothing to publish
+        health.cut_out(self, w, why)
 
     # ------------------------------------------------------------------ scale requests
     def _control(self) -> None:

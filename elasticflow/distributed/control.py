@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, Iterable
 
 from ..errors import ElasticFlowError
-from . import protocol
+from . import protocol, scaling
 
 
 def _running_agent(run_dir: Path) -> dict:
@@ -41,19 +41,22 @@ def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
     except Exception as exc:
         raise ElasticFlowError(f"the agent at {agent['address']} does not answer ({exc})",
                                "the job may have just ended; see `elasticflow status RUN_DIR`") from exc
-    nonce = secrets.token_hex(8)
-    request = json.dumps({"workers": workers, "nonce": nonce, "mac": protocol.sign(token, f"scale:{workers}:{nonce}")})
-    # One request slot, taken only while free: a plain set would overwrite another `scale` command's request
-    # not yet read (two at once: one was lost and its client waited 30 s for a reply that never came).
+    nonce, at = secrets.token_hex(8), time.time()
+    request = json.dumps({"workers": workers, "nonce": nonce, "time": at, "mac": protocol.sign(
+        token, scaling.scale_message(str(agent.get("job", "")), workers, nonce, at))})
+    # Each request in a numbered slot of its own (the agent reads them all): a single slot could be held by
+    # anyone, so that real requests time out waiting for it.
+    n = protocol.draw(store, "control/count", "control/count")
+    store.set(f"control/request/{n}", request)
+    reply_key, verdicts = f"control/reply/{nonce}", protocol.Sealer(token)
     deadline = time.monotonic() + 30
-    while store.compare_set("control/scale", "", request).decode() != request:
+    reply = None
+    while reply is None:
         if time.monotonic() > deadline:
-            raise ElasticFlowError(f"the agent at {agent['address']} did not take the scale request within 30s "
-                                   "(another request is still pending)",
+            raise ElasticFlowError(f"the agent at {agent['address']} did not answer the scale request within 30s",
                                    "the agent may be stopped or overloaded; see `elasticflow status RUN_DIR`")
+        reply = protocol.fetch_json(store, verdicts, reply_key, "scale reply")
         time.sleep(0.02)
-    store.wait([f"control/reply/{nonce}"], datetime.timedelta(seconds=30))
-    reply = json.loads(store.get(f"control/reply/{nonce}"))
     if not reply["ok"]:
         raise ElasticFlowError(f"the agent refused to scale to {workers}: {reply['reason']}",
                                "choose a number within launcher.min_workers..launcher.max_workers")

@@ -2,11 +2,13 @@
 exits, and receive the signals the agent sends those workers. node_agent.py is the other side.
 
 Store keys (every record signed with the job token, as join requests are):
-    node/count, node/request/<n>    a node agent asks to take part: {"name", "pid", "mac"}
-    node/verdict/<n>                {"ok", "run_dir", "checkpoint_dir", "probe"} or {"ok": false, "reason"}
-    node/exits, node/exit/<k>       a node's worker exited: {"node", "worker", "code", "mac"}
-    node/<name>/signals, node/<name>/signal/<k>   the agent asks node <name> to signal a worker: {"worker", "signal"}
-    node/<name>/hb                  the node agent's heartbeat counter
+    node/count, node/request/<n>    a node agent asks to take part: {"name", "pid", "nonce", "mac"}
+    node/verdict/<n>                sealed with the token, bound to the nonce: {"ok", "job", "run_dir",
+                                    "checkpoint_dir", "probe"} or {"ok": false, "reason"}
+    node/exits, node/exit/<k>       a node's worker exited: sealed {"node", "worker", "code"}
+    node/<name>/signals, node/<name>/signal/<k>   the agent asks node <name> to signal a worker: sealed
+                                    {"worker", "signal"}
+    node/<name>/hb                  the node agent's heartbeat: a sealed sequence number
 
 A node's workers are ordinary members (they join with the token, heartbeat and report failures like the
 agent's own); only their process is not the agent's child, so their exits arrive here (``Worker.exit_code``,
@@ -31,12 +33,8 @@ log = logging.getLogger("elasticflow")
 NODE_SILENT_S = 1.0
 
 
-def node_message(n: int, name: str, pid: int) -> str:
-    return f"node:{n}:{name}:{pid}"
-
-
-def exit_message(node: str, worker: int, code: int, k: int) -> str:
-    return f"exit:{k}:{node}:{worker}:{code}"
+def node_message(n: int, name: str, pid: int, nonce: str) -> str:
+    return f"node:{n}:{name}:{pid}:{nonce}"
 
 
 class Hosts:
@@ -51,7 +49,8 @@ class Hosts:
         self.exits = protocol.Inbox("node/exits", "node/exit")
 
     def knows(self, node: str, worker_id: int) -> bool:
-        return node in self.nodes and 0 <= worker_id < int(self.agent.store.add(protocol.IDS_KEY, 0))
+        return node in self.nodes and 0 <= worker_id < (protocol.counter(self.agent.store, protocol.IDS_KEY,
+                                                                          protocol.IDS_KEY) or 0)
 
     def worker(self, node: str, worker_id: int, pid: int) -> Worker:
         return Worker(worker_id, pid, None, host=node, node=node, outbox=self.outbox)
@@ -65,22 +64,33 @@ class Hosts:
         store = self.agent.store
         now = time.monotonic()
         for name in self.nodes:
-            beats = int(store.add(f"node/{name}/hb", 0))
-            if beats != self.beats.get(name, (None,))[0]:
-                self.beats[name] = (beats, now)
+            beat = protocol.fetch(store, self.agent.sealer, f"node/{name}/hb", "heartbeat")
+            if beat is not None and int(beat) > self.beats[name][0]:  # a replayed beat is an old one
+                self.beats[name] = (int(beat), now)
         for n, request in self.requests.read(store):
-            store.set(f"node/verdict/{n}", json.dumps(self._judge(n, request)))
-        for k, report in self.exits.read(store):
-            self._exited(k, report)
+            try:
+                verdict = self._judge(n, request)
+            except Exception as exc:  # noqa: BLE001 - anyone can write a request: never fatal to the agent
+                verdict = {"ok": False, "reason": f"malformed request ({type(exc).__name__})"}
+            nonce = request.get("nonce")
+            verdict["nonce"] = nonce if isinstance(nonce, str) else None
+            protocol.put(store, self.agent.verdicts, f"node/verdict/{n}", json.dumps(verdict))
+        for k, _ in self.exits.read(store):
+            report = protocol.fetch_json(store, self.agent.sealer, f"node/exit/{k}", "node exit report")
+            if report is not None:
+                self._exited(report)
         while self.outbox:
             node, worker_id, sig = self.outbox.pop(0)
-            k = int(store.add(f"node/{node}/signals", 1))
-            store.set(f"node/{node}/signal/{k}", json.dumps({"worker": worker_id, "signal": sig}))
+            k = protocol.draw(store, f"node/{node}/signals", "node signals")
+            protocol.put(store, self.agent.sealer, f"node/{node}/signal/{k}",
+                         json.dumps({"worker": worker_id, "signal": sig}))
 
     def _judge(self, n: int, request: dict) -> dict:
         agent = self.agent
-        name, pid = str(request.get("name", "?")), request.get("pid")
-        if not protocol.verify(agent.token, node_message(n, name, pid), request.get("mac", "")):
+        name, pid, nonce = request.get("name"), request.get("pid"), request.get("nonce")
+        valid = isinstance(name, str) and _plain(name) and type(pid) is int and isinstance(nonce, str)
+        if not (valid and protocol.verify(agent.token, node_message(n, name, pid, nonce), request.get("mac"))):
+            name, pid = str(name)[:64], str(pid)[:20]
             log.warning("refused node agent pid %s on %s: wrong or missing job token", pid, name)
             agent.event("refused", host=name, pid=pid, reason="node agent with a wrong or missing job token")
             return {"ok": False, "reason": "wrong or missing job token (launcher.token_file or $ELASTICFLOW_JOB_TOKEN "
@@ -96,19 +106,22 @@ class Hosts:
         self.beats[name] = (-1, time.monotonic())
         agent.event("node", host=name, pid=pid)
         log.info("host %s joined the job (node agent pid %s)", name, pid)
-        return {"ok": True, "run_dir": str(agent.run_dir), "checkpoint_dir": str(ckpt), "probe": probe}
+        return {"ok": True, "job": agent.job, "run_dir": str(agent.run_dir), "checkpoint_dir": str(ckpt),
+                "probe": probe}
 
-    def _exited(self, k: int, report: dict) -> None:
+    def _exited(self, report: dict) -> None:
+        """A node agent's sealed report that its worker exited."""
         agent = self.agent
-        try:
-            node, worker_id, code = str(report["node"]), int(report["worker"]), int(report["code"])
-        except (KeyError, TypeError, ValueError):
-            return
-        if not protocol.verify(agent.token, exit_message(node, worker_id, code, k), report.get("mac", "")):
-            agent.event("refused", host=node, reason=f"exit report for worker {worker_id} with a wrong job token")
+        node, worker_id, code = report.get("node"), report.get("worker"), report.get("code")
+        if not (isinstance(node, str) and type(worker_id) is int and type(code) is int):
             return
         for w in agent.live():
             if w.id == worker_id and w.node == node:
                 w.exit_code = code  # the agent's next _reap treats it as a child's exit
                 return
 
+
+
+def _plain(name: str) -> bool:
+    """A host name usable in store keys and file names: no separators, no control characters."""
+    return 0 < len(name) <= 253 and all(c.isalnum() or c in "-_." for c in name) and name not in (".", "..")

@@ -4,6 +4,9 @@ A background thread, on its own store connection (a store client is not shared a
 bumps this worker's heartbeat and reads ``gen/current`` every ``POLL_S``: the training thread
 sees the newest generation without a round trip, and learns within ``POLL_S`` when the agent is
 gone. A stopped process (SIGSTOP) stops heartbeating, which is how the agent finds hung workers.
+
+Every record read here is sealed by its writer (sealing.py); one that does not verify is refused and
+ignored -- a stranger who can reach the store cannot stop the job, or enter it, by writing records.
 """
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ import datetime
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 from typing import Dict, List, Optional
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 from ..memory import rss_mib
 from . import protocol
@@ -27,6 +31,7 @@ from .rendezvous import key
 log = logging.getLogger("elasticflow")
 POLL_S = 0.05
 MEMORY_POLLS = 40  # every 40 polls (2 s): the workers' resident memory
+UNVERIFIED_S = 3.0  # a join verdict that does not verify is believed only after this long without one that does
 
 
 class StopRequested(Exception):
@@ -83,6 +88,7 @@ class Membership:
         self.agent_lost = False
         self.device: Optional[str] = None   # what report_device was given
         self.memory: Dict[int, float] = {}  # rank 0: resident MiB by member id, refreshed every 2 s (_share_memory)
+        self.sealer = protocol.Sealer(token or "")  # for the run's job once the join verdict names it
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="elasticflow-membership", daemon=True)
 
@@ -93,8 +99,10 @@ class Membership:
             beat = f"worker/{self.worker_id}/hb"
             polls, gathered_in = 0, None
             while not self._stop.wait(POLL_S):
-                store.add(beat, 1)
-                self.latest_generation = int(store.get("gen/current"))
+                protocol.put(store, self.sealer, beat, str(polls))  # a sequence: a replayed beat is an old one
+                g = protocol.fetch(store, self.sealer, "gen/current", "gen/current")
+                if g is not None:
+                    self.latest_generation = max(self.latest_generation, int(g))
                 if self.nccl_device is not None and self.latest_generation > self.generation:
                     self._abort_if_a_member_left(store)
                 if polls % MEMORY_POLLS == 0 or gathered_in != self.generation:  # and at once for new members
@@ -109,12 +117,16 @@ class Membership:
     def _share_memory(self, store) -> bool:
         """Publish this worker's resident memory; on rank 0, read every member's (``memory``) for the step
         records. Here, not in the step: a store round trip per member would cost the training thread."""
-        store.set(protocol.memory_key(self.worker_id), f"{rss_mib():.1f}")
+        protocol.put(store, self.sealer, protocol.memory_key(self.worker_id), f"{rss_mib():.1f}")
         if self.rank != 0 or self.generation < 0:
             return True
-        keys = {i: protocol.memory_key(i) for i in self.members}
-        self.memory = {i: float(store.get(k)) for i, k in keys.items() if store.check([k])}
-        return len(self.memory) == len(keys)  # False: a member has not published yet; again at the next poll
+        memory = {}
+        for i in self.members:
+            mib = protocol.fetch(store, self.sealer, protocol.memory_key(i), "memory")
+            if mib is not None:
+                memory[i] = float(mib)
+        self.memory = memory
+        return len(memory) == len(self.members)  # False: a member has not published yet; again at the next poll
 
     def _abort_if_a_member_left(self, store) -> None:
         """A dead peer leaves NCCL spinning on the GPU until its timeout; the agent sees the death within
@@ -122,8 +134,8 @@ class Membership:
         group, members = self.group, set(self.members)
         if group is None or group.aborted:
             return
-        newest = protocol.decode(store.get(protocol.generation_key(self.latest_generation)))
-        if not members <= set(newest.get("members", [])):
+        newest = self._generation(store, self.latest_generation)
+        if newest is not None and not members <= set(newest.get("members", [])):
             group.abort()
 
     def close(self) -> None:
@@ -136,24 +148,22 @@ class Membership:
         """Ask the agent to admit this worker (signed with the job token), then enter the first
         generation that lists it. Call when ready to train: the agent adds joiners at once."""
         try:
-            n = int(self.store.add("join/count", 1))
+            n = protocol.draw(self.store, "join/count", "join/count")
         except Exception as exc:  # a worker that started as the job ended
             raise AgentLost(f"the agent at {self.address} is gone ({str(exc).splitlines()[0][:120]})") from exc
         wid = -1 if self.worker_id is None else self.worker_id
-        request = {"n": n, "id": wid, "pid": os.getpid(), "host": socket.gethostname(), "node": self.node}
-        message = protocol.join_message(n, wid, os.getpid(), self.node)
+        host, nonce = socket.gethostname(), secrets.token_hex(8)
+        request = {"n": n, "id": wid, "pid": os.getpid(), "host": host, "node": self.node, "nonce": nonce}
+        message = protocol.join_message(n, wid, os.getpid(), self.node, host, nonce)
         request["mac"] = protocol.sign(self.token, message) if self.token else ""
         try:
             self.store.set(f"join/request/{n}", json.dumps(request))
-            # The agent answers within its next round (~10 ms); poll rather than wait with a deadline,
-            # so only a store that stops answering ends this.
-            while not self.store.check([f"join/verdict/{n}"]):
-                time.sleep(0.01)
-            verdict = protocol.decode(self.store.get(f"join/verdict/{n}"))
+            verdict = self._verdict(n, nonce)
         except Exception as exc:
             raise AgentLost(f"the agent at {self.address} did not answer the join request ({exc})") from exc
         if not verdict.get("ok"):
-            raise Refused(verdict.get("reason", "refused"))
+            raise Refused(str(verdict.get("reason", "refused")))
+        self.sealer = self.sealer.for_job(str(verdict["job"]))
         unreported = self.worker_id is None and self.device is not None
         self.worker_id = int(verdict["id"])
         if unreported:
@@ -161,6 +171,39 @@ class Membership:
         self.admitted_at = time.time()
         self._poller.start()
         self.rebuild(after=-1)
+
+    def check_token(self) -> None:
+        """Before anything touches the run's files: a worker whose token does not verify the agent's
+        ``job/check`` record asks to join at once, to be refused (and logged by the agent), rather than
+        reach the checkpoint folder as a stranger. Raises Refused or AgentLost."""
+        try:
+            ok = protocol.fetch(self.store, protocol.Sealer(self.token or ""), "job/check", "job check")
+        except Exception as exc:  # noqa: BLE001 - the store is gone
+            raise AgentLost(f"the agent at {self.address} is gone ({str(exc).splitlines()[0][:120]})") from exc
+        if ok is None:
+            self.join()  # refused: a token that does not verify here does not verify a join request either
+
+    def _verdict(self, n: int, nonce: str) -> dict:
+        """The agent's sealed answer to join request ``n`` (ours: it names our ``nonce``).
+
+        The agent answers within its next round (~50 ms); poll rather than wait with a deadline, so only a
+        store that stops answering ends this. An answer that does not verify is a stranger's -- or the
+        agent's, if our token is wrong: believed as a refusal only after UNVERIFIED_S without a good one.
+        """
+        key, unverified_since = protocol.verdict_key(n), None
+        while True:
+            if self.store.check([key]):
+                raw = self.store.get(key)
+                try:
+                    verdict = json.loads(self.sealer.open(key, raw))
+                    if isinstance(verdict, dict) and verdict.get("nonce") == nonce:
+                        return verdict
+                except protocol.Forged:
+                    unverified_since = unverified_since or time.monotonic()
+                    if not self.token or time.monotonic() - unverified_since > UNVERIFIED_S:
+                        return {"ok": False, "reason": "the agent's answer does not verify with this worker's "
+                                                       "job token (wrong or missing token)"}
+            time.sleep(0.01)
 
     def report_device(self, text: str) -> None:
         """Publish where this worker computes (``Placement.describe()``) for `elasticflow status`.
@@ -180,7 +223,7 @@ class Membership:
         """Tell the agent that building ``generation``'s group, or a collective of the current one, failed."""
         g = self.generation if generation is None else generation
         try:
-            self.store.set(key(g, "failed", self.worker_id), str(time.time()))
+            protocol.put(self.store, self.sealer, key(g, "failed", self.worker_id), str(time.time()))
         except Exception:
             pass  # the agent is gone; the rebuild that follows will say so
 
@@ -210,7 +253,9 @@ class Membership:
                 continue  # superseded before it formed
             rank, world = members.index(self.worker_id), len(members)
             try:
-                group = Group(self.store, g, rank, world, self.timeout_s, self.host, self.nccl_device)
+                # Under a prefix only token holders can compute: gloo's rendezvous keys are read unsealed.
+                gloo_store = PrefixStore(f"{self.sealer.name('gloo')}/", self.store)
+                group = Group(gloo_store, g, rank, world, self.timeout_s, self.host, self.nccl_device)
             except CommError as exc:
                 log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc)
                 self.report_failure(g)
@@ -224,7 +269,7 @@ class Membership:
     def _removed(self, g: int) -> None:
         cut = protocol.cut_key(self.worker_id)
         try:
-            why = self.store.get(cut).decode() if self.store.check([cut]) else None
+            why = protocol.fetch(self.store, self.sealer, cut, "cut")
         except Exception as exc:
             raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
         if why is not None:
@@ -233,7 +278,7 @@ class Membership:
 
     def _mark(self, g: int, what: str) -> None:
         try:
-            self.store.set(key(g, what, self.worker_id), str(time.time()))
+            protocol.put(self.store, self.sealer, key(g, what, self.worker_id), str(time.time()))
         except Exception as exc:
             raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
 
@@ -246,9 +291,10 @@ class Membership:
         keys = [key(g, "arrived", i) for i in members]
         while True:
             try:
-                if self.store.check(keys):
+                if self.store.check(keys) and all(
+                        protocol.fetch(self.store, self.sealer, k, "arrival", present=True) for k in keys):
                     return True
-                if int(self.store.get("gen/current")) > g:
+                if self._current(self.store) > g:
                     return False
             except Exception as exc:
                 raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
@@ -264,11 +310,25 @@ class Membership:
         """The newest generation after ``after``; waits while the store answers (the agent decides)."""
         while True:
             try:
-                g = int(self.store.get("gen/current"))
-                if g > after:
-                    return g, protocol.decode(self.store.get(protocol.generation_key(g)))
+                g = self._current(self.store)
+                info = self._generation(self.store, g) if g > after else None
+                if info is not None:
+                    return g, info
             except Exception as exc:
                 raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
             if self.agent_lost:  # the heartbeat thread's connection failed too
                 raise AgentLost(f"the agent's store at {self.address} stopped answering")
             time.sleep(0.005)
+
+    def _current(self, store) -> int:
+        """The newest generation the agent published (a forged ``gen/current`` leaves what we knew)."""
+        g = protocol.fetch(store, self.sealer, "gen/current", "gen/current")
+        return -1 if g is None else int(g)
+
+    def _generation(self, store, g: int) -> Optional[dict]:
+        """Generation ``g``'s record; None while it is absent or forged (the agent's own replaces a forgery
+        within its next health round: agent.reassert)."""
+        info = protocol.fetch_json(store, self.sealer, protocol.generation_key(g), "generation")
+        if info is not None and not isinstance(info.get("members"), list):
+            return None
+        return info

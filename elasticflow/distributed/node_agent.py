@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -29,13 +30,14 @@ from torch.distributed import TCPStore
 
 from ..errors import ElasticFlowError, TrainingInterrupted
 from . import protocol
-from .hosts import exit_message, node_message
+from .hosts import node_message
 
 log = logging.getLogger("elasticflow")
 WATCH_S = 0.01         # how often children are polled (a dead one reported within ~10 ms, as the agent does)
 STORE_S = 0.05         # how often the store is read: signals, heartbeat, reports
 RECONNECT_S = 1.0      # while the endpoint does not answer, how often to try again
 STORE_OP_S = 5.0       # a store call that takes longer means the link is down
+UNVERIFIED_S = 3.0     # an answer that does not verify is taken for a refusal only after this long without one
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST,
                protocol.EXIT_REMOVED)
 ERROR_EXITS = (1, 2, protocol.EXIT_REFUSED)  # the worker's own error line; the agent fails the job with it
@@ -70,6 +72,8 @@ class NodeAgent:
         self.pending_restarts = 0                       # restarts owed once the endpoint answers again
         self.interrupted = False
         self.run_dir: Optional[Path] = None
+        self.sealer = protocol.Sealer(token)   # for the job once its verdict names it
+        self.beats = 0
 
     # ------------------------------------------------------------------ joining the job
     def register(self) -> None:
@@ -86,26 +90,42 @@ class NodeAgent:
                         "start the same command on the endpoint's host, or check launcher.endpoint and the "
                         "firewall") from None
                 time.sleep(RECONNECT_S)
-        n = int(self.store.add("node/count", 1))
-        pid = os.getpid()
-        self.store.set(f"node/request/{n}", json.dumps({"name": self.name, "pid": pid,
-                                                         "mac": protocol.sign(self.token, node_message(n, self.name, pid))}))
-        while not self.store.check([f"node/verdict/{n}"]):  # the agent answers within its next round (50 ms)
-            if time.monotonic() > deadline + STORE_OP_S:
-                raise ElasticFlowError(f"the job at {self.endpoint} took this host's request but never answered",
-                                       "is the endpoint's agent stopped (SIGSTOP) or overloaded? see its output")
-            time.sleep(0.01)
-        verdict = protocol.decode(self.store.get(f"node/verdict/{n}"))
+        n = protocol.draw(self.store, "node/count", "node/count")
+        pid, nonce = os.getpid(), secrets.token_hex(8)
+        self.store.set(f"node/request/{n}", json.dumps({"name": self.name, "pid": pid, "nonce": nonce, "mac":
+                                                         protocol.sign(self.token, node_message(n, self.name, pid, nonce))}))
+        verdict = self._verdict(n, nonce, deadline + STORE_OP_S)
         if not verdict.get("ok"):
             raise ElasticFlowError(f"the job at {self.endpoint} refused host {self.name}: {verdict.get('reason')}",
                                    "use the same launcher.token_file (or $ELASTICFLOW_JOB_TOKEN) on every host",
                                    exit_code=protocol.EXIT_REFUSED)
+        self.sealer = protocol.Sealer(self.token, str(verdict["job"]))
         self.run_dir = Path(verdict["run_dir"])
         check_shared(self.name, self.run_dir, Path(verdict["checkpoint_dir"]), verdict["probe"])
 
+    def _verdict(self, n: int, nonce: str, deadline: float) -> dict:
+        """The agent's sealed answer to our request (it names our nonce). One that does not verify is a
+        stranger's -- or the agent's, when this host's token is wrong: taken as a refusal after UNVERIFIED_S."""
+        key, sealer, unverified_since = f"node/verdict/{n}", protocol.Sealer(self.token), None
+        while time.monotonic() < deadline:  # the agent answers within its next round (50 ms)
+            if self.store.check([key]):
+                raw = self.store.get(key)
+                try:
+                    verdict = json.loads(sealer.open(key, raw))
+                    if isinstance(verdict, dict) and verdict.get("nonce") == nonce:
+                        return verdict
+                except protocol.Forged:
+                    unverified_since = unverified_since or time.monotonic()
+                    if time.monotonic() - unverified_since > UNVERIFIED_S:
+                        return {"ok": False, "reason": "wrong or missing job token (the agent's answer does not "
+                                                       "verify with this host's token)"}
+            time.sleep(0.01)
+        raise ElasticFlowError(f"the job at {self.endpoint} took this host's request but never answered",
+                               "is the endpoint's agent stopped (SIGSTOP) or overloaded? see its output")
+
     # ------------------------------------------------------------------ workers
     def spawn(self) -> None:
-        wid = int(self.store.add(protocol.IDS_KEY, 1)) - 1
+        wid = protocol.draw(self.store, protocol.IDS_KEY, protocol.IDS_KEY) - 1
         slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots.values())
         env = {**os.environ, protocol.ENV_STORE: self.endpoint, protocol.ENV_WORKER_ID: str(wid),
                protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
@@ -203,16 +223,18 @@ class NodeAgent:
             log.warning("host %s: the job's endpoint %s answers again", self.name, self.endpoint)
             self.lost_since = None
         try:
-            self.store.add(f"node/{self.name}/hb", 1)
+            self.beats += 1
+            protocol.put(self.store, self.sealer, f"node/{self.name}/hb", str(self.beats))
             while self.unsent:
                 wid, code = self.unsent[0]
-                k = int(self.store.add("node/exits", 1))
-                self.store.set(f"node/exit/{k}", json.dumps({
-                    "node": self.name, "worker": wid, "code": code,
-                    "mac": protocol.sign(self.token, exit_message(self.name, wid, code, k))}))
+                k = protocol.draw(self.store, "node/exits", "node/exits")
+                protocol.put(self.store, self.sealer, f"node/exit/{k}",
+                             json.dumps({"node": self.name, "worker": wid, "code": code}))
                 self.unsent.pop(0)
-            for _, order in self.signals.read(self.store):
-                self._signal(int(order.get("worker", -1)), int(order.get("signal", 0)))
+            for k, _ in self.signals.read(self.store):
+                order = protocol.fetch_json(self.store, self.sealer, f"{self.signals.prefix}/{k}", "node signal")
+                if order is not None and type(order.get("worker")) is int and type(order.get("signal")) is int:
+                    self._signal(order["worker"], order["signal"])
             if self.pending_restarts and self._job_running():
                 log.warning("host %s: starting %d worker(s) again; they join the job as new members", self.name,
                             self.pending_restarts)
@@ -227,8 +249,11 @@ class NodeAgent:
             self.store, self.lost_since = None, time.monotonic()
 
     def _job_running(self) -> bool:
-        g = int(self.store.get("gen/current"))
-        return g < 0 or protocol.decode(self.store.get(protocol.generation_key(g))).get("action") != "stop"
+        g = protocol.fetch(self.store, self.sealer, "gen/current", "gen/current")
+        if g is None or int(g) < 0:
+            return g is not None
+        info = protocol.fetch_json(self.store, self.sealer, protocol.generation_key(int(g)), "generation")
+        return info is not None and info.get("action") != "stop"
 
     def _signal(self, wid: int, sig: int) -> None:
         proc = self.workers.get(wid)

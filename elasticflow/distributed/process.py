@@ -56,6 +56,8 @@ class Worker:
             self.outbox.append((self.node, self.id, int(sig)))  # sent from the agent's loop: not from a handler
             return
         try:
+            if self.proc is None and self.host != HOSTNAME:
+                return  # started by hand on another host: its pid means nothing here (the cut record tells it)
             if self.host == HOSTNAME or self.proc is None:
                 os.kill(self.pid, sig)
             elif sig in (signal.SIGINT, signal.SIGUSR1):

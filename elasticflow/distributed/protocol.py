@@ -1,37 +1,45 @@
 """What the agent and the workers say to each other through the store, and the exit codes they use.
 
-Store keys:
-    gen/current                 the newest generation number g
-    gen/<g>                     JSON {"members": [worker ids in rank order], "action": "train" | "stop", "reason",
-                                "waiting": [ids alive but left out: they re-enter a later generation]}
+Store keys (every record a worker or the agent acts on is sealed with the job token: sealing.py):
+    gen/current                 the newest generation number g (sealed)
+    gen/<g>                     sealed JSON {"members": [worker ids in rank order], "action": "train" | "stop",
+                                "reason", "waiting": [ids alive but left out: they re-enter a later generation]}
     gen/<g>/arrived/<id>        a worker is ready to build generation g's group (members build once all arrived;
                                 a waiting worker's arrival asks the agent to let it in again)
     gen/<g>/formed/<id>         a member built generation g's group
     gen/<g>/failed/<id>         a member's report that building g's group, or a collective of g, failed
-    join/count                  join requests so far (a counter); join/request/<n> is request n (JSON)
-    join/verdict/<n>            the agent's answer: {"ok": true, "id": assigned id} or {"ok": false, "reason"}
+    join/count                  join requests so far (a counter); join/request/<n> is request n (JSON, its own MAC)
+    join/verdict/<n>            the agent's answer, sealed with the token and bound to the request's nonce:
+                                {"ok": true, "id": assigned id, "job": the run's job id} or {"ok": false, "reason"}
     worker/ids                  the counter worker ids are drawn from (the agent's and node agents' workers)
     node/...                    node agents (launcher=nodes): their requests, exit reports and signals (hosts.py)
-    worker/<id>/hb              heartbeat counter, bumped by the worker's membership thread
+    worker/<id>/hb              heartbeat: a sealed sequence number, set by the worker's membership thread
     worker/<id>/exit            the worker's exit code, set as it exits (a clean exit counts only with it)
     worker/<id>/cut             why the agent cut this worker out (it stopped heartbeating, or never reported)
     worker/<id>/device          where the worker computes, ``Placement.describe()`` ("cuda:1 (NVIDIA A100), bf16
                                 mixed, nccl"); set once its device is chosen, read by `elasticflow status`
+                                (shown only: the one record not sealed)
     worker/<id>/memory          the worker's resident MiB, set by its membership thread every few seconds; rank 0's
                                 thread reads its members' into the step records (``memory_mib``)
-    control/scale               a signed request from `elasticflow scale` (JSON); one slot: a client sets it only
-                                while absent (compare_set), the agent deletes it once read
-    gen<g>/...                  the gloo rendezvous of generation g (PrefixStore, see comm.py)
+    control/count               scale requests so far; control/request/<n> is request n from `elasticflow scale`
+                                (JSON, its own MAC over the job id, a nonce and the time; a nonce is taken once)
+    control/reply/<nonce>       the agent's sealed answer
+    gen<g>-<tag>/...            the gloo rendezvous of generation g (PrefixStore, see comm.py); <tag> is derived
+                                from the token, so a stranger cannot address it
 
-The job token never crosses the wire: requests carry an HMAC of their fields keyed by it.
+The job token never crosses the wire: requests carry an HMAC of their fields keyed by it, records a MAC keyed
+by the token and the run's job id (sealing.py). A stranger's record is refused, counted and logged once per kind.
 """
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, Optional
+
+from ..sealing import REFUSED, Forged, Sealer  # noqa: F401 - the workers' and the agent's sealer
 
 # The environment variables between the agent and its workers live in a leaf (devices.py reads one too).
 from ..envnames import (ENV_BIND, ENV_DEBUG, ENV_JOB_TOKEN, ENV_LOCAL_SLOT, ENV_LOCAL_WORKERS,  # noqa: F401
@@ -87,25 +95,98 @@ def sign(token: str, message: str) -> str:
     return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
 
 
-def verify(token: str, message: str, mac: str) -> bool:
-    return hmac.compare_digest(sign(token, message), str(mac))
+def verify(token: str, message: str, mac: Any) -> bool:
+    return isinstance(mac, str) and hmac.compare_digest(sign(token, message), mac)
 
 
-def join_message(n: int, worker_id: int, pid: int, node=None) -> str:
-    """What a join request's HMAC covers (a node agent's worker signs its node's name too)."""
-    return f"{n}:{worker_id}:{pid}" + ("" if node is None else f":{node}")
+def join_message(n: int, worker_id: int, pid: int, node, host: str, nonce: str) -> str:
+    """What a join request's HMAC covers: every field the agent acts on (the host and pid name the process
+    it may signal; the nonce binds the verdict to this request)."""
+    return f"join:{n}:{worker_id}:{pid}:{node}:{host}:{nonce}"
+
+
+def verdict_key(n: int) -> str:
+    return f"join/verdict/{n}"
+
+
+# ---------------------------------------------------------------- sealed records
+def put(store, sealer: Sealer, key: str, payload: str) -> None:
+    store.set(key, sealer.seal(key, payload))
+
+
+def fetch(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> Optional[str]:
+    """The payload of the sealed record at ``key``; None when absent or forged (refused: counted, logged once
+    per ``kind``). ``present``: the key is known to exist (skips the round trip of ``check``)."""
+    if not present and not store.check([key]):
+        return None
+    try:
+        return sealer.open(key, store.get(key))
+    except Forged as exc:
+        REFUSED(kind, str(exc))
+        return None
+
+
+def fetch_json(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> Optional[Dict[str, Any]]:
+    payload = fetch(store, sealer, key, kind, present)
+    try:
+        value = None if payload is None else json.loads(payload)
+    except ValueError:  # sealed by the job, so never: but a record is never trusted to parse
+        value = None
+    return value if isinstance(value, dict) else None
+
+
+def counter(store, key: str, kind: str) -> Optional[int]:
+    """A counter's value read with ``get``, never ``add``: ``add`` on a key a stranger set to text closes this
+    client's connection (the store answers with an error and hangs up). None (refused) unless a number."""
+    if not store.check([key]):
+        return 0
+    raw = store.get(key)
+    try:
+        return int(raw)
+    except ValueError:
+        REFUSED(kind, f"{key} holds {bytes(raw)[:40]!r}, not a count")
+        return None
+
+
+def draw(store, key: str, kind: str) -> int:
+    """``add(key, 1)`` on a shared counter, after checking it still holds a number (a stranger's text there
+    would close our connection on ``add``): text is put back to the last number we know of."""
+    value = counter(store, key, kind)
+    if value is None:
+        store.set(key, str(_last_drawn.get(key, 0)))
+    n = int(store.add(key, 1))
+    _last_drawn[key] = n
+    return n
+
+
+_last_drawn: Dict[str, int] = {}
 
 
 def new_token(run_dir: Path, token: str = None) -> str:
     """The job's token (``token``, or a new random one), stored in RUN_DIR/.elasticflow/token readable by the
     owner only: `elasticflow scale` and `status` read it there."""
     token = token or secrets.token_hex(32)
-    path = Path(run_dir) / ".elasticflow" / "token"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
+    write_private(Path(run_dir) / ".elasticflow" / "token", token)
     return token
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by the owner only, whatever was there: a new file (O_EXCL, mode 600,
+    O_NOFOLLOW) under a random name, renamed over ``path`` -- so an existing file's looser mode, or a symlink
+    planted at ``path``, is replaced, never written through."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_token(run_dir: Path) -> str:
@@ -119,23 +200,40 @@ def agent_file(run_dir: Path) -> Path:
 
 class Inbox:
     """Records ``<prefix>/<n>`` counted by ``count_key``, read as they are written, in any order: a writer
-    that died between counting and writing holds up no one behind it (the agent's joins work the same way)."""
+    that died between counting and writing holds up no one behind it (the agent's joins work the same way).
 
-    def __init__(self, count_key: str, prefix: str):
+    The counter is anyone's to write, so it is not trusted: a count that jumps past ``backlog`` numbers keeps
+    only the newest (a real writer counts after whoever inflated it), and a number not filled in within
+    ``expire_s`` is dropped. Records are yielded as dicts ({} when not a JSON object); their MACs are the
+    reader's to check."""
+
+    def __init__(self, count_key: str, prefix: str, backlog: int = 256, expire_s: float = 60.0):
         self.count_key, self.prefix = count_key, prefix
+        self.backlog, self.expire_s = backlog, expire_s
         self.seen = 0
-        self.unread: List[int] = []
+        self.unread: Dict[int, float] = {}  # number -> when it was counted (monotonic)
 
     def read(self, store) -> Iterator[tuple]:
-        count = int(store.add(self.count_key, 0))
-        self.unread += range(self.seen + 1, count + 1)
-        self.seen = count
-        for n in list(self.unread):
+        count = counter(store, self.count_key, self.count_key)
+        now = time.monotonic()
+        if count is not None and count > self.seen:
+            first = max(self.seen + 1, count - self.backlog + 1)
+            if first > self.seen + 1:
+                REFUSED(self.count_key, f"{self.count_key} jumped from {self.seen} to {count}; "
+                                        f"only the newest {self.backlog} numbers are read")
+            self.unread.update((n, now) for n in range(first, count + 1))
+            self.seen = count
+        for n, counted in list(self.unread.items()):
             key = f"{self.prefix}/{n}"
             if not store.check([key]):
+                if now - counted > self.expire_s:
+                    del self.unread[n]
                 continue
-            self.unread.remove(n)
+            del self.unread[n]
             try:
-                yield n, decode(store.get(key))
+                record = decode(store.get(key))
             except ValueError:
-                yield n, {}
+                record = {}
+            yield n, record if isinstance(record, dict) else {}
+        while len(self.unread) > self.backlog:  # numbers a stranger counted and never filled in
+            del self.unread[min(self.unread)]

@@ -19,6 +19,8 @@ Repeated failures back off (``backoff_s``), but never give up: only launcher.min
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from . import protocol
 from typing import List, Optional, Set
 
 REPORT_WINDOW_S = 0.5  # after the first report of a failed build, how long the other members have to report
@@ -43,8 +45,8 @@ def key(g: int, what: str, worker_id: int) -> str:
 class Rendezvous:
     """Tracks one generation at a time: ``opened`` at each publish, ``poll``ed every health tick."""
 
-    def __init__(self, store, timeout_s: float):
-        self.store, self.timeout_s = store, timeout_s
+    def __init__(self, store, timeout_s: float, sealer):
+        self.store, self.timeout_s, self.sealer = store, timeout_s, sealer
         self.generation = -1
         self.ids: List[int] = []
         self.phase = "none"            # arriving | building | formed | failed
@@ -69,7 +71,9 @@ class Rendezvous:
 
     def _with(self, what: str, ids: List[int]) -> Set[int]:
         # One round trip per member; at a health tick (0.1 s) this is cheap next to a step.
-        return {i for i in ids if self.store.check([key(self.generation, what, i)])}
+        # A record that does not verify (a stranger's) counts as absent (protocol.fetch refuses it).
+        return {i for i in ids if protocol.fetch(self.store, self.sealer, key(self.generation, what, i), "arrival")
+                is not None}
 
     def poll(self, now: float, ids: List[int]) -> Optional[Verdict]:
         """``ids``: the generation's members still alive. Returns a verdict once, when there is one."""

@@ -1,4 +1,5 @@
-"""The agent's side of `elasticflow scale`: a signed request in the store, a reply keyed by its nonce.
+"""The agent's side of `elasticflow scale`: signed requests in the store (control/count, control/request/<n>),
+a sealed reply keyed by each request's nonce.
 
 Scaling up spawns workers, who enter through the ordinary join; scaling down retires workers at a
 step boundary (they are left out of the next generation and exit 5). control.py is the client side.
@@ -7,36 +8,56 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 from . import protocol
 
 
+FRESH_S = 300.0   # a scale request older (or newer, by the requester's clock) than this is refused: a replay
+NONCES_KEPT = 4096
+MAX_WORKERS = 4096  # without launcher.max_workers: a bound all the same (each worker is a process we start)  # nonces remembered (a request is taken once); older ones are past FRESH_S anyway
+
+
 def serve(agent) -> None:
-    """Answer a pending `elasticflow scale` request, if any (the agent calls this every round)."""
-    if not agent.store.check(["control/scale"]):
-        return
-    raw = agent.store.get("control/scale")
-    agent.store.delete_key("control/scale")
-    try:
-        req = protocol.decode(raw)
-        reply = rescale(agent, req)
-    except (ValueError, KeyError) as exc:
-        req, reply = {}, {"ok": False, "reason": f"malformed scale request ({exc})"}
-    agent.store.set(f"control/reply/{req.get('nonce', 'none')}", json.dumps(reply))
+    """Answer the `elasticflow scale` requests written since the last round (the agent calls this every round).
+    A request is anyone's to write: each is checked (types, MAC, job, time, nonce) and answered on its own."""
+    for _, req in agent.scale_requests.read(agent.store):
+        nonce = req.get("nonce")
+        if not (isinstance(nonce, str) and 0 < len(nonce) <= 64 and nonce.isalnum()):
+            protocol.REFUSED("scale request", "no usable nonce")
+            continue  # nowhere to answer
+        try:
+            reply = rescale(agent, req)
+        except Exception as exc:  # noqa: BLE001 - never fatal to the agent
+            reply = {"ok": False, "reason": f"malformed scale request ({type(exc).__name__})"}
+        key = f"control/reply/{nonce}"
+        protocol.put(agent.store, agent.verdicts, key, json.dumps(reply))
+
+
+def scale_message(job: str, target: int, nonce: str, at: float) -> str:
+    return f"scale:{job}:{target}:{nonce}:{at!r}"
 
 
 def rescale(agent, req: dict) -> dict:
     """Check a scale request, then start workers, or retire the surplus (waiting, joining, admitted, then
     the last-joined members). Returns the reply for the requester."""
-    target, nonce = int(req["workers"]), str(req["nonce"])
-    if not protocol.verify(agent.token, f"scale:{target}:{nonce}", req.get("mac", "")):
-        agent.event("refused", reason="scale request with a wrong or missing job token")
+    target, nonce, at = req.get("workers"), req["nonce"], req.get("time")
+    if not (type(target) is int and isinstance(at, float)
+            and protocol.verify(agent.token, scale_message(agent.job, target, nonce, at), req.get("mac"))):
+        protocol.REFUSED("scale request", "wrong or missing job token")  # the first of a flood is an event
         return {"ok": False, "reason": "wrong or missing job token"}
+    if nonce in agent.scale_nonces or abs(time.time() - at) > FRESH_S:
+        protocol.REFUSED("scale request", "replayed (its nonce was taken, or it is older than "
+                                          f"{FRESH_S:g}s)")
+        return {"ok": False, "reason": "a replayed request (its nonce was taken before, or it is stale)"}
+    agent.scale_nonces[nonce] = None
+    while len(agent.scale_nonces) > NONCES_KEPT:
+        agent.scale_nonces.pop(next(iter(agent.scale_nonces)))
     lc = agent.cfg.launcher
     if target < max(1, lc.min_workers):
         return {"ok": False, "reason": f"{target} is below launcher.min_workers={lc.min_workers}"}
-    if lc.max_workers and target > lc.max_workers:
-        return {"ok": False, "reason": f"{target} is above launcher.max_workers={lc.max_workers}"}
+    if target > (lc.max_workers or MAX_WORKERS):
+        return {"ok": False, "reason": f"{target} is above launcher.max_workers={lc.max_workers or MAX_WORKERS}"}
     current = agent.target_workers()
     agent.event("scale", requested=target, current=current, generation=agent.generation)
     if target > current:

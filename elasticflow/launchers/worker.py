@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..checkpoint import jobdir
 from ..console import DetachedConsole
 from ..distributed import protocol
-from ..fileio import write_atomic
+from ..fileio import append_event, write_atomic
 
 COMMAND = [sys.executable, "-m", "elasticflow.launchers.worker"]  # what a launcher runs to start one worker
 
@@ -93,10 +94,10 @@ def _record_exit(holder: dict, code: int) -> None:
     whose own code is 0 also when this worker's node failed."""
     trainer = holder["trainer"]
     membership = getattr(trainer, "membership", None)
-    if membership is None or membership.worker_id is None:
-        return
+    if membership is None or membership.worker_id is None or not membership.sealer.job:
+        return  # never admitted: no record of ours would verify (the agent learns the code from the process)
     try:
-        membership.store.set(protocol.exit_key(membership.worker_id), str(code))
+        protocol.put(membership.store, membership.sealer, protocol.exit_key(membership.worker_id), str(code))
     except Exception:  # noqa: BLE001 - the agent is gone: nobody to tell
         pass
 
@@ -116,11 +117,15 @@ def main() -> None:
     holder = {"trainer": None}
     console = _setup_logging(run_dir, worker_id, lambda: holder["trainer"])
     code = protocol.EXIT_OK
+    # Forged store records this worker refused: once per kind into events.jsonl (the intruder test reads them).
+    protocol.REFUSED.on_first = lambda kind, detail: append_event(
+        run_dir / "events.jsonl", "forged", "worker", worker=worker_id, record=kind, detail=detail)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
         membership = Membership(os.environ[protocol.ENV_STORE], worker_id, cfg.elastic.timeout_s, cfg.elastic.wait_s,
                                 os.environ.get(protocol.ENV_TOKEN), host=bind_address(cfg.launcher.interface),
                                 node=os.environ.get(protocol.ENV_NODE))
+        membership.check_token()
         trainer = ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir), membership=membership)
         holder["trainer"] = trainer
         summary = trainer.fit()
@@ -156,6 +161,7 @@ def main() -> None:
                      f"see {run_dir}/logs/worker-{worker_id}.log for the traceback")
         code = 1
     _record_exit(holder, code)
+    jobdir.release_all()  # os._exit below skips atexit: free the checkpoint folder's lease now
     # A process whose gloo group failed can abort in its exit handlers: flush, then leave at once.
     console.close(timeout_s=5.0)  # bounded: the agent waits for this exit
     logging.shutdown()

@@ -291,6 +291,10 @@ class Engine:
         self._settle()
         return float(tf.norm(self.flat_grad))
 
+    def grad_finite(self) -> bool:
+        self._settle()  # the sum, not a mask of is_finite: one read of the gradient and no temporary
+        return bool(tf.math.is_finite(tf.reduce_sum(self.flat_grad)))
+
     def scale_grad(self, factor: float) -> None:
         self._settle()
         self.flat_grad.assign(self.flat_grad * tf.constant(factor, tf.float32))

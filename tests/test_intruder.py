@@ -1,0 +1,146 @@
+"""A closed cluster: a process that reaches the job's store but holds no token tries every forgery against a
+running 3-worker job. The job finishes with the 1-worker parameters, and each forgery is reported refused.
+
+The intruder is a separate process with the job's store address and nothing else (no ELASTICFLOW_* in its
+environment). It lists the store's keys, as anyone can, so it knows every record's name.
+"""
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+
+from conftest import run_cli
+from test_elastic import assert_equivalent, events, finish, logged_step, reference, start, wait_for  # noqa: F401
+
+INTRUDER = r"""
+import datetime, json, sys, time
+from torch.distributed import TCPStore
+
+host, port = sys.argv[1].rsplit(":", 1)
+store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
+keys = store.list_keys()
+done = []
+
+def forge(what, key, value):
+    store.set(key, value)
+    done.append(what)
+
+g = max(int(k.split("/")[1]) for k in keys if k.startswith("gen/") and k.split("/")[1].isdigit())
+ids = sorted({int(k.split("/")[1]) for k in keys if k.startswith("worker/") and k.split("/")[1].isdigit()})
+# A generation with a stranger in it (and its arrival), named by gen/current; then gen/current as garbage.
+forge("fake generation", f"gen/{g + 1}", json.dumps({"members": ids + [999], "action": "train", "reason": "",
+                                                     "waiting": []}))
+forge("fake arrival", f"gen/{g + 1}/arrived/999", "1")
+forge("gen/current", "gen/current", str(g + 1))
+forge("gen/current garbage", "gen/current", "garbage")
+forge("current generation replaced", f"gen/{g}", json.dumps({"members": [999], "action": "stop", "reason": "x",
+                                                             "waiting": []}))
+for i in ids:
+    forge("memory", f"worker/{i}/memory", "garbage")
+    forge("heartbeat", f"worker/{i}/hb", "not-a-number")
+    forge("failure report", f"gen/{g}/failed/{i}", "1")
+# The checkpoint folder slot (found by listing) and the shard reports of the saves to come.
+for k in keys:
+    if k.startswith("ckpt/job/"):
+        forge("checkpoint job", k, "../../escape")
+token = next(store.get(k).decode().split(" ", 1)[1] for k in keys if k.startswith("ckpt/token/"))
+for step in (20, 40, 60):
+    for r in range(3):
+        forge("checkpoint report", f"ckpt/{token}/step_{step}/g{g}.1/rank{r}",
+              json.dumps({"ok": True, "rank": r, "file": "../../etc/passwd", "bytes": 1}))
+# Scale requests: malformed, unsigned, and a replay of the real one the test made before.
+replayed = [store.get(k) for k in keys if k.startswith("control/request/")]
+for request in ["[]", "null", json.dumps({"workers": None}), json.dumps({"workers": 1, "nonce": "abc", "mac": "0"}),
+                *replayed]:
+    n = store.add("control/count", 1)
+    forge("scale request", f"control/request/{n}", request)
+# Join requests: malformed, unsigned, and a real one replayed under a new number; then a huge join/count.
+real = [store.get(k) for k in keys if k.startswith("join/request/")]
+for request in ["[]", json.dumps({"id": None}), json.dumps({"n": 1, "id": 5, "pid": 1, "host": "x", "node": None,
+                                                            "nonce": "n", "mac": "00"}), *real[:1]]:
+    n = store.add("join/count", 1)
+    forge("join request", f"join/request/{n}", request)
+time.sleep(1.0)  # read by the agent (within 50 ms) before the count below hides them
+store.add("join/count", 10 ** 12)
+done.append("huge join/count")
+# Memory figures and heartbeats again and again, for longer than rank 0 takes to read the figures (every 2 s):
+# forgeries the readers see, not ones the member's own next record replaced first. (Shorter than
+# elastic.heartbeat_timeout_s: a stranger who drowns every beat for that long gets a worker cut out.)
+deadline = time.monotonic() + 2.5
+while time.monotonic() < deadline:
+    for i in ids:
+        store.set(f"worker/{i}/memory", "garbage")
+        store.set(f"worker/{i}/hb", "not-a-number")
+    time.sleep(0.02)
+print(json.dumps(done))
+"""
+
+
+def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=3", "checkpoint.interval.steps=20", env={"EF_PROBE_SLEEP": "0.25"})
+    wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
+    run_cli(["scale", run, "--workers", 3, "--wait", 30], timeout=90, check=True)  # a real request, to replay
+    agent_file = run / ".elasticflow" / "agent.json"
+    assert stat.S_IMODE(agent_file.stat().st_mode) == 0o600  # the store's address is the owner's to read
+    address = json.loads(agent_file.read_text())["address"]
+    script = tmp_path / "intruder.py"
+    script.write_text(INTRUDER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICFLOW_")}
+    intruder = subprocess.run([sys.executable, str(script), address], capture_output=True, text=True, timeout=60,
+                              env=env)
+    assert intruder.returncode == 0, intruder.stderr[-3000:]
+    tried = set(json.loads(intruder.stdout.splitlines()[-1]))
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert_equivalent(run, reference)
+    log = events(run)
+    assert all(e["members"] and 999 not in e["members"] for e in log if e["event"] == "generation")
+    assert {len(e["members"]) for e in log if e["event"] == "generation"} == {3}  # nobody left, nobody entered
+    forged = {e["record"] for e in log if e["event"] == "forged"}
+    refused = [e for e in log if e["event"] == "refused" and "pid" in e]  # join requests
+    # Each forgery, by the kind of record its refusal names.
+    expect = {"fake generation": "generation", "fake arrival": "generation", "gen/current": "gen/current",
+              "gen/current garbage": "gen/current", "current generation replaced": "generation",
+              "memory": "memory", "heartbeat": "heartbeat", "failure report": "arrival",
+              "checkpoint job": "checkpoint job", "checkpoint report": "checkpoint report",
+              "scale request": "scale request", "huge join/count": "join/count"}
+    # A forged shard report is refused when rank 0 reads it before the rank's own report replaces it, which
+    # is a race (test_coordinator_refuses_a_forged_report makes it certain); either way the commits are real.
+    for what in tried - {"join request", "checkpoint report"}:
+        assert expect[what] in forged, f"{what}: no refusal of kind {expect[what]!r} in {sorted(forged)}"
+    assert "join request" in tried and len(refused) >= 4 and all("token" in e["reason"] for e in refused), refused
+    job_dirs = [p.name for p in (run / "checkpoints").iterdir()]
+    assert len(job_dirs) == 1 and not (tmp_path / "escape").exists()
+    assert not any(p.name == "escape" for p in tmp_path.parent.iterdir())
+    metas = list((run / "checkpoints").glob("*/step_*/metadata.json"))
+    assert metas
+    for meta in metas:  # every committed save names its own shard files, nothing a forged report said
+        files = {shard["file"] for t in json.loads(meta.read_text())["tensors"].values() for shard in t["shards"]}
+        assert files and all("/" not in f and (meta.parent / f).is_file() for f in files), files
+
+
+def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
+    from elasticflow.checkpoint.coordinator import StoreCoordinator
+    from elasticflow.distributed.process import listening_store
+    from elasticflow.sealing import REFUSED, Sealer
+
+    store, listener = listening_store("127.0.0.1", 5.0)
+    try:
+        sealer = Sealer("t" * 32, "job1")
+        rank1 = StoreCoordinator(f"127.0.0.1:{store.port}", 5.0, sealer)
+        rank0 = StoreCoordinator(f"127.0.0.1:{store.port}", 5.0, sealer)
+        before = REFUSED.counts.get("checkpoint report", 0)
+        key = "ckpt/x/step_1/g0.1/rank1"
+        store.set(key, json.dumps({"ok": True, "file": "../../etc/passwd"}))  # no MAC
+        replay = Sealer("t" * 32, "an-older-run").seal(key, json.dumps({"ok": True, "file": "old"}))  # another run's
+        threading.Timer(0.3, lambda: store.set(key, replay)).start()
+        threading.Timer(0.8, lambda: rank1.report("ckpt/x/step_1/g0.1", 1, {"ok": True, "file": "rank1.bin"})).start()
+        rank0.report("ckpt/x/step_1/g0.1", 0, {"ok": True, "file": "rank0.bin"})
+        got = rank0.collect("ckpt/x/step_1/g0.1", 2, timeout_s=5.0)
+        assert [r["file"] for r in got] == ["rank0.bin", "rank1.bin"]
+        assert REFUSED.counts["checkpoint report"] == before + 2  # the unsigned one, and the replay
+    finally:
+        listener.close()
