@@ -80,7 +80,7 @@ print(json.dumps(done))
 
 def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
     run = tmp_path / "run"
-    proc = start(run, "launcher.workers=3", "checkpoint.interval.steps=20", env={"EF_PROBE_SLEEP": "0.25"})
+    proc = start(run, "launcher.workers=3", "checkpoint.interval.steps=20", env={"EF_PROBE_SLEEP": "0.35"})
     wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
     run_cli(["scale", run, "--workers", 3, "--wait", 30], timeout=90, check=True)  # a real request, to replay
     agent_file = run / ".elasticflow" / "agent.json"

@@ -99,8 +99,10 @@ STOP_CASES = [("torch", 2), ("tensorflow", 1)]
 @pytest.mark.parametrize("backend,workers", STOP_CASES, ids=[f"{b}-{w}w" for b, w in STOP_CASES])
 def test_stop_names_the_step_and_keeps_only_finite_checkpoints(model_path, tmp_path, backend, workers):
     run = tmp_path / "run"
-    proc = train(model_path, run, *ARGS, f"backend={backend}", f"launcher.workers={workers}", check=False,
-                 timeout=240)
+    # Synchronous saves: an error exit does not wait for a save still in flight (step 10's, five fast steps
+    # before the NaN), and which saves exist is what this test reads.
+    proc = train(model_path, run, *ARGS, f"backend={backend}", f"launcher.workers={workers}",
+                 "checkpoint.async_save=false", check=False, timeout=240)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "NaN or inf values" in errors[0] and f"at step {BAD_STEP} " in errors[0], \
