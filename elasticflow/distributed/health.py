@@ -42,11 +42,6 @@ def check(agent, now: float) -> None:
             w.state = "finished"
             agent.finished.append(w)
     if ended:
-        if agent.rdv.forming:  # a joiner admitted as training ended: its first generation will never form
-            for w in [w for w in agent.members if not w.has_state and w.state != "killed" and w.poll() is None]:
-                log.info("worker %d: the job ended before it entered; stopping it", w.id)
-                w.state = "killed"
-                w.signal(signal.SIGKILL)  # it holds no state; it would wait for its peers forever
         return
     g = agent.generation
     if g < 0 or not agent.members:
