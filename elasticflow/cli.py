@@ -145,6 +145,7 @@ def scale_command(args: List[str]) -> None:
     import argparse
 
     from .distributed.control import scale
+    from .launchers.kubernetes import is_kubernetes_run, scale as scale_kubernetes
 
     parser = argparse.ArgumentParser(prog="elasticflow scale", description="grow or shrink a running job")
     parser.add_argument("run_dir", type=Path)
@@ -153,6 +154,9 @@ def scale_command(args: List[str]) -> None:
     ns = parser.parse_args(args)
     if ns.workers < 1:
         fail(f"--workers must be a positive integer, got {ns.workers}", "e.g. elasticflow scale RUN_DIR --workers 4")
+    if is_kubernetes_run(ns.run_dir):  # its agent is in the cluster: patch the elastic Job instead
+        print(scale_kubernetes(ns.run_dir, ns.workers))
+        return
     print(scale(ns.run_dir, ns.workers, ns.wait))
 
 

@@ -15,6 +15,7 @@ from omegaconf import MISSING
 from .config_ranges import check_ranges
 from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from .errors import ElasticFlowError
+from .topology import TopologyConfig, validate as validate_topology
 
 
 @dataclass
@@ -31,10 +32,10 @@ class BackendConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"            # local | nodes | slurm
+    name: str = "local"            # local | nodes | slurm | kubernetes
     workers: int = 1               # local: worker processes; nodes: procs_per_node; slurm: nodes * tasks_per_node (set for you)
     min_workers: int = 1           # below this many for elastic.wait_s, the job checkpoints and stops
-    max_workers: Optional[int] = None  # `elasticflow scale` limit (null = none)
+    max_workers: Optional[int] = None  # `elasticflow scale` limit (null = none); kubernetes: required, the most pods
     restart_failed: bool = False   # replace a dead worker with a fresh one ...
     max_restarts: int = 3          # ... at most this many times per job
     # Several hosts (launcher=nodes): the same command on every host, torchrun-style (docs/multi-host.md)
@@ -43,17 +44,31 @@ class LauncherConfig:
     token_file: Optional[str] = None  # a file holding the job's shared secret (else $ELASTICFLOW_JOB_TOKEN)
     # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end
     nodes: int = 1                 # slurm: nodes to ask for; nodes: hosts the first generation waits for
+    # slurm: grow up to this many nodes, one single-node worker job per missing node, as SLURM frees them
+    # (null = the allocation's nodes only; docs/slurm.md, "Growing into free nodes")
+    max_nodes: Optional[int] = None
     tasks_per_node: int = 1        # workers per node
     partition: Optional[str] = None  # null = the cluster's default partition
     time: Optional[str] = None     # e.g. "02:00:00"
-    cpus_per_task: Optional[int] = None  # cores per worker (null = SLURM's default)
-    gpus_per_node: Optional[int] = None  # GPUs per node, one per task (null = none)
+    cpus_per_task: Optional[int] = None  # cores per worker (null = SLURM's default); kubernetes: per worker pod
+    gpus_per_node: Optional[int] = None  # GPUs per node, one per task (null = none); kubernetes: 1 per worker pod
     account: Optional[str] = None  # the account charged (null = your default)
-    submit: bool = True            # false: write RUN_DIR/slurm/job.sbatch without submitting it
+    submit: bool = True            # false: write RUN_DIR/slurm/job.sbatch (or RUN_DIR/kubernetes/) without submitting
     signal: str = "USR1@90"        # warning signal before the time limit: checkpoint, then requeue
     requeue: bool = True           # after the warning signal, requeue the job to resume from its checkpoint
     interface: Optional[str] = None  # network interface (or address) the store and gloo listen on
     sbatch_args: List[str] = field(default_factory=list)  # extra `#SBATCH` lines, e.g. ["--qos=high"]
+    # Kubernetes (launcher=kubernetes): the job's manifests in RUN_DIR/kubernetes/, applied unless submit=false;
+    # min_workers core pods, up to max_workers as the cluster has room (docs/kubernetes.md)
+    image: Optional[str] = None    # kubernetes: every pod's container image, with elasticflow installed (required)
+    namespace: str = "default"     # kubernetes: the namespace of the job's objects
+    job_name: Optional[str] = None  # kubernetes: the objects' names' prefix (null = elasticflow-<model file stem>)
+    storage_class: Optional[str] = None  # kubernetes: the ReadWriteMany volume's storage class (null = the default)
+    volume_size: str = "100Gi"     # kubernetes: the volume holding the run directory and checkpoints
+    memory: Optional[str] = None   # kubernetes: each worker pod's memory, e.g. "16Gi" (null = none asked)
+    port: int = 29400              # kubernetes: the port of the job's store on the agent pod (and its Service)
+    core_priority: int = 1000      # kubernetes: PriorityClass value of the agent and the min_workers core pods
+    elastic_priority: int = 100    # kubernetes: ... of the pods beyond min_workers, preempted first (lower)
 
 
 @dataclass
@@ -162,6 +177,8 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)  # failure detection and recovery
     comm: CommConfig = field(default_factory=CommConfig)  # the gradient reduction
     data: DataConfig = field(default_factory=DataConfig)  # reading data() ahead of training
+    # how the workers are connected: the graph of roles and channels (a group: topology=hierarchical)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     seed: int = 0                  # parameters (via cfg.seed), sample order, dropout
     resume: str = "auto"           # auto | none | PATH to a checkpoint directory
     # Free-form section for the model file's own settings (model(cfg) / data(cfg) read cfg.model_args).
@@ -219,6 +236,53 @@ def _check_nodes(lc: Any) -> None:
     lc.workers = lc.procs_per_node
 
 
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # a Kubernetes memory or storage size
+JOB_NAME_MAX = 40  # the objects' names add suffixes (-elastic, and a pod's index and random tail) within 63
+
+
+def _check_kubernetes(cfg: Any) -> None:
+    """launcher=kubernetes: what the manifests need, refused here so that nothing is written for a bad value."""
+    lc = cfg.launcher
+    if lc.max_workers is None:
+        raise ElasticFlowError("launcher=kubernetes needs launcher.max_workers, the most worker pods the job grows to",
+                               "pass e.g. launcher.max_workers=8 launcher.min_workers=2 (the pods it starts with)")
+    if lc.max_workers < lc.min_workers:
+        raise ElasticFlowError(f"launcher.max_workers={lc.max_workers} is less than launcher.min_workers="
+                               f"{lc.min_workers}", f"pass launcher.max_workers >= {lc.min_workers}, or lower "
+                                                    "launcher.min_workers")
+    if not lc.image or not lc.image.strip() or any(c.isspace() for c in lc.image):
+        raise ElasticFlowError(f"launcher=kubernetes needs launcher.image, the pods' container image, got {lc.image!r}",
+                               "pass an image with elasticflow and your model's packages installed, e.g. "
+                               "launcher.image=registry.example.com/team/elasticflow:0.1")
+    for key, value, limit in (("job_name", lc.job_name, JOB_NAME_MAX), ("namespace", lc.namespace, 63)):
+        if value is not None and not (DNS_LABEL.fullmatch(value) and len(value) <= limit):
+            raise ElasticFlowError(f"launcher.{key}={value!r} is not a valid Kubernetes name: lowercase letters, "
+                                   f"digits and '-', starting and ending with a letter or digit, at most {limit} "
+                                   "characters (a DNS-1123 label)", f"pass e.g. launcher.{key}=resnet-run2")
+    if lc.storage_class is not None and not all(DNS_LABEL.fullmatch(p) for p in lc.storage_class.split(".")):
+        raise ElasticFlowError(f"launcher.storage_class={lc.storage_class!r} is not a valid Kubernetes name",
+                               "pass a class `kubectl get storageclass` lists, or null for the cluster's default")
+    for key, value in (("volume_size", lc.volume_size), ("memory", lc.memory)):
+        if value is not None and not QUANTITY.fullmatch(str(value)):
+            raise ElasticFlowError(f"launcher.{key}={value!r} is not a Kubernetes quantity",
+                                   f"pass e.g. launcher.{key}=16Gi")
+    if lc.gpus_per_node not in (None, 1):
+        raise ElasticFlowError(f"launcher.gpus_per_node={lc.gpus_per_node} with launcher=kubernetes: each worker pod "
+                               "runs one worker, on one GPU", "pass launcher.gpus_per_node=1, or null for no GPU")
+    if lc.gpus_per_node is None and cfg.trainer.device == "cuda":
+        raise ElasticFlowError("trainer.device=cuda with launcher=kubernetes but launcher.gpus_per_node is not set, so "
+                               "the worker pods would be given no GPU", "pass launcher.gpus_per_node=1")
+    if lc.elastic_priority >= lc.core_priority:
+        raise ElasticFlowError(f"launcher.elastic_priority={lc.elastic_priority} is not below launcher.core_priority="
+                               f"{lc.core_priority}: the pods beyond min_workers must be the first preempted",
+                               "pass e.g. launcher.core_priority=1000 launcher.elastic_priority=100")
+    if cfg.checkpoint.dir is not None:
+        raise ElasticFlowError(f"checkpoint.dir={cfg.checkpoint.dir!r} with launcher=kubernetes: the pods share only "
+                               "the job's volume, where the checkpoints go (RUN_DIR/checkpoints)",
+                               "leave checkpoint.dir null")
+
+
 def validate(cfg: Any) -> None:
     """Check the values Hydra's types cannot: ranges (config_ranges.py), string choices, and keys against
     each other. Raises ElasticFlowError."""
@@ -248,10 +312,13 @@ def validate(cfg: Any) -> None:
         raise ElasticFlowError(f"unknown optimizer.schedule {o.schedule!r}; expected one of {', '.join(SCHEDULES)}",
                                "pass e.g. optimizer.schedule=cosine")
     lc = cfg.launcher
-    if lc.name not in ("local", "nodes", "slurm"):
-        raise ElasticFlowError(f"unknown launcher {lc.name!r}", "pass launcher=local, launcher=nodes or launcher=slurm")
+    if lc.name not in ("local", "nodes", "slurm", "kubernetes"):
+        raise ElasticFlowError(f"unknown launcher {lc.name!r}",
+                               "pass launcher=local, launcher=nodes, launcher=slurm or launcher=kubernetes")
     if lc.name == "nodes":
         _check_nodes(lc)
+    if lc.name == "kubernetes":
+        _check_kubernetes(cfg)
     if lc.name == "slurm":
         if not re.fullmatch(r"[A-Z0-9]+@\d+", lc.signal):
             raise ElasticFlowError(f"launcher.signal={lc.signal!r} is not SIGNAL@SECONDS",
@@ -270,10 +337,16 @@ def validate(cfg: Any) -> None:
             raise ElasticFlowError(f"launcher.tasks_per_node={lc.tasks_per_node} is more than "
                                    f"launcher.gpus_per_node={gpus}: {why}",
                                    f"pass launcher.tasks_per_node={gpus}, or launcher.gpus_per_node={lc.tasks_per_node}")
+    if lc.max_nodes is not None and (lc.name != "slurm" or lc.max_nodes < lc.nodes):
+        raise ElasticFlowError(f"launcher.max_nodes={lc.max_nodes} " + (
+            f"is less than launcher.nodes={lc.nodes}" if lc.name == "slurm" else "is for launcher=slurm only"),
+            "pass launcher.max_nodes >= launcher.nodes, or null to use the allocation only" if lc.name == "slurm"
+            else "leave launcher.max_nodes null, or use launcher=slurm")
     if lc.max_workers is not None and lc.max_workers < lc.workers and lc.name == "local":
         raise ElasticFlowError(f"launcher.max_workers={lc.max_workers} is less than launcher.workers={lc.workers}",
                                "raise launcher.max_workers, or leave it null for no limit")
-    workers = {"slurm": lc.nodes * lc.tasks_per_node, "nodes": lc.nodes * lc.procs_per_node}.get(lc.name, lc.workers)
+    workers = {"slurm": lc.nodes * lc.tasks_per_node, "nodes": lc.nodes * lc.procs_per_node,
+               "kubernetes": lc.max_workers}.get(lc.name, lc.workers)
     if lc.min_workers > workers:
         raise ElasticFlowError(f"launcher.min_workers={lc.min_workers} is more than the {workers} workers asked for",
                                "lower launcher.min_workers or ask for more workers")
@@ -290,6 +363,7 @@ def validate(cfg: Any) -> None:
     if iv.steps is not None and iv.epochs is not None:
         raise ElasticFlowError("checkpoint.interval.steps and checkpoint.interval.epochs are both set",
                                "set only one of them (the other to null)")
+    validate_topology(cfg.topology)
 
 
 def compose(model: str, overrides: Optional[List[str]] = None) -> Any:

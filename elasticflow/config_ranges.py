@@ -25,6 +25,8 @@ MAX_GPUS_PER_NODE = 64
 # Workers and nodes of one job: one agent and one store serve them all (membership, heartbeats), so a world
 # past this is not a job the agent could hold; it is mostly a typo, or a product that overflowed.
 MAX_WORKERS = 65536
+# A PriorityClass value Kubernetes lets users create: higher ones are reserved for its system classes.
+MAX_PRIORITY = 1_000_000_000
 # Timeouts and waits: longer than any allocation. Past threading.TIMEOUT_MAX (~292 years) Python's own waits
 # raise OverflowError mid-run, and a finite 1e300 would get there.
 MAX_SECONDS = 7 * 24 * 3600
@@ -96,10 +98,24 @@ RANGES: Dict[str, Span] = {
     "launcher.max_restarts": _int(0, MAX_COUNT, "pass e.g. launcher.max_restarts=3 (0: never replace a worker)"),
     "launcher.procs_per_node": _int(1, MAX_PER_HOST, "pass e.g. launcher.procs_per_node=2"),
     "launcher.nodes": _int(1, MAX_WORKERS, "pass e.g. launcher.nodes=2"),
+    "launcher.max_nodes": _int(1, MAX_WORKERS, "pass e.g. launcher.max_nodes=4, or null for the allocation only"),
     "launcher.tasks_per_node": _int(1, MAX_PER_HOST, "pass e.g. launcher.tasks_per_node=4"),
     "launcher.cpus_per_task": _int(1, MAX_PER_HOST, "pass e.g. launcher.cpus_per_task=8, or null for SLURM's "
                                                     "default"),
     "launcher.gpus_per_node": _int(1, MAX_GPUS_PER_NODE, "pass e.g. launcher.gpus_per_node=4, or null for no GPUs"),
+    "launcher.port": _int(1, 65535, "pass a free TCP port, e.g. launcher.port=29400"),
+    "launcher.core_priority": _int(0, MAX_PRIORITY, "pass e.g. launcher.core_priority=1000"),
+    "launcher.elastic_priority": _int(0, MAX_PRIORITY, "pass e.g. launcher.elastic_priority=100"),
+    "topology.aggregators": _int(1, MAX_WORKERS, "pass e.g. topology.aggregators=2 (aggregator processes, each "
+                                                 "holding a shard)"),
+    "topology.replica": _int(1, 2, "pass topology.replica=2 for a standby copy of each aggregator, else 1",
+                             kind="1 or 2"),
+    "topology.sync_every": _steps("topology.sync_every", 16),
+    "topology.group_size": _int(1, MAX_PER_HOST, "pass e.g. topology.group_size=4 (workers of a host per group), "
+                                                 "or null for the whole host"),
+    "topology.outer_lr": _real(0, "pass e.g. topology.outer_lr=0.7", open_low=True),
+    "topology.outer_momentum": _real(0, "pass e.g. topology.outer_momentum=0.9 (0: none; 1 or more never forgets an "
+                                        "update)", high=1, open_high=True),
     "optimizer.lr": _real(0, "pass e.g. optimizer.lr=0.01", open_low=True),
     "optimizer.momentum": _real(0, "pass e.g. optimizer.momentum=0.9 (0: none; 1 or more never forgets a "
                                    "gradient and diverges)", high=1, open_high=True),

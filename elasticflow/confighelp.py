@@ -7,12 +7,14 @@ A field's meaning is its trailing comment (``lr: float = 0.1  # ...``) and the c
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import io
 import re
 import tokenize
+import typing
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import config
 
@@ -25,17 +27,12 @@ class Meaning:
 
 def meanings() -> Dict[str, Meaning]:
     """{dotted key: Meaning} for every field reachable from ``config.Config`` (``trainer.eval_every``, ...)."""
-    source = inspect.getsource(config)
-    comments: Dict[int, str] = {}  # line -> the comment on it
-    code_lines = set()             # lines holding code (a comment alone on its line is not one)
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
-            code_lines.update(range(tok.start[0], tok.end[0] + 1))
-    classes = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)}
+    classes: Dict[str, Tuple[ast.ClassDef, Dict[int, str], set]] = {}
+    for module in _schema_modules(config.Config):  # config.py, and topology.py for TopologyConfig
+        classes.update(_classes(inspect.getsource(module)))
 
-    def fields_of(cls: ast.ClassDef, prefix: str, out: Dict[str, Meaning]) -> None:
+    def fields_of(name: str, prefix: str, out: Dict[str, Meaning]) -> None:
+        cls, comments, code_lines = classes[name]
         for node in cls.body:
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
@@ -48,11 +45,36 @@ def meanings() -> Dict[str, Meaning]:
             out[key] = Meaning(above, trailing)
             nested = node.annotation.id if isinstance(node.annotation, ast.Name) else None
             if nested in classes:
-                fields_of(classes[nested], key + ".", out)
+                fields_of(nested, key + ".", out)
 
     found: Dict[str, Meaning] = {}
-    fields_of(classes[config.Config.__name__], "", found)
+    fields_of(config.Config.__name__, "", found)
     return found
+
+
+def _schema_modules(cls: type) -> List[Any]:
+    """The modules defining ``cls`` and the dataclasses its fields hold, ``cls``'s first."""
+    modules, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        module = inspect.getmodule(c)
+        if module not in modules:
+            modules.append(module)
+        todo += [t for t in typing.get_type_hints(c).values() if dataclasses.is_dataclass(t)]
+    return modules
+
+
+def _classes(source: str) -> Dict[str, Tuple[ast.ClassDef, Dict[int, str], set]]:
+    """{class name: (its AST, line -> comment, the lines holding code)} of the module ``source``."""
+    comments: Dict[int, str] = {}  # line -> the comment on it
+    code_lines = set()             # lines holding code (a comment alone on its line is not one)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code_lines.update(range(tok.start[0], tok.end[0] + 1))
+    return {node.name: (node, comments, code_lines) for node in ast.parse(source).body
+            if isinstance(node, ast.ClassDef)}
 
 
 _KEY = re.compile(r"^(\s*)([A-Za-z_]\w*):( .*)?$")

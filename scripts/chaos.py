@@ -107,8 +107,12 @@ def start_time(pid: int) -> Optional[str]:
 class Soak:
     """One soak: the job, the events fired at it, and the bookkeeping the checks need."""
 
-    def __init__(self, run: Path, duration: float, step_sleep: float, seed: int, min_events: int = 0):
+    def __init__(self, run: Path, duration: float, step_sleep: float, seed: int, min_events: int = 0,
+                 topology: str = "ring"):
         self.run, self.duration, self.rng = run, duration, random.Random(seed)
+        # hierarchical on one host: groups of 2 local slots (topology.group_size), so that the soak's 2-4
+        # workers form 1-2 groups, and kills hit leaders and plain members alike
+        self.topology = [f"topology={topology}"] + (["topology.group_size=2"] if topology == "hierarchical" else [])
         self.min_events = min_events
         # With a floor of events the faults may go on for up to twice the duration: the job must outlast them.
         self.steps = max(50, int(duration * (2 if min_events else 1) / step_sleep))
@@ -137,7 +141,7 @@ class Soak:
         self.output = self.run.parent / "job.log"
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={self.run}",
-                                                *common(self.steps), *elastic()],
+                                                *common(self.steps), *elastic(), *self.topology],
                                          env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
     def snapshot(self) -> dict:
@@ -464,6 +468,12 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
           f"{kinds['recovered']} recoveries, {kinds['hung']} cut out as hung, {kinds['left']} left")
     if soak.scale_results["traceback"]:
         problems.append("an `elasticflow scale` command crashed with a traceback")
+    if "topology=hierarchical" in soak.topology:
+        leaders = Counter(len(e["groups"]) for e in events if e["event"] == "groups")
+        print(f"hierarchy: {sum(leaders.values())} generations summed through their groups' leaders "
+              f"(by number of groups: {dict(sorted(leaders.items()))})")
+        if not leaders:
+            problems.append("topology=hierarchical, yet no generation formed groups")
     return problems
 
 
@@ -473,6 +483,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="replays the same choices (default 1)")
     ap.add_argument("--step-sleep", type=float, default=0.1, help="seconds per forward while the soak runs")
     ap.add_argument("--keep", type=Path, help="keep the run directories here (must not exist)")
+    ap.add_argument("--topology", default="ring", choices=["ring", "hierarchical"],
+                    help="the job's topology (hierarchical: groups of 2 workers, topology.group_size=2)")
     ap.add_argument("--min-events", type=int, default=0,
                     help="go on past --duration until this many events fired (at most 2x the duration)")
     args = ap.parse_args()
@@ -489,8 +501,9 @@ def main() -> int:
               "there)", file=sys.stderr)
         return 2
     root = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
-    soak = Soak(root / "run", args.duration, args.step_sleep, args.seed, args.min_events)
-    print(f"chaos soak: {args.duration:g}s of faults, seed {args.seed}, {soak.steps} steps, run {soak.run}", flush=True)
+    soak = Soak(root / "run", args.duration, args.step_sleep, args.seed, args.min_events, args.topology)
+    print(f"chaos soak: {args.duration:g}s of faults, seed {args.seed}, {soak.steps} steps, topology {args.topology}, "
+          f"run {soak.run}", flush=True)
     began = time.monotonic()
     try:
         ref = root / "reference"

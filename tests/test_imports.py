@@ -219,7 +219,7 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("leaf", "helpers and names that import nothing of elasticflow above them",
      ("errors", "fileio", "paths", "console", "envnames", "memory", "current", "signals", "affinity", "sealing")),
     ("specs", "backend-neutral descriptions the backends implement, and the config schema",
-     ("optim", "buffers", "devices", "config", "config_ranges")),
+     ("optim", "buffers", "devices", "config", "config_ranges", "topology")),
     ("backends", "the frameworks: torch and TensorFlow behind one Engine and one set of ops",
      ("backends.*",)),
     ("parts", "one worker's parts, each on its own: data, ops, model file, checkpoints, records",

@@ -50,12 +50,16 @@ class Agent:
     ``launch(env)`` starts one worker process with that environment (the launcher's: local.py, slurm.py,
     nodes.py). ``port``: where the store listens (0: any free port); ``token``: the job's shared secret
     (None: a new random one). Workers on other hosts are started by their node agents (hosts.py).
+    ``capacity`` (an attribute the launcher may set before ``run``): its source of more hosts
+    (launchers/slurm_grow.py's worker jobs), or None. Its ``serve(agent)`` runs every request round,
+    ``rescale(agent, target)`` answers a scale request first (scaling.py), ``close(agent)`` runs at the end.
     """
 
     def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1", *,
                  launch: Callable[[Dict[str, str]], subprocess.Popen], worker_env=None, port: int = 0,
                  token: Optional[str] = None):
         self.cfg, self.run_dir, self.host, self.launch = cfg, Path(run_dir), host, launch
+        self.capacity = None
         self.worker_env = dict(worker_env or {})
         self.state_dir = self.run_dir / ".elasticflow"
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -178,6 +182,8 @@ class Agent:
             signal.signal(signal.SIGINT, previous)
             signal.signal(signal.SIGUSR1, previous_usr1)
             self._announce()
+            if self.capacity is not None:  # before the reaping: nothing of the job stays queued, however it ends
+                self.capacity.close(self)
             self._reap_all()
             workers_json.write_ended(self)
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
@@ -228,6 +234,8 @@ class Agent:
             if now >= next_requests:
                 self._admit()
                 self.hosts.serve()
+                if self.capacity is not None:
+                    self.capacity.serve(self)
                 self._control()
                 next_requests = now + REQUESTS_S
             if now >= next_health:
@@ -237,7 +245,10 @@ class Agent:
             if not self.members and self.generation >= 0 and (
                     self.finished or not (self.joining or self.admitted or self.waiting)):
                 return self._result()
-            if self.generation < 0 and not self.live():  # every worker died before the first generation
+            # Every worker died before the first generation -- unless the workers come on their own (Kubernetes
+            # pods, placed when the cluster has room) and none has come yet.
+            if self.generation < 0 and not self.live() and (self.cfg.launcher.name != "kubernetes"
+                                                            or self.interrupted):
                 return self._result()
             time.sleep(WATCH_S)
 
@@ -320,9 +331,10 @@ class Agent:
         lc, el = self.cfg.launcher, self.cfg.elastic
         if self.generation < 0:
             # The first generation waits for every initial worker, on every host launcher.nodes names (or
-            # min_workers after wait_s).
+            # min_workers after wait_s); on Kubernetes, for min_workers pods: the rest join as they are placed.
             ready = len(self.admitted)
-            every = not self.joining and (lc.name != "nodes" or ready >= lc.nodes * lc.procs_per_node)
+            initial = {"nodes": lc.nodes * lc.procs_per_node, "kubernetes": lc.min_workers}.get(lc.name, 0)
+            every = not self.joining and ready >= initial
             if ready and (every or (now - self.started > el.wait_s and ready >= lc.min_workers)):
                 self.publish()
             return

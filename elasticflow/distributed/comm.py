@@ -19,6 +19,7 @@ from torch.distributed import PrefixStore
 
 from .. import affinity
 from ..fileio import aligned
+from . import hierarchy
 from .protocol import CommError
 
 BIG = 1 << 20  # bytes: a tensor this large travels as its own message in share_state, without a copy
@@ -38,10 +39,12 @@ class Group:
     Args:
         nccl_device: with ``comm.backend=nccl``, this worker's GPU ("cuda:N"): GPU tensors are then reduced by an
             NCCL group of the same generation (host tensors, and the state transfer, stay on gloo).
+        group_tag: with ``topology=hierarchical``, this worker's group (its host, node or realm): sums then go
+            through the groups' leaders (hierarchy.py).
     """
 
     def __init__(self, store, generation: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1",
-                 nccl_device: Optional[str] = None):
+                 nccl_device: Optional[str] = None, group_tag: Optional[str] = None):
         self.generation, self.rank, self.world = generation, rank, world
         self._stage = None  # allreduce_'s pinned host buffer for GPU tensors
         self._sums = 0  # sums started by exchange: their tags
@@ -51,10 +54,13 @@ class Group:
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         # gloo's threads start here (the device's transport loop, the group's run loops), with the mask of
         # this thread: not on the training thread's cores (backend.pin_cores)
+        self.hierarchy = None
         with affinity.unpinned():
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             try:
                 self.pg = dist.ProcessGroupGloo(PrefixStore(f"gen{generation}/", store), rank, world, opts)
+                self.hierarchy = hierarchy.build(self.pg, store, generation, rank, world, group_tag, timeout_s,
+                                                 opts._devices[0])
             except Exception as exc:  # a member died or never arrived while the group was forming
                 raise CommError(f"building the group of generation {generation} failed: {exc}") from exc
         if nccl_device is not None and world > 1:
@@ -65,7 +71,9 @@ class Group:
 
     def close(self) -> None:
         # Dropping the last reference destroys the gloo context and closes its sockets.
-        self.pg = None
+        if self.hierarchy is not None:
+            self.hierarchy.close()
+        self.pg = self.hierarchy = None
         if self.nccl is not None:
             self.abort()
             self.nccl = None
@@ -105,7 +113,10 @@ class Group:
             self._run("allreduce", lambda: self._nccl_allreduce(tensor, opts))
             return tensor
         host = self._staged(tensor) if tensor.is_cuda else tensor
-        self._run("allreduce", lambda: self.pg.allreduce([host], opts).wait())
+        if self.hierarchy is not None and op == "sum":
+            self._run("allreduce", lambda: self.hierarchy.start_sum(host).wait())
+        else:
+            self._run("allreduce", lambda: self.pg.allreduce([host], opts).wait())
         if host is not tensor:
             tensor.copy_(host, non_blocking=True)  # the next step's copy down waits for it on the same stream
         return tensor
@@ -117,6 +128,8 @@ class Group:
         Among ``EXCHANGE_MIN_WORLD`` or more members a host tensor of at most ``EXCHANGE_MAX`` bytes is
         summed by :class:`SumByExchange`: one round of messages rather than gloo's ring of 2 x (world - 1).
         """
+        if self.hierarchy is not None:  # the groups' leaders carry it across (hierarchy.py)
+            return self._run("allreduce", lambda: self.hierarchy.start_sum(tensor))
         small = tensor.numel() * tensor.element_size() <= EXCHANGE_MAX
         if self.world >= EXCHANGE_MIN_WORLD and small and not tensor.is_cuda:  # gloo's send/recv take host memory
             self._sums += 1  # the members start the same sums in the same order: the tags agree

@@ -18,10 +18,12 @@ import secrets
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from torch.distributed import PrefixStore, TCPStore
 
+from ..fileio import append_event
 from ..memory import rss_mib
 from . import protocol
 from .comm import Group
@@ -84,6 +86,8 @@ class Membership:
         self.members: List[int] = []
         self.group: Optional[Group] = None
         self.nccl_device = None  # this worker's GPU when comm.backend=nccl (set by the trainer before join)
+        self.group_tag: Optional[str] = None  # topology=hierarchical: this worker's group (set before join)
+        self.events: Optional[Path] = None    # RUN_DIR/events.jsonl, where rank 0 records each generation's groups
         self.latest_generation = 0
         self.agent_lost = False
         self.device: Optional[str] = None   # what report_device was given
@@ -255,13 +259,17 @@ class Membership:
             try:
                 # Under a prefix only token holders can compute: gloo's rendezvous keys are read unsealed.
                 gloo_store = PrefixStore(f"{self.sealer.name('gloo')}/", self.store)
-                group = Group(gloo_store, g, rank, world, self.timeout_s, self.host, self.nccl_device)
+                group = Group(gloo_store, g, rank, world, self.timeout_s, self.host, self.nccl_device,
+                              self.group_tag)
             except CommError as exc:
                 log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc)
                 self.report_failure(g)
                 continue
             self._mark(g, "formed")
             self.group, self.generation, self.members, self.rank, self.world = group, g, members, rank, world
+            if group.hierarchy is not None and rank == 0 and self.events is not None:
+                append_event(self.events, "groups", "worker", generation=g,
+                             groups=[[members[r] for r in grp] for grp in group.hierarchy.groups])
             if info.get("action") == "stop":
                 raise StopRequested(info.get("reason", "the agent stopped the job"))
             return

@@ -54,12 +54,14 @@ class NodeAgent:
     Args:
         launch: starts one worker process with an environment (launchers/local.py's local_launch).
         bind: this host's address on the route to the endpoint, for the workers' gloo (netif.address_toward).
+        name: this node agent's name in the job, unique among its node agents (default: the host name; a
+            SLURM worker job adds its job id, since two of them can share a node).
     """
 
     def __init__(self, cfg: Any, endpoint: str, token: str, launch: Callable[[Dict[str, str]], subprocess.Popen],
-                 bind: str):
+                 bind: str, name: Optional[str] = None):
         self.cfg, self.endpoint, self.token, self.launch, self.bind = cfg, endpoint, token, launch, bind
-        self.name = socket.gethostname()
+        self.name = name or socket.gethostname()
         self.store: Optional[TCPStore] = None
         self.lost_since: Optional[float] = None
         self.workers: Dict[int, subprocess.Popen] = {}  # worker id -> process

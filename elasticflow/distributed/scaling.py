@@ -58,8 +58,13 @@ def rescale(agent, req: dict) -> dict:
         return {"ok": False, "reason": f"{target} is below launcher.min_workers={lc.min_workers}"}
     if target > (lc.max_workers or MAX_WORKERS):
         return {"ok": False, "reason": f"{target} is above launcher.max_workers={lc.max_workers or MAX_WORKERS}"}
-    current = agent.target_workers()
-    agent.event("scale", requested=target, current=current, generation=agent.generation)
+    agent.event("scale", requested=target, current=agent.target_workers(), generation=agent.generation)
+    coming = 0
+    if agent.capacity is not None:  # the hosts the launcher adds or gives back come first (worker jobs)
+        coming = agent.capacity.rescale(agent, target)
+        if isinstance(coming, str):
+            return {"ok": False, "reason": coming}
+    current = agent.target_workers() + coming  # workers on their way count as here
     if target > current:
         for _ in range(target - current):
             agent.spawn()

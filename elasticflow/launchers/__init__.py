@@ -1,4 +1,5 @@
-"""Launchers: how the workers of a run are started (local processes, processes on several hosts, or SLURM job steps)."""
+"""Launchers: how the workers of a run are started (local processes, processes on several hosts, SLURM job steps,
+or Kubernetes pods)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,10 +8,22 @@ from typing import Any, Dict
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """Train ``cfg`` (already validated: see cli._train_task) with its launcher; returns the final summary."""
+    from ..errors import ElasticFlowError
+    from ..topology import IMPLEMENTED, validate
+
+    kind = validate(cfg.topology).kind
+    if kind not in IMPLEMENTED:
+        raise ElasticFlowError(f"topology={kind} is described but not built yet: training runs "
+                               f"{' and '.join(sorted(IMPLEMENTED))}", "pass topology=ring (the default) or "
+                               "topology=hierarchical; docs/topologies.md says what each does")
     if cfg.launcher.name == "slurm":
         from .slurm import run as run_slurm
 
         return run_slurm(cfg, run_dir)
+    if cfg.launcher.name == "kubernetes":
+        from .kubernetes import run as run_kubernetes
+
+        return run_kubernetes(cfg, run_dir)
     if cfg.launcher.name == "nodes":
         from .nodes import run as run_nodes
 

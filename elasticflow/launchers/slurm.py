@@ -21,6 +21,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +29,9 @@ from typing import Any, Dict, List
 
 from omegaconf import OmegaConf
 
-from ..config_ranges import has_control_characters
 from ..distributed import protocol
 from ..errors import ElasticFlowError, TrainingInterrupted
-from .worker import COMMAND
+from .slurm_jobs import resources, sbatch_lines, srun_launch
 
 log = logging.getLogger("elasticflow")
 
@@ -62,17 +62,8 @@ def batch_script(cfg: Any, run_dir: Path) -> str:
                   "--no-kill",
                   # A requeued job must append to the log, not truncate the first run's.
                   "--open-mode=append", f"--output={run_dir}/slurm/job-%j.out"]
-    for key, flag in (("partition", "partition"), ("time", "time"), ("cpus_per_task", "cpus-per-task"),
-                      ("gpus_per_node", "gpus-per-node"), ("account", "account")):
-        if lc[key] is not None:
-            directives.append(f"--{flag}={lc[key]}")
-    directives += list(lc.sbatch_args)
-    # validate() keeps launcher.* on one line, but not the run directory (hydra.run.dir is no config key).
-    for directive in directives:
-        if has_control_characters(directive):
-            raise ElasticFlowError(f"the job.sbatch directive {directive!r} would hold a newline or control "
-                                   "character", "pass hydra.run.dir and launcher.* values on one line")
-    lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [
+    directives += resources(lc)
+    lines = sbatch_lines(directives) + [
         "# Written by elasticflow. The agent runs on the first node and starts every worker as its own",
         "# `srun --exact` step; the run directory below is fixed, so a requeued job resumes from it.",
         f"cd {shlex.quote(str(Path.cwd()))}",
@@ -81,42 +72,28 @@ def batch_script(cfg: Any, run_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def srun_launch(cfg: Any):
-    """Start one worker as its own job step of the current allocation."""
-    srun = shutil.which("srun")
-    if srun is None:
-        raise ElasticFlowError("srun is not on PATH inside the SLURM allocation",
-                               "load your cluster's SLURM module in the batch script")
-
-    def launch(env: Dict[str, str]) -> subprocess.Popen:
-        cmd = [srun, "--exact", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=0",
-               f"--job-name=worker-{env[protocol.ENV_WORKER_ID]}"]
-        if cfg.launcher.cpus_per_task:
-            cmd.append(f"--cpus-per-task={cfg.launcher.cpus_per_task}")
-        if cfg.launcher.gpus_per_node:
-            # One GPU of the node's launcher.gpus_per_node, held by this step alone until it ends: a
-            # concurrent step takes another, a replacement the one its predecessor freed. Per task, not
-            # --gpus=1 (a count for the whole step): --gpus-per-task also binds the task to it
-            # (--tres-bind=gres/gpu:per_task:1), so CUDA_VISIBLE_DEVICES names that one GPU and the
-            # worker takes cuda:0 (devices.resolve). Binding by SLURM_LOCALID or --gpu-bind=single:1
-            # cannot spread workers: each worker is the only task of its own step, so SLURM_LOCALID is 0
-            # everywhere and the binding chooses only among the GPUs the step already holds.
-            cmd.append("--gpus-per-task=1")
-        cmd += COMMAND
-        return subprocess.Popen(cmd, env=env, start_new_session=True)
-
-    return launch
-
-
 def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """The agent, here, with workers as srun steps; requeues the job after a preemption warning."""
     from ..distributed.agent import Agent
     from ..distributed.netif import address_of
     from ..goodput import job
 
-    cfg.launcher.workers = total_workers(cfg)
-    agent = Agent(cfg, run_dir, host=address_of(cfg.launcher.interface), launch=srun_launch(cfg),
+    lc = cfg.launcher
+    lc.workers = total_workers(cfg)
+    agent = Agent(cfg, run_dir, host=address_of(lc.interface), launch=srun_launch(cfg),
                   worker_env={protocol.ENV_BIND: "auto"})
+    previous = signal.getsignal(signal.SIGTERM)
+    if lc.max_nodes and lc.max_nodes > lc.nodes:  # grow into nodes SLURM frees (slurm_grow.py)
+        from .slurm_grow import WorkerJobs
+
+        lc.max_workers = min(lc.max_workers or lc.max_nodes * lc.tasks_per_node, lc.max_nodes * lc.tasks_per_node)
+        agent.capacity = WorkerJobs(cfg, run_dir, agent.job)
+
+        def cancelled(signum, frame):  # scancel of this job: SIGTERM, then SIGKILL after KillWait
+            agent.capacity.cancel_now()
+            signal.signal(signal.SIGTERM, previous)
+
+        signal.signal(signal.SIGTERM, cancelled)
     try:
         with job(run_dir):  # the job's start and end, for the goodput ledger (a requeue starts another)
             return agent.run()
@@ -130,6 +107,8 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
                                    "resubmit the job script by hand; it resumes from the checkpoint") from None
         log.warning("preempted: checkpoint written, job %s requeued; it resumes in %s", job, run_dir)
         return {"requeued": job, "run_dir": str(run_dir)}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def submit(cfg: Any, run_dir: Path) -> Dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Optional
@@ -110,6 +111,7 @@ def main() -> None:
     from ..distributed.membership import AgentLost, Membership, Refused
     from torch.distributed import DistNetworkError
 
+    from ..topology import validate as validate_topology
     from ..trainer import ElasticTrainer
 
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
@@ -126,6 +128,12 @@ def main() -> None:
                                 os.environ.get(protocol.ENV_TOKEN), host=bind_address(cfg.launcher.interface),
                                 node=os.environ.get(protocol.ENV_NODE))
         membership.check_token()
+        topology = validate_topology(cfg.topology)
+        if topology.kind == "hierarchical":  # this worker's group: sums go through the groups' leaders
+            slot = os.environ.get(protocol.ENV_LOCAL_SLOT)
+            membership.group_tag = topology.group_of(socket.gethostname(), os.environ.get("SLURMD_NODENAME"),
+                                                     int(slot) if slot else None)
+        membership.events = run_dir / "events.jsonl"
         trainer = ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir), membership=membership)
         holder["trainer"] = trainer
         summary = trainer.fit()

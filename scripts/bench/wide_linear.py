@@ -1,9 +1,13 @@
-"""A linear model with a 100 MB parameter (5000 x 5000 float32) for join and transfer benchmarks."""
+"""A linear model with a 100 MB parameter (5000 x 5000 float32) for join and transfer benchmarks.
+
+$EF_WIDE_N sets the side (scripts/bench_topology.py: 3200, a 10.2M-parameter, 41 MB gradient)."""
+import os
+
 import numpy as np
 
 from elasticflow import ops
 
-N = 5000
+N = int(os.environ.get("EF_WIDE_N", "5000"))
 
 
 def model(cfg):

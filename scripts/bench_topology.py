@@ -1,0 +1,125 @@
+"""Topologies over a slow link: bytes across hosts and step time, ring against hierarchical, in one run.
+
+    .venv/bin/python scripts/bench_topology.py                  # ~4 min on 2 cores: 2 repeats of each
+    .venv/bin/python scripts/bench_topology.py --repeats 1 --steps 6
+
+2 hosts x 2 workers (scripts/hosts.sh through tests/hosts.py: network namespaces h1 and h2, each link to the
+bridge limited to 100 Mbit/s both ways by tbf), ``elasticflow train scripts/bench/wide_linear.py
+launcher=nodes launcher.procs_per_node=2 topology=T`` with EF_WIDE_N=3200: one 3200 x 3200 float32 weight,
+10.2M parameters, a 41 MB gradient per step. Workers 0 and 1 are h1's (the agent's host), 2 and 3 h2's,
+so the flat ring's order is h1, h1, h2, h2.
+
+Per job: h2's eth0 byte counters (rx + tx, /sys/class/net/eth0/statistics) read when step ``--skip`` is
+logged and again at the last step, divided by the steps between; step time from the same two records'
+``time``. Every byte h2 sends or receives crosses the limited link (its workers' traffic with each other
+stays on its loopback). The topologies alternate which goes first in each repeat; figures are medians.
+
+What to expect: the flat ring sends 2 (W - 1) / W = 1.5 gradients each way across per step; the
+hierarchical sum sends the leaders' allreduce, 2 (H - 1) / H = 1 gradient each way. Needs root.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from hosts import Hosts  # noqa: E402 - tests/hosts.py: the namespace hosts
+
+MODEL = REPO / "scripts" / "bench" / "wide_linear.py"
+TOKEN = "7d2e0c4b9a1f4e6d8c3b5a7f9e1d2c4b"
+
+
+def counters(net: Hosts, host: str) -> int:
+    out = net.run(host, ["cat", "/sys/class/net/eth0/statistics/rx_bytes", "/sys/class/net/eth0/statistics/tx_bytes"])
+    return sum(int(v) for v in out.stdout.split())
+
+
+def records(run: Path) -> list:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+def one_job(topology: str, steps: int, skip: int, rate: str, side: int) -> dict:
+    net = Hosts(2)
+    run = Path(tempfile.mkdtemp(prefix=f"bench-topology-{topology}-"))
+    try:
+        for h in ("h1", "h2"):
+            net.rate(h, rate)
+        endpoint = f"{net.addr('h1')}:29400"
+        overrides = ["launcher=nodes", f"launcher.endpoint={endpoint}", "launcher.procs_per_node=2",
+                     "launcher.nodes=2", f"topology={topology}", f"trainer.max_steps={steps}",
+                     "trainer.global_batch_size=64", "trainer.log_every=1", "optimizer.lr=0.01",
+                     "checkpoint.interval.steps=null", "elastic.timeout_s=120", "elastic.heartbeat_timeout_s=60",
+                     "trainer.tensorboard=false"]
+        env = {"ELASTICFLOW_JOB_TOKEN": TOKEN, "EF_WIDE_N": str(side)}
+        procs = [net.train(h, MODEL, run, *overrides, env=env) for h in ("h1", "h2")]
+        deadline = time.monotonic() + 900
+        marks = {}
+        while time.monotonic() < deadline:
+            done = {r["step"]: r for r in records(run)}
+            for mark in (skip, steps):
+                if mark in done and mark not in marks:
+                    marks[mark] = (counters(net, "h2"), done[mark]["time"], done[mark]["world_size"])
+            if len(marks) == 2 or any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.05)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        if len(marks) != 2 or any(p.returncode for p in procs):
+            raise RuntimeError(f"{topology}: the job failed or stalled (exit codes "
+                               f"{[p.returncode for p in procs]}):\n{outs[0][-3000:]}\n{outs[1][-2000:]}")
+        (b0, t0, w0), (b1, t1, w1) = marks[skip], marks[steps]
+        assert w0 == w1 == 4, (w0, w1)
+        n = steps - skip
+        return {"topology": topology, "bytes_per_step": (b1 - b0) / n, "step_s": (t1 - t0) / n}
+    finally:
+        net.down()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--skip", type=int, default=2, help="steps left out at the start (group building, warm-up)")
+    ap.add_argument("--rate", default="100mbit")
+    ap.add_argument("--side", type=int, default=3200, help="the weight's side: side^2 float32 parameters")
+    ap.add_argument("--topologies", default="ring,hierarchical")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("error: needs root (network namespaces)\nhint: run it as root, as CI does")
+    names = args.topologies.split(",")
+    results = {t: [] for t in names}
+    for rep in range(args.repeats):
+        for t in (names if rep % 2 == 0 else names[::-1]):
+            r = one_job(t, args.steps, args.skip, args.rate, args.side)
+            results[t].append(r)
+            print(f"  repeat {rep + 1} {t}: {r['bytes_per_step'] / 1e6:.1f} MB across per step, {r['step_s']:.2f} s/step",
+                  flush=True)
+    grad_mb = args.side ** 2 * 4 / 1e6
+    print(f"\n{datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); 2 hosts x 2 workers, link {args.rate}, "
+          f"{args.side ** 2 / 1e6:.1f}M parameters ({grad_mb:.0f} MB gradient), medians of {args.repeats}")
+    print(f"{'topology':<16}{'MB across/step':>16}{'x gradient':>12}{'s/step':>10}")
+    base = None
+    for t in names:
+        mb = statistics.median(r["bytes_per_step"] for r in results[t]) / 1e6
+        s = statistics.median(r["step_s"] for r in results[t])
+        base = base or (mb, s)
+        print(f"{t:<16}{mb:>16.1f}{mb / grad_mb:>12.2f}{s:>10.2f}")
+    for t in names[1:]:
+        mb = statistics.median(r["bytes_per_step"] for r in results[t]) / 1e6
+        s = statistics.median(r["step_s"] for r in results[t])
+        print(f"{t} vs {names[0]}: {base[0] / mb:.2f}x fewer bytes across, {base[1] / s:.2f}x faster steps")
+
+
+if __name__ == "__main__":
+    main()
