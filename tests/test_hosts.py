@@ -142,8 +142,12 @@ def test_partition_longer_than_the_timeouts_then_heal(hosts, tmp_path, reference
     wait_for(lambda: any(r.get("world_size") == 2 for r in metrics(run) if "loss" in r), 30, "h1 alone training")
     time.sleep(max(0.0, cut_at + 7 - time.time()))  # cut off past every timeout
     net.heal("h2")
+    healed_at = time.time()
     wait_for(lambda: sum(1 for w in workers(run) if w["host"] == "h2" and w["worker_id"] >= 4) == 2, 150,
              "h2's workers started again and admitted")
+    # ... and training with them: lifted before, the pace lets the job end before their generation forms
+    wait_for(lambda: any(r.get("world_size") == 4 and r["time"] > healed_at for r in metrics(run) if "loss" in r),
+             60, "a step with h2's new workers")
     pace.unlink()
     out = finish(procs["h1"])
     out2 = finish(procs["h2"])
@@ -170,6 +174,7 @@ def test_a_host_started_late_joins_the_running_job(hosts, tmp_path, reference):
     wait_for(lambda: logged_step(run) >= 5, 150, "step 5")
     procs.update(start_job(net, run, ["h2"], "launcher.nodes=1", env=env, record=record))
     wait_for(lambda: sum(1 for w in workers(run) if w["host"] == "h2") == 2, 150, "h2's workers admitted")
+    wait_for(lambda: any(r.get("world_size") == 4 for r in metrics(run) if "loss" in r), 60, "a step with h2's workers")
     pace.unlink()
     out = {h: finish(p) for h, p in procs.items()}
     assert procs["h1"].returncode == 0 and procs["h2"].returncode == 0, (out["h1"][-2000:], out["h2"][-2000:])

@@ -280,7 +280,7 @@ def test_two_scale_commands_at_once_both_get_an_answer(tmp_path):
     agent = type("StubAgent", (), {  # just what scaling.rescale reads when the target is the current size
         "store": store, "token": token, "cfg": OmegaConf.create({"launcher": {"min_workers": 1, "max_workers": 4}}),
         "event": lambda self, kind, **f: seen.append(f["requested"]), "target_workers": lambda self: 2,
-        "generation": 0, "write_workers_json": lambda self: None, "job": "job1",
+        "generation": 0, "write_workers_json": lambda self: None, "job": "job1", "capacity": None,
         "scale_requests": protocol.Inbox("control/count", "control/request"), "scale_nonces": {},
         "verdicts": protocol.Sealer(token)})()
     results = []

@@ -96,6 +96,7 @@ class Agent:
         self.failed_reports_since: Dict[int, float] = {}
         self.rdv = Rendezvous(self.store, cfg.elastic.timeout_s, self.sealer)
         self.supersede_at: Optional[float] = None  # a failed generation's successor is due then (back-off)
+        self.trained = False                  # a member finished training (exit 0): nothing more is published
         self.supersede_cause = ""
 
     # ------------------------------------------------------------------ workers
@@ -242,6 +243,8 @@ class Agent:
                 self._check_health(now)
                 next_health = now + HEALTH_S
             self._maybe_publish(now)
+            if self.trained and self.rdv.forming and self.rdv.ids:
+                self._end_stragglers(now)
             if not self.members and self.generation >= 0 and (
                     self.finished or not (self.joining or self.admitted or self.waiting)):
                 return self._result()
@@ -261,9 +264,10 @@ class Agent:
             self.members.remove(w)
             if rc in CLEAN_EXITS and not self._announced(w):
                 self._lost(w, f"exit code {rc} without the worker's exit record (its node or its srun failed)")
-            elif rc in CLEAN_EXITS:
+            elif rc in CLEAN_EXITS or (rc == protocol.EXIT_REMOVED and self.trained):
                 w.state = "finished"
                 self.finished.append(w)
+                self.trained = self.trained or rc == protocol.EXIT_OK
             elif rc in (1, 2, protocol.EXIT_REFUSED):
                 self.finished.append(w)
                 return w, rc
@@ -327,8 +331,23 @@ class Agent:
     def _admit(self) -> None:
         admission.admit(self)
 
+    def _end_stragglers(self, now: float) -> None:
+        """Training finished while a generation formed (a joiner admitted in the last steps): its members
+        can never meet, the others are done. An empty "stop" generation tells every worker still waiting
+        for one to exit (membership.Removed, code 5) -- a remote one too, with no signal to carry."""
+        reason = "training finished before this generation formed"
+        self.event("superseded", generation=self.rdv.generation, cause=reason, waiting=[], retry_in_s=0,
+                   after_s=round(now - self.rdv.published_at, 3))
+        self.generation += 1
+        self._put(protocol.generation_key(self.generation), protocol.encode([], "stop", reason, []))
+        self._put("gen/current", str(self.generation))
+        self.rdv.opened(self.generation, [], now)
+        self.event("generation", generation=self.generation, members=[], waiting=[], action="stop", reason=reason)
+
     def _maybe_publish(self, now: float) -> None:
         lc, el = self.cfg.launcher, self.cfg.elastic
+        if self.trained:
+            return  # the job is over: no generation can form any more
         if self.generation < 0:
             # The first generation waits for every initial worker, on every host launcher.nodes names (or
             # min_workers after wait_s); on Kubernetes, for min_workers pods: the rest join as they are placed.

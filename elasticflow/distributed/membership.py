@@ -246,6 +246,9 @@ class Membership:
             members = info["members"]
             after = g
             if self.worker_id not in members:
+                if info.get("action") == "stop":  # the job ended (or stops) without us: nothing to wait for
+                    raise Removed(f"generation {g} stops the job without worker {self.worker_id}: "
+                                  f"{info.get('reason', '')}")
                 # A joiner not yet let in, or a worker left out of a generation that failed to form: say
                 # we are ready, so the agent lets us into the next one.
                 if self.generation >= 0 and self.worker_id not in info.get("waiting", []):

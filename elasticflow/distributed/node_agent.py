@@ -277,7 +277,8 @@ class NodeAgent:
             raise ElasticFlowError(f"host {self.name}: a worker failed (exit code {errors[0]})",
                                    f"the job's error line is on the endpoint's host; see {self.run_dir}/logs/",
                                    exit_code=errors[0])
-        if protocol.EXIT_OK not in codes and protocol.EXIT_AGENT_LOST in codes:
+        # EXIT_REMOVED: this host's last workers were let go (a scale-down, or the job ended before they entered)
+        if protocol.EXIT_OK not in codes and protocol.EXIT_REMOVED not in codes and protocol.EXIT_AGENT_LOST in codes:
             raise ElasticFlowError(f"host {self.name}: the job's agent at {self.endpoint} is gone; this host's "
                                    "workers wrote a checkpoint where they could and exited",
                                    "rerun the same command on every host: resume=auto continues from the newest "

@@ -108,7 +108,7 @@ def main() -> None:
 
     from ..config import Config
     from ..errors import ElasticFlowError, TrainingInterrupted
-    from ..distributed.membership import AgentLost, Membership, Refused
+    from ..distributed.membership import AgentLost, Membership, Refused, Removed
     from torch.distributed import DistNetworkError
 
     from ..topology import validate as validate_topology
@@ -146,6 +146,9 @@ def main() -> None:
         print(f"error: the agent refused this worker: {exc}\nhint: workers must be started by the agent, "
               f"or carry the job token from RUN_DIR/.elasticflow/token in ${protocol.ENV_TOKEN}", file=sys.stderr)
         code = protocol.EXIT_REFUSED
+    except Removed as exc:  # a joiner whose job ended before it entered: nothing to do, a clean exit
+        logging.getLogger("elasticflow").info("worker %s: %s", worker_id, exc)
+        code = protocol.EXIT_REMOVED
     except (AgentLost, DistNetworkError) as exc:
         # DistNetworkError: the store closed under a call outside membership (a worker that started as the job
         # ended, and asked for the checkpoint folder): the agent is gone, as for AgentLost.
