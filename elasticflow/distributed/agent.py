@@ -133,21 +133,24 @@ class Agent:
         self.members += self.admitted
         self.admitted = []
         self.published = list(self.members)
+        self._announce_generation([w.id for w in self.members], [w.id for w in self.waiting], action, reason)
+        self.dirty = False
+        self.supersede_at = None
+        self.write_workers_json(action)
+
+    def _announce_generation(self, ids: List[int], waiting: List[int], action: str, reason: str) -> None:
+        """Write the next generation's record and name it current; the one still forming is superseded."""
+        now = time.monotonic()
         self.generation += 1
         g = self.generation
         if self.rdv.forming:  # replaced before it formed: a member left, or the job stops
             self.event("superseded", generation=self.rdv.generation, cause=reason or "a member left while it formed",
-                       after_s=round(time.monotonic() - self.rdv.published_at, 3), waiting=[], retry_in_s=0)
-        ids = [w.id for w in self.members]
+                       after_s=round(now - self.rdv.published_at, 3), waiting=[], retry_in_s=0)
         # The generation's record goes in before gen/current names it: a worker reads them in that order.
-        self._put(protocol.generation_key(g), protocol.encode(ids, action, reason, [w.id for w in self.waiting]))
+        self._put(protocol.generation_key(g), protocol.encode(ids, action, reason, waiting))
         self._put("gen/current", str(g))
-        self.rdv.opened(g, ids, time.monotonic())
-        self.dirty = False
-        self.supersede_at = None
-        self.event("generation", generation=g, members=ids, waiting=[w.id for w in self.waiting], action=action,
-                   reason=reason)
-        self.write_workers_json(action)
+        self.rdv.opened(g, ids, now)
+        self.event("generation", generation=g, members=ids, waiting=waiting, action=action, reason=reason)
 
     def _put(self, key: str, payload: str) -> None:
         """Write one of the agent's own records, sealed, and remember it (``reassert``)."""
@@ -244,7 +247,7 @@ class Agent:
                 next_health = now + HEALTH_S
             self._maybe_publish(now)
             if self.trained and self.rdv.forming and self.rdv.ids:
-                self._end_stragglers(now)
+                self._end_stragglers()
             if not self.members and self.generation >= 0 and (
                     self.finished or not (self.joining or self.admitted or self.waiting)):
                 return self._result()
@@ -331,18 +334,11 @@ class Agent:
     def _admit(self) -> None:
         admission.admit(self)
 
-    def _end_stragglers(self, now: float) -> None:
+    def _end_stragglers(self) -> None:
         """Training finished while a generation formed (a joiner admitted in the last steps): its members
         can never meet, the others are done. An empty "stop" generation tells every worker still waiting
         for one to exit (membership.Removed, code 5) -- a remote one too, with no signal to carry."""
-        reason = "training finished before this generation formed"
-        self.event("superseded", generation=self.rdv.generation, cause=reason, waiting=[], retry_in_s=0,
-                   after_s=round(now - self.rdv.published_at, 3))
-        self.generation += 1
-        self._put(protocol.generation_key(self.generation), protocol.encode([], "stop", reason, []))
-        self._put("gen/current", str(self.generation))
-        self.rdv.opened(self.generation, [], now)
-        self.event("generation", generation=self.generation, members=[], waiting=[], action="stop", reason=reason)
+        self._announce_generation([], [], "stop", "training finished before this generation formed")
 
     def _maybe_publish(self, now: float) -> None:
         lc, el = self.cfg.launcher, self.cfg.elastic

@@ -59,8 +59,7 @@ class Group:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             try:
                 self.pg = dist.ProcessGroupGloo(PrefixStore(f"gen{generation}/", store), rank, world, opts)
-                self.hierarchy = hierarchy.build(self.pg, store, generation, rank, world, group_tag, timeout_s,
-                                                 opts._devices[0])
+                self.hierarchy = hierarchy.build(self.pg, store, generation, rank, world, group_tag, opts)
             except Exception as exc:  # a member died or never arrived while the group was forming
                 raise CommError(f"building the group of generation {generation} failed: {exc}") from exc
         if nccl_device is not None and world > 1:

@@ -15,7 +15,6 @@ first bucket crosses the link while backward computes the next, as a flat allred
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import queue
 import threading
@@ -43,7 +42,7 @@ class Hierarchy:
     its allreduce across has come back, by which time the members may have started the next sum's reduce.
     """
 
-    def __init__(self, pg, store, generation: int, rank: int, tags: List[int], timeout_s: float, device):
+    def __init__(self, store, generation: int, rank: int, tags: List[int], opts):
         order: List[int] = []
         for t in tags:
             if t not in order:
@@ -53,10 +52,7 @@ class Hierarchy:
         self.local_rank, self.local_size = mine.index(rank), len(mine)
         self.leaders = [g[0] for g in self.groups]
         self.leader = self.local_rank == 0
-        self.timeout_s = timeout_s
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=timeout_s)
-        opts._devices = [device]
+        self.timeout_s = opts._timeout.total_seconds()
 
         def group(prefix: str, rank_: int, size: int):
             return dist.ProcessGroupGloo(PrefixStore(f"gen{generation}/{prefix}/", store), rank_, size, opts)
@@ -94,9 +90,9 @@ def _relay(sums: queue.Queue) -> None:
         s.relay()
 
 
-def build(pg, store, generation: int, rank: int, world: int, tag: Optional[str], timeout_s: float,
-          device) -> Optional[Hierarchy]:
-    """The generation's groups by ``tag`` (this member's), or None where a hierarchy would not help."""
+def build(pg, store, generation: int, rank: int, world: int, tag: Optional[str], opts) -> Optional[Hierarchy]:
+    """The generation's groups by ``tag`` (this member's), or None where a hierarchy would not help.
+    ``opts``: the flat group's gloo options (its timeout and device), which the extra groups share."""
     if tag is None or world < 3:
         return None
     mine = torch.tensor([tag_hash(tag)], dtype=torch.int64)
@@ -105,7 +101,7 @@ def build(pg, store, generation: int, rank: int, world: int, tag: Optional[str],
     tags = [int(t.item()) for t in every]
     if len(set(tags)) in (1, world):  # one group, or each its own: the flat sum is no worse
         return None
-    return Hierarchy(pg, store, generation, rank, tags, timeout_s, device)
+    return Hierarchy(store, generation, rank, tags, opts)
 
 
 class HierarchicalSum:
