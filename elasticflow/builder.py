@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import data, devices, modelfile, ops, optim, randomness
+from . import data, devices, modelfile, ops, optim, randomness, rounds, topology
 from .buffers import Reconciler
 from .current import _context
 from .distributed import protocol
@@ -36,6 +36,7 @@ class Parts:
     seed: int                       # read every micro-batch: a plain int, not an OmegaConf read (40-100 us)
     reconciler: Optional[Reconciler]  # buffers (BatchNorm statistics) reconciled across workers; None without
     shards: Any                     # shard.ShardedState with trainer.shard, else None
+    outer: Any                      # rounds.Outer for topology=local_sgd|diloco, else None
     source: data.Source
     prefetch: Prefetcher
     schedule: data.Schedule
@@ -63,15 +64,29 @@ def build(cfg: Any, t: Any, model_file: Optional[modelfile.ModelFile]) -> Parts:
         from .shard import ShardedState
 
         shards = ShardedState(engine, built.optimizer, t.shard, int(cfg.elastic.shard_replicas))
+    kind = topology.validate(cfg.topology).kind
+    outer = None
+    if kind in rounds.KINDS:  # the replicas' buffers meet at each round's end (rounds.py), not every step
+        topo, rules = cfg.topology, {}
+        outer = rounds.Outer(kind, topo.replicas, topo.sync_every, topo.outer_lr, topo.outer_momentum,
+                             engine.flat_layout())
     source = data.Source(data.Dataset(mf.call("data", cfg), "data()"), backend, placement, t.data_on_device)
     data.check_size(len(source), t.global_batch_size)
     d = cfg.data
     return Parts(backend=backend, placement=placement, local_workers=local_workers, model_file=mf, built=built,
                  spec=built.optimizer, engine=engine, seed=seed, reconciler=Reconciler(rules) if rules else None,
-                 shards=shards, source=source,
+                 shards=shards, outer=outer, source=source,
                  prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type),
                  schedule=data.Schedule(len(source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs),
                  eval_dataset=data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None)
+
+
+def stepper(parts: Parts, *args: Any) -> Any:
+    """The step's attempt for this run: ``stepper.Stepper`` (every step synchronous), or ``rounds.RoundStepper``
+    (local SGD, DiLoCo: a round of steps at a time). ``args``: the rest of ``Stepper``'s arguments."""
+    from .stepper import Stepper
+
+    return (Stepper if parts.outer is None else rounds.RoundStepper)(parts, *args)
 
 
 def announce(parts: Parts, cfg: Any, t: Any, world: int, run_dir: Any, resumed: Optional[str], drew: Any) -> None:

@@ -15,7 +15,7 @@ from omegaconf import MISSING
 from .config_ranges import check_ranges
 from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from .errors import ElasticFlowError
-from .topology import TopologyConfig, validate as validate_topology
+from .topology import TopologyConfig, check_run, validate as validate_topology
 
 
 @dataclass
@@ -363,7 +363,7 @@ def validate(cfg: Any) -> None:
     if iv.steps is not None and iv.epochs is not None:
         raise ElasticFlowError("checkpoint.interval.steps and checkpoint.interval.epochs are both set",
                                "set only one of them (the other to null)")
-    validate_topology(cfg.topology)
+    check_run(cfg, validate_topology(cfg.topology).kind)
 
 
 def compose(model: str, overrides: Optional[List[str]] = None) -> Any:

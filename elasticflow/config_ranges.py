@@ -111,6 +111,8 @@ RANGES: Dict[str, Span] = {
     "topology.replica": _int(1, 2, "pass topology.replica=2 for a standby copy of each aggregator, else 1",
                              kind="1 or 2"),
     "topology.sync_every": _steps("topology.sync_every", 16),
+    "topology.replicas": _int(1, MAX_WORKERS, "pass e.g. topology.replicas=4 (model replicas; each trains on its "
+                                              "part of every global batch)"),
     "topology.group_size": _int(1, MAX_PER_HOST, "pass e.g. topology.group_size=4 (workers of a host per group), "
                                                  "or null for the whole host"),
     "topology.outer_lr": _real(0, "pass e.g. topology.outer_lr=0.7", open_low=True),

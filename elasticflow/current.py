@@ -21,6 +21,7 @@ class Context:
     step: int = 0
     epoch: int = 0
     seed: int = 0       # the run's seed (``seed=`` in the config): data.sample_seed derives from it
+    replica: int = -1   # topology=local_sgd|diloco: the model replica being trained (rounds.py); -1 otherwise
 
 
 _context = Context()

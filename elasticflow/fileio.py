@@ -17,7 +17,7 @@ def aligned(nbytes: int, align: int = ALIGN) -> int:
     return -(-nbytes // align) * align
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
     """Write ``text`` (UTF-8) to ``path`` through a temporary file and a rename: a reader sees the old or the
     new content, never a torn one, and after a crash (power loss included) one of the two is on disk.
 
@@ -27,12 +27,12 @@ def write_atomic(path: Path, text: str) -> None:
     directory, after it, raises with the new content in place).
 
     Note: two fsyncs (the file before the rename, the directory after it) cost a few milliseconds on a disk;
-    the callers write small records (summaries, job records), not every step. The new file gets the mode
-    ``open()`` gives (0o666 less the umask), not the old file's.
+    the callers write small records (summaries, job records), not every step. The new file gets ``mode`` less
+    the umask (0o600: the owner's only, a secret), not the old file's: a looser old mode is replaced.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
     try:
         with os.fdopen(fd, "wb") as f:  # owns fd from here: closes it on the way out, also on an error
             f.write(text.encode("utf-8"))

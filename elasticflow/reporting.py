@@ -186,6 +186,10 @@ class StepLog:
             else:
                 self._write(record)
 
+    def write_now(self, record: Dict[str, Any]) -> None:
+        """Rank 0: write ``record`` at once (a step committed inside a round of steps, rounds.py)."""
+        self._write(record)
+
     def flush(self) -> None:
         """Write the record ``ended`` kept, if any."""
         if self._deferred is not None:

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 from .errors import ElasticFlowError
 
 KINDS = ("ring", "hierarchical", "parameter_server", "local_sgd", "diloco")
-IMPLEMENTED = {"ring", "hierarchical"}  # the kinds training runs today; a run with another kind is refused at its start
+IMPLEMENTED = {"ring", "hierarchical", "local_sgd", "diloco"}  # the kinds training runs today; a run with another kind is refused at its start
 GROUP_BY = ("host", "node", "realm")
 ROOT, GROUP = "default", "$group"  # a tag's first part, and the part resolved per worker
 MAX_COUNT, MAX_WORKERS, MAX_REPLICA = 2**31 - 1, 65536, 2
@@ -75,6 +75,9 @@ class TopologyConfig:
     aggregators: int = 1           # parameter_server: aggregator processes, each holding a shard
     replica: int = 1               # parameter_server: copies of each aggregator, 1 or 2 (a role's replica wins)
     sync_every: int = 16           # local_sgd, diloco: optimizer steps between synchronisations
+    # local_sgd, diloco: model replicas, each training on its part of every global batch; fixed for the run
+    # (not the number of workers: a worker trains several, or waits when there are more workers than replicas)
+    replicas: int = 4
     outer_lr: float = 0.7          # diloco: learning rate of the outer Nesterov step on the averaged update
     outer_momentum: float = 0.9    # diloco: momentum of the outer step, in [0, 1)
     graph: Any = None              # the roles and channels; conf/topology/NAME.yaml sets them
@@ -394,6 +397,8 @@ def _count(high: int) -> Any:
 NUMBERS = {
     "sync_every": (_count(MAX_COUNT), "a positive integer",
                    "pass e.g. topology.sync_every=16 (optimizer steps between synchronisations)"),
+    "replicas": (_count(MAX_WORKERS), "a positive integer",
+                 "pass e.g. topology.replicas=4 (model replicas; each trains on its part of every global batch)"),
     "aggregators": (_count(MAX_WORKERS), "a positive integer",
                     "pass e.g. topology.aggregators=2 (aggregator processes, each holding a shard)"),
     "replica": (_count(MAX_REPLICA), "1 or 2", "pass topology.replica=2 for a standby copy of each aggregator, else 1"),
@@ -432,3 +437,35 @@ def _check_settings(cfg: Dict[str, Any]) -> None:
     if bad:
         raise ElasticFlowError(f"topology.realms: a realm must be a plain name (no '/'), got {bad[0]}",
                                "pass e.g. topology.realms={node01:rack-a}")
+
+
+def check_run(cfg: Any, kind: str) -> None:
+    """The rest of the run's config against topology ``kind``: what local SGD and DiLoCo cannot run with
+    (rounds.py), one line each. ``cfg``: the whole config."""
+    if kind not in ("local_sgd", "diloco"):
+        return
+    t, every = cfg.trainer, cfg.topology.sync_every
+    if t.shard != "none":
+        raise ElasticFlowError(f"topology={kind} keeps each replica's optimizer state whole; trainer.shard={t.shard} "
+                               "shards one model's", "pass trainer.shard=none with this topology")
+    if str(t.precision).strip().lower() in ("16", "fp16", "float16"):
+        raise ElasticFlowError(f"topology={kind} does not run float16's loss scaling",
+                               "pass trainer.precision=bf16 or 32 with this topology")
+    if cfg.topology.replicas > t.global_batch_size:
+        raise ElasticFlowError(f"topology.replicas={cfg.topology.replicas} is more than trainer.global_batch_size="
+                               f"{t.global_batch_size}: each replica trains on its part of every global batch",
+                               f"pass topology.replicas={t.global_batch_size} or fewer")
+    if cfg.checkpoint.interval.epochs:
+        raise ElasticFlowError(f"checkpoint.interval.epochs is not taken with topology={kind}: a round of "
+                               "steps may go on across an epoch's end, and checkpoints are taken between rounds",
+                               f"pass checkpoint.interval.epochs=null checkpoint.interval.steps={every * 10} "
+                               "(a multiple of topology.sync_every)")
+    iv = cfg.checkpoint.interval.steps
+    if iv and iv % every:
+        raise ElasticFlowError(f"checkpoint.interval.steps={iv} is not a multiple of topology.sync_every={every}: "
+                               "checkpoints are taken between rounds", f"pass checkpoint.interval.steps="
+                               f"{max(every, iv // every * every)}")
+    if t.eval_every and t.eval_every % every:
+        raise ElasticFlowError(f"trainer.eval_every={t.eval_every} is not a multiple of topology.sync_every={every}: "
+                               "the model is evaluated between rounds", f"pass trainer.eval_every="
+                               f"{max(every, t.eval_every // every * every)}")

@@ -27,7 +27,6 @@ from .regroup import Regrouper, collective
 from .replica import Agreed, Replica
 from .reporting import Progress, RunLog, StepLog, WorkerMemory
 from .signals import StopSignal
-from .stepper import Stepper
 from .current import context  # noqa: F401 - elasticflow.context()
 from .state import TrainState
 
@@ -109,8 +108,8 @@ class ElasticTrainer:
         self.metric_names = probe.metric_names
         self.evaluation = None if self.eval_dataset is None else evaluation.Evaluation(
             self.eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size)
-        self.stepper = Stepper(parts, t, self.state, self.replica, self.step_log,
-                               lambda: self.stop_signal.requested, self.metric_names)
+        self.stepper = builder.stepper(parts, t, self.state, self.replica, self.step_log,
+                                       lambda: self.stop_signal.requested, self.metric_names)
         self.regrouper.join()
         if self.membership is not None:  # once joined: a worker started by srun learns its id on joining
             self.membership.report_device(self.placement.describe())  # for `elasticflow status`
@@ -130,12 +129,13 @@ class ElasticTrainer:
         the TrainState's fields. No generator state: every micro-batch seeds its own (``data.micro_seed``).
         With trainer.shard the optimizer's tensors are this worker's own ranges (``Partial``)."""
         arrays = self.engine.state(copy=False)
-        if self.shards is not None:
-            arrays.update(self.shards.partials())
+        arrays.update(self.shards.partials() if self.shards else self.outer.arrays() if self.outer else {})
         return arrays, self.state.state_dict()
 
     def load_state_dict(self, arrays: Dict[str, np.ndarray], progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
+        if self.outer is not None:  # DiLoCo's momentum (rounds.py)
+            self.outer.load(arrays)
         if self.shards is None:
             self.engine.load_state(arrays, self.state.step)
             return
@@ -205,7 +205,7 @@ class ElasticTrainer:
     def record_step(self, elapsed: float) -> None:
         """The step's record (metrics.jsonl, the console, the progress bar; when: ``reporting.StepLog``)."""
         m = self.state.last_metrics
-        m["step_time_s"] = elapsed
+        m["step_time_s"] = elapsed / m.pop("round_steps", 1)  # a round of steps (rounds.py): their mean
         if self.step_log.due(m):  # on every rank: a worker that becomes rank 0 goes on from the same logged step
             m["train_s"] = self.meter.flush()  # productive seconds since the previous logged step
         self.step_log.ended(m, self.rank, self.world)

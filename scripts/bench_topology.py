@@ -16,6 +16,14 @@ stays on its loopback). The topologies alternate which goes first in each repeat
 
 What to expect: the flat ring sends 2 (W - 1) / W = 1.5 gradients each way across per step; the
 hierarchical sum sends the leaders' allreduce, 2 (H - 1) / H = 1 gradient each way. Needs root.
+
+    .venv/bin/python scripts/bench_topology.py --diloco        # DiLoCo (H=16) against the ring, ~6 min
+
+``--diloco``: ``topology=diloco topology.sync_every=16 topology.replicas=4`` (one replica per worker) against the
+flat ring at an equal number of samples (``--steps`` 48: three rounds of 16, across the 512-sample epochs), bytes counted
+from the end of the first round (step 16) to the last step; and the loss of each at the end: the mean of the
+last 16 steps' losses. DiLoCo sends one model's worth per round (the Δ allreduce) instead of one gradient per
+step.
 """
 from __future__ import annotations
 
@@ -50,7 +58,7 @@ def records(run: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
 
 
-def one_job(topology: str, steps: int, skip: int, rate: str, side: int) -> dict:
+def one_job(topology: str, steps: int, skip: int, rate: str, side: int, extra: tuple = ()) -> dict:
     net = Hosts(2)
     run = Path(tempfile.mkdtemp(prefix=f"bench-topology-{topology}-"))
     try:
@@ -61,7 +69,7 @@ def one_job(topology: str, steps: int, skip: int, rate: str, side: int) -> dict:
                      "launcher.nodes=2", f"topology={topology}", f"trainer.max_steps={steps}",
                      "trainer.global_batch_size=64", "trainer.log_every=1", "optimizer.lr=0.01",
                      "checkpoint.interval.steps=null", "elastic.timeout_s=120", "elastic.heartbeat_timeout_s=60",
-                     "trainer.tensorboard=false"]
+                     "trainer.tensorboard=false", *extra]
         env = {"ELASTICFLOW_JOB_TOKEN": TOKEN, "EF_WIDE_N": str(side)}
         procs = [net.train(h, MODEL, run, *overrides, env=env) for h in ("h1", "h2")]
         deadline = time.monotonic() + 900
@@ -81,7 +89,9 @@ def one_job(topology: str, steps: int, skip: int, rate: str, side: int) -> dict:
         (b0, t0, w0), (b1, t1, w1) = marks[skip], marks[steps]
         assert w0 == w1 == 4, (w0, w1)
         n = steps - skip
-        return {"topology": topology, "bytes_per_step": (b1 - b0) / n, "step_s": (t1 - t0) / n}
+        losses = [r["loss"] for r in records(run)][-16:]
+        return {"topology": topology, "bytes_per_step": (b1 - b0) / n, "step_s": (t1 - t0) / n,
+                "loss": statistics.mean(losses)}
     finally:
         net.down()
 
@@ -94,9 +104,12 @@ def main() -> None:
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--side", type=int, default=3200, help="the weight's side: side^2 float32 parameters")
     ap.add_argument("--topologies", default="ring,hierarchical")
+    ap.add_argument("--diloco", action="store_true", help="DiLoCo (sync_every 16) against the ring, 48 steps")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("error: needs root (network namespaces)\nhint: run it as root, as CI does")
+    if args.diloco:
+        return diloco(args)
     names = args.topologies.split(",")
     results = {t: [] for t in names}
     for rep in range(args.repeats):
@@ -119,6 +132,30 @@ def main() -> None:
         mb = statistics.median(r["bytes_per_step"] for r in results[t]) / 1e6
         s = statistics.median(r["step_s"] for r in results[t])
         print(f"{t} vs {names[0]}: {base[0] / mb:.2f}x fewer bytes across, {base[1] / s:.2f}x faster steps")
+
+
+def diloco(args) -> None:
+    """DiLoCo with H = 16 against synchronous training (the ring) at an equal number of samples."""
+    steps = max(args.steps, 48)
+    jobs = {"ring": ("ring", ()), "diloco": ("diloco", ("topology.sync_every=16", "topology.replicas=4"))}
+    results = {t: [] for t in jobs}
+    for rep in range(args.repeats):
+        for t in (list(jobs) if rep % 2 == 0 else list(jobs)[::-1]):
+            r = one_job(jobs[t][0], steps, 16, args.rate, args.side, jobs[t][1])
+            results[t].append(r)
+            print(f"  repeat {rep + 1} {t}: {r['bytes_per_step'] / 1e6:.2f} MB across per step, "
+                  f"{r['step_s']:.2f} s/step, loss {r['loss']:.5g}", flush=True)
+    print(f"\n{datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); 2 hosts x 2 workers, link {args.rate}, "
+          f"{args.side ** 2 / 1e6:.1f}M parameters, steps 17-{steps} ({(steps - 16) * 64} samples), medians of "
+          f"{args.repeats}")
+    print(f"{'topology':<16}{'MB across/step':>16}{'s/step':>10}{'final loss':>14}")
+    med = {t: {k: statistics.median(r[k] for r in results[t]) for k in ("bytes_per_step", "step_s", "loss")}
+           for t in jobs}
+    for t, m in med.items():
+        print(f"{t:<16}{m['bytes_per_step'] / 1e6:>16.2f}{m['step_s']:>10.2f}{m['loss']:>14.5g}")
+    ring, dl = med["ring"], med["diloco"]
+    print(f"diloco vs ring: {ring['bytes_per_step'] / dl['bytes_per_step']:.1f}x fewer bytes across, "
+          f"{ring['step_s'] / dl['step_s']:.2f}x faster steps, final loss {dl['loss']:.5g} vs {ring['loss']:.5g}")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,10 @@ class Soak:
         self.run, self.duration, self.rng = run, duration, random.Random(seed)
         # hierarchical on one host: groups of 2 local slots (topology.group_size), so that the soak's 2-4
         # workers form 1-2 groups, and kills hit leaders and plain members alike
-        self.topology = [f"topology={topology}"] + (["topology.group_size=2"] if topology == "hierarchical" else [])
+        # diloco: 4 replicas over the soak's 2-4 workers (a worker trains one or two, or waits), rounds of 4 steps
+        self.topology = [f"topology={topology}"] + {"hierarchical": ["topology.group_size=2"],
+                                                    "diloco": ["topology.replicas=4", "topology.sync_every=4"]
+                                                    }.get(topology, [])
         self.min_events = min_events
         # With a floor of events the faults may go on for up to twice the duration: the job must outlast them.
         self.steps = max(50, int(duration * (2 if min_events else 1) / step_sleep))
@@ -404,10 +407,18 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
             break
         committed[r["step"]] = (r["generation"], epoch, pos * batch)
     # The samples: what the committing generation's workers fetched is the step's slice of the permutation.
+    # With diloco, a replica's part of a step counts from the generation that trained the replica whose move
+    # the round used (the round events' trained_in): a survivor keeps what it trained before a failure.
+    events = list(jsonl(run / "events.jsonl"))
+    trained = {(k, i): g for e in events if e["event"] == "round" for k in range(e["first_step"], e["last_step"] + 1)
+               for i, g in enumerate(e["trained_in"])}
     fetched: Dict[int, list] = {k: [] for k in committed}
     for f in (run / "samples").glob("*.jsonl"):
         for r in jsonl(f):
-            if committed.get(r["step"], (None, None))[:2] == (r["generation"], r["epoch"]):
+            g, epoch = committed.get(r["step"], (None, None))[:2]
+            if r.get("replica", -1) >= 0:
+                g = trained.get((r["step"], r["replica"]))
+            if (g, epoch) == (r["generation"], r["epoch"]):
                 fetched[r["step"]] += r["ids"]
     orders: Dict[int, np.ndarray] = {}
     wrong = []
@@ -420,7 +431,10 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
                         f"(first: step {wrong[0]})")
     epochs = Counter(e for _, e, _ in committed.values())
     print(f"samples: {len(committed)} steps over {len(epochs)} epoch(s) checked, {len(wrong)} wrong")
-    starts, split = replica_starts(run, {k: g for k, (g, _, _) in committed.items()})
+    # With diloco the workers begin from the same parameters only at a round's first step (then each replica
+    # moves on its own).
+    firsts = {e["first_step"] for e in events if e["event"] == "round"}
+    starts, split = replica_starts(run, {k: g for k, (g, _, _) in committed.items() if not firsts or k in firsts})
     if split:
         k = split[0]
         problems.append(f"{len(split)} step(s) began with members holding different parameters (first: step {k} "
@@ -483,8 +497,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="replays the same choices (default 1)")
     ap.add_argument("--step-sleep", type=float, default=0.1, help="seconds per forward while the soak runs")
     ap.add_argument("--keep", type=Path, help="keep the run directories here (must not exist)")
-    ap.add_argument("--topology", default="ring", choices=["ring", "hierarchical"],
-                    help="the job's topology (hierarchical: groups of 2 workers, topology.group_size=2)")
+    ap.add_argument("--topology", default="ring", choices=["ring", "hierarchical", "diloco"],
+                    help="the job's topology (hierarchical: groups of 2 workers, topology.group_size=2; diloco: 4 "
+                         "replicas, rounds of 4 steps)")
     ap.add_argument("--min-events", type=int, default=0,
                     help="go on past --duration until this many events fired (at most 2x the duration)")
     args = ap.parse_args()
@@ -508,7 +523,9 @@ def main() -> int:
     try:
         ref = root / "reference"
         plain = {k: v for k, v in soak.env.items() if not k.startswith("EF_PROBE_")}
-        subprocess.run(CLI + ["train", str(PROBE), f"hydra.run.dir={ref}", *common(soak.steps)], env=plain,
+        # The 1-worker run: one process (with diloco, training every replica in turn).
+        same = soak.topology if args.topology == "diloco" else []
+        subprocess.run(CLI + ["train", str(PROBE), f"hydra.run.dir={ref}", *common(soak.steps), *same], env=plain,
                        check=True, capture_output=True, timeout=900)
         soak.start()
         soak.drive()

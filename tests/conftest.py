@@ -46,13 +46,24 @@ def metrics(run_dir: Path) -> List[dict]:
 
 def consumed_by_epoch(run_dir: Path, record: Path) -> Dict[int, Counter]:
     """The sample ids tests/models/digits_probe.py recorded under EF_PROBE_RECORD, per epoch, counting each
-    step's ids from the generation that committed it (metrics.jsonl): a step redone after a failure counts once."""
+    step's ids from the generation that committed it (metrics.jsonl): a step redone after a failure counts once.
+    Under topology=local_sgd|diloco a replica's part of a step counts from the generation that trained the
+    replica whose move the round used (the ``round`` events' ``trained_in``): a survivor keeps its own."""
     committed = {r["step"]: r["generation"] for r in metrics(run_dir) if "loss" in r}
+    trained: Dict[tuple, int] = {}  # (step, replica) -> generation
+    events = Path(run_dir) / "events.jsonl"
+    for line in (events.read_text().splitlines() if events.is_file() else []):
+        e = json.loads(line)
+        if e.get("event") == "round":
+            for step in range(e["first_step"], e["last_step"] + 1):
+                trained.update(((step, k), g) for k, g in enumerate(e["trained_in"]))
     consumed: Dict[int, Counter] = {}
     for f in Path(record).glob("*.jsonl"):
         for line in f.read_text().splitlines():
             r = json.loads(line)
-            if committed.get(r["step"]) == r["generation"]:
+            replica = r.get("replica", -1)
+            used = trained.get((r["step"], replica)) if replica >= 0 else committed.get(r["step"])
+            if used == r["generation"]:
                 consumed.setdefault(r["epoch"], Counter()).update(r["ids"])
     return consumed
 

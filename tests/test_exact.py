@@ -97,14 +97,18 @@ def test_three_workers_one_killed_mid_step(tmp_path, reference):
 
 def test_two_workers_scaled_to_four(tmp_path, reference):
     kind, ref = reference
-    run, dumps = tmp_path / "run", tmp_path / "dumps"
+    run, dumps, pace = tmp_path / "run", tmp_path / "dumps", tmp_path / "pace"
     dumps.mkdir()
+    pace.touch()
     # Slowed steps (0.4 s each) leave the joiners time to start before the 60 steps end; they enter at
-    # whatever step boundary they reach, and the result must not depend on which.
+    # whatever step boundary they reach, and the result must not depend on which. Once a step ran with
+    # all four, the pace is lifted and the job ends at full speed.
     proc = start(run, kind, "launcher.workers=2", "launcher.max_workers=4",
-                 env={"EF_PROBE_SLEEP": "0.4", "EF_PROBE_DUMP": str(dumps)})
+                 env={"EF_PROBE_SLEEP": "0.4", "EF_PROBE_PACE": str(pace), "EF_PROBE_DUMP": str(dumps)})
     wait_for(lambda: logged_step(run) >= 10, 120, "step 10")
     assert "reached" in scale(run, 4).stdout
+    wait_for(lambda: any(r.get("world_size") == 4 for r in metrics(run) if "loss" in r), 60, "a step with four")
+    pace.unlink()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert 4 in [r["world_size"] for r in metrics(run) if "loss" in r]

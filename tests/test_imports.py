@@ -230,7 +230,7 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("replica", "one worker's replica of the state, kept equal to the others' through failures",
      ("replica", "shard", "shard_plan")),
     ("trainer", "the loop, its helpers, and the package's public names",
-     ("trainer", "builder", "stepper", "regroup", "__init__")),
+     ("trainer", "builder", "stepper", "rounds", "regroup", "__init__")),
     ("launchers", "how processes start and end: the launchers, the worker's main, the exit line",
      ("launchers.*", "exits")),
     ("cli", "the commands: parse, hand over, render",

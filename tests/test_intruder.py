@@ -79,8 +79,10 @@ print(json.dumps(done))
 
 
 def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
-    run = tmp_path / "run"
-    proc = start(run, "launcher.workers=3", "checkpoint.interval.steps=20", env={"EF_PROBE_SLEEP": "0.35"})
+    run, pace = tmp_path / "run", tmp_path / "pace"
+    pace.touch()  # slow steps while the intruder tries its forgeries; lifted once it is done
+    proc = start(run, "launcher.workers=3", "checkpoint.interval.steps=20",
+                 env={"EF_PROBE_SLEEP": "0.35", "EF_PROBE_PACE": str(pace)})
     wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
     run_cli(["scale", run, "--workers", 3, "--wait", 30], timeout=90, check=True)  # a real request, to replay
     agent_file = run / ".elasticflow" / "agent.json"
@@ -93,6 +95,7 @@ def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
                               env=env)
     assert intruder.returncode == 0, intruder.stderr[-3000:]
     tried = set(json.loads(intruder.stdout.splitlines()[-1]))
+    pace.unlink()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert_equivalent(run, reference)

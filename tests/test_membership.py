@@ -23,9 +23,11 @@ TIMEOUT_S = 4
 @pytest.mark.parametrize("how", ["stalled", "stopped"])
 def test_generation_that_cannot_form_is_superseded(tmp_path, reference, how):
     run, hold, stall = tmp_path / "run", Hold(tmp_path / "hold"), tmp_path / "stall.json"
+    pace = tmp_path / "pace"
+    pace.touch()  # slow steps until the generation's fate is seen; then the job ends at full speed
     proc = start(run, "launcher.workers=2", "launcher.max_workers=3", f"elastic.timeout_s={TIMEOUT_S}",
                  "elastic.heartbeat_timeout_s=2",
-                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_SLEEP": "0.15",
+                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_SLEEP": "0.15", "EF_PROBE_PACE": str(pace),
                       "EF_PROBE_STALL_BUILD": f"2:{TIMEOUT_S + 2}:{stall}"})
     wait_for(lambda: logged_step(run) >= 8, 120, "step 8")
     with hold:
@@ -44,6 +46,10 @@ def test_generation_that_cannot_form_is_superseded(tmp_path, reference, how):
         with hold:  # a generation of 3 published after the one that failed (workers.json can still show that one)
             wait_for(lambda: [e for e in events(run) if e["event"] == "generation" and len(e["members"]) == 3
                               and e["generation"] > stalled["generation"]], 60, "the stalled joiner to re-enter")
+        # ... and training with it: lifted before, the pace lets the job end before that generation forms
+        wait_for(lambda: any(r.get("world_size") == 3 for r in json_lines(run / "metrics.jsonl") if "loss" in r),
+                 60, "a step with the re-entered joiner")
+    pace.unlink()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "agent (job master) is gone" not in out

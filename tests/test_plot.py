@@ -17,12 +17,14 @@ PROBE = Path(__file__).parent / "models" / "digits_probe.py"
 def killed_and_joined(tmp_path_factory):
     """3 workers, one killed at step 15, then `scale --workers 3` brings a joiner."""
     run = tmp_path_factory.mktemp("run")
+    pace = run.parent / f"{run.name}.pace"  # slow steps until the joiner has trained a step; then full speed
+    pace.touch()
     proc = subprocess.Popen(ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", "trainer.progress=false",
                                            "trainer.max_steps=300", "trainer.log_every=1",
                                            "launcher.workers=3", "launcher.max_workers=3", "elastic.timeout_s=10",
                                            "elastic.heartbeat_timeout_s=5"],
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_KILL": "1:15:forward",
-                                 "EF_PROBE_SLEEP": "0.05"},
+                                 "EF_PROBE_SLEEP": "0.05", "EF_PROBE_PACE": str(pace)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         import time
@@ -32,6 +34,10 @@ def killed_and_joined(tmp_path_factory):
                                                     and '"left"' in (run / "events.jsonl").read_text()):
             time.sleep(0.05)
         run_cli(["scale", run, "--workers", "3"], timeout=150, check=True)
+        while time.monotonic() < deadline + 60 and '"joined"' not in (run / "events.jsonl").read_text():
+            time.sleep(0.05)
+        time.sleep(0.5)  # a few steps with the joiner, for the throughput panel
+        pace.unlink()
         out, _ = proc.communicate(timeout=240)
     finally:
         proc.kill()

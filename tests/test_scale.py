@@ -146,13 +146,16 @@ def test_a_joiner_that_died_halfway_does_not_block_later_joins(tmp_path, referen
     forever. Here the count is taken exactly as such a joiner would, then a real one is asked for."""
     from torch.distributed import TCPStore
 
-    run = tmp_path / "run"
-    proc = start(run, "launcher.workers=2", "launcher.max_workers=3", env={"EF_PROBE_SLEEP": "0.25"})
+    run, pace = tmp_path / "run", tmp_path / "pace"
+    pace.touch()  # slow steps until the real join is in
+    proc = start(run, "launcher.workers=2", "launcher.max_workers=3",
+                 env={"EF_PROBE_SLEEP": "0.25", "EF_PROBE_PACE": str(pace)})
     wait_for(lambda: logged_step(run) >= 3, 120, "step 3")
     host, port = json.loads(protocol.agent_file(run).read_text())["address"].rsplit(":", 1)
     TCPStore(host, int(port), None, False).add("join/count", 1)  # the half-done join
     out = scale(run, 3, wait=60).stdout
     assert "reached: generation" in out and "has 3 workers" in out, out
+    pace.unlink()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert world_sizes(run)[-1] == 3

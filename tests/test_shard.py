@@ -134,13 +134,17 @@ def test_two_neighbours_killed_fall_back_to_the_checkpoint(tmp_path, references)
 
 
 def test_join_and_shrink_four_to_two_move_slices_in_memory(tmp_path, references):
-    run = tmp_path / "run"
+    run, pace = tmp_path / "run", tmp_path / "pace"
+    pace.touch()  # slow steps while the workers join and retire; lifted once back at 2
     proc = start(run, "launcher.workers=2", "launcher.max_workers=4", "trainer.shard=optimizer",
-                 *OPTIMIZERS["adam"], *SAVE, env={"EF_PROBE_SLEEP": "0.35"})
+                 *OPTIMIZERS["adam"], *SAVE, env={"EF_PROBE_SLEEP": "0.35", "EF_PROBE_PACE": str(pace)})
     wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
     scale(run, 4)
     wait_for(lambda: any(r.get("world_size") == 4 for r in metrics(run) if "loss" in r), 60, "a 4-worker step")
     scale(run, 2)
+    wait_for(lambda: (metrics(run)[-1].get("world_size") == 2 and "retired" in [e["event"] for e in events(run)]),
+             60, "a 2-worker step after the retirements")
+    pace.unlink()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     sizes = [r["world_size"] for r in metrics(run) if "loss" in r]

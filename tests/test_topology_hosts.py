@@ -1,8 +1,10 @@
-"""topology=hierarchical across 2 hosts x 2 workers of the multi-host harness (network namespaces,
-tests/hosts.py): grouped by host, summed through each host's leader; a group leader killed hands its role to
-the next member of its host, a trainer killed shrinks its group; every run ends on the 1-worker parameters."""
+"""Topologies across 2 hosts x 2 workers of the multi-host harness (network namespaces, tests/hosts.py).
+hierarchical: grouped by host, summed through each host's leader; a group leader killed hands its role to the
+next member of its host, a trainer killed shrinks its group; it ends on the 1-worker parameters. diloco: a
+trainer killed mid-round costs the round; it ends on the plain loop's parameters (tests/test_rounds.py)."""
 from __future__ import annotations
 
+import elasticflow.checkpoint as ckpt
 from conftest import metrics
 from hosts import hosts  # noqa: F401 - fixture
 from test_elastic import events
@@ -29,3 +31,26 @@ def test_hierarchical_survives_a_leader_and_a_trainer_killed(hosts, tmp_path, re
     # After h2's leader died: h2's group is worker 3 alone, which now leads it. After worker 1 died too, each
     # host has one worker: the flat sum is the same traffic, so no groups are formed (and none recorded).
     assert formed[1:] == [[[0, 1], [3]]], formed
+
+
+def test_diloco_across_two_hosts_survives_a_trainer_killed_and_ends_on_the_plain_loop(hosts, tmp_path):
+    from test_rounds import assert_equal_to, plain
+
+    net = hosts(2)
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    # Four replicas, one per worker (0, 1 on h1; 2, 3 on h2), rounds of 4 steps. Worker 2 dies in its replica's
+    # second inner step of round 25-28: the others fail at the round's sum and worker 3 trains replica 2 again
+    # beside its own (4 replicas on 3 workers: ranks 0, 0, 1, 2), from the round's start.
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", "topology=diloco", "topology.replicas=4",
+                      "topology.sync_every=4", env={"EF_PROBE_KILL": "2:26:forward"}, record=record)
+    out = {h: finish(p) for h, p in procs.items()}
+    assert procs["h1"].returncode == 0, out["h1"][-3000:]
+    expect, expect_losses = plain("diloco", 4, 4, 60)
+    assert_equal_to(ckpt.load(ckpt.latest(run / "checkpoints")), expect)
+    records = [r for r in metrics(run) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 61))
+    assert [r["world_size"] for r in records][23:25] == [4, 3]
+    recovered = [e for e in events(run) if e["event"] == "recovered"]
+    assert [e["step"] for e in recovered] == [24], recovered
+    assert_each_sample_once(run, record)

@@ -130,5 +130,8 @@ class Engine(Protocol):
     def flat_runs(self) -> List[Tuple[int, int, Hyper]]:
         """[(lo, hi, hyper)]: each parameter group's stretch of the flat order, its lr scale and weight decay."""
 
+    def reset_optimizer(self) -> None:
+        """Zero the optimizer's slots and its step count, as if just built (each local SGD / DiLoCo round)."""
+
     def release_optimizer(self) -> None:
         """Drop the engine's own whole-model optimizer slots: a sharded update replaces ``apply``."""

@@ -111,8 +111,11 @@ class CheckpointManager:
     def load(self, path: Path) -> None:
         """Load checkpoint ``path`` into the training state; CheckpointMismatch if it is another model's."""
         arrays, meta = load_with_metadata(path)
-        expected = {n: v.shape for n, v in self.state_dict()[0].items() if not n.startswith(("optimizer/", "rng/"))}
-        found = {n: tuple(v.shape) for n, v in arrays.items() if not n.startswith(("optimizer/", "rng/"))}
+        # Optimizer slots and the outer optimizer's state (topology=diloco) may be absent or extra: a run
+        # starts them afresh, or has none.
+        extra = ("optimizer/", "rng/", "outer/")
+        expected = {n: v.shape for n, v in self.state_dict()[0].items() if not n.startswith(extra)}
+        found = {n: tuple(v.shape) for n, v in arrays.items() if not n.startswith(extra)}
         diffs = list(compare_names(expected, found))
         if diffs:
             shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")

@@ -33,12 +33,12 @@ by the token and the run's job id (sealing.py). A stranger's record is refused, 
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
+from ..fileio import write_atomic
 from ..sealing import REFUSED, Forged, Sealer  # noqa: F401 - the workers' and the agent's sealer
 
 # The environment variables between the agent and its workers live in a leaf (devices.py reads one too).
@@ -171,22 +171,12 @@ def new_token(run_dir: Path, token: str = None) -> str:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by the owner only, whatever was there: a new file (O_EXCL, mode 600,
-    O_NOFOLLOW) under a random name, renamed over ``path`` -- so an existing file's looser mode, or a symlink
-    planted at ``path``, is replaced, never written through."""
+    """Write ``text`` to ``path`` readable by the owner only, whatever was there (``fileio.write_atomic`` with
+    mode 600: a new file renamed over ``path``, so an existing file's looser mode, or a symlink planted at
+    ``path``, is replaced, never written through)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, text, mode=0o600)
 
 
 def read_token(run_dir: Path) -> str:

@@ -13,9 +13,10 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
 
     kind = validate(cfg.topology).kind
     if kind not in IMPLEMENTED:
+        built = sorted(IMPLEMENTED)
         raise ElasticFlowError(f"topology={kind} is described but not built yet: training runs "
-                               f"{' and '.join(sorted(IMPLEMENTED))}", "pass topology=ring (the default) or "
-                               "topology=hierarchical; docs/topologies.md says what each does")
+                               f"{', '.join(built[:-1])} and {built[-1]}", "pass topology=ring (the default), "
+                               "hierarchical, local_sgd or diloco; docs/topologies.md says what each does")
     if cfg.launcher.name == "slurm":
         from .slurm import run as run_slurm
 

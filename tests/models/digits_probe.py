@@ -20,7 +20,7 @@ Environment (read by every worker):
     EF_PROBE_SLOW_START "first_id:seconds": workers with that id or higher (joiners) sleep that long when
                      the model file loads, before they ask to join.
     (Under backend=tensorflow set EF_PROBE_RECORD: the injections then happen at the data fetch.)
-    EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, ids} to
+    EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, replica, ids} to
                      <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt; and
                      (torch) every step attempt's first forward appends {pid, worker, generation, step,
                      params} to <dir>/params/<pid>.jsonl -- a CRC32 of the parameters it starts from.
@@ -169,7 +169,7 @@ class RecordingDataset:
         if RECORD:
             ctx = elasticflow.context()
             line = {"pid": os.getpid(), "worker": WORKER, "generation": ctx.generation, "step": ctx.step,
-                    "epoch": ctx.epoch, "ids": self.ids[indices].tolist()}
+                    "epoch": ctx.epoch, "replica": ctx.replica, "ids": self.ids[indices].tolist()}
             with open(Path(RECORD) / f"{os.getpid()}.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
         return self.x[indices], self.y[indices]

@@ -463,6 +463,13 @@ class Engine:
         ``flat_layout()``'s order (one stretch without groups); a sharded update applies them."""
         return self._groups.runs(self._sizes)
 
+    def reset_optimizer(self) -> None:
+        """Start the optimizer afresh: zero slots, no updates counted (rounds.py: each round's inner optimizer)."""
+        for variables in self._slots.values():
+            for v in variables:
+                v.assign(np.zeros(v.shape, np.float32))
+        self._slots_live, self._updates = False, 0
+
     def release_optimizer(self) -> None:
         """Drop the whole-model slot variables: a sharded update (trainer.shard) replaces ``apply``."""
         self._slots, self._slots_live = {}, False

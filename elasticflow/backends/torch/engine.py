@@ -311,6 +311,10 @@ class Engine:
         """[(lo, hi, hyperparameters)]: the flat order's stretches of one parameter group each."""
         return list(self._runs)
 
+    def reset_optimizer(self) -> None:
+        """Start the optimizer afresh: zero slots, no steps taken (rounds.py: each round's inner optimizer)."""
+        self.optimizer.reset()
+
     def release_optimizer(self) -> None:
         """Drop this engine's own optimizer and its whole-model slots: a sharded update replaces it."""
         self.optimizer = Released()

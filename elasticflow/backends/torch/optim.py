@@ -64,6 +64,15 @@ class _Flat:
         self.steps = int(steps)
         self.state.update(self._views)
 
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Fresh slots and step count, as a newly built optimizer (a local SGD / DiLoCo round's start)."""
+        for views in self._views.values():
+            for view in views.values():
+                view.zero_()
+        self.steps = 0
+        self.state.clear()
+
 
 class FlatSGD(_Flat):
     """torch.optim.SGD (momentum, Nesterov, weight decay) over flat param/grad buffers; see ``_Flat``."""
