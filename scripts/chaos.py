@@ -26,7 +26,8 @@ The job is kept alive: a kill or a long stop never takes the last live worker th
 state (a member of a generation that committed a step).
 
 Checks: the job exits 0; its final parameters equal an uninterrupted 1-worker run's (per tensor
-||got - want|| / ||want|| <= 1e-5); metrics.jsonl logs steps 1..N once each with the data cursor
+||got - want|| / ||want|| <= 1e-5; with --topology diloco, <= 3x what rounding alone does to the 1-worker run,
+measured as the same run on 1 thread against 2, when that is more: its outer momentum amplifies rounding); metrics.jsonl logs steps 1..N once each with the data cursor
 (epoch, samples_seen) of the fixed global order, and the sample ids the workers fetched in each
 step's committing generation (the probe's records under RUN_DIR/samples/) are exactly that step's
 slice of the epoch's permutation: every sample of every epoch once; the members of that generation
@@ -372,7 +373,13 @@ def first_divergence(reference: Path, run: Path) -> str:
     return "; every logged loss matches"
 
 
-def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
+def relative_difference(got: Dict[str, np.ndarray], want: Dict[str, np.ndarray]) -> float:
+    """The largest per-tensor ||got - want|| / ||want|| over the floating-point tensors."""
+    return max(float(np.linalg.norm(got[k] - w) / max(np.linalg.norm(w), 1e-12)) for k, w in want.items()
+               if w.dtype.kind == "f")
+
+
+def check(soak: Soak, reference: Path, out: Optional[str], rounding: float = 0.0) -> List[str]:
     """Every check on a finished soak; returns the failures (empty: passed)."""
     from elasticflow.data import permutation
 
@@ -381,13 +388,14 @@ def check(soak: Soak, reference: Path, out: Optional[str]) -> List[str]:
         return [f"the job did not end after the soak (pid {soak.proc.pid})"]
     if soak.proc.returncode != 0:
         return [f"the job exited {soak.proc.returncode}: {out.strip()[-1500:]}"]
-    want = final_params(reference)
-    got = final_params(run)
-    diff = max(float(np.linalg.norm(got[k] - w) / max(np.linalg.norm(w), 1e-12)) for k, w in want.items()
-               if w.dtype.kind == "f")
-    print(f"max relative difference to the 1-worker parameters: {diff:.2e}")
-    if not diff <= RTOL:
-        problems.append(f"final parameters differ from the 1-worker run's by {diff:.2e} > {RTOL:g}"
+    diff = relative_difference(final_params(run), final_params(reference))
+    # ``rounding``: what float32 rounding alone does to the same 1-worker run (1 thread against 2); a run that
+    # amplifies it (diloco's outer momentum, over hundreds of rounds) is held to 3 times that, not to RTOL.
+    bound = max(RTOL, 3 * rounding)
+    print(f"max relative difference to the 1-worker parameters: {diff:.2e}"
+          + (f" (rounding alone: {rounding:.2e}; bound {bound:.2e})" if rounding else ""))
+    if not diff <= bound:
+        problems.append(f"final parameters differ from the 1-worker run's by {diff:.2e} > {bound:.2g}"
                         f"{first_divergence(reference, run)}")
 
     # The data cursor: steps 1..N logged once each, at the epoch and samples_seen of the fixed global order.
@@ -527,10 +535,15 @@ def main() -> int:
         same = soak.topology if args.topology == "diloco" else []
         subprocess.run(CLI + ["train", str(PROBE), f"hydra.run.dir={ref}", *common(soak.steps), *same], env=plain,
                        check=True, capture_output=True, timeout=900)
+        rounding = 0.0
+        if same:  # diloco: what rounding alone does to the reference, the same run on 1 thread (threads=null: 2)
+            subprocess.run(CLI + ["train", str(PROBE), f"hydra.run.dir={root / 'rounding'}", *common(soak.steps),
+                                  *same, "backend.threads=1"], env=plain, check=True, capture_output=True, timeout=900)
+            rounding = relative_difference(final_params(root / "rounding"), final_params(ref))
         soak.start()
         soak.drive()
         out = soak.settle(timeout=300 + soak.steps * 0.05)
-        problems = check(soak, ref, out)
+        problems = check(soak, ref, out, rounding)
     finally:
         soak.reap()
         if args.keep is None:
