@@ -25,7 +25,8 @@ costs the round: the survivors restore θ and train the round again over the new
 
 Note: the inner optimizer restarting every round is our choice, not the DiLoCo paper's (which keeps each
 worker's AdamW moments across rounds): it keeps a round's starting state common to every worker, so a
-lost worker costs one round and never a checkpoint. With plain SGD as the inner optimizer nothing differs.
+lost worker costs one round and never a checkpoint. With plain SGD (no momentum) as the inner optimizer,
+which keeps no state, nothing differs.
 """
 from __future__ import annotations
 
@@ -284,15 +285,9 @@ class RoundStepper:
         for n, v in sums.items():
             v[...] = flat[at:at + v.size].numpy().reshape(v.shape)
             at += v.size
-        out, at = tail.numpy(), [0]
-
-        def take(size: int) -> np.ndarray:
-            at[0] += size
-            return out[at[0] - size:at[0]]
-
-        scalars, skipped, trained_in = take(scalars.size).reshape(scalars.shape), take(len(skipped)), take(len(trained_in))
-        flags = take(3)
-        return scalars, skipped, trained_in, Agreed(flags[0] != generation * replica.world, flags[1] > 0, flags[2] > 0)
+        summed, skipped, trained_in, flags = np.split(tail.numpy(), np.cumsum([s.size for s in head]))
+        agreed = Agreed(flags[0] != generation * replica.world, flags[1] > 0, flags[2] > 0)
+        return summed.reshape(scalars.shape), skipped, trained_in, agreed
 
     def _apply(self, params, buffers: Dict[str, np.ndarray]) -> None:
         engine = self.p.engine

@@ -213,7 +213,8 @@ def test_what_diloco_cannot_run_with_is_refused_at_start_in_one_line(overrides, 
 def test_tensorflow_restarts_its_inner_adam_each_round_as_torch_does(tmp_path):
     # Adam's moments and its bias-correction count start afresh each round (Engine.reset_optimizer): if either
     # backend kept them, the two would part at the second round by far more than rounding.
-    common = ("topology=diloco", "topology.replicas=2", "topology.sync_every=4", "trainer.max_steps=12", "optimizer=adam")
+    common = ("topology=diloco", "topology.replicas=2", "topology.sync_every=4", "trainer.max_steps=12",
+              "optimizer=adam")
     tf_state, _ = in_process(tmp_path / "tf", *common, "backend=tensorflow")
     torch_state, _ = in_process(tmp_path / "torch", *common)
     assert_equal_to(tf_state, {n: v for n, v in torch_state.items() if not n.startswith("optimizer/")})
