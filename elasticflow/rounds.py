@@ -202,7 +202,8 @@ class RoundStepper:
         seen = self.state.cursor.samples_seen
         if self._start is None or self._start[0] != seen:
             engine = self.p.engine
-            self._start = (seen, engine.flat_params().clone(),
+            # Host memory, on a GPU too: θ, the Δ and the outer step are one model's worth once a round.
+            self._start = (seen, engine.flat_params().detach().to("cpu", copy=True),
                            {n: np.array(v, copy=True) for n, v in engine.buffer_arrays().items()})
             self._done.clear()  # another round (or a member's newer state): nothing computed applies
         return self._start[1], self._start[2]
@@ -254,7 +255,7 @@ class RoundStepper:
                 continue
             engine.apply(optim.lr_at(p.spec, s.step + j, p.schedule.total_steps))
         _context.replica = -1
-        delta = theta - engine.flat_params()
+        delta = theta - engine.flat_params().detach().cpu()
         moved = {n: np.asarray(v, np.float64).copy() for n, v in engine.buffer_arrays().items()}
         return delta, moved, scalars, skipped, self.replica.generation
 
