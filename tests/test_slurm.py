@@ -177,7 +177,7 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path, reference)
     assert info["JobState"] == "COMPLETED", job_log(run)
     assert int(info.get("Restarts", 0)) >= 1
     log = job_log(run)
-    assert "requeued" in log
+    assert "preempted: checkpoint written; requeueing job" in log
     assert_equivalent(run, reference)
     # Exactly once across the requeue: each committed step's ids, from the run that committed it.
     committed = {r["step"]: r["generation"] for r in metrics(run) if "loss" in r}

@@ -139,7 +139,7 @@ def test_preemption_on_two_nodes_requeues_and_resumes_on_both(slurm_hosts, tmp_p
     info = wait_done(slurm_hosts, job, run)
     assert info["JobState"] == "COMPLETED", job_log(run)
     assert int(info["Restarts"]) >= 1 and info["NodeList"] == "h[1-2]", info
-    assert "requeued" in job_log(run)
+    assert "preempted: checkpoint written; requeueing job" in job_log(run)  # said before SLURM kills the step
     assert sorted(m["host"] for m in members(run)) == ["h1", "h2"]  # the requeued job's workers
     assert_close_to_reference(run, reference)
     assert_each_sample_once(run, record)

@@ -101,11 +101,12 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
         if not agent.preempted or not cfg.launcher.requeue:
             raise
         job = os.environ["SLURM_JOB_ID"]
+        # Said before the command: SLURM may kill this batch step as it requeues it, before a line after it.
+        log.warning("preempted: checkpoint written; requeueing job %s (the requeued job resumes in %s)", job, run_dir)
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         if done.returncode != 0:
             raise ElasticFlowError(f"checkpoint written, but `scontrol requeue {job}` failed: {done.stderr.strip()}",
                                    "resubmit the job script by hand; it resumes from the checkpoint") from None
-        log.warning("preempted: checkpoint written, job %s requeued; it resumes in %s", job, run_dir)
         return {"requeued": job, "run_dir": str(run_dir)}
     finally:
         signal.signal(signal.SIGTERM, previous)
