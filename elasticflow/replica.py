@@ -49,6 +49,11 @@ class Agreed(NamedTuple):
     agent_lost: bool = False   # some member lost the agent: checkpoint and exit
 
 
+def agreed(summed: Any, generation: int, world: int) -> Agreed:
+    """What the ``world`` members of ``generation`` agreed, from the sums of their ``Replica.votes``."""
+    return Agreed(summed[0] != generation * world, summed[1] > 0, summed[2] > 0)
+
+
 @dataclass
 class Reduction:
     """A step's reduction between ``Replica.start_reduce`` and ``finish_reduce``."""
@@ -221,14 +226,12 @@ class Replica:
         if m is None:
             return Reduction(result=(scalars, Agreed(interrupt=interrupt), buffers))
         generation = self.generation
-        # The poller may lag behind a generation this worker already entered through a recovery.
-        seen = max(m.latest_generation, generation)
         if self.world == 1:
-            return Reduction(result=(scalars, Agreed(seen > generation, interrupt, m.agent_lost), buffers))
+            return Reduction(result=(scalars, agreed(self.votes(interrupt), generation, 1), buffers))
         import torch
 
         grad = self.engine.grad_view()
-        votes = scalars + [float(seen), float(interrupt), float(m.agent_lost)]
+        votes = scalars + self.votes(interrupt)
         n = len(votes)
         r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
         ranges = self._buckets()
@@ -278,6 +281,13 @@ class Replica:
             r.tail = tail
         return r
 
+    def votes(self, interrupt: bool) -> List[float]:
+        """This member's votes at a step boundary, for the members to sum (``agreed`` reads the sums): the newest
+        generation it has seen, whether it was asked to stop (``interrupt``), whether it lost the agent."""
+        m = self.membership
+        # The poller may lag behind a generation this worker already entered through a recovery.
+        return [float(max(m.latest_generation, self.generation)), float(interrupt), float(m.agent_lost)]
+
     def _start(self, r: "Reduction", tensor) -> None:
         group = self.membership.group
         if tensor.is_cuda:  # NCCL or a pinned staging buffer: reduced (and ordered on its stream) now
@@ -304,8 +314,8 @@ class Replica:
         tail, n, k = r.tail, r.n, r.k
         out = tail[:n].tolist()  # on a GPU: the sync point of the reduction
         # Every member summed the same numbers, so every member reaches the same verdict.
-        agreed = Agreed(out[k] != r.generation * r.world, out[k + 1] > 0, out[k + 2] > 0)
-        return out[:k], agreed, tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
+        buffers = tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
+        return out[:k], agreed(out[k:], r.generation, r.world), buffers
 
     def _reduce_buckets(self, r: "Reduction", grad, ranges: List[Tuple[int, int]], votes: List[float],
                         buffers) -> None:

@@ -41,7 +41,7 @@ from .current import _context
 from .data import GlobalBatch
 from .distributed import protocol
 from .errors import ElasticFlowError
-from .replica import Agreed
+from .replica import Agreed, agreed
 
 log = logging.getLogger("elasticflow")
 KINDS = ("local_sgd", "diloco")
@@ -270,11 +270,9 @@ class RoundStepper:
         interrupt = bool(self.stop_requested())
         if m is None:
             return scalars, skipped, trained_in, Agreed(interrupt=interrupt)
-        generation = replica.generation
-        seen = max(m.latest_generation, generation)
-        votes = [float(seen), float(interrupt), float(m.agent_lost)]
+        generation, votes = replica.generation, replica.votes(interrupt)
         if replica.world == 1:
-            return scalars, skipped, trained_in, Agreed(seen > generation, interrupt, m.agent_lost)
+            return scalars, skipped, trained_in, agreed(votes, generation, 1)
         group = m.group
         flat = torch.cat([delta] + [torch.from_numpy(v.astype(np.float32).reshape(-1)) for v in sums.values()])
         head = [scalars.reshape(-1), skipped, trained_in]
@@ -287,8 +285,7 @@ class RoundStepper:
             v[...] = flat[at:at + v.size].numpy().reshape(v.shape)
             at += v.size
         summed, skipped, trained_in, flags = np.split(tail.numpy(), np.cumsum([s.size for s in head]))
-        agreed = Agreed(flags[0] != generation * replica.world, flags[1] > 0, flags[2] > 0)
-        return summed.reshape(scalars.shape), skipped, trained_in, agreed
+        return summed.reshape(scalars.shape), skipped, trained_in, agreed(flags, generation, replica.world)
 
     def _apply(self, params, buffers: Dict[str, np.ndarray]) -> None:
         engine = self.p.engine
