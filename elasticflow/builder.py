@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,11 +61,21 @@ def build(cfg: Any, t: Any, model_file: Optional[modelfile.ModelFile]) -> Parts:
     seed = _context.seed = int(cfg.seed)
     rules = engine.buffer_rules()
     shards = None
+    topo = topology.validate(cfg.topology)
+    kind = topo.kind
     if t.shard != "none":  # ZeRO stage 1/2: this worker keeps only its ranges of the optimizer state
         from .shard import ShardedState
 
         shards = ShardedState(engine, built.optimizer, t.shard, int(cfg.elastic.shard_replicas))
-    kind = topology.validate(cfg.topology).kind
+    elif kind == "parameter_server":  # the aggregators keep the shards (servers.py)
+        from .distributed.hierarchy import tag_hash
+        from .shard import ShardedState
+
+        slot = os.environ.get(protocol.ENV_LOCAL_SLOT)
+        tag = topo.group_of(socket.gethostname(), os.environ.get("SLURMD_NODENAME"), int(slot) if slot else None)
+        copies = next(r.replica for r in topo.roles if not r.data_consumer)  # the aggregator role's replica
+        shards = ShardedState(engine, built.optimizer, "gradients", 0,
+                              serve=(int(cfg.topology.aggregators), copies, tag_hash(tag)))
     outer = None
     if kind in rounds.KINDS:  # the replicas' buffers meet at each round's end (rounds.py), not every step
         topo, rules = cfg.topology, {}

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .bucketing import Buckets
 from .distributed import protocol
 
 log = logging.getLogger("elasticflow")
@@ -67,6 +68,7 @@ class Reduction:
     works: List[Any] = field(default_factory=list)  # collectives in flight, waited for in order
     copy_back: Any = None            # (gradient, its reduced copy) when the fold could not reduce it in place
     mine: Any = None                 # stage 2 (trainer.shard=gradients): the reduce-scatter's output
+    push: Any = None                 # parameter servers: the gradient, pushed before the votes' sum
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Recovery:
     committed: bool = False    # trainer.shard: the failed attempt had committed its step (its allgather failed)
 
 
-class Replica:
+class Replica(Buckets):
     """This worker's place in the group: reductions, state sync, recovery.
 
     Args:
@@ -141,6 +143,20 @@ class Replica:
     def worker_id(self) -> Optional[int]:
         return None if self.membership is None else self.membership.worker_id
 
+    @property
+    def data_rank(self) -> Optional[int]:
+        """This member's place among the members that consume data: its rank, but for parameter servers
+        its place among the trainers (None: an aggregator, which consumes none)."""
+        if self.shards is None or not self.shards.serves():
+            return self.rank
+        trainers = self.shards.layout.trainers
+        return trainers.index(self.rank) if self.rank in trainers else None
+
+    @property
+    def data_world(self) -> int:
+        """How many members consume data (``data_rank``)."""
+        return self.world if self.shards is None or not self.shards.serves() else len(self.shards.layout.trainers)
+
     def sharding(self) -> Any:
         """How a checkpoint splits the sharded tensors (``checkpoint.format.Sharded``); None: replicated."""
         return None if self.shards is None else self.shards.sharding()
@@ -170,44 +186,6 @@ class Replica:
                       rebuild_s=joined_at - m.admitted_at, transfer_s=time.time() - joined_at, state_received=moved)
 
     # ------------------------------------------------------------------ every step
-    def begin_backward(self) -> None:
-        """Before this worker's last backward of the step: from here on each gradient bucket starts its
-        allreduce as soon as backward has finished it, while backward goes on (``comm.bucket_mb``)."""
-        self._reset_buckets()
-        ranges = self._buckets()
-        if ranges:  # TensorFlow's arm never reports: its tape has no per-variable callback
-            self.engine.arm(ranges, self._bucket_ready)
-
-    def _buckets(self) -> Optional[List[Tuple[int, int]]]:
-        """The buckets, when the step reduces in more than one (the same answer on every member: it
-        depends on the model and the settings only). Host gradients only: a GPU's go over NCCL whole."""
-        if not self.bucket_bytes or self.membership is None or self.world == 1:
-            return None
-        if self.shards is not None and self.shards.scatters():
-            return None  # stage 2 reduce-scatters the gradient in one piece
-        if self._ranges is None:
-            self._ranges = [] if self.engine.grad_view().is_cuda else self.engine.buckets(self.bucket_bytes)
-        return self._ranges if len(self._ranges) > 1 else None
-
-    def _reset_buckets(self) -> None:
-        self._started, self._ready, self._next, self._start_error = [], set(), 0, None
-
-    def _bucket_ready(self, k: int) -> None:  # called from backward (a hook): never raise into autograd
-        self._ready.add(k)
-        self._start_ready(len(self._ranges) - 1)
-
-    def _start_ready(self, upto: int) -> None:
-        """Start buckets ``_next .. upto - 1`` in order, as far as they are ready."""
-        grad, group = self.engine.grad_view(), self.membership.group
-        while self._next < upto and self._next in self._ready and self._start_error is None:
-            lo, hi = self._ranges[self._next]
-            try:
-                self._started.append(group.allreduce_start(grad[lo:hi]))
-            except protocol.CommError as exc:
-                self._start_error = exc
-                return
-            self._next += 1
-
     def reduce_step(self, scalars: List[float], interrupt: bool,
                     buffers: Optional[np.ndarray] = None) -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
         """Sum the gradient, ``scalars`` and ``buffers`` (the buffers' contributions, ``buffers.Reconciler``)
@@ -235,7 +213,12 @@ class Replica:
         n = len(votes)
         r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
         ranges = self._buckets()
-        if self.shards is not None and self.shards.scatters():
+        if self.shards is not None and self.shards.serves():  # finish_reduce pushes, then sums the votes
+            r.push = grad
+            r.tail = torch.tensor(votes, dtype=torch.float64)
+            if buffers is not None:
+                r.tail = torch.cat([r.tail, torch.from_numpy(buffers)])
+        elif self.shards is not None and self.shards.scatters():
             # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
             # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large
             # one sends them in a small float64 allreduce queued behind it.
@@ -303,6 +286,9 @@ class Replica:
         import torch
 
         group = self.membership.group
+        if r.push is not None:  # parameter servers: every sum in place before any member can commit
+            self.shards.push(group, r.push)
+            self._start(r, r.tail)
         for work in r.works:
             group.wait(work)
         if r.mine is not None:
@@ -316,32 +302,6 @@ class Replica:
         # Every member summed the same numbers, so every member reaches the same verdict.
         buffers = tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
         return out[:k], agreed(out[k:], r.generation, r.world), buffers
-
-    def _reduce_buckets(self, r: "Reduction", grad, ranges: List[Tuple[int, int]], votes: List[float],
-                        buffers) -> None:
-        """Start what backward did not (every bucket on an engine without backward hooks, TensorFlow's;
-        unused parameters; an empty share), then the last bucket (the first parameters, which backward
-        finishes last) with the votes and buffers folded in; ``finish_reduce`` waits for them all."""
-        import torch
-
-        try:
-            self.engine.arm(ranges, None)
-            last = len(ranges) - 1
-            self._ready.update(range(last))
-            self._start_ready(last)
-            if self._start_error is not None:
-                raise self._start_error
-            lo, hi = ranges[last]
-            parts = [grad[lo:hi], torch.tensor(votes, dtype=grad.dtype)]
-            if buffers is not None:
-                parts.append(torch.from_numpy(buffers).to(grad.dtype))
-            buf = torch.cat(parts)  # a copy of the bucket: the votes ride in it, not in a round trip of their own
-            r.works += self._started
-            r.works.append(self.membership.group.allreduce_start(buf))
-        finally:
-            self._reset_buckets()
-        r.copy_back = (grad[lo:hi], buf[:hi - lo])
-        r.tail = buf[hi - lo:]
 
     def reduce_sum(self, values: List[float]) -> List[float]:
         """Sum ``values`` over the members (float64)."""
@@ -394,9 +354,16 @@ class Replica:
             m.report_failure()
 
     def _sync_shards(self, samples_seen: int) -> None:
-        plan = self.shards.redistribute(self.membership.group, samples_seen)
+        m = self.membership
+        plan = self.shards.redistribute(m.group, samples_seen)
         self.lost = plan.lost
         self.shard_moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
+        if self.shards.serves() and self.rank == 0 and m.events is not None:  # who holds what: tests read it
+            from .fileio import append_event
+            from .servers import describe
+
+            append_event(m.events, "roles", "worker", generation=self.generation, moved=self.shard_moved,
+                         **describe(self.shards.layout, m.members))
 
     # ------------------------------------------------------------------ state
     def sync_state(self, samples_seen: int) -> bool:

@@ -51,6 +51,11 @@ group first (``handoff``), and the new generation finds them already in place.
 Before its first generation a worker holds [0, n) at its own progress (fresh slots, or a checkpoint's):
 the first redistribution keeps only its ranges. So a resumed job, a fresh one and a joiner go through
 the same protocol.
+
+**Parameter servers** (``topology=parameter_server``, ``servers.py``): the same state with another layout.
+The ranges are the shards of ``servers.Layout``, held by the aggregators only (a trainer holds none);
+the step's sums come by push instead of reduce-scatter and the parameters go back by pull instead of
+allgather; the redistribution, the checkpoints and the fallback are this module's.
 """
 from __future__ import annotations
 
@@ -66,9 +71,11 @@ from .backends.torch.optim import adam_update, sgd_update, weight_decay_is_l2
 from .checkpoint.format import Partial, Sharded
 from .errors import ElasticFlowError
 from .optim import SGD, Adam, AdamW, OptimizerSpec
+from . import servers
 # The layout and the plans live in shard_plan; imported here for the callers that know this module.
 from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers,  # noqa: F401
                          held_ranges, needed, owned, plan_moves, plan_roll)
+from .shard_sync import Redistribution
 
 log = logging.getLogger("elasticflow")
 
@@ -127,7 +134,7 @@ class FlatUpdate:
                    first=False)
 
 
-class ShardedState:
+class ShardedState(Redistribution):
     """This worker's ranges of the optimizer state and the steps that keep them.
 
     Args:
@@ -137,9 +144,12 @@ class ShardedState:
         spec: the optimizer spec (its ``slots()`` are what is sharded).
         stage: ``optimizer`` (stage 1) or ``gradients`` (stage 2).
         replicas: ``elastic.shard_replicas``: 1 keeps a buddy copy of every slice, 0 none.
+        serve: topology=parameter_server's (aggregators, replica, this worker's group tag hash): the
+            ranges are the aggregators' shards (``servers.deal``); None: every member holds its own.
     """
 
-    def __init__(self, engine: Any, spec: OptimizerSpec, stage: str, replicas: int):
+    def __init__(self, engine: Any, spec: OptimizerSpec, stage: str, replicas: int,
+                 serve: Optional[Tuple[int, int, int]] = None):
         if not isinstance(spec, (SGD, Adam)):
             raise ElasticFlowError(f"trainer.shard={stage} has no sharded update for {type(spec).__name__}",
                                    "use SGD, Adam or AdamW, or pass trainer.shard=none")
@@ -162,6 +172,13 @@ class ShardedState:
         self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
         self._scratch = torch.empty(self._scratch_size(self.n))
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
+        self.serve = serve
+        self.layout: Optional[servers.Layout] = None  # parameter_server: this generation's roles
+        self.tags: List[int] = []                     # ... and every member's group tag, by rank
+
+    def serves(self) -> bool:
+        """Whether the ranges are aggregators' shards this generation (parameter_server, more than one member)."""
+        return self.layout is not None and self.layout.world > 1
 
     # ------------------------------------------------------------------ what is held
     def _fresh(self, lo: int, hi: int) -> Dict[str, torch.Tensor]:
@@ -174,12 +191,21 @@ class ShardedState:
     def sharding(self) -> Sharded:
         """How a checkpoint splits the optimizer's tensors: each owner writes its own range."""
         names = {f"optimizer/{p}/{s}": at for p, (at, _) in self.param_at.items() for s in self.slot_names}
+        if self.serves():  # the primaries write their shards; the trainers and standbys nothing
+            return Sharded(self.n, names, self.layout.holders[:self.layout.shards])
         return Sharded(self.n, names)
 
     def partials(self) -> Dict[str, Partial]:
         """This worker's own range of every slot tensor, by name (views: read them before the next step)."""
         lo, hi = owned(self.n, self.world, self.rank)
-        (a, _), slots = next((r, v) for r, v in self.held.items() if r[0] <= lo and hi <= r[1])
+        if self.serves():
+            lo, hi = owned(self.n, self.layout.shards, self.layout.holders.index(self.rank)) \
+                if self.layout.is_primary(self.rank) else (0, 0)
+        found = next(((r, v) for r, v in self.held.items() if r[0] <= lo and hi <= r[1]), None)
+        if hi <= lo or found is None:  # none of its own (a trainer; a range lost, before the fallback's load)
+            return {f"optimizer/{p}/{s}": Partial(np.zeros(0, np.float32), 0, shape)
+                    for p, (_, shape) in self.param_at.items() for s in self.slot_names}
+        (a, _), slots = found
         out: Dict[str, Partial] = {}
         for p, (at, shape) in self.param_at.items():
             size = int(np.prod(shape, dtype=np.int64))
@@ -205,8 +231,10 @@ class ShardedState:
 
     def keep_local(self, rank: int, world: int) -> None:
         """Take this worker's ranges of ``world`` out of what it holds, without moving anything (every
-        member loaded the same checkpoint)."""
-        self._adopt({r: self._copy_out(r) for r in needed(self.n, world, rank, self.replicas)}, rank, world, self.at)
+        member loaded the same checkpoint). Parameter servers: the roles of the generation's deal."""
+        wanted = self.layout.needed(self.n, rank) if self.layout is not None else needed(self.n, world, rank,
+                                                                                         self.replicas)
+        self._adopt({r: self._copy_out(r) for r in wanted}, rank, world, self.at)
 
     def _copy_out(self, r: Range) -> Dict[str, torch.Tensor]:
         lo, hi = r
@@ -217,6 +245,7 @@ class ShardedState:
 
     def _adopt(self, held: Dict[Range, Dict[str, torch.Tensor]], rank: int, world: int, at: int) -> None:
         self.held, self.rank, self.world, self.at = held, rank, world, at
+        self.reduced = {}  # a failed attempt's sums: its step is redone
         self._scratch = torch.empty(self._scratch_size(max((b - a for a, b in held), default=0)))
 
     def _scratch_size(self, largest: int) -> int:
@@ -263,6 +292,8 @@ class ShardedState:
     def scatters(self) -> bool:
         """Whether this step's gradient is reduce-scattered (stage 2): not where each member holds the whole
         vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""
+        if self.serves():
+            return True  # a holder's sums came by push (servers.exchange)
         return self.stage == "gradients" and self.world > 1 and not covers(list(self.held), self.n)
 
     def gather(self, group: Any) -> None:
@@ -271,7 +302,10 @@ class ShardedState:
         Nothing to gather where the ranges held cover the whole vector (W = 2 with a buddy copy: each
         member updated all of it); the same on every member, as it depends on the layout only.
         """
-        if self.gathers():
+        if self.serves():
+            servers.pull(group, self.layout, self.n, self.params)
+            self._written()
+        elif self.gathers():
             group.allgather_flat(self.params, chunk(self.n, self.world))
             self._written()
         # Every member entered this allgather, so every member applied the step: nobody can be behind.
@@ -279,7 +313,13 @@ class ShardedState:
 
     def gathers(self) -> bool:
         """Whether a step ends with the parameters' allgather (``gather``)."""
-        return self.world > 1 and not covers(list(self.held), self.n)
+        return self.serves() or (self.world > 1 and not covers(list(self.held), self.n))
+
+    def push(self, group: Any, grad: torch.Tensor) -> None:
+        """Parameter servers: this step's push and forward (``servers.exchange``); a holder's sums land in
+        ``reduced``, which a holder behind uses to roll forward by itself (``table_row``'s last column)."""
+        self.reduced = {}
+        self.reduced = servers.exchange(group, self.layout, self.n, grad, self._buffer)
 
     def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
         lo, hi = owned(self.n, self.world, r)
@@ -340,107 +380,3 @@ class ShardedState:
         if t is None or t.numel() != size:
             t = self._buffers[what] = torch.empty(size, dtype=torch.float32)
         return t
-
-    # ------------------------------------------------------------------ membership changes
-    def table_row(self, committed: int) -> List[float]:
-        """This member's row of ``redistribute``'s table (``shard_plan``'s layout). The held ranges count at
-        ``at`` when it is the committed progress or past it (a retried recovery: they were taken at the
-        target of a redistribution before the trainer's progress followed); a member never applies a step
-        it does not commit (no collective lies between the update and the commit)."""
-        held = sorted(self.held)[:MAX_HELD]
-        at = self.at if self.at >= committed else -1
-        row = [at, len(held)] + [x for r in held for x in r]
-        row += [0] * (KEPT - len(row))
-        last = self.last
-        if last is not None and last.at == at and (last.grad is not None or not last.applied):
-            return row + [last.before, float(last.applied), last.lr, last.step]
-        return row + [-1, 0, 0, 0]
-
-    def redistribute(self, group: Any, committed: int,
-                     target_members: Optional[Tuple[Sequence[Tuple[int, int]], int]] = None) -> Plan:
-        """Move the ranges so that every member of ``group`` holds what its layout needs.
-
-        ``target_members``: for a handoff over the old group, ([(old rank, new rank)] of the members that
-        stay; the new world): the layout is the new one, the receivers the staying old members, and
-        the held ranges are kept beside the new ones. Returns the plan (its ``lost`` ranges: nothing
-        moved, fall back to a checkpoint). Raises CommError when a member fails meanwhile.
-        """
-        rows = torch.zeros((group.world, WIDTH), dtype=torch.float64)  # float64: the lr, exactly
-        rows[group.rank] = torch.tensor(self.table_row(committed), dtype=torch.float64)
-        group.allreduce_(rows)
-        table = rows.numpy()
-        roll = plan_roll(table)
-        if roll is not None:
-            self._roll_forward(group, table, roll)
-            table[roll.takers, 0] = roll.target
-        if target_members is None:
-            want = {r: needed(self.n, group.world, r, self.replicas) for r in range(group.world)}
-        else:
-            pairs, new_world = target_members
-            want = {old: needed(self.n, new_world, new, self.replicas) for old, new in pairs}
-        plan = plan_moves(table, want)
-        if plan.lost:
-            return plan
-        mine = want.get(group.rank, [])
-        new: Dict[Range, Dict[str, torch.Tensor]] = {r: self._fresh(*r) for r in mine}
-        # Each move travels as its parameters and each slot, sent from where they lie and received into
-        # their final place: no packing copy on either side (ranges a member sends and receives are disjoint).
-        sends, recvs, k = [], [], 1 + len(self.slot_names)
-        for i, p in enumerate(plan.moves):
-            if p.dst == group.rank:
-                into = self._into(new, p.lo, p.hi)
-                if p.src == group.rank:
-                    for s, src in zip(self.slot_names, self._held_views(p.lo, p.hi)[1:]):
-                        into[s].copy_(src)
-                else:
-                    recvs += [(t, p.src, i * k + j)
-                              for j, t in enumerate([self.params[p.lo:p.hi]] + [into[s] for s in self.slot_names])]
-            elif p.src == group.rank:
-                sends += [(t, p.dst, i * k + j) for j, t in enumerate(self._held_views(p.lo, p.hi))]
-        group.exchange(sends, recvs)
-        if target_members is None:
-            self._adopt(new, group.rank, group.world, plan.target)
-            # Every member's parameters are right where it holds ranges; where those cover the whole vector
-            # for every member (W = 2 with buddies), nothing is left to gather.
-            if not all(covers(r, self.n) for r in want.values()):
-                group.allgather_flat(self.params, chunk(self.n, self.world))
-            self._written()
-        else:  # keep what is held until the next generation: it may not form, and then it is needed
-            self.held.update(new)
-            self.at = plan.target
-        return plan
-
-    def _roll_forward(self, group: Any, table: np.ndarray, roll: Roll) -> None:
-        """The takers apply the giver's kept step to the ranges they hold (the giver sends its reduced
-        gradient of them): afterwards they hold them at ``roll.target``. Raises CommError as redistribute."""
-        tag = 1 << 20  # apart from the moves' tags (exchange waits for its messages: none is left behind)
-        if roll.applied and group.rank == roll.giver:
-            grad = self.last.grad
-            group.exchange([(grad[lo:hi], m, tag + i) for m in roll.takers
-                            for i, (lo, hi) in enumerate(held_ranges(table[m]))], [])
-        if group.rank not in roll.takers:
-            return
-        if roll.applied:
-            mine = held_ranges(table[group.rank])
-            grads = [torch.empty(hi - lo, dtype=torch.float32) for lo, hi in mine]
-            group.exchange([], [(g, roll.giver, tag + i) for i, g in enumerate(grads)])
-            for (lo, hi), g in zip(mine, grads):
-                self.update_fn(lo, self.params[lo:hi], g, self.held[(lo, hi)], roll.lr, roll.step, self._scratch)
-            self._written()
-        log.info("rolled %d range(s) of sharded state forward to progress %d with member %d's step %d",
-                 len(self.held), roll.target, roll.giver, roll.step)
-        self.at = roll.target
-
-    def _held_views(self, lo: int, hi: int) -> List[torch.Tensor]:
-        """Parameters then slots of [lo, hi), from a held range containing it (views)."""
-        for (a, b), slots in self.held.items():
-            if a <= lo and hi <= b:
-                return [self.params[lo:hi]] + [slots[s][lo - a:hi - a] for s in self.slot_names]
-        raise KeyError(f"range {(lo, hi)} is not held")
-
-    @staticmethod
-    def _into(new: Dict[Range, Dict[str, torch.Tensor]], lo: int, hi: int) -> Dict[str, torch.Tensor]:
-        for (a, b), slots in new.items():
-            if a <= lo and hi <= b:
-                return {s: v[lo - a:hi - a] for s, v in slots.items()}
-        raise KeyError(f"range {(lo, hi)} is not wanted")

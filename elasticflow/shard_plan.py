@@ -5,10 +5,12 @@ Pure functions of the layout and of the table the members publish (``shard.Shard
 every member computes the same plan from the same table without another round of messages.
 
 **The table**: one float64 row per member (exact for progress and offsets below 2**53):
-``[progress, count, lo1, hi1, ... lo4, hi4, before, applied, lr, step]``: the committed progress at which
-its held ranges are valid (-1: none valid), the ranges, then the step it applied last while some member
-may not have (its kept step: the progress it started from, -1 for none; 1 if applied, 0 if skipped; the
-learning rate and the 1-based optimizer step it was applied with).
+``[progress, count, lo1, hi1, ... lo4, hi4, before, applied, lr, step, sends, sums]``: the committed
+progress at which its held ranges are valid (-1: none valid), the ranges, then the step it applied last
+while some member may not have (its kept step: the progress it started from, -1 for none; 1 if applied,
+0 if skipped; the learning rate and the 1-based optimizer step it was applied with; 1 if it kept the
+step's whole reduced gradient to send), and 1 if it holds the sums of the next step for all its ranges
+(a parameter server's aggregator, which rolls forward with its own: ``servers.py``).
 
 **Rolling forward.** A step is committed by each member on its own, once its reduction is complete; a
 member that dies in the middle of the sum leaves some members with it (they commit step k) and some
@@ -28,7 +30,7 @@ import numpy as np
 
 MAX_HELD = 4   # ranges a member can hold at once: own and buddy, old and new during a handoff
 KEPT = 2 + 2 * MAX_HELD   # the table's column where the kept step begins (before, applied, lr, step)
-WIDTH = KEPT + 4
+WIDTH = KEPT + 6
 Range = Tuple[int, int]
 
 
@@ -92,6 +94,7 @@ class Roll:
     applied: bool
     lr: float
     step: int
+    sends: bool = True    # the giver sends its reduced gradient; False: each taker applies its own sums
 
 
 def plan_roll(table: np.ndarray) -> Optional[Roll]:
@@ -106,10 +109,12 @@ def plan_roll(table: np.ndarray) -> Optional[Roll]:
         return None
     row = table[givers[0]]
     before = int(row[KEPT])
-    takers = [m for m, r in enumerate(table) if int(r[0]) == before < target and _disjoint(held_ranges(r))]
+    applied, sends = bool(row[KEPT + 1]), bool(row[KEPT + 4])
+    takers = [m for m, r in enumerate(table) if int(r[0]) == before < target and _disjoint(held_ranges(r))
+              and (sends or not applied or r[KEPT + 5] > 0 or not held_ranges(r))]
     if not takers:
         return None
-    return Roll(givers[0], takers, before, target, bool(row[KEPT + 1]), float(row[KEPT + 2]), int(row[KEPT + 3]))
+    return Roll(givers[0], takers, before, target, applied, float(row[KEPT + 2]), int(row[KEPT + 3]), sends)
 
 
 def _disjoint(ranges: List[Range]) -> bool:

@@ -42,7 +42,10 @@ class Stepper:
         t, s, p, replica = self.t, self.state, self.p, self.replica
         engine = p.engine
         _context.step, _context.epoch = s.step + 1, batch.epoch
-        share = data.deal((batch.start, batch.end), replica.rank, replica.world, t.micro_batch_size)
+        rank, world = replica.data_rank, replica.data_world  # parameter servers: over the trainers alone
+        share = data.deal((batch.start, batch.end), rank or 0, world, t.micro_batch_size)
+        if rank is None:  # an aggregator consumes no data: no micro-batch, and its buffers contribute nothing
+            share, rank = data.Share([], share.total, share.total), -1
         reconciler = p.reconciler if replica.world > 1 else None  # one worker's buffers are already sequential
         if reconciler is not None:
             reconciler.begin(engine.buffer_arrays())
@@ -52,7 +55,7 @@ class Stepper:
         if scaling:
             engine.grad_scale = s.loss_scale
         loss_sum, metric_sums = None, {}
-        keys = p.schedule.ahead(batch, share, p.prefetch.depth, s.step, replica.rank, replica.world,
+        keys = p.schedule.ahead(batch, share, p.prefetch.depth if rank >= 0 else 0, s.step, rank, world,
                                 t.micro_batch_size)
         for i, (a, b) in enumerate(share.micro):
             # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
@@ -72,7 +75,7 @@ class Stepper:
         # float(): a sync point on accelerators; the non-finite check needs it anyway.
         scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
         contribution = None if reconciler is None else reconciler.contribution(
-            engine.buffer_arrays(), share.first, len(share.micro), share.total, replica.rank, replica.world)
+            engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
         self.reduce_started = time.perf_counter()
         reduction = replica.start_reduce(scalars, self.stop_requested(), contribution)
         self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight

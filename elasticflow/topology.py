@@ -24,7 +24,6 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 from .errors import ElasticFlowError
 
 KINDS = ("ring", "hierarchical", "parameter_server", "local_sgd", "diloco")
-IMPLEMENTED = {"ring", "hierarchical", "local_sgd", "diloco"}  # the kinds training runs today; a run with another kind is refused at its start
 GROUP_BY = ("host", "node", "realm")
 ROOT, GROUP = "default", "$group"  # a tag's first part, and the part resolved per worker
 MAX_COUNT, MAX_WORKERS, MAX_REPLICA = 2**31 - 1, 65536, 2
@@ -130,11 +129,6 @@ class Topology:
         else:
             key = (node or host) if self.group_by == "node" else host
         return key if self.group_size is None or slot is None else f"{key}/{slot // self.group_size}"
-
-
-def implemented(kind: str) -> bool:
-    """Whether training runs topologies of ``kind`` yet (:data:`IMPLEMENTED`)."""
-    return kind in IMPLEMENTED
 
 
 def validate(topology_cfg: Any) -> Topology:
@@ -441,7 +435,9 @@ def _check_settings(cfg: Dict[str, Any]) -> None:
 
 def check_run(cfg: Any, kind: str) -> None:
     """The rest of the run's config against topology ``kind``: what local SGD and DiLoCo cannot run with
-    (rounds.py), one line each. ``cfg``: the whole config."""
+    (rounds.py), and what parameter servers cannot (servers.py), one line each. ``cfg``: the whole config."""
+    if kind == "parameter_server":
+        _check_servers(cfg)
     if kind not in ("local_sgd", "diloco"):
         return
     t, every = cfg.trainer, cfg.topology.sync_every
@@ -469,3 +465,17 @@ def check_run(cfg: Any, kind: str) -> None:
         raise ElasticFlowError(f"trainer.eval_every={t.eval_every} is not a multiple of topology.sync_every={every}: "
                                "the model is evaluated between rounds", f"pass trainer.eval_every="
                                f"{max(every, t.eval_every // every * every)}")
+
+
+def _check_servers(cfg: Any) -> None:
+    t = cfg.trainer
+    if t.shard != "none":
+        raise ElasticFlowError(f"topology=parameter_server shards the optimizer state over its aggregators; "
+                               f"trainer.shard={t.shard} would shard it over every worker",
+                               "pass trainer.shard=none with this topology")
+    what = "trainer.grad_clip" if t.grad_clip is not None else "float16's loss scaling" \
+        if str(t.precision).strip().lower() in ("16", "fp16", "float16") else None
+    if what:
+        raise ElasticFlowError(f"topology=parameter_server does not run {what}: each aggregator holds the sum of "
+                               "its shard only, and the whole gradient's norm is nowhere",
+                               "remove trainer.grad_clip and pass trainer.precision=bf16 or 32 with this topology")

@@ -228,7 +228,7 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("distributed", "membership, collectives, the agent and its store",
      ("distributed.*",)),
     ("replica", "one worker's replica of the state, kept equal to the others' through failures",
-     ("replica", "shard", "shard_plan")),
+     ("replica", "bucketing", "shard", "shard_plan", "shard_sync", "servers")),
     ("trainer", "the loop, its helpers, and the package's public names",
      ("trainer", "builder", "stepper", "rounds", "regroup", "__init__")),
     ("launchers", "how processes start and end: the launchers, the worker's main, the exit line",

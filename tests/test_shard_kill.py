@@ -32,9 +32,20 @@ COMMON = ["trainer.global_batch_size=64", f"trainer.max_steps={STEPS}", "trainer
 
 
 # ---------------------------------------------------------------- the plan
-def _row(progress, ranges, kept=(-1, 0, 0.0, 0)):
+def _row(progress, ranges, kept=(-1, 0, 0.0, 0), sends=None, sums=0):
+    """A table row (shard_plan's layout); ``sends``: the giver kept the reduced gradient (by default when it
+    applied the step), ``sums``: the member holds its own sums of the next step (a parameter server's)."""
     row = [progress, len(ranges)] + [x for r in ranges for x in r]
-    return row + [0] * (KEPT - len(row)) + list(kept)
+    return row + [0] * (KEPT - len(row)) + list(kept) + [int(kept[1]) if sends is None else sends, sums]
+
+
+def test_an_aggregator_behind_rolls_forward_with_its_own_sums():
+    # Parameter servers: the trainer at 128 committed step 2 and kept no gradient (sends 0); the aggregator
+    # at 64 failed the votes' sum after it had its shard's sum, so it applies that itself.
+    trainer = _row(128, [], kept=(64, 1, 0.003, 2), sends=0)
+    roll = plan_roll(np.array([trainer, _row(64, [(0, 12)], sums=1)]))
+    assert roll.takers == [1] and not roll.sends and roll.applied and roll.step == 2
+    assert plan_roll(np.array([trainer, _row(64, [(0, 12)], sums=0)])) is None  # without its sums it cannot
 
 
 def test_a_member_one_step_behind_rolls_forward_with_the_kept_step():
@@ -154,7 +165,7 @@ def test_a_skipped_step_keeps_the_ranges_valid_at_the_new_progress():
     s = ShardedState(_Engine(torch.zeros(10)), Adam(0.01), "optimizer", 1)
     s.skipped(64)  # a non-finite gradient: nothing applied, the step committed
     row = s.table_row(64)
-    assert row[0] == 64 and row[KEPT:] == [0, 0.0, 0.0, 0]
+    assert row[0] == 64 and row[KEPT:] == [0, 0.0, 0.0, 0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------- real processes

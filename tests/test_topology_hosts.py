@@ -1,7 +1,8 @@
 """Topologies across 2 hosts x 2 workers of the multi-host harness (network namespaces, tests/hosts.py).
 hierarchical: grouped by host, summed through each host's leader; a group leader killed hands its role to the
 next member of its host, a trainer killed shrinks its group; it ends on the 1-worker parameters. diloco: a
-trainer killed mid-round costs the round; it ends on the plain loop's parameters (tests/test_rounds.py)."""
+trainer killed mid-round costs the round; it ends on the plain loop's parameters (tests/test_rounds.py).
+parameter_server: an aggregator, the leader and a trainer killed; it ends on the 1-worker parameters."""
 from __future__ import annotations
 
 import elasticflow.checkpoint as ckpt
@@ -54,3 +55,34 @@ def test_diloco_across_two_hosts_survives_a_trainer_killed_and_ends_on_the_plain
     recovered = [e for e in events(run) if e["event"] == "recovered"]
     assert [e["step"] for e in recovered] == [24], recovered
     assert_each_sample_once(run, record)
+
+
+def test_parameter_servers_survive_an_aggregator_the_leader_and_a_trainer_killed(hosts, tmp_path, reference):
+    from test_elastic import logged_step, wait_for
+    from test_hosts import workers
+
+    net = hosts(2)
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    # Three processes per host (workers 0-2 on h1, 3-5 on h2): one shard, a primary and a standby, dealt one
+    # per host (worker 5 on h2, worker 2 on h1); workers 0, 1, 3, 4 train. The primary is SIGKILLed while the
+    # trainers sit in step 20's forward; rank 0 (the job's leader, a trainer) dies in step 35's reduction and
+    # worker 3 (a trainer on h2) in step 45's forward.
+    procs = start_job(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.procs_per_node=3",
+                      "topology=parameter_server", "topology.replica=2",
+                      env={"EF_PROBE_PAUSE": "20:2.0", "EF_PROBE_KILL": "0:35:reduction,3:45:forward"}, record=record)
+    wait_for(lambda: logged_step(run) >= 18, 120, "step 18")  # step 19's record is written as step 20 reduces
+    roles = [e for e in events(run) if e["event"] == "roles"]
+    assert roles[0]["primaries"] == [5] and roles[0]["standbys"] == [2] and roles[0]["trainers"] == [0, 1, 3, 4]
+    pid = next(w["pid"] for w in workers(run) if w["worker_id"] == 5)  # a pid in h2's namespace
+    assert net.run("h2", ["kill", "-9", str(pid)]).returncode == 0
+    out = {h: finish(p) for h, p in procs.items()}
+    assert procs["h1"].returncode == 0, out["h1"][-3000:]
+    assert_close_to_reference(run, reference)  # every step once, each within 1e-5 of the 1-worker run
+    assert_each_sample_once(run, record)
+    assert not [e for e in events(run) if e["event"] == "fell_back"]  # no step lost to a checkpoint
+    roles = [e for e in events(run) if e["event"] == "roles"]
+    assert roles[1]["primaries"] == [2] and roles[1]["standbys"] == [4], roles  # the standby took over
+    assert roles[-1]["primaries"] == [2] and roles[-1]["trainers"] == [1], roles
+    world = [r["world_size"] for r in metrics(run) if "loss" in r]
+    assert world[0] == 6 and world[-1] == 3, world

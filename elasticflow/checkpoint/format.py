@@ -116,11 +116,18 @@ class Sharded:
     """Tensors split by the owner of each range of a flat vector of ``n`` elements, not by bytes.
 
     ``offsets``: each such tensor's offset in the flat vector (an optimizer slot at its parameter's).
+    ``owners``: parameter servers: the rank of each shard's primary (``servers.Layout``), which writes it;
+    None: rank r owns the r-th of ``world`` equal ranges.
     """
     n: int
     offsets: Dict[str, int]
+    owners: Optional[Tuple[int, ...]] = None
 
     def owned(self, world: int, rank: int) -> Tuple[int, int]:
+        if self.owners is not None:
+            if rank not in self.owners:
+                return 0, 0
+            world, rank = len(self.owners), self.owners.index(rank)
         c = -(-self.n // world)  # the rule of shard.owned
         return min(rank * c, self.n), min((rank + 1) * c, self.n)
 
@@ -192,7 +199,8 @@ def _plan_bytes(specs: Sequence[TensorSpec], world: int) -> List[List[Piece]]:
 def plan_digest(specs: Sequence[TensorSpec], world: int, sharded: Optional[Sharded] = None) -> str:
     """Every rank computes the plan from its own replica; rank 0 checks they all agree."""
     text = json.dumps([world, [[s.name, s.dtype, list(s.shape)] for s in specs],
-                       None if sharded is None else [sharded.n, sorted(sharded.offsets.items())]])
+                       None if sharded is None else [sharded.n, sorted(sharded.offsets.items())]
+                       + ([] if sharded is None or sharded.owners is None else [list(sharded.owners)])])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -1,0 +1,137 @@
+"""topology=parameter_server (elasticflow/servers.py): aggregators hold the shards, trainers push and pull.
+The roles' deal on its own; then real runs against the 1-worker reference, with aggregators and trainers
+killed, and the fallback when a shard has no copy left."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import elasticflow.checkpoint as ckpt
+from conftest import metrics
+from elasticflow.config import compose, validate
+from elasticflow.errors import ElasticFlowError
+from elasticflow.servers import Layout, deal
+from test_elastic import assert_equivalent, events, finish, logged_step, start, train_ok, wait_for
+
+PS = ["topology=parameter_server", "checkpoint.interval.steps=10"]
+T = (-1, -1)  # a trainer's (or a new member's) previous role
+
+
+# ---------------------------------------------------------------------- the deal
+def test_roles_are_dealt_spread_over_hosts_and_never_to_rank_0_first():
+    layout = deal([T] * 6, [1, 1, 1, 2, 2, 2], shards=1, copies=2)
+    primary, standby = layout.holders
+    assert {primary, standby} == {2, 5}  # one per host, each its host's highest rank
+    assert layout.trainers == [0, 1, 3, 4]
+    assert deal([T] * 3, [7, 7, 7], 2, 1).holders == (2, 1)
+
+
+def test_roles_stick_and_a_standby_takes_over_its_dead_primary():
+    first = deal([T] * 5, [1, 1, 1, 2, 2], shards=1, copies=2)
+    assert first.holders == (4, 2)  # the primary on host 2, its standby on host 1
+    assert deal([first.role(r) for r in range(5)], [1, 1, 1, 2, 2], 1, 2) == first  # nobody died: the same
+    # Rank 4 (the primary) died: the survivors keep their ranks.
+    after = deal([first.role(r) for r in range(4)], [1, 1, 1, 2], 1, 2)
+    assert after.holders == (2, 3)  # the standby holds the shard: it is the primary, and host 2 gets the standby
+
+
+def test_too_few_members_drop_the_standbys_then_shards_and_one_worker_holds_everything():
+    assert deal([T] * 3, [1, 1, 1], shards=2, copies=2).holders == (2, 1)  # 2 shards, no standby
+    assert deal([T] * 2, [1, 1], shards=2, copies=2) == Layout(2, (1,), 1, 1)
+    assert deal([T], [1], 2, 2) == Layout.single()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.shard=optimizer"], "topology=parameter_server shards the optimizer state over its aggregators"),
+    (["trainer.grad_clip=1.0"], "topology=parameter_server does not run trainer.grad_clip"),
+    (["trainer.precision=16"], "topology=parameter_server does not run float16's loss scaling"),
+])
+def test_what_parameter_servers_refuse(overrides, message):
+    from conftest import REPO
+
+    with pytest.raises(ElasticFlowError, match=message):
+        validate(compose(str(REPO / "models" / "digits_mlp.py"), ["topology=parameter_server", *overrides]))
+
+
+# ---------------------------------------------------------------------- runs against the 1-worker reference
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("reference")
+    train_ok(run, "optimizer=adam", "optimizer.lr=0.01")
+    return run
+
+
+def roles(run) -> list:
+    return [e for e in events(run) if e["event"] == "roles"]
+
+
+def test_two_trainers_and_an_aggregator_pair_end_on_one_worker_with_its_adam_state(tmp_path, reference):
+    run = tmp_path / "run"
+    train_ok(run, *PS, "launcher.workers=4", "topology.replica=2", "optimizer=adam", "optimizer.lr=0.01")
+    assert_equivalent(run, reference)  # parameters and the Adam moments, which only the aggregators held
+    first = roles(run)[0]
+    assert len(first["primaries"]) == 1 and len(first["standbys"]) == 1 and len(first["trainers"]) == 2
+    assert "optimizer/hidden/W/exp_avg" in ckpt.load(ckpt.latest(run / "checkpoints"))
+
+
+def test_a_killed_primary_costs_no_step_and_its_standby_takes_over(tmp_path, reference):
+    run = tmp_path / "run"
+    proc = start(run, *PS, "launcher.workers=5", "topology.replica=2", "optimizer=adam", "optimizer.lr=0.01",
+                 env={"EF_PROBE_PAUSE": "25:2.0", "EF_PROBE_KILL": "0:45:reduction"})
+    wait_for(lambda: logged_step(run) >= 23, 120, "step 23")  # logged as step 24 reduces
+    first = roles(run)[0]
+    from test_elastic import members
+
+    victim = next(m for m in members(run) if m["worker_id"] == first["primaries"][0])
+    os.kill(victim["pid"], signal.SIGKILL)  # the primary, while the trainers sit in step 25's forward
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert_equivalent(run, reference)
+    assert not [e for e in events(run) if e["event"] == "fell_back"]  # no checkpoint was needed
+    recovered = [e for e in events(run) if e["event"] == "recovered"]
+    assert len(recovered) == 2 and all(e["steps_redone"] <= 1 for e in recovered), recovered
+    after = roles(run)[1]
+    assert after["primaries"] == first["standbys"]  # the standby holds the shard: it is the primary now
+    assert after["standbys"] and after["standbys"][0] in first["trainers"]  # a trainer became the new standby
+    assert after["moved"] > 0  # the shard was copied to it
+    world = {r["step"]: r["world_size"] for r in metrics(run) if "loss" in r}
+    assert world[1] == 5 and world[60] == 3  # the primary, then rank 0 (a trainer, in the votes' sum)
+
+
+def test_without_a_standby_a_killed_aggregator_falls_back_to_the_last_checkpoint(tmp_path, reference):
+    run = tmp_path / "run"
+    proc = start(run, *PS, "launcher.workers=3", "optimizer=adam", "optimizer.lr=0.01",
+                 env={"EF_PROBE_PAUSE": "25:2.0"})
+    wait_for(lambda: logged_step(run) >= 23, 120, "step 23")  # logged as step 24 reduces
+    from test_elastic import members
+
+    first = roles(run)[0]
+    victim = next(m for m in members(run) if m["worker_id"] == first["primaries"][0])
+    os.kill(victim["pid"], signal.SIGKILL)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert_same_state(run, reference)  # steps 21-24 were logged twice: trained, lost, trained again
+    fell = [e for e in events(run) if e["event"] == "fell_back"]
+    assert len(fell) == 1 and fell[0]["step"] == 20, fell  # the shard's only copy died: back to step 20
+
+
+def test_parameter_server_and_ring_checkpoints_resume_under_each_other(tmp_path, reference):
+    a = tmp_path / "a"
+    train_ok(a, *PS, "launcher.workers=3", "optimizer=adam", "optimizer.lr=0.01", "trainer.max_steps=30")
+    b = tmp_path / "b"  # the ring, on one worker, from the aggregators' checkpoint
+    train_ok(b, "optimizer=adam", "optimizer.lr=0.01", f"resume={ckpt.latest(a / 'checkpoints')}",
+             "trainer.max_steps=45", "checkpoint.interval.steps=15")
+    c = tmp_path / "c"  # and back to parameter servers, on four workers
+    train_ok(c, *PS, "launcher.workers=4", "optimizer=adam", "optimizer.lr=0.01",
+             f"resume={ckpt.latest(b / 'checkpoints')}")
+    assert_same_state(c, reference)
+
+
+def assert_same_state(run, reference) -> None:
+    got, want = ckpt.load(ckpt.latest(run / "checkpoints")), ckpt.load(ckpt.latest(reference / "checkpoints"))
+    for name in want:
+        if not name.startswith("rng/"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
