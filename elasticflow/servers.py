@@ -12,13 +12,14 @@ primary and its standby sit on different hosts where there are two. With too few
 role, the standbys go first, then shards; one worker alone trains and holds everything (the 1-worker
 result, ``Layout.single``).
 
-**A step** (``exchange``): each trainer sends every primary its shard of the gradient (point to point,
-the push); a primary sums them in trainer order and sends the sum on to its standby; then one small
-allreduce of every member carries the step's loss, metrics and votes, as every topology's step does.
-Each holder updates its shard with the optimizer's formula (``shard.FlatUpdate``, the same float32
-operations as a 1-worker run) and commits; then each primary sends its shard of the parameters to every
-member that does not hold it (``pull``). The cross-host bytes per step: a trainer's gradient out and the
-parameters in, plus one shard per standby.
+**A step** (``exchange``): the trainers of a host sum their gradients onto the first of them, which sends
+each primary its shard of the sum (point to point, the push); a primary sums the hosts' pushes in order
+and sends the sum on to its standby; then one small allreduce of every member carries the step's loss,
+metrics and votes, as every topology's step does. Each holder updates its shard with the optimizer's
+formula (``shard.FlatUpdate``, the same float32 operations as a 1-worker run) and commits; then each
+primary sends its shard of the parameters to every member that does not hold it (``pull``): directly on
+its own host, and once per other host, where the first member passes it on. So a shard crosses a link
+once each way per step and host, whatever the number of trainers there, plus once to a remote standby.
 
 **Faults.** The shards are ``shard.ShardedState``'s held ranges, so a membership change redistributes
 them as ZeRO's (``ShardedState.redistribute``): a dead primary's shard is taken from its standby with no
@@ -37,9 +38,12 @@ import torch
 
 from .shard_plan import Range, owned
 
-PUSH_TAG = 1 << 21      # point-to-point tags of a step's push, forward and pull (share_state counts from 0,
-FORWARD_TAG = PUSH_TAG + 1  # comm's sums from 1 << 24)
-PULL_TAG = PUSH_TAG + 2
+# Point-to-point tags (share_state's count from 0, comm's sums from 1 << 24); a pull's carry the shard's index.
+PUSH_TAG = 1 << 21          # a host's gradient shard to its primary
+FORWARD_TAG = PUSH_TAG + 1  # a primary's sum to its standby
+LOCAL_TAG = PUSH_TAG + 2    # a trainer's gradient to its host's first trainer
+PULL_TAG = PUSH_TAG + (1 << 16)  # + shard: a primary's parameters to a member
+RELAY_TAG = PUSH_TAG + (1 << 17)  # + shard: the same, passed on inside a host
 
 
 @dataclass(frozen=True)
@@ -120,25 +124,50 @@ def deal(roles: Sequence[Tuple[int, int]], tags: Sequence[int], shards: int, cop
     return Layout(world, tuple(holders), shards, copies)
 
 
-def exchange(group, layout: Layout, n: int, grad: torch.Tensor, buffer) -> Dict[Range, torch.Tensor]:
+def hosts(ranks: Sequence[int], tags: Sequence[int]) -> List[List[int]]:
+    """``ranks`` by group tag (host), in rank order inside, groups in order of their first member."""
+    out: Dict[int, List[int]] = {}
+    for r in ranks:
+        out.setdefault(tags[r], []).append(r)
+    return list(out.values())
+
+
+def exchange(group, layout: Layout, n: int, grad: torch.Tensor, buffer,
+             tags: Sequence[int]) -> Dict[Range, torch.Tensor]:
     """A step's push and forward (the module's note): returns this member's sums by range (a holder's
-    shard; nothing on a trainer). ``buffer(name, size)``: a float32 scratch kept from step to step.
-    Raises CommError when a member fails meanwhile."""
-    rank, trainers = group.rank, layout.trainers
+    shard; nothing on a trainer). The trainers of a host first sum their gradients onto the first of them,
+    which pushes once for the host (BytePS's local reduce): a shard crosses each link once per host, not
+    once per trainer. ``buffer(name, size)``: a float32 scratch kept from step to step; ``tags``: every
+    member's group tag. Raises CommError when a member fails meanwhile."""
+    rank = group.rank
     shard = layout.shard_of(rank)
     primaries = layout.holders[:layout.shards]
-    if shard is None:  # a trainer: each primary its shard
-        sends = [(grad[slice(*owned(n, layout.shards, s))], p, PUSH_TAG) for s, p in enumerate(primaries)]
-        group.exchange(sends, [])
+    pushers = hosts(layout.trainers, tags)
+    if shard is None:
+        mates = next(h for h in pushers if rank in h)
+        if rank != mates[0]:  # to the host's first trainer, which pushes for the host
+            group.exchange([(grad, mates[0], LOCAL_TAG)], [])
+            return {}
+        total = grad
+        if len(mates) > 1:
+            received = [buffer(f"mate{i}", n) for i in range(len(mates) - 1)]
+            group.exchange([], [(b, m, LOCAL_TAG) for b, m in zip(received, mates[1:])])
+            total = buffer("host", n)
+            total.copy_(grad)
+            for b in received:  # in rank order: the same sum whoever is alive
+                total.add_(b)
+        group.exchange([(total[slice(*owned(n, layout.shards, s))], p, PUSH_TAG) for s, p in enumerate(primaries)],
+                       [])
         return {}
     lo, hi = owned(n, layout.shards, shard)
     standby = layout.holders[layout.shards + shard] if layout.copies == 2 else None
     if layout.is_primary(rank):
-        pushed = [buffer(f"push{i}", hi - lo) for i in range(len(trainers))]
-        group.exchange([], [(b, t, PUSH_TAG) for b, t in zip(pushed, trainers)])
+        leaders = [h[0] for h in pushers]
+        pushed = [buffer(f"push{i}", hi - lo) for i in range(len(leaders))]
+        group.exchange([], [(b, t, PUSH_TAG) for b, t in zip(pushed, leaders)])
         total = buffer("sum", hi - lo)
         total.copy_(pushed[0])
-        for b in pushed[1:]:  # in trainer order: the same bits on the standby, which takes this sum
+        for b in pushed[1:]:  # in the hosts' order: the same bits on the standby, which takes this sum
             total.add_(b)
         if standby is not None:
             group.exchange([(total, standby, FORWARD_TAG)], [])
@@ -148,18 +177,25 @@ def exchange(group, layout: Layout, n: int, grad: torch.Tensor, buffer) -> Dict[
     return {(lo, hi): total}
 
 
-def pull(group, layout: Layout, n: int, params: torch.Tensor) -> None:
-    """Each primary sends its shard of ``params`` to every member that does not hold it, in place."""
+def pull(group, layout: Layout, n: int, params: torch.Tensor, tags: Sequence[int]) -> None:
+    """Each primary's shard of ``params`` to every member that does not hold it, in place: directly on its
+    own host; on another host once, to the first such member there, which passes it on to the rest."""
     rank = group.rank
-    sends, recvs = [], []
+    sends, recvs, relay_sends, relay_recvs = [], [], [], []
     for s, p in enumerate(layout.holders[:layout.shards]):
         lo, hi = owned(n, layout.shards, s)
         holding = {h for i, h in enumerate(layout.holders) if i % layout.shards == s}
-        if p == rank:
-            sends += [(params[lo:hi], r, PULL_TAG) for r in range(layout.world) if r not in holding]
-        elif rank not in holding:
-            recvs.append((params[lo:hi], p, PULL_TAG))
+        for mates in hosts([r for r in range(layout.world) if r not in holding], tags):
+            first, rest = (mates, []) if tags[mates[0]] == tags[p] else (mates[:1], mates[1:])
+            if p == rank:
+                sends += [(params[lo:hi], r, PULL_TAG + s) for r in first]
+            elif rank in first:
+                recvs.append((params[lo:hi], p, PULL_TAG + s))
+                relay_sends += [(params[lo:hi], r, RELAY_TAG + s) for r in rest]
+            elif rank in rest:
+                relay_recvs.append((params[lo:hi], first[0], RELAY_TAG + s))
     group.exchange(sends, recvs)
+    group.exchange(relay_sends, relay_recvs)
 
 
 def describe(layout: Layout, members: Sequence[int]) -> Dict[str, List[int]]:

@@ -150,15 +150,17 @@ class ShardedState(Redistribution):
 
     def __init__(self, engine: Any, spec: OptimizerSpec, stage: str, replicas: int,
                  serve: Optional[Tuple[int, int, int]] = None):
+        what, instead = ("topology=parameter_server", "topology=ring") if serve else (f"trainer.shard={stage}",
+                                                                                     "trainer.shard=none")
         if not isinstance(spec, (SGD, Adam)):
-            raise ElasticFlowError(f"trainer.shard={stage} has no sharded update for {type(spec).__name__}",
-                                   "use SGD, Adam or AdamW, or pass trainer.shard=none")
+            raise ElasticFlowError(f"{what} has no sharded update for {type(spec).__name__}",
+                                   f"use SGD, Adam or AdamW, or pass {instead}")
         self.engine, self.stage, self.replicas = engine, stage, int(replicas)
         engine.release_optimizer()  # its own slots would be whole-model sized
         self.params = engine.flat_params()
         if self.params.is_cuda:
-            raise ElasticFlowError(f"trainer.shard={stage} keeps the optimizer's slices in host memory and "
-                                   "cannot update GPU parameters yet", "pass trainer.shard=none on GPUs")
+            raise ElasticFlowError(f"{what} keeps the optimizer's slices in host memory and cannot update GPU "
+                                   "parameters yet", f"pass {instead} on GPUs")
         self.n = int(self.params.numel())
         self.update_fn = FlatUpdate(spec, engine.flat_runs())
         self.slot_names = self.update_fn.slots
@@ -303,7 +305,7 @@ class ShardedState(Redistribution):
         member updated all of it); the same on every member, as it depends on the layout only.
         """
         if self.serves():
-            servers.pull(group, self.layout, self.n, self.params)
+            servers.pull(group, self.layout, self.n, self.params, self.tags)
             self._written()
         elif self.gathers():
             group.allgather_flat(self.params, chunk(self.n, self.world))
@@ -319,7 +321,7 @@ class ShardedState(Redistribution):
         """Parameter servers: this step's push and forward (``servers.exchange``); a holder's sums land in
         ``reduced``, which a holder behind uses to roll forward by itself (``table_row``'s last column)."""
         self.reduced = {}
-        self.reduced = servers.exchange(group, self.layout, self.n, grad, self._buffer)
+        self.reduced = servers.exchange(group, self.layout, self.n, grad, self._buffer, self.tags)
 
     def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
         lo, hi = owned(self.n, self.world, r)

@@ -54,10 +54,10 @@ class Redistribution:
         if roll is not None:
             self._roll_forward(group, table, roll)
             table[roll.takers, 0] = roll.target
-        layout = None
+        layout, tags = None, []
         if target_members is None:
             if self.serve is not None:
-                layout = self._deal(group)
+                layout, tags = self._deal(group)
                 want = {r: layout.needed(self.n, r) for r in range(group.world)}
             else:
                 want = {r: needed(self.n, group.world, r, self.replicas) for r in range(group.world)}
@@ -70,9 +70,9 @@ class Redistribution:
             pairs, new_world = target_members
             want = {old: needed(self.n, new_world, new, self.replicas) for old, new in pairs}
         plan = plan_moves(table, want)
-        if layout is not None:
-            self.layout = layout  # the fallback after a loss (keep_local) takes its ranges by it
         if plan.lost:
+            if layout is not None:  # the fallback (keep_local) takes its ranges from the checkpoint by it
+                self.layout, self.tags = layout, tags
             return plan
         mine = want.get(group.rank, [])
         new: Dict[Range, Dict[str, torch.Tensor]] = {r: self._fresh(*r) for r in mine}
@@ -93,10 +93,12 @@ class Redistribution:
         group.exchange(sends, recvs)
         if target_members is None:
             self._adopt(new, group.rank, group.world, plan.target)
+            if layout is not None:  # only now: the roles a member claims at the next deal are what it holds
+                self.layout, self.tags = layout, tags
             # Every member's parameters are right where it holds ranges; where those cover the whole vector
             # for every member (W = 2 with buddies), nothing is left to gather.
             if self.serves():
-                servers.pull(group, self.layout, self.n, self.params)
+                servers.pull(group, self.layout, self.n, self.params, self.tags)
             elif not all(covers(r, self.n) for r in want.values()):
                 group.allgather_flat(self.params, chunk(self.n, self.world))
             self._written()
@@ -108,14 +110,14 @@ class Redistribution:
     def _role(self, rank: int) -> Tuple[int, int]:
         return self.layout.role(rank) if self.layout is not None else (-1, -1)
 
-    def _deal(self, group: Any) -> "servers.Layout":
-        """This generation's parameter-server roles: every member says its previous role and its group tag
-        (one small allreduce), and each deals the same roles from them (``servers.deal``)."""
+    def _deal(self, group: Any) -> Tuple["servers.Layout", List[int]]:
+        """This generation's parameter-server roles and every member's group tag: each says its previous
+        role and its tag (one small allreduce), and each deals the same roles from them (``servers.deal``)."""
         rows = torch.zeros((group.world, 3), dtype=torch.int64)
         rows[group.rank] = torch.tensor([*self._role(self.rank), self.serve[2]], dtype=torch.int64)
         group.allreduce_(rows)
-        self.tags = [int(t) for _, _, t in rows.tolist()]
-        return servers.deal([(int(a), int(b)) for a, b, _ in rows.tolist()], self.tags, *self.serve[:2])
+        tags = [int(t) for _, _, t in rows.tolist()]
+        return servers.deal([(int(a), int(b)) for a, b, _ in rows.tolist()], tags, *self.serve[:2]), tags
 
     def _roll_forward(self, group: Any, table: np.ndarray, roll: Roll) -> None:
         """The takers apply the giver's kept step to the ranges they hold (the giver sends its reduced

@@ -71,8 +71,8 @@ class TopologyConfig:
     # workers of one host per group, by their local slot (e.g. 4: two groups on a host of 8 GPUs in two
     # NVLink islands, or one per CPU socket); null = the whole host
     group_size: Optional[int] = None
-    aggregators: int = 1           # parameter_server: aggregator processes, each holding a shard
-    replica: int = 1               # parameter_server: copies of each aggregator, 1 or 2 (a role's replica wins)
+    aggregators: int = 1           # parameter_server: shards of the parameters, each held by `replica` aggregators
+    replica: int = 1               # parameter_server: aggregators per shard, 1 or 2 (a standby; a role's replica wins)
     sync_every: int = 16           # local_sgd, diloco: optimizer steps between synchronisations
     # local_sgd, diloco: model replicas, each training on its part of every global batch; fixed for the run
     # (not the number of workers: a worker trains several, or waits when there are more workers than replicas)
@@ -394,8 +394,8 @@ NUMBERS = {
     "replicas": (_count(MAX_WORKERS), "a positive integer",
                  "pass e.g. topology.replicas=4 (model replicas; each trains on its part of every global batch)"),
     "aggregators": (_count(MAX_WORKERS), "a positive integer",
-                    "pass e.g. topology.aggregators=2 (aggregator processes, each holding a shard)"),
-    "replica": (_count(MAX_REPLICA), "1 or 2", "pass topology.replica=2 for a standby copy of each aggregator, else 1"),
+                    "pass e.g. topology.aggregators=2 (shards, each held by topology.replica aggregators)"),
+    "replica": (_count(MAX_REPLICA), "1 or 2", "pass topology.replica=2 for a standby of each shard, else 1"),
     "outer_lr": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0", "pass e.g. topology.outer_lr=0.7"),
     "outer_momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)",
                        "pass e.g. topology.outer_momentum=0.9 (0: none; 1 or more never forgets an update)"),

@@ -15,7 +15,11 @@ logged and again at the last step, divided by the steps between; step time from 
 stays on its loopback). The topologies alternate which goes first in each repeat; figures are medians.
 
 What to expect: the flat ring sends 2 (W - 1) / W = 1.5 gradients each way across per step; the
-hierarchical sum sends the leaders' allreduce, 2 (H - 1) / H = 1 gradient each way. Needs root.
+hierarchical sum sends the leaders' allreduce, 2 (H - 1) / H = 1 gradient each way. parameter_server runs 3
+processes per host (2 trainers and an aggregator holding one of 2 shards): a host's trainers sum onto one,
+which pushes the other host's shard across once, and that shard's parameters come back once, so 1 gradient
+crosses each way, as for hierarchical. ps_standby adds topology.replica=2 (4 processes per host): each
+primary's sum also goes to its standby on the other host, half a gradient more each way. Needs root.
 
     .venv/bin/python scripts/bench_topology.py --diloco        # DiLoCo (H=16) against the ring
 
@@ -58,6 +62,13 @@ def records(run: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
 
 
+# name: (topology, processes per host, overrides). parameter_server: 2 trainers and an aggregator per host (two
+# shards, one per host): the same 4 trainers as the others, the aggregators beside them. ps_standby: the same
+# with topology.replica=2, 2 aggregators per host (each host has one shard's primary and the other's standby).
+SETUPS = {"parameter_server": ("parameter_server", 3, ("topology.aggregators=2",)),
+          "ps_standby": ("parameter_server", 4, ("topology.aggregators=2", "topology.replica=2"))}
+
+
 def one_job(topology: str, steps: int, skip: int, rate: str, side: int, extra: tuple = ()) -> dict:
     net = Hosts(2)
     run = Path(tempfile.mkdtemp(prefix=f"bench-topology-{topology}-"))
@@ -65,8 +76,10 @@ def one_job(topology: str, steps: int, skip: int, rate: str, side: int, extra: t
         for h in ("h1", "h2"):
             net.rate(h, rate)
         endpoint = f"{net.addr('h1')}:29400"
-        overrides = ["launcher=nodes", f"launcher.endpoint={endpoint}", "launcher.procs_per_node=2",
-                     "launcher.nodes=2", f"topology={topology}", f"trainer.max_steps={steps}",
+        kind, procs_per_node, more = SETUPS.get(topology, (topology, 2, ()))
+        extra = (*more, *extra)
+        overrides = ["launcher=nodes", f"launcher.endpoint={endpoint}", f"launcher.procs_per_node={procs_per_node}",
+                     "launcher.nodes=2", f"topology={kind}", f"trainer.max_steps={steps}",
                      "trainer.global_batch_size=64", "trainer.log_every=1", "optimizer.lr=0.01",
                      "checkpoint.interval.steps=null", "elastic.timeout_s=120", "elastic.heartbeat_timeout_s=60",
                      "trainer.tensorboard=false", *extra]
@@ -87,7 +100,7 @@ def one_job(topology: str, steps: int, skip: int, rate: str, side: int, extra: t
             raise RuntimeError(f"{topology}: the job failed or stalled (exit codes "
                                f"{[p.returncode for p in procs]}):\n{outs[0][-3000:]}\n{outs[1][-2000:]}")
         (b0, t0, w0), (b1, t1, w1) = marks[skip], marks[steps]
-        assert w0 == w1 == 4, (w0, w1)
+        assert w0 == w1 == 2 * procs_per_node, (w0, w1)
         n = steps - skip
         losses = [r["loss"] for r in records(run)][-16:]
         return {"topology": topology, "bytes_per_step": (b1 - b0) / n, "step_s": (t1 - t0) / n,
@@ -103,7 +116,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="steps left out at the start (group building, warm-up)")
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--side", type=int, default=3200, help="the weight's side: side^2 float32 parameters")
-    ap.add_argument("--topologies", default="ring,hierarchical")
+    ap.add_argument("--topologies", default="ring,hierarchical,parameter_server,ps_standby")
     ap.add_argument("--diloco", action="store_true", help="DiLoCo (sync_every 16) against the ring, 48 steps")
     args = ap.parse_args()
     if os.geteuid() != 0:

@@ -23,7 +23,8 @@ workers.json shows the next generation: during a recovery, a joiner's state tran
   scale_pair   scale to 2 more at once: the second join arrives while the first one's generation forms
   restore      scale back to min_workers..max_workers when fewer than min_workers are left
 The job is kept alive: a kill or a long stop never takes the last live worker that holds the training
-state (a member of a generation that committed a step).
+state (a member of a generation that committed a step), nor, with parameter_server, the last live holder of
+a shard (topology.replica=2 keeps a standby for one loss at a time).
 
 Checks: the job exits 0; its final parameters equal an uninterrupted 1-worker run's (per tensor
 ||got - want|| / ||want|| <= 1e-5; with --topology diloco, <= 3x what rounding alone does to the 1-worker run,
@@ -114,8 +115,10 @@ class Soak:
         # hierarchical on one host: groups of 2 local slots (topology.group_size), so that the soak's 2-4
         # workers form 1-2 groups, and kills hit leaders and plain members alike
         # diloco: 4 replicas over the soak's 2-4 workers (a worker trains one or two, or waits), rounds of 4 steps
+        # parameter_server: one shard with a standby: 2 aggregators and 1-2 trainers (2 workers: no standby)
         self.topology = [f"topology={topology}"] + {"hierarchical": ["topology.group_size=2"],
-                                                    "diloco": ["topology.replicas=4", "topology.sync_every=4"]
+                                                    "diloco": ["topology.replicas=4", "topology.sync_every=4"],
+                                                    "parameter_server": ["topology.replica=2"],
                                                     }.get(topology, [])
         self.min_events = min_events
         # With a floor of events the faults may go on for up to twice the duration: the job must outlast them.
@@ -172,6 +175,21 @@ class Soak:
         committed = {r.get("generation") for r in steps_logged(self.run)[-200:]}
         return {wid for g in committed for wid in published.get(g, [])}
 
+    def sole_holders(self, alive: List[dict]) -> set:
+        """parameter_server: the aggregators left alone holding their shard (the newest roles event, less the
+        workers the soak took): a kill would lose the shard and send the job back to a checkpoint, which
+        replica 2 promises for one loss at a time, not two."""
+        roles = [e for e in jsonl(self.run / "events.jsonl") if e["event"] == "roles"]
+        if not roles:
+            return set()
+        r, ids = roles[-1], {w["worker_id"] for w in alive}
+        sole = set()
+        for i, p in enumerate(r["primaries"]):
+            live = [w for w in [p] + r["standbys"][i:i + 1] if w in ids]
+            if len(live) == 1:
+                sole |= set(live)
+        return sole
+
     def signal(self, pid: int, sig: int) -> bool:
         if start_time(pid) != self.seen.get(pid):
             return False  # gone (and maybe its pid reused): never signal a stranger
@@ -187,7 +205,8 @@ class Soak:
         staying = [w for w in alive if w["role"] != "retiring"]
         holders = {w["worker_id"] for w in alive if w["role"] in ("members", "waiting")} & self.veterans()
         # A kill or a long stop must leave a state holder alive, or the job would restart from scratch.
-        killable = [w for w in alive if holders - {w["worker_id"]}]
+        sole = self.sole_holders(alive)
+        killable = [w for w in alive if holders - {w["worker_id"]} and w["worker_id"] not in sole]
         members = [w for w in alive if w["role"] == "members" and w["pid"] not in self.stopped]
         if len([w for w in alive if w["role"] == "members"]) < MIN_W:
             # Below min_workers the agent stops the job after elastic.wait_s: the joiners that restore it are spared.
@@ -232,7 +251,7 @@ class Soak:
         for w in self.alive(snap, roles=("retiring",)):
             if w["pid"] not in self.retirees | set(self.stopped):
                 self.retirees.add(w["pid"])
-                if self.rng.random() < 0.5:
+                if self.rng.random() < 0.5 and w["worker_id"] not in self.sole_holders(self.alive(snap)):
                     self.stop(w, "stop_retiring", True)
 
     def restore(self, snap: dict) -> None:
@@ -496,6 +515,13 @@ def check(soak: Soak, reference: Path, out: Optional[str], rounding: float = 0.0
               f"(by number of groups: {dict(sorted(leaders.items()))})")
         if not leaders:
             problems.append("topology=hierarchical, yet no generation formed groups")
+    if "topology=parameter_server" in soak.topology:
+        roles = [e for e in events if e["event"] == "roles"]
+        took_over = sum(1 for a, b in zip(roles, roles[1:]) if b["primaries"] != a["primaries"])
+        print(f"roles: {len(roles)} generations dealt, the primary changed {took_over} time(s), "
+              f"{sum(e['moved'] for e in roles)} elements of shard moved")
+        if [e for e in events if e["event"] == "fell_back"]:
+            problems.append("a shard was lost: the job fell back to a checkpoint")
     return problems
 
 
@@ -505,9 +531,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="replays the same choices (default 1)")
     ap.add_argument("--step-sleep", type=float, default=0.1, help="seconds per forward while the soak runs")
     ap.add_argument("--keep", type=Path, help="keep the run directories here (must not exist)")
-    ap.add_argument("--topology", default="ring", choices=["ring", "hierarchical", "diloco"],
+    ap.add_argument("--topology", default="ring", choices=["ring", "hierarchical", "diloco", "parameter_server"],
                     help="the job's topology (hierarchical: groups of 2 workers, topology.group_size=2; diloco: 4 "
-                         "replicas, rounds of 4 steps)")
+                         "replicas, rounds of 4 steps; parameter_server: one shard, topology.replica=2)")
     ap.add_argument("--min-events", type=int, default=0,
                     help="go on past --duration until this many events fired (at most 2x the duration)")
     args = ap.parse_args()

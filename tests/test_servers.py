@@ -135,3 +135,44 @@ def assert_same_state(run, reference) -> None:
     for name in want:
         if not name.startswith("rng/"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------------- models with buffers, both backends, scaling
+@pytest.mark.parametrize("kind", ["torch_bn", "keras_bn"])
+def test_batchnorm_and_dropout_models_with_a_trainer_killed_equal_one_worker(tmp_path, kind):
+    """BatchNorm statistics (the aggregators' are reconciled with contributions of nothing) and dropout masks
+    (drawn per micro-batch), on torch and on TensorFlow, whose variables take the pulled parameters back."""
+    import test_exact
+
+    ref, run, dumps = tmp_path / "ref", tmp_path / "run", tmp_path / "dumps"
+    dumps.mkdir()
+    test_exact.train_ok(ref, kind)
+    test_exact.train_ok(run, kind, *PS, "launcher.workers=4", "topology.replica=2",
+                        env={"EF_PROBE_KILL": "1:23:reduction", "EF_PROBE_DUMP": str(dumps)})
+    test_exact.assert_same_model(run, ref)
+    test_exact.assert_replicas_hold_the_checkpoint(run, dumps, kind)  # trainers and aggregators alike
+    assert len(list(dumps.glob("*.npz"))) == 3  # the two aggregators and the trainer left
+
+
+def test_a_scale_down_that_retires_the_primary_hands_its_shard_over_first(tmp_path, reference):
+    from test_scale import scale
+
+    run, pace = tmp_path / "run", tmp_path / "pace"
+    pace.touch()  # slow steps while the job scales; lifted once it runs with three
+    proc = start(run, *PS, "launcher.workers=4", "launcher.max_workers=5", "topology.replica=2", "optimizer=adam",
+                 "optimizer.lr=0.01", env={"EF_PROBE_SLEEP": "0.3", "EF_PROBE_PACE": str(pace)})
+    wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
+    assert "reached" in scale(run, 5).stdout  # the joiner becomes a trainer: every role is filled
+    wait_for(lambda: len(roles(run)) >= 2, 60, "the roles of five")
+    assert "reached" in scale(run, 3).stdout  # retires the two newest: the joiner and worker 3, the primary
+    wait_for(lambda: any(r.get("world_size") == 3 for r in metrics(run) if "loss" in r), 60, "a step with three")
+    pace.unlink()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert_equivalent(run, reference)
+    dealt = roles(run)
+    assert dealt[0]["primaries"] == [3] and dealt[0]["standbys"] == [2], dealt
+    assert len(dealt[1]["trainers"]) == 3 and dealt[1]["primaries"] == [3], dealt  # the joiner trains
+    assert dealt[-1]["primaries"] == [2] and dealt[-1]["standbys"] == [1] and dealt[-1]["trainers"] == [0], dealt
+    assert not [e for e in events(run) if e["event"] == "fell_back"]
+    assert "handed over" in out or any("handed over" in p.read_text() for p in (run / "logs").glob("*.log"))
