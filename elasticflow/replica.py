@@ -358,6 +358,8 @@ class Replica(Buckets):
         plan = self.shards.redistribute(m.group, samples_seen)
         self.lost = plan.lost
         self.shard_moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
+        if self.shards.serve is not None:
+            m.report_role("aggregator" if self.shards.layout.shard_of(self.rank) is not None else "trainer")
         if self.shards.serves() and self.rank == 0 and m.events is not None:  # who holds what: tests read it
             from .fileio import append_event
             from .servers import describe

@@ -99,11 +99,12 @@ def deal(roles: Sequence[Tuple[int, int]], tags: Sequence[int], shards: int, cop
         shards = min(shards, world - 1)
     keep = {}  # (shard, copy) -> member
     for r, (s, c) in enumerate(roles):
-        if 0 <= s < shards and 0 <= c < copies:
+        if 0 <= s < shards and c in (0, 1):
             keep[(s, c)] = r
     for s in range(shards):  # a standby whose primary died holds the shard already: it becomes the primary
         if (s, 0) not in keep and (s, 1) in keep:
             keep[(s, 0)] = keep.pop((s, 1))
+    keep = {k: r for k, r in keep.items() if k[1] < copies}
     taken = set(keep.values())
     on_tag: Dict[int, int] = {}
     for r in taken:
@@ -122,6 +123,17 @@ def deal(roles: Sequence[Tuple[int, int]], tags: Sequence[int], shards: int, cop
                 on_tag[tags[r]] = on_tag.get(tags[r], 0) + 1
             holders.append(keep[(s, c)])
     return Layout(world, tuple(holders), shards, copies)
+
+
+def handoff(layout: Optional[Layout], tags: Sequence[int], pairs: Sequence[Tuple[int, int]], n: int, shards: int,
+            copies: int) -> Dict[int, List[Range]]:
+    """At a scale-down, before members retire: the ranges each staying member (its current rank) must hold so
+    that every shard is kept by one of them, from a deal over the staying members alone (the joiners, if any,
+    are dealt in next generation). ``pairs``: (current rank, next rank) of each member that stays."""
+    staying = [old for old, _ in sorted(pairs, key=lambda p: p[1])]
+    sub = deal([layout.role(old) if layout is not None else (-1, -1) for old in staying],
+               [tags[old] if old < len(tags) else 0 for old in staying], shards, copies)
+    return {old: sub.needed(n, i) for i, old in enumerate(staying)}
 
 
 def hosts(ranks: Sequence[int], tags: Sequence[int]) -> List[List[int]]:

@@ -62,10 +62,7 @@ class Redistribution:
             else:
                 want = {r: needed(self.n, group.world, r, self.replicas) for r in range(group.world)}
         elif self.serve is not None:  # the staying members' roles: every shard kept by one of them
-            staying = [old for old, _ in sorted(target_members[0], key=lambda p: p[1])]
-            sub = servers.deal([self._role(old) for old in staying],
-                               [self.tags[old] if old < len(self.tags) else 0 for old in staying], *self.serve[:2])
-            want = {old: sub.needed(self.n, i) for i, old in enumerate(staying)}
+            want = servers.handoff(self.layout, self.tags, target_members[0], self.n, *self.serve[:2])
         else:
             pairs, new_world = target_members
             want = {old: needed(self.n, new_world, new, self.replicas) for old, new in pairs}

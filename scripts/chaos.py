@@ -175,6 +175,14 @@ class Soak:
         committed = {r.get("generation") for r in steps_logged(self.run)[-200:]}
         return {wid for g in committed for wid in published.get(g, [])}
 
+    def server_role(self, worker_id: int) -> Dict[str, str]:
+        """parameter_server: the worker's role in the newest roles event, as a note's field (else nothing)."""
+        roles = [e for e in jsonl(self.run / "events.jsonl") if e["event"] == "roles"]
+        if "topology=parameter_server" not in self.topology or not roles:
+            return {}
+        r = roles[-1]
+        return {"as": next((k[:-1] for k in ("primaries", "standbys", "trainers") if worker_id in r[k]), "new")}
+
     def sole_holders(self, alive: List[dict]) -> set:
         """parameter_server: the aggregators left alone holding their shard (the newest roles event, less the
         workers the soak took): a kill would lose the shard and send the job back to a checkpoint, which
@@ -226,7 +234,8 @@ class Soak:
             w = self.rng.choice(killable)
             if self.signal(w["pid"], signal.SIGKILL):
                 self.killed.add(w["pid"])
-                self.note(kind, chained, worker=w["worker_id"], pid=w["pid"], role=w["role"], state=w["state"])
+                self.note(kind, chained, worker=w["worker_id"], pid=w["pid"], role=w["role"], state=w["state"],
+                          **self.server_role(w["worker_id"]))
         elif kind.startswith("stop"):
             pool = {"stop_short": members, "stop_long": [w for w in members + idle if w in killable],
                     "stop_joiner": starting}[kind]
@@ -518,8 +527,9 @@ def check(soak: Soak, reference: Path, out: Optional[str], rounding: float = 0.0
     if "topology=parameter_server" in soak.topology:
         roles = [e for e in events if e["event"] == "roles"]
         took_over = sum(1 for a, b in zip(roles, roles[1:]) if b["primaries"] != a["primaries"])
+        killed = Counter(e.get("as") for e in soak.log if e["kind"] == "kill")
         print(f"roles: {len(roles)} generations dealt, the primary changed {took_over} time(s), "
-              f"{sum(e['moved'] for e in roles)} elements of shard moved")
+              f"{sum(e['moved'] for e in roles)} elements of shard moved; kills by role: {dict(killed)}")
         if [e for e in events if e["event"] == "fell_back"]:
             problems.append("a shard was lost: the job fell back to a checkpoint")
     return problems

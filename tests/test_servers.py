@@ -13,7 +13,7 @@ import elasticflow.checkpoint as ckpt
 from conftest import metrics
 from elasticflow.config import compose, validate
 from elasticflow.errors import ElasticFlowError
-from elasticflow.servers import Layout, deal
+from elasticflow.servers import Layout, deal, handoff
 from test_elastic import assert_equivalent, events, finish, logged_step, start, train_ok, wait_for
 
 PS = ["topology=parameter_server", "checkpoint.interval.steps=10"]
@@ -36,6 +36,19 @@ def test_roles_stick_and_a_standby_takes_over_its_dead_primary():
     # Rank 4 (the primary) died: the survivors keep their ranks.
     after = deal([first.role(r) for r in range(4)], [1, 1, 1, 2], 1, 2)
     assert after.holders == (2, 3)  # the standby holds the shard: it is the primary, and host 2 gets the standby
+    # Down to two members (no room for a standby): the surviving standby still becomes the primary.
+    assert deal([(0, 1), T], [1, 1], 1, 2).holders == (0,)
+
+
+def test_a_retiring_primary_hands_its_shard_to_a_staying_member():
+    before = deal([T] * 4, [1, 1, 2, 2], shards=1, copies=2)
+    assert before.holders == (3, 1)
+    # Ranks 1 and 3 (both copies) retire; 0 and 2 stay: one of them must take the shard before they go.
+    want = handoff(before, [1, 1, 2, 2], [(0, 0), (2, 1)], 100, 1, 2)
+    assert want == {0: [], 2: [(0, 100)]}
+    # The standby retires alone: the primary keeps its shard, and the new standby, on the host left without an
+    # aggregator (rank 0's: spreading over hosts comes before sparing rank 0), takes a copy first.
+    assert handoff(before, [1, 1, 2, 2], [(0, 0), (2, 1), (3, 2)], 100, 1, 2) == {0: [(0, 100)], 2: [], 3: [(0, 100)]}
 
 
 def test_too_few_members_drop_the_standbys_then_shards_and_one_worker_holds_everything():
@@ -154,7 +167,7 @@ def test_batchnorm_and_dropout_models_with_a_trainer_killed_equal_one_worker(tmp
     assert len(list(dumps.glob("*.npz"))) == 3  # the two aggregators and the trainer left
 
 
-def test_a_scale_down_that_retires_the_primary_hands_its_shard_over_first(tmp_path, reference):
+def test_a_scale_up_adds_trainers_and_a_scale_down_retires_trainers_before_aggregators(tmp_path, reference):
     from test_scale import scale
 
     run, pace = tmp_path / "run", tmp_path / "pace"
@@ -164,7 +177,9 @@ def test_a_scale_down_that_retires_the_primary_hands_its_shard_over_first(tmp_pa
     wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
     assert "reached" in scale(run, 5).stdout  # the joiner becomes a trainer: every role is filled
     wait_for(lambda: len(roles(run)) >= 2, 60, "the roles of five")
-    assert "reached" in scale(run, 3).stdout  # retires the two newest: the joiner and worker 3, the primary
+    # The two last-joined are worker 4 (the joiner) and worker 3, the primary: the agent retires trainers first
+    # (each worker publishes its role), so workers 4 and 1 go and no shard has to move.
+    assert "reached" in scale(run, 3).stdout
     wait_for(lambda: any(r.get("world_size") == 3 for r in metrics(run) if "loss" in r), 60, "a step with three")
     pace.unlink()
     out = finish(proc)
@@ -172,7 +187,8 @@ def test_a_scale_down_that_retires_the_primary_hands_its_shard_over_first(tmp_pa
     assert_equivalent(run, reference)
     dealt = roles(run)
     assert dealt[0]["primaries"] == [3] and dealt[0]["standbys"] == [2], dealt
-    assert len(dealt[1]["trainers"]) == 3 and dealt[1]["primaries"] == [3], dealt  # the joiner trains
-    assert dealt[-1]["primaries"] == [2] and dealt[-1]["standbys"] == [1] and dealt[-1]["trainers"] == [0], dealt
+    assert dealt[1]["trainers"] == [0, 1, 4] and dealt[1]["primaries"] == [3], dealt
+    last = dealt[-1]
+    assert (last["primaries"], last["standbys"], last["trainers"], last["moved"]) == ([3], [2], [0], 0), dealt
+    assert sorted(e["worker"] for e in events(run) if e["event"] == "retired") == [1, 4]
     assert not [e for e in events(run) if e["event"] == "fell_back"]
-    assert "handed over" in out or any("handed over" in p.read_text() for p in (run / "logs").glob("*.log"))

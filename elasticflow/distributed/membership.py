@@ -223,6 +223,14 @@ class Membership:
         except Exception:
             pass  # only `status` reads it; a store that stopped answering is the next rebuild's to report
 
+    def report_role(self, role: str) -> None:
+        """Publish this worker's role (``protocol.role_key``): a scale-down retires trainers before aggregators,
+        whose shards would otherwise have to move first (``scaling.rescale``)."""
+        try:
+            self.store.set(protocol.role_key(self.worker_id), role)
+        except Exception:
+            pass  # a hint only: the retirement order is the next rebuild's to get right
+
     def report_failure(self, generation: Optional[int] = None) -> None:
         """Tell the agent that building ``generation``'s group, or a collective of the current one, failed."""
         g = self.generation if generation is None else generation

@@ -79,6 +79,11 @@ def device_key(worker_id: int) -> str:
     return f"worker/{worker_id}/device"
 
 
+def role_key(worker_id: int) -> str:
+    """topology=parameter_server: "aggregator" or "trainer", for the agent to retire trainers first."""
+    return f"worker/{worker_id}/role"
+
+
 def memory_key(worker_id: int) -> str:
     return f"worker/{worker_id}/memory"
 

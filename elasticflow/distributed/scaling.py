@@ -84,11 +84,23 @@ def rescale(agent, req: dict) -> dict:
             agent.admitted.pop().signal(signal.SIGKILL)
             surplus -= 1
         if surplus:
-            # The last-joined members leave; the rest keep their relative order.
-            leaving, agent.members = agent.members[-surplus:], agent.members[:-surplus]
+            # The last-joined members leave, trainers before aggregators (parameter servers: an aggregator's
+            # shard would have to move first); the rest keep their relative order.
+            order = sorted(agent.members[::-1], key=lambda w: _aggregator(agent.store, w.id))
+            leaving = order[:surplus]
+            agent.members = [w for w in agent.members if w not in leaving]
             for w in leaving:
                 w.state = "retiring"
             agent.retiring += leaving
             agent.dirty = True
     agent.write_workers_json()
     return {"ok": True, "workers": target}
+
+
+def _aggregator(store, worker_id: int) -> bool:
+    """Whether the worker said it is a parameter server's aggregator (``Membership.report_role``)."""
+    key = protocol.role_key(worker_id)
+    try:
+        return store.check([key]) and store.get(key) == b"aggregator"  # check first: get() waits for a missing key
+    except Exception:
+        return False
