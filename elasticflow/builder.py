@@ -61,8 +61,8 @@ def build(cfg: Any, t: Any, model_file: Optional[modelfile.ModelFile]) -> Parts:
     seed = _context.seed = int(cfg.seed)
     rules = engine.buffer_rules()
     shards = None
-    topo = topology.validate(cfg.topology)
-    kind = topo.kind
+    checked = topology.validate(cfg.topology)
+    kind = checked.kind
     if t.shard != "none":  # ZeRO stage 1/2: this worker keeps only its ranges of the optimizer state
         from .shard import ShardedState
 
@@ -72,8 +72,8 @@ def build(cfg: Any, t: Any, model_file: Optional[modelfile.ModelFile]) -> Parts:
         from .shard import ShardedState
 
         slot = os.environ.get(protocol.ENV_LOCAL_SLOT)
-        tag = topo.group_of(socket.gethostname(), os.environ.get("SLURMD_NODENAME"), int(slot) if slot else None)
-        copies = next(r.replica for r in topo.roles if not r.data_consumer)  # the aggregator role's replica
+        tag = checked.group_of(socket.gethostname(), os.environ.get("SLURMD_NODENAME"), int(slot) if slot else None)
+        copies = next(r.replica for r in checked.roles if not r.data_consumer)  # the aggregator role's replica
         shards = ShardedState(engine, built.optimizer, "gradients", 0,
                               serve=(int(cfg.topology.aggregators), copies, tag_hash(tag)))
     outer = None

@@ -23,6 +23,10 @@ reduce-scatter, and the redistribution of the ranges at every membership change 
 retiring member hands its ranges over first; members one step behind first roll forward with the step a
 member ahead kept, ``shard.ShardedState.keep_step``). When a range has no holder left, ``lost`` says
 which and the trainer falls back to the newest checkpoint.
+
+With ``topology=parameter_server`` the sharded state is the aggregators' shards (``servers.py``): the step's
+gradient is pushed to them before the votes' sum, the trainers alone consume data (``data_rank``), and each
+member publishes its role so that a scale-down retires trainers first.
 """
 from __future__ import annotations
 

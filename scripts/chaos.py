@@ -181,7 +181,8 @@ class Soak:
         if "topology=parameter_server" not in self.topology or not roles:
             return {}
         r = roles[-1]
-        return {"as": next((k[:-1] for k in ("primaries", "standbys", "trainers") if worker_id in r[k]), "new")}
+        names = {"primaries": "primary", "standbys": "standby", "trainers": "trainer"}
+        return {"as": next((name for k, name in names.items() if worker_id in r[k]), "new")}
 
     def sole_holders(self, alive: List[dict]) -> set:
         """parameter_server: the aggregators left alone holding their shard (the newest roles event, less the
