@@ -362,3 +362,78 @@ def test_ctrl_c_writes_a_checkpoint_exits_130_and_resumes(tmp_path, write_model)
     assert f"resumed from {newest}" in again.stderr
     assert sorted(step_losses(run)) == list(range(1, last + 3))
     assert len(losses(run)) == last + 2  # no step logged twice
+
+
+# A 200 MB parameter, so that writing the step-4 checkpoint takes far longer than reaching step 5's forward,
+# which raises (a user's bug): the error exit must let the save in flight commit, not kill its writer.
+BIG_THEN_FAIL = '''
+import numpy as np
+import elasticflow
+from elasticflow import ops
+
+
+def model(cfg):
+    return {"big": np.zeros(50_000_000, np.float32), "W": np.zeros((4, 3), np.float32)}
+
+
+def forward(x, y, params):
+    if elasticflow.context().step == 5 and elasticflow.context().rank in RANKS:
+        raise RuntimeError("a bug in forward at step 5")
+    return ops.mse(x @ params["W"], y) + 0.0 * ops.sum(params["big"][:1])
+
+
+def data(cfg):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    return x, (x @ rng.normal(size=(4, 3))).astype(np.float32)
+'''
+
+
+@pytest.mark.parametrize("ranks", ["(0, 1)", "(1,)"])
+def test_an_error_exit_lets_the_checkpoint_in_flight_commit(tmp_path, write_model, ranks):
+    # (0, 1): both fail, each lets its own save finish first. (1,): only rank 1 fails; the agent then SIGTERMs
+    # rank 0 (the one that commits), which lets the save commit before it dies.
+    run = tmp_path / "run"
+    done = train(write_model(BIG_THEN_FAIL.replace("RANKS", ranks)), run, "launcher.workers=2", "trainer.global_batch_size=16", "trainer.max_steps=8",
+                 "checkpoint.interval.steps=4",
+                 "checkpoint.async_save=true", check=False, timeout=300)
+    assert done.returncode != 0 and "a bug in forward at step 5" in done.stderr, done.stderr[-2000:]
+    latest = ckpt.latest(run / "checkpoints")
+    assert latest is not None and latest.name == "step_4", latest  # written in the background as step 5 failed
+    assert ckpt.load(latest)["big"].shape == (50_000_000,)
+
+
+def test_sigterm_lets_the_checkpoint_in_flight_commit_before_the_workers_die(tmp_path, write_model):
+    """SLURM's scancel and Kubernetes' pod deletion send SIGTERM: a worker lets the save it is writing commit,
+    then dies by SIGTERM as before."""
+    import json
+    import os
+
+    from test_elastic import members, wait_for
+
+    run, pids = tmp_path / "run", []
+    proc = subprocess.Popen(ELASTICFLOW + ["train", str(write_model(BIG_THEN_FAIL.replace("RANKS", "()"))),
+                                           f"hydra.run.dir={run}", "trainer.progress=false", "launcher.workers=2",
+                                           "trainer.global_batch_size=16", "trainer.max_steps=400",
+                                           "checkpoint.interval.steps=4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def snapshot_taken():  # the step-4 state is copied; its 200 MB are being written in the background
+            path = run / "events.jsonl"
+            return path.is_file() and '"name": "step_4"' in path.read_text()
+
+        wait_for(snapshot_taken, 120, "the step-4 checkpoint's snapshot")
+        pids = [m["pid"] for m in members(run)]
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        for pid in [proc.pid, *pids]:  # nothing left behind if an assertion above failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    exits = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if '"left"' in line]
+    assert exits and all("SIGTERM" in e["cause"] for e in exits), exits  # each still dies by SIGTERM
+    latest = ckpt.latest(run / "checkpoints")
+    assert latest is not None and latest.name == "step_4", latest

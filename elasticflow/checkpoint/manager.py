@@ -176,5 +176,15 @@ class CheckpointManager:
         """Wait for a save in flight (a failed background write is raised here); its path on rank 0."""
         return self.checkpointer.close()
 
+    def settle(self) -> None:
+        """On an error exit: let a save in flight commit first (a worker leaves by ``os._exit``, which would stop
+        its writer thread mid-file). Bounded by elastic.timeout_s; a failure of the save itself is
+        logged, not raised over the error that ends the run."""
+        try:
+            self.checkpointer.wait(timeout_s=self.checkpointer.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("the checkpoint being written when the run failed did not commit: %s",
+                        getattr(exc, "message", exc) or type(exc).__name__)
+
     def latest(self) -> Optional[Path]:
         return latest(self.job_dir)

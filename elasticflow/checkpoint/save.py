@@ -226,13 +226,19 @@ class Checkpointer:
             return job.final if rank == 0 else None
         return self.wait()
 
-    def wait(self) -> Optional[Path]:
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[Path]:
         """Wait for the save in flight; its path on rank 0 (None if it did not commit).
 
-        Raises ElasticFlowError if its write failed.
+        Raises ElasticFlowError if its write failed; ``TimeoutError`` after ``timeout_s`` (None: no bound).
         """
-        pending, self._pending = self._pending, None
-        return pending.result() if pending is not None else None
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            return pending.result(timeout=timeout_s)
+        finally:  # kept until done: a second waiter (a SIGTERM's, worker.py) waits for the same save
+            if pending.done() and self._pending is pending:
+                self._pending = None
 
     def close(self) -> Optional[Path]:
         """Wait for the save in flight (returns what ``wait`` does), then stop the writer threads."""
