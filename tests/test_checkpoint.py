@@ -412,17 +412,17 @@ def test_sigterm_lets_the_checkpoint_in_flight_commit_before_the_workers_die(tmp
     from test_elastic import members, wait_for
 
     run, pids = tmp_path / "run", []
-    proc = subprocess.Popen(ELASTICFLOW + ["train", str(write_model(BIG_THEN_FAIL.replace("RANKS", "()"))),
+    big = BIG_THEN_FAIL.replace("RANKS", "()").replace("50_000_000", "100_000_000")  # 200 MB a rank to write
+    proc = subprocess.Popen(ELASTICFLOW + ["train", str(write_model(big)),
                                            f"hydra.run.dir={run}", "trainer.progress=false", "launcher.workers=2",
                                            "trainer.global_batch_size=16", "trainer.max_steps=400",
                                            "checkpoint.interval.steps=4"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        def snapshot_taken():  # the step-4 state is copied; its 200 MB are being written in the background
-            path = run / "events.jsonl"
-            return path.is_file() and '"name": "step_4"' in path.read_text()
+        def both_writing():  # each rank copied its half of the step-4 state and is writing it in the background
+            return len(list(run.glob("checkpoints/*/.step_4.tmp*/shard-*.safetensors"))) == 2
 
-        wait_for(snapshot_taken, 120, "the step-4 checkpoint's snapshot")
+        wait_for(both_writing, 120, "both ranks writing the step-4 checkpoint")
         pids = [m["pid"] for m in members(run)]
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
