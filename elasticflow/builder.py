@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -71,8 +70,7 @@ def build(cfg: Any, t: Any, model_file: Optional[modelfile.ModelFile]) -> Parts:
         from .distributed.hierarchy import tag_hash
         from .shard import ShardedState
 
-        slot = os.environ.get(protocol.ENV_LOCAL_SLOT)
-        tag = checked.group_of(socket.gethostname(), os.environ.get("SLURMD_NODENAME"), int(slot) if slot else None)
+        tag = topology.this_workers_group(checked, os.environ.get(protocol.ENV_LOCAL_SLOT))
         copies = next(r.replica for r in checked.roles if not r.data_consumer)  # the aggregator role's replica
         shards = ShardedState(engine, built.optimizer, "gradients", 0,
                               serve=(int(cfg.topology.aggregators), copies, tag_hash(tag)))

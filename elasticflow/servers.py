@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .distributed.hierarchy import groups_by_tag
 from .shard_plan import Range, owned
 
 # Point-to-point tags (share_state's count from 0, comm's sums from 1 << 24); a pull's carry the shard's index.
@@ -136,14 +137,6 @@ def handoff(layout: Optional[Layout], tags: Sequence[int], pairs: Sequence[Tuple
     return {old: sub.needed(n, i) for i, old in enumerate(staying)}
 
 
-def hosts(ranks: Sequence[int], tags: Sequence[int]) -> List[List[int]]:
-    """``ranks`` by group tag (host), in rank order inside, groups in order of their first member."""
-    out: Dict[int, List[int]] = {}
-    for r in ranks:
-        out.setdefault(tags[r], []).append(r)
-    return list(out.values())
-
-
 def exchange(group, layout: Layout, n: int, grad: torch.Tensor, buffer,
              tags: Sequence[int]) -> Dict[Range, torch.Tensor]:
     """A step's push and forward (the module's note): returns this member's sums by range (a holder's
@@ -154,7 +147,7 @@ def exchange(group, layout: Layout, n: int, grad: torch.Tensor, buffer,
     rank = group.rank
     shard = layout.shard_of(rank)
     primaries = layout.holders[:layout.shards]
-    pushers = hosts(layout.trainers, tags)
+    pushers = groups_by_tag(layout.trainers, tags)
     if shard is None:
         mates = next(h for h in pushers if rank in h)
         if rank != mates[0]:  # to the host's first trainer, which pushes for the host
@@ -197,7 +190,7 @@ def pull(group, layout: Layout, n: int, params: torch.Tensor, tags: Sequence[int
     for s, p in enumerate(layout.holders[:layout.shards]):
         lo, hi = owned(n, layout.shards, s)
         holding = {h for i, h in enumerate(layout.holders) if i % layout.shards == s}
-        for mates in hosts([r for r in range(layout.world) if r not in holding], tags):
+        for mates in groups_by_tag([r for r in range(layout.world) if r not in holding], tags):
             first, rest = (mates, []) if tags[mates[0]] == tags[p] else (mates[:1], mates[1:])
             if p == rank:
                 sends += [(params[lo:hi], r, PULL_TAG + s) for r in first]

@@ -131,6 +131,15 @@ class Topology:
         return key if self.group_size is None or slot is None else f"{key}/{slot // self.group_size}"
 
 
+def this_workers_group(topology: Topology, slot: Optional[str]) -> str:
+    """``group_of`` for the calling process: its hostname, SLURM's node name if set, its local ``slot`` (the
+    launcher's ``EF_LOCAL_SLOT``, a string, or None)."""
+    import os
+    import socket
+
+    return topology.group_of(socket.gethostname(), os.environ.get("SLURMD_NODENAME"), int(slot) if slot else None)
+
+
 def validate(topology_cfg: Any) -> Topology:
     """Check ``cfg.topology`` (the graph, or the file topology.schema names, and the settings) and return it
     as a :class:`Topology`. Raises ElasticFlowError, one line and a hint, for the first problem found.

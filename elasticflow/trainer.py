@@ -169,7 +169,6 @@ class ElasticTrainer:
                         self.act_on_agreement()  # stop, or regroup: what every member agreed in the step
                     self.end_epoch(epoch)
         except BaseException as exc:
-            self.checkpoints.settle()  # an interval save still being written commits before the error exit
             self.step_log.flush()  # the last step's record before the loop's end (the ledger's "trained")
             self._trained("interrupted" if isinstance(exc, TrainingInterrupted) else
                           "stopped" if isinstance(exc, ElasticFlowError) else "failed")

@@ -18,13 +18,21 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
 CHUNK_BYTES = 4 << 20  # a sum is pipelined in pieces of this size (HierarchicalSum): 10 for a 41 MB gradient
+
+
+def groups_by_tag(ranks: Sequence[int], tags: Sequence[int]) -> List[List[int]]:
+    """``ranks`` grouped by their ``tags[rank]``: rank order inside a group, groups in order of their first rank."""
+    out: Dict[int, List[int]] = {}
+    for r in ranks:
+        out.setdefault(tags[r], []).append(r)
+    return list(out.values())
 
 
 def tag_hash(tag: str) -> int:
@@ -43,11 +51,7 @@ class Hierarchy:
     """
 
     def __init__(self, store, generation: int, rank: int, tags: List[int], opts):
-        order: List[int] = []
-        for t in tags:
-            if t not in order:
-                order.append(t)
-        self.groups = [[r for r, t in enumerate(tags) if t == g] for g in order]  # rank order inside
+        self.groups = groups_by_tag(range(len(tags)), tags)
         mine = next(g for g in self.groups if rank in g)
         self.local_rank, self.local_size = mine.index(rank), len(mine)
         self.leaders = [g[0] for g in self.groups]

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Optional
@@ -104,14 +103,20 @@ def _record_exit(holder: dict, code: int) -> None:
         pass
 
 
+def _settle(holder: dict) -> None:
+    """Let a checkpoint still being written commit before this process ends: ``os._exit`` (below) and a
+    SIGTERM would stop its writer thread mid-file (``CheckpointManager.settle``: bounded, never raises)."""
+    checkpoints = getattr(holder["trainer"], "checkpoints", None)
+    if checkpoints is not None:
+        checkpoints.settle()
+
+
 def _finish_save_on_sigterm(holder: dict) -> None:
     """SIGTERM (the agent stopping the job after another worker's error; SLURM or Kubernetes ending it): let a
     checkpoint being written commit first, then die by SIGTERM as before. Best effort: it runs between two
     Python instructions of the training thread, and whoever sent it may SIGKILL after a grace period."""
     def handle(signum, frame) -> None:
-        checkpoints = getattr(holder["trainer"], "checkpoints", None)
-        if checkpoints is not None:
-            checkpoints.settle()
+        _settle(holder)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -126,7 +131,7 @@ def main() -> None:
     from ..distributed.membership import AgentLost, Membership, Refused, Removed
     from torch.distributed import DistNetworkError
 
-    from ..topology import validate as validate_topology
+    from ..topology import this_workers_group, validate as validate_topology
     from ..trainer import ElasticTrainer
 
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
@@ -146,9 +151,7 @@ def main() -> None:
         membership.check_token()
         topology = validate_topology(cfg.topology)
         if topology.kind == "hierarchical":  # this worker's group: sums go through the groups' leaders
-            slot = os.environ.get(protocol.ENV_LOCAL_SLOT)
-            membership.group_tag = topology.group_of(socket.gethostname(), os.environ.get("SLURMD_NODENAME"),
-                                                     int(slot) if slot else None)
+            membership.group_tag = this_workers_group(topology, os.environ.get(protocol.ENV_LOCAL_SLOT))
         membership.events = run_dir / "events.jsonl"
         trainer = ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir), membership=membership)
         holder["trainer"] = trainer
@@ -187,6 +190,8 @@ def main() -> None:
         _write_error(run_dir, holder, worker_id, f"worker {worker_id}: {type(exc).__name__}: {exc}",
                      f"see {run_dir}/logs/worker-{worker_id}.log for the traceback")
         code = 1
+    if code != protocol.EXIT_OK:  # an error exit: an interval save in flight commits first
+        _settle(holder)
     _record_exit(holder, code)
     jobdir.release_all()  # os._exit below skips atexit: free the checkpoint folder's lease now
     # A process whose gloo group failed can abort in its exit handlers: flush, then leave at once.
