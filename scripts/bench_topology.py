@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_topology.py                  # ~4 min on 2 cores: 2 repeats of each
     .venv/bin/python scripts/bench_topology.py --repeats 1 --steps 6
+    .venv/bin/python scripts/bench_topology.py --trainers 4 --topologies ring,hierarchical   # 2 hosts x 4
 
 2 hosts x 2 workers (scripts/hosts.sh through tests/hosts.py: network namespaces h1 and h2, each link to the
 bridge limited to 100 Mbit/s both ways by tbf), ``elasticflow train scripts/bench/wide_linear.py
@@ -18,7 +19,8 @@ What to expect: the flat ring sends 2 (W - 1) / W = 1.5 gradients each way acros
 hierarchical sum sends the leaders' allreduce, 2 (H - 1) / H = 1 gradient each way. parameter_server runs 3
 processes per host (2 trainers and an aggregator holding one of 2 shards): a host's trainers sum onto one,
 which pushes the other host's shard across once, and that shard's parameters come back once, so 1 gradient
-crosses each way, as for hierarchical. ps_standby adds topology.replica=2 (4 processes per host): each
+crosses each way, as for hierarchical. ``--trainers 4``: 4 per host, so the ring sends 2 (8 - 1) / 8 = 1.75
+gradients each way and the hierarchical sum still 1. ps_standby adds topology.replica=2 (4 processes per host): each
 primary's sum also goes to its standby on the other host, half a gradient more each way. Needs root.
 
     .venv/bin/python scripts/bench_topology.py --diloco        # DiLoCo (H=16) against the ring
@@ -62,22 +64,22 @@ def records(run: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
 
 
-# name: (topology, processes per host, overrides). parameter_server: 2 trainers and an aggregator per host (two
-# shards, one per host): the same 4 trainers as the others, the aggregators beside them. ps_standby: the same
-# with topology.replica=2, 2 aggregators per host (each host has one shard's primary and the other's standby).
-SETUPS = {"parameter_server": ("parameter_server", 3, ("topology.aggregators=2",)),
-          "ps_standby": ("parameter_server", 4, ("topology.aggregators=2", "topology.replica=2"))}
+# name: (topology, aggregators per host beside the trainers, overrides). parameter_server: an aggregator per
+# host (two shards, one per host), so the trainers are the same as the others'. ps_standby: the same with
+# topology.replica=2, 2 aggregators per host (each host has one shard's primary and the other's standby).
+SETUPS = {"parameter_server": ("parameter_server", 1, ("topology.aggregators=2",)),
+          "ps_standby": ("parameter_server", 2, ("topology.aggregators=2", "topology.replica=2"))}
 
 
-def one_job(topology: str, steps: int, skip: int, rate: str, side: int, extra: tuple = ()) -> dict:
+def one_job(topology: str, steps: int, skip: int, rate: str, side: int, extra: tuple = (), trainers: int = 2) -> dict:
     net = Hosts(2)
     run = Path(tempfile.mkdtemp(prefix=f"bench-topology-{topology}-"))
     try:
         for h in ("h1", "h2"):
             net.rate(h, rate)
         endpoint = f"{net.addr('h1')}:29400"
-        kind, procs_per_node, more = SETUPS.get(topology, (topology, 2, ()))
-        extra = (*more, *extra)
+        kind, beside, more = SETUPS.get(topology, (topology, 0, ()))
+        procs_per_node, extra = trainers + beside, (*more, *extra)
         overrides = ["launcher=nodes", f"launcher.endpoint={endpoint}", f"launcher.procs_per_node={procs_per_node}",
                      "launcher.nodes=2", f"topology={kind}", f"trainer.max_steps={steps}",
                      "trainer.global_batch_size=64", "trainer.log_every=1", "optimizer.lr=0.01",
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--side", type=int, default=3200, help="the weight's side: side^2 float32 parameters")
     ap.add_argument("--topologies", default="ring,hierarchical,parameter_server,ps_standby")
+    ap.add_argument("--trainers", type=int, default=2, help="trainers per host (the global batch stays 64)")
     ap.add_argument("--diloco", action="store_true", help="DiLoCo (sync_every 16) against the ring, 48 steps")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -127,13 +130,13 @@ def main() -> None:
     results = {t: [] for t in names}
     for rep in range(args.repeats):
         for t in (names if rep % 2 == 0 else names[::-1]):
-            r = one_job(t, args.steps, args.skip, args.rate, args.side)
+            r = one_job(t, args.steps, args.skip, args.rate, args.side, trainers=args.trainers)
             results[t].append(r)
             print(f"  repeat {rep + 1} {t}: {r['bytes_per_step'] / 1e6:.1f} MB across per step, {r['step_s']:.2f} s/step",
                   flush=True)
     grad_mb = args.side ** 2 * 4 / 1e6
-    print(f"\n{datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); 2 hosts x 2 workers, link {args.rate}, "
-          f"{args.side ** 2 / 1e6:.1f}M parameters ({grad_mb:.0f} MB gradient), medians of {args.repeats}")
+    print(f"\n{datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); 2 hosts x {args.trainers} trainers, "
+          f"link {args.rate}, {args.side ** 2 / 1e6:.1f}M parameters ({grad_mb:.0f} MB gradient), medians of {args.repeats}")
     print(f"{'topology':<16}{'MB across/step':>16}{'x gradient':>12}{'s/step':>10}")
     base = None
     for t in names:
@@ -144,7 +147,9 @@ def main() -> None:
     for t in names[1:]:
         mb = statistics.median(r["bytes_per_step"] for r in results[t]) / 1e6
         s = statistics.median(r["step_s"] for r in results[t])
-        print(f"{t} vs {names[0]}: {base[0] / mb:.2f}x fewer bytes across, {base[1] / s:.2f}x faster steps")
+        # The bytes ratio bounds the step ratio on a link-bound step: time not spent sending is common to both.
+        print(f"{t} vs {names[0]}: {base[0] / mb:.2f}x fewer bytes across, {base[1] / s:.2f}x faster steps "
+              f"({base[1] / s / (base[0] / mb):.0%} of the bytes ratio)")
 
 
 def diloco(args) -> None:
