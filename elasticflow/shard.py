@@ -320,6 +320,7 @@ class ShardedState(Redistribution):
     def push(self, group: Any, grad: torch.Tensor) -> None:
         """Parameter servers: this step's push and forward (``servers.exchange``); a holder's sums land in
         ``reduced``, which a holder behind uses to roll forward by itself (``table_row``'s last column)."""
+        # Cleared first: should the exchange fail, a roll forward must not take the last step's sums for this one's.
         self.reduced = {}
         self.reduced = servers.exchange(group, self.layout, self.n, grad, self._buffer, self.tags)
 
