@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
-CHUNK_BYTES = 4 << 20  # a sum is pipelined in pieces of this size (HierarchicalSum): 10 for a 41 MB gradient
+# A sum larger than this is pipelined in pieces of this size (HierarchicalSum). Each piece costs the leaders a
+# synchronisation across the slow link, which a piece's pipelining must repay by hiding the group's reduce and
+# broadcast of the next and last pieces: on a 100 Mbit/s link, 4 MB pieces of a 41 MB sum were slower than the
+# sum whole (with 2 and with 4 workers a host; docs/benchmarks.md, topologies). Buckets (comm.bucket_mb) already
+# overlap the sums with backward.
+CHUNK_BYTES = 64 << 20
 
 
 def groups_by_tag(ranks: Sequence[int], tags: Sequence[int]) -> List[List[int]]:
@@ -111,8 +116,8 @@ def build(pg, store, generation: int, rank: int, world: int, tag: Optional[str],
 class HierarchicalSum:
     """A sum over every member, in place: started by ``Hierarchy.start_sum``, finished by ``wait``.
 
-    Pipelined in chunks of ``CHUNK_BYTES``: while the leaders send chunk k across the slow link, the group
-    reduces chunk k + 1 and receives chunk k - 1, so the link is busy from the first chunk to the last.
+    A sum over ``CHUNK_BYTES`` is pipelined in chunks of that size: while the leaders send chunk k across the
+    slow link, the group reduces chunk k + 1 and receives chunk k - 1.
     The reduces (and a member's receives) are started at once; a leader's relay thread does the rest.
     """
 
