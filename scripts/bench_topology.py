@@ -19,9 +19,10 @@ What to expect: the flat ring sends 2 (W - 1) / W = 1.5 gradients each way acros
 hierarchical sum sends the leaders' allreduce, 2 (H - 1) / H = 1 gradient each way. parameter_server runs 3
 processes per host (2 trainers and an aggregator holding one of 2 shards): a host's trainers sum onto one,
 which pushes the other host's shard across once, and that shard's parameters come back once, so 1 gradient
-crosses each way, as for hierarchical. ``--trainers 4``: 4 per host, so the ring sends 2 (8 - 1) / 8 = 1.75
-gradients each way and the hierarchical sum still 1. ps_standby adds topology.replica=2 (4 processes per host): each
-primary's sum also goes to its standby on the other host, half a gradient more each way. Needs root.
+crosses each way, as for hierarchical. ps_standby adds topology.replica=2 (4 processes per host): each
+primary's sum also goes to its standby on the other host, half a gradient more each way. ``--trainers 4``:
+4 per host, so the ring sends 2 (8 - 1) / 8 = 1.75 gradients each way and the hierarchical sum still 1.
+Needs root.
 
     .venv/bin/python scripts/bench_topology.py --diloco        # DiLoCo (H=16) against the ring
 
@@ -135,8 +136,9 @@ def main() -> None:
             print(f"  repeat {rep + 1} {t}: {r['bytes_per_step'] / 1e6:.1f} MB across per step, {r['step_s']:.2f} s/step",
                   flush=True)
     grad_mb = args.side ** 2 * 4 / 1e6
-    print(f"\n{datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); 2 hosts x {args.trainers} trainers, "
-          f"link {args.rate}, {args.side ** 2 / 1e6:.1f}M parameters ({grad_mb:.0f} MB gradient), medians of {args.repeats}")
+    print(f"\n{datetime.date.today()} {platform.node()} ({os.cpu_count()} cores); 2 hosts x {args.trainers} "
+          f"trainers, link {args.rate}, {args.side ** 2 / 1e6:.1f}M parameters ({grad_mb:.0f} MB gradient), "
+          f"medians of {args.repeats}")
     print(f"{'topology':<16}{'MB across/step':>16}{'x gradient':>12}{'s/step':>10}")
     base = None
     for t in names:
@@ -147,7 +149,8 @@ def main() -> None:
     for t in names[1:]:
         mb = statistics.median(r["bytes_per_step"] for r in results[t]) / 1e6
         s = statistics.median(r["step_s"] for r in results[t])
-        # The bytes ratio bounds the step ratio on a link-bound step: time not spent sending is common to both.
+        # The bytes ratio bounds the step ratio, less what each arm spends off the link: a step takes at least
+        # its bytes' time on the link, and the same time off it in both arms moves the ratio toward 1.
         print(f"{t} vs {names[0]}: {base[0] / mb:.2f}x fewer bytes across, {base[1] / s:.2f}x faster steps "
               f"({base[1] / s / (base[0] / mb):.0%} of the bytes ratio)")
 
