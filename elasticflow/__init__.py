@@ -20,7 +20,7 @@ def __getattr__(name):
 
         return CheckpointInterval
     if name == "context":
-        from .current import context
+        from ._util.context import context
 
         return context
     if name == "export":

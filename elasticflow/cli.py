@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .envnames import ENV_DEBUG
-from .exits import debug_requested, fail, print_done, report
+from ._util.envnames import ENV_DEBUG
+from .launchers.exits import debug_requested, fail, print_done, report
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
        elasticflow scale RUN_DIR --workers N
@@ -35,7 +35,7 @@ HYDRA_OWN_MESSAGES = {"-m", "--multirun", "--config-name", "-cn", "--config-path
 def _train_task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from .config import validate
+    from .config.schema import validate
     from .launchers import run
 
     try:
@@ -53,8 +53,8 @@ def _train_task(cfg) -> None:
 def train(args: List[str], debug: bool) -> None:
     import hydra
 
-    from .config import composed, refuse_renamed, register
-    from .paths import conf_dir
+    from .config.schema import composed, refuse_renamed, register
+    from ._util.paths import conf_dir
 
     # Hydra's own argparse wants its flags before the overrides: split them apart.
     positional, flags, overrides, skip_value = [], [], [], False
@@ -102,11 +102,11 @@ def train(args: List[str], debug: bool) -> None:
 
 def _help_with_meanings(run_hydra) -> None:
     """Hydra's --help (conf/config.yaml's template), each config key with its meaning from the schema's
-    comments (confighelp.py). Captured, then printed: Hydra prints the help in one piece and exits."""
+    comments (config/help.py). Captured, then printed: Hydra prints the help in one piece and exits."""
     import contextlib
     import io
 
-    from .confighelp import annotate
+    from .config.help import annotate
 
     captured = io.StringIO()
     try:
@@ -163,7 +163,7 @@ def scale_command(args: List[str]) -> None:
 def status_command(args: List[str]) -> None:
     import json
 
-    from .status import status, status_record
+    from .observability.status import status, status_record
 
     as_json = "--json" in args
     args = [a for a in args if a != "--json"]
@@ -185,7 +185,7 @@ def plot_command(args: List[str]) -> None:
         import matplotlib  # noqa: F401 - an optional dependency: say so before anything else
     except ImportError:
         fail("elasticflow plot needs matplotlib, which is not installed", "pip install 'elasticflow[plot]'")
-    from .plot import plot
+    from .observability.plot import plot
 
     print(f"wrote {plot(ns.run_dir, ns.output)}")
 

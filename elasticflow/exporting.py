@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import modelfile, ops
+from .train import model_file
+from . import ops
 from .checkpoint.format import HINT_PATH, METADATA, read_metadata, resolve
 from .checkpoint.validate import check_metadata
 from .checkpoint.load import compare_names, load
-from .config import composed, refuse_renamed, validate
+from .config.schema import composed, refuse_renamed, validate
 from .errors import ElasticFlowError
 
 WEIGHTS = "model.safetensors"
@@ -159,8 +160,8 @@ def _export_into(checkpoint: Path, cfg: Any, out: Path, meta: Dict[str, str]) ->
     """Rebuild the model, load ``checkpoint`` into it, write it into ``out``; returns the form written."""
     with ops.using(cfg.backend.name) as backend:  # the caller's backend (in-process use) comes back after
         backend.setup(None, int(cfg.seed))  # model() builds as in training (keras's dtype policy, seeds)
-        mf = modelfile.load(cfg.model)
-        built = modelfile.build(mf, cfg, backend)
+        mf = model_file.load(cfg.model)
+        built = model_file.build(mf, cfg, backend)
         # Engine names what the checkpoint holds (frozen parameters, stateful buffers, "net." of a dict of
         # modules); its load_state writes into the model's own tensors. Built on the CPU in float32.
         engine = backend.Engine(built.model, mf.forward, built.optimizer, jit=False)

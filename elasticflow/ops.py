@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence
 
 from . import backends
-from . import randomness as _randomness
+from .train import randomness as _randomness
 from .backends import common as _registry
 
 

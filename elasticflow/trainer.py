@@ -15,20 +15,22 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import numpy as np
 from omegaconf import OmegaConf
 
-from . import affinity, builder, devices, evaluation, modelfile
+from ._util import affinity
+from .train import builder, evaluation, model_file
+from .config import devices
 from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
-from .config import TrainerConfig, compose
-from .data import GlobalBatch
+from .config.schema import TrainerConfig, compose
+from .data.order import GlobalBatch
 from .distributed import protocol
 from .errors import ElasticFlowError, TrainingInterrupted
-from .goodput import Meter
-from .paths import checkpoint_dir
-from .regroup import Regrouper, collective
-from .replica import Agreed, Replica
-from .reporting import Progress, RunLog, StepLog, WorkerMemory
-from .signals import StopSignal
-from .current import context  # noqa: F401 - elasticflow.context()
-from .state import TrainState
+from .observability.goodput import Meter
+from ._util.paths import checkpoint_dir
+from .train.regroup import Regrouper, collective
+from .replica.replica import Agreed, Replica
+from .observability.reporting import Progress, RunLog, StepLog, WorkerMemory
+from ._util.signals import StopSignal
+from ._util.context import context  # noqa: F401 - elasticflow.context()
+from .train.state import TrainState
 
 log = logging.getLogger("elasticflow")
 __all__ = ["ElasticTrainer", "CheckpointInterval", "GlobalBatch", "context"]
@@ -39,7 +41,7 @@ class ElasticTrainer:
 
     Args:
         model: path to the model file (or a loaded ``ModelFile``).
-        cfg: a config from ``elasticflow.config.compose`` (or Hydra); None composes the defaults.
+        cfg: a config from ``elasticflow.config.schema.compose`` (or Hydra); None composes the defaults.
         checkpoint_interval: overrides ``checkpoint.interval`` from the config.
         run_dir: where metrics.jsonl and checkpoints go (default: the current directory).
         membership: set by the worker process of a multi-worker job (``distributed.membership``).
@@ -58,7 +60,7 @@ class ElasticTrainer:
 
     def __init__(self, model: Any, cfg: Any = None, checkpoint_interval: Optional[CheckpointInterval] = None,
                  run_dir: Optional[str] = None, membership: Any = None):
-        self.model_file = model if isinstance(model, modelfile.ModelFile) else None
+        self.model_file = model if isinstance(model, model_file.ModelFile) else None
         self.cfg = cfg if cfg is not None else compose(str(model))  # compose() and the CLI validate it
         # The loop reads these settings several times a step, and one OmegaConf attribute read costs
         # 40-100 us (it walks the parent chain for flags and interpolations): ten a step nearly doubled
@@ -134,7 +136,7 @@ class ElasticTrainer:
 
     def load_state_dict(self, arrays: Dict[str, np.ndarray], progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
-        if self.outer is not None:  # DiLoCo's momentum (rounds.py)
+        if self.outer is not None:  # DiLoCo's momentum (train/local_sgd.py)
             self.outer.load(arrays)
         if self.shards is None:
             self.engine.load_state(arrays, self.state.step)
@@ -205,7 +207,7 @@ class ElasticTrainer:
     def record_step(self, elapsed: float) -> None:
         """The step's record (metrics.jsonl, the console, the progress bar; when: ``reporting.StepLog``)."""
         m = self.state.last_metrics
-        m["step_time_s"] = elapsed / m.pop("round_steps", 1)  # a round of steps (rounds.py): their mean
+        m["step_time_s"] = elapsed / m.pop("round_steps", 1)  # a round of steps (train/local_sgd.py): their mean
         if self.step_log.due(m):  # on every rank: a worker that becomes rank 0 goes on from the same logged step
             m["train_s"] = self.meter.flush()  # productive seconds since the previous logged step
         self.step_log.ended(m, self.rank, self.world)

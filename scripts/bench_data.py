@@ -123,7 +123,7 @@ def write_model(tmp: Path) -> Path:
 
 def fit(model: Path, run_dir: Path, *overrides: str) -> list:
     """Train in this process; the per-step records (step_time_s) of metrics.jsonl."""
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     cfg = compose(str(model), ["trainer.log_every=1", "trainer.progress=false", "checkpoint.interval.steps=null",
@@ -201,9 +201,9 @@ def bench_decode(model: Path, tmp: Path, rounds: int, steps: int = 60, batch: in
             loader = torch.utils.data.DataLoader(spec["Encoded"](n), batch_size=batch, shuffle=True, num_workers=2)
             stamps = [time.perf_counter() for _ in loader]
         else:
-            from elasticflow import data
+            from elasticflow.data import order as data
             from elasticflow.backends import torch as backend
-            from elasticflow.prefetch import Prefetcher
+            from elasticflow.data.prefetch import Prefetcher
 
             reader = Prefetcher(data.Source(data.Dataset(spec["Encoded"](n)), backend), 0, 4, 2, "process")
             keys = [(0, k * batch, (k + 1) * batch) for k in range(steps)]

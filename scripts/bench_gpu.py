@@ -50,7 +50,7 @@ def handwritten(args, total: int) -> Iterator[None]:
     from omegaconf import OmegaConf
 
     import tiny_gpt
-    from elasticflow.data import permutation
+    from elasticflow.data.order import permutation
 
     cfg = OmegaConf.create({"seed": 0, "model_args": model_args(args)})
     dev = torch.device(args.device)
@@ -83,7 +83,7 @@ def model_args(args) -> Dict[str, int]:
 
 
 def elasticflow_loop(args, total: int) -> Iterator[None]:
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -175,7 +175,7 @@ def recovery(args, tmp: Path) -> None:
 def checkpoint_stall(args, tmp: Path) -> None:
     import torch
 
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     cfg = compose(str(MODEL), overrides(args, 10_000) + ["checkpoint.async_save=true",

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "models"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_overhead import _logger, batch_order, bench, elasticflow_row, report  # noqa: E402  the same driver, rows, log
+from bench_overhead import (_logger, batch_order, bench, elasticflow_row, report)  # noqa: E402  the same driver, rows, log
 
 
 # model name -> its model_args as command-line options, with their defaults

@@ -54,7 +54,7 @@ class Setup:
 def elasticflow_row(check: bool):
     """ElasticTrainer's documented custom loop; ``check=False`` switches the gradient check off."""
     def row(setup: Setup, total_steps: int) -> Iterator[None]:
-        from elasticflow.config import compose
+        from elasticflow.config.schema import compose
         from elasticflow.trainer import ElasticTrainer
 
         _logger(setup)

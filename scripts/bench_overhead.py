@@ -86,7 +86,7 @@ def batch_order(n: int, global_batch: int, seed: int, total_steps: int) -> Itera
     """(step, sample positions) of the first ``total_steps`` global batches in elasticflow's order: each
     epoch's ``data.permutation`` cut into global batches, the short last one kept. What every hand-written
     row (here and in bench_models.py) trains on."""
-    from elasticflow.data import permutation
+    from elasticflow.data.order import permutation
 
     step, epoch = 0, 0
     while True:
@@ -102,7 +102,7 @@ def batch_order(n: int, global_batch: int, seed: int, total_steps: int) -> Itera
 def elasticflow_row(backend: str, model: Path = MODEL) -> Row:
     """The documented custom loop of ElasticTrainer (what ``fit()`` runs, without the progress bar)."""
     def row(setup: Setup, total_steps: int) -> Iterator[None]:
-        from elasticflow.config import compose
+        from elasticflow.config.schema import compose
         from elasticflow.trainer import ElasticTrainer
 
         _logger(setup)

@@ -1,4 +1,4 @@
-"""What sealing the store's records costs (sealing.py): per record, per generation round, and per step.
+"""What sealing the store's records costs (_util/sealing.py): per record, per generation round, and per step.
 
     .venv/bin/python scripts/bench_sealing.py [--rounds 2000]
 
@@ -27,7 +27,7 @@ from torch.distributed import TCPStore  # noqa: E402
 from elasticflow.distributed import protocol  # noqa: E402
 from elasticflow.distributed.membership import POLL_S  # noqa: E402
 from elasticflow.distributed.process import listening_store  # noqa: E402
-from elasticflow.sealing import Sealer  # noqa: E402
+from elasticflow._util.sealing import Sealer  # noqa: E402
 
 
 def per_record(n: int, sealer: Sealer) -> tuple:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 
 def run(run_dir: Path, board: bool, steps: int, hidden: int, warmup: int) -> float:
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     model = str(REPO / "models" / "digits_mlp.py")

@@ -60,7 +60,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from elasticflow.fileio import read_jsonl as jsonl  # noqa: E402  (skips the line a SIGKILLed writer tore)
+from elasticflow._util.fileio import read_jsonl as jsonl  # noqa: E402  (skips the line a SIGKILLed writer tore)
 PROBE = REPO / "tests" / "models" / "digits_probe.py"
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 RTOL = 1e-5
@@ -410,7 +410,7 @@ def relative_difference(got: Dict[str, np.ndarray], want: Dict[str, np.ndarray])
 
 def check(soak: Soak, reference: Path, out: Optional[str], rounding: float = 0.0) -> List[str]:
     """Every check on a finished soak; returns the failures (empty: passed)."""
-    from elasticflow.data import permutation
+    from elasticflow.data.order import permutation
 
     run, problems = soak.run, []
     if out is None:

@@ -26,7 +26,7 @@ sys.path[:0] = [str(REPO), str(REPO / "models")]
 
 import _digits  # noqa: E402
 import digits_mlp  # noqa: E402
-from elasticflow.data import permutation  # noqa: E402
+from elasticflow.data.order import permutation  # noqa: E402
 
 NAMES = ["hidden/W", "hidden/b", "out/W", "out/b"]
 

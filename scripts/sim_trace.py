@@ -167,7 +167,7 @@ def _changes(events: Path) -> Tuple[List[float], List[float], List[float]]:
     for line in lines:
         try:
             e = json.loads(line)
-        except ValueError:  # a line torn by a SIGKILLed writer, as elasticflow.fileio.read_jsonl skips it
+        except ValueError:  # a line torn by a SIGKILLed writer, as elasticflow._util.fileio.read_jsonl skips it
             continue
         if e.get("event") == "regrouped":
             grew = int(e.get("world_size", 0)) > int(e.get("previous_world_size", 0))

@@ -39,7 +39,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from elasticflow.fileio import read_jsonl as jsonl  # noqa: E402  (skips the line a SIGKILLed writer tore)
+from elasticflow._util.fileio import read_jsonl as jsonl  # noqa: E402  (skips the line a SIGKILLed writer tore)
 
 PROBE = REPO / "tests" / "models" / "shard_probe.py"
 CLI = [sys.executable, "-m", "elasticflow.cli"]

@@ -12,9 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 import elasticflow.checkpoint as ckpt
-from elasticflow import data
-from elasticflow.config import compose
-from elasticflow.modelfile import load as load_model_file
+from elasticflow.data import order as data
+from elasticflow.config.schema import compose
+from elasticflow.train.model_file import load as load_model_file
 from elasticflow.trainer import ElasticTrainer
 
 SAMPLES, BATCH = 192, 64

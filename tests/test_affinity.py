@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ELASTICFLOW, REPO, metrics
-from elasticflow.affinity import share
+from elasticflow._util.affinity import share
 
 ALL = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 needs_two_free_cores = pytest.mark.skipif(len(ALL) < 2 or len(ALL) != os.cpu_count(),

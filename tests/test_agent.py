@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.distributed import protocol
 from elasticflow.distributed.agent import Agent
 from elasticflow.errors import ElasticFlowError

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from elasticflow.buffers import Reconciler, Rule
-from elasticflow.data import deal
+from elasticflow.backends.buffers import Reconciler, Rule
+from elasticflow.data.order import deal
 
 
 def _buffers(bn):

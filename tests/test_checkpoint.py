@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import elasticflow.checkpoint as ckpt
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import CheckpointInterval, ElasticTrainer
 

@@ -18,7 +18,7 @@ import pytest
 import elasticflow.checkpoint as ckpt
 from elasticflow.checkpoint import jobdir
 from elasticflow.checkpoint.format import temp_dirs
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 

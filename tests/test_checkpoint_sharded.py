@@ -17,7 +17,7 @@ import pytest
 
 import elasticflow.checkpoint as ckpt
 from elasticflow.checkpoint.format import file_checksum, plan, specs_of
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import elasticflow.checkpoint as ckpt
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.trainer import ElasticTrainer
 
 from conftest import losses, metrics, run_cli, train
@@ -54,7 +54,7 @@ def test_help_lists_groups_and_keys():
     assert proc.returncode == 0, proc.stderr
     assert "optimizer: adam, adamw, sgd" in proc.stdout
     assert "global_batch_size: 64" in proc.stdout and "--cfg job" in proc.stdout
-    # Each key with its meaning, from the schema's comments (config.py): after it, or above it.
+    # Each key with its meaning, from the schema's comments (config/schema.py): after it, or above it.
     lines = proc.stdout.splitlines()
     assert "  global_batch_size: 64  # samples per optimizer step, whatever the number of workers" in lines
     assert "  # parameters without weight decay, by name pattern (e.g. [bias,norm]: biases and normalization weights)" \
@@ -65,12 +65,12 @@ def test_help_lists_groups_and_keys():
 
 
 def test_every_config_key_has_a_meaning_in_the_schema():
-    """`train --help` reads each key's meaning from config.py's comments: a key without one is a key
+    """`train --help` reads each key's meaning from config/schema.py's comments: a key without one is a key
     nobody can look up (add a `# ...` after the field, or comment lines above it)."""
     from omegaconf import OmegaConf
 
-    from elasticflow.config import Config
-    from elasticflow.confighelp import meanings
+    from elasticflow.config.schema import Config
+    from elasticflow.config.help import meanings
 
     def keys(node, prefix=""):
         for k, v in node.items():

@@ -10,8 +10,8 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from elasticflow import optim
-from elasticflow.config import Config, compose
-from elasticflow.config_ranges import RANGES
+from elasticflow.config.schema import Config, compose
+from elasticflow.config.ranges import RANGES
 from elasticflow.errors import ElasticFlowError
 
 MODEL = "models/linear.py"
@@ -118,7 +118,7 @@ def test_the_old_async_key_names_the_new_one(override):
     assert info.value.hint == "pass checkpoint.async_save=false"
 
 
-# ---------------------------------------------------------------- ranges (elasticflow/config_ranges.py)
+# ---------------------------------------------------------------- ranges (elasticflow/config/ranges.py)
 SLURM = ["launcher=slurm"]
 STEPS_RANGE = "(allowed: 1 to 2147483647)"
 ONE_LINE = ("launcher=slurm writes it into job.sbatch, where a newline would start a shell line of "

@@ -18,7 +18,7 @@ from pathlib import Path
 from conftest import ELASTICFLOW
 from test_elastic import COMMON, PROBE, events, logged_step, members, wait_for
 
-from elasticflow.console import DetachedConsole
+from elasticflow._util.console import DetachedConsole
 
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+ on Linux); spelled out for older fcntl modules
 

@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from elasticflow import data
-from elasticflow.config import compose
+from elasticflow.data import order as data
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 

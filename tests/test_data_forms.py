@@ -16,8 +16,8 @@ import pytest
 
 import elasticflow
 from conftest import ELASTICFLOW, run_cli
-from elasticflow import data
-from elasticflow.config import compose
+from elasticflow.data import order as data
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 

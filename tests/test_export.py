@@ -11,8 +11,8 @@ import pytest
 
 import elasticflow
 import elasticflow.checkpoint as ckpt
-from elasticflow import modelfile
-from elasticflow.config import compose
+from elasticflow.train import model_file
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 
 from conftest import MODELS, run_cli, train
@@ -120,7 +120,7 @@ def test_bert_export_loads_strict_and_with_from_pretrained(tmp_path):
     assert "exported step 3 of" in proc.stdout and "BertForMaskedLM (save_pretrained)" in proc.stdout
 
     cfg = compose(str(tmp_path / "bert.py"))
-    build = modelfile.load(str(tmp_path / "bert.py")).model
+    build = model_file.load(str(tmp_path / "bert.py")).model
     weights = _weights(tmp_path / "out" / "model.safetensors")
     fresh, initial = build(cfg), build(cfg)
     assert set(weights) == set(fresh.state_dict())  # the decoder alias present, position_ids absent
@@ -160,7 +160,7 @@ def test_native_module_exports_its_own_keys(net_runs, form, tmp_path, restore_op
     weights = _weights(tmp_path / "out" / "model.safetensors")
     assert sorted(weights) == ["fc.bias", "fc.weight", "head.bias", "head.weight", "offset"]
 
-    net = modelfile.load(str(model_file)).model(compose(str(model_file)))
+    net = model_file.load(str(model_file)).model(compose(str(model_file)))
     initial = {k: v.clone() for k, v in net.state_dict().items()}
     net.load_state_dict(weights, strict=True)
     _, state = _checkpoint_of(run)
@@ -193,7 +193,7 @@ def test_keras_export_loads_with_load_weights(tmp_path, restore_ops):
     proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=180, check=True)
     assert "keras weights (save_weights)" in proc.stdout
 
-    net = modelfile.load(str(model)).model(compose(str(model), ["backend=tensorflow"]))
+    net = model_file.load(str(model)).model(compose(str(model), ["backend=tensorflow"]))
     net.load_weights(str(tmp_path / "out" / "model.weights.h5"))
     _, s = _checkpoint_of(run)
     assert np.array_equal(net.get_layer("out").kernel.numpy(), s["out/kernel"])

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from elasticflow import fileio
+from elasticflow._util import fileio
 
 
 def _strays(directory):

@@ -14,9 +14,9 @@ import torch
 
 import elasticflow.checkpoint as ckpt
 from conftest import losses, metrics, train
-from elasticflow import data as efdata
+from elasticflow.data import order as efdata
 from elasticflow import optim
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import ElasticTrainer
 

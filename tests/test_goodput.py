@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ELASTICFLOW, metrics, run_cli
-from elasticflow import goodput
+from elasticflow.observability import goodput
 from elasticflow.errors import ElasticFlowError
 
 PROBE = Path(__file__).parent / "models" / "digits_probe.py"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from elasticflow import grad_check
+from elasticflow.train import grad_check
 
 
 class Engine:

@@ -6,12 +6,13 @@ function only postpones a cycle, it does not remove it. Not counted: imports und
 to its parent packages: Python has initialized those already, and counting them would make every
 ``__init__`` that re-exports a submodule look like a cycle.
 
-The layers (``LAYERS``, lowest first; STYLE.md's "Layers") place every module; a module may import its
-own layer and the ones below, never one above (``test_imports_point_down_the_layers``). Imports within
-a layer are allowed where the layer is one subject: a package's own modules (checkpoint/, distributed/,
-backends/, launchers/), config -> devices, reporting -> data, exporting -> checkpoint and ops, the
-trainer's helpers (builder, stepper, regroup) -> each other; the cycle test still keeps them acyclic.
-A new module must be placed in a layer: the test names the ones that are not.
+The layers (``LAYERS``, lowest first; STYLE.md's "Layers") are declared by folder: each layer is one or more
+folders of elasticflow/ (``"data.*"``: data/ and everything under it) and, for the public surface and the
+loop, a few modules at the package root. A module may import its own layer and the ones below, never one
+above (``test_imports_point_down_the_layers``); the cycle test keeps each layer acyclic inside. A new module
+goes into the folder of its layer, so it is placed by where it lives; the root holds at most
+``MAX_ROOT_MODULES``. docs/architecture.md's layer table is checked against ``LAYERS``
+(``test_the_architecture_page_shows_the_declared_layers``), so it cannot drift.
 """
 from __future__ import annotations
 
@@ -217,24 +218,29 @@ def test_the_else_of_type_checking_counts(tmp_path):
 # and everything under it; "__init__" is elasticflow/__init__.py itself (the public names).
 LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("leaf", "helpers and names that import nothing of elasticflow above them",
-     ("errors", "fileio", "paths", "console", "envnames", "memory", "current", "signals", "affinity", "sealing")),
-    ("specs", "backend-neutral descriptions the backends implement, and the config schema",
-     ("optim", "buffers", "devices", "config", "config_ranges", "topology")),
+     ("errors", "_util.*")),
+    ("config", "the config schema and what it describes: ranges, help, topologies, devices; optimizer specs",
+     ("optim", "config.*")),
     ("backends", "the frameworks: torch and TensorFlow behind one Engine and one set of ops",
      ("backends.*",)),
-    ("parts", "one worker's parts, each on its own: data, ops, model file, checkpoints, records",
-     ("forms", "data", "state", "loss_scale", "grad_check", "randomness", "ops", "modelfile", "evaluation",
-      "prefetch", "checkpoint.*", "reporting", "tensorboard", "goodput", "plot", "exporting")),
+    ("data", "the global sample order, each worker's share, the dataset forms, reading ahead",
+     ("data.*",)),
+    ("checkpoint", "the checkpoint format, saving, loading, validating, the job folder",
+     ("checkpoint.*",)),
     ("distributed", "membership, collectives, the agent and its store",
      ("distributed.*",)),
     ("replica", "one worker's replica of the state, kept equal to the others' through failures",
-     ("replica", "bucketing", "shard", "shard_plan", "shard_sync", "servers")),
-    ("trainer", "the loop, its helpers, and the package's public names",
-     ("trainer", "builder", "stepper", "rounds", "regroup", "__init__")),
+     ("replica.*",)),
+    ("observability", "what a run shows and leaves: run log, step records, TensorBoard, goodput, plot, status",
+     ("observability.*",)),
+    ("train", "the trainer's parts: build, step, round, regroup, state, evaluation, checks, the model file; ops",
+     ("train.*", "ops")),
+    ("trainer", "the loop, export, and the package's public names",
+     ("trainer", "exporting", "__init__")),
     ("launchers", "how processes start and end: the launchers, the worker's main, the exit line",
-     ("launchers.*", "exits")),
+     ("launchers.*",)),
     ("cli", "the commands: parse, hand over, render",
-     ("cli", "confighelp", "status")),
+     ("cli",)),
 ]
 
 
@@ -291,6 +297,41 @@ def test_every_module_has_a_layer():
                          "whose subject it is:\n  " + "\n  ".join(missing))
     stale = stale_entries(graph, "elasticflow")
     assert not stale, "LAYERS names modules that do not exist (renamed or removed?):\n  " + "\n  ".join(stale)
+
+
+MAX_ROOT_MODULES = 12
+
+
+def test_layers_are_folders_and_the_root_stays_small():
+    graph = import_graph(REPO, "elasticflow")
+    inside = [e for _, _, entries in LAYERS for e in entries if "." in e.rstrip(".*")]
+    assert not inside, ("LAYERS places single modules inside a folder; a folder is one layer (move the module "
+                        "to the folder of its layer instead):\n  " + "\n  ".join(inside))
+    root = sorted(m for m in graph if m.count(".") == 1 and not (REPO / m.replace(".", "/")).is_dir())
+    assert len(root) + 1 <= MAX_ROOT_MODULES, (  # + 1: __init__.py
+        f"{len(root) + 1} modules at elasticflow/'s root (at most {MAX_ROOT_MODULES}: the public surface and the "
+        f"loop); move the others into the folder of their layer: {', '.join(root)}")
+
+
+def layer_table() -> List[Tuple[str, str, str]]:
+    """LAYERS as docs/architecture.md's table rows: (layer, what, modules), a folder written `folder/`."""
+    def shown(entry: str) -> str:
+        return f"`{entry[:-2]}/`" if entry.endswith(".*") else f"`{entry}`"
+    return [(name, what, ", ".join(shown(e) for e in entries)) for name, what, entries in LAYERS]
+
+
+def test_the_architecture_page_shows_the_declared_layers():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    head = "| layer | what | modules |"
+    assert head in text, f"docs/architecture.md lost its layer table (the line {head!r})"
+    rows = []
+    for line in text[text.index(head):].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(tuple(cell.strip() for cell in line.strip().strip("|").split("|")))
+    expected = layer_table()
+    assert rows == expected, ("docs/architecture.md's layer table differs from tests/test_imports.py's LAYERS; "
+                              "make the table read:\n" + "\n".join(f"| {' | '.join(r)} |" for r in expected))
 
 
 def test_imports_point_down_the_layers():

@@ -128,7 +128,7 @@ def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
 def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
     from elasticflow.checkpoint.coordinator import StoreCoordinator
     from elasticflow.distributed.process import listening_store
-    from elasticflow.sealing import REFUSED, Sealer
+    from elasticflow._util.sealing import REFUSED, Sealer
 
     store, listener = listening_store("127.0.0.1", 5.0)
     try:

@@ -25,7 +25,7 @@ import yaml
 from conftest import REPO, metrics, run_cli
 from test_elastic import COMMON, PROBE, assert_equivalent, reference, wait_for  # noqa: F401 - fixture
 
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.launchers import kubernetes as k8s
 

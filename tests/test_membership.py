@@ -14,7 +14,8 @@ import time
 import pytest
 
 from conftest import run_cli
-from test_elastic import assert_equivalent, events, finish, logged_step, members, reference, start, wait_for  # noqa: F401
+from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference, start,  # noqa: F401
+                          wait_for)
 from test_scale import Hold
 
 TIMEOUT_S = 4

@@ -1,7 +1,7 @@
 """The model-file contract as users write it: forward()'s last argument receives the model, whatever its name."""
 import pytest
 
-from elasticflow import modelfile
+from elasticflow.train import model_file
 from elasticflow.errors import ElasticFlowError
 
 from conftest import losses, train
@@ -44,13 +44,13 @@ def test_a_native_model_trains_whatever_forward_calls_it(write_model, tmp_path, 
 def test_forward_with_no_argument_for_the_model_is_refused(write_model):
     path = write_model("def model(cfg):\n    return {}\n\ndef forward():\n    return 0\n\ndef data(cfg):\n    return ()\n")
     with pytest.raises(ElasticFlowError, match="takes no argument for the model"):
-        modelfile.load(str(path))
+        model_file.load(str(path))
 
 
 def test_the_adapter_passes_the_model_last_by_position(write_model):
     path = write_model("def model(cfg):\n    return {}\n\ndef forward(a, b, m):\n    return (a, b, m)\n\n"
                        "def data(cfg):\n    return ()\n")
-    assert modelfile.load(str(path)).forward(1, 2, params="M") == (1, 2, "M")
+    assert model_file.load(str(path)).forward(1, 2, params="M") == (1, 2, "M")
 
 
 TWO_FIELDS = '''
@@ -73,7 +73,7 @@ def data(cfg):
 
 
 def prepare(path, tmp_path, *overrides):
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     cfg = compose(str(path), ["trainer.progress=false", "trainer.tensorboard=false", *overrides])

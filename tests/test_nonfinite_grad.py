@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import elasticflow.checkpoint as ckpt
-from elasticflow.data import permutation
+from elasticflow.data.order import permutation
 
 from conftest import metrics, train
 

@@ -13,9 +13,10 @@ import torch
 from omegaconf import OmegaConf
 
 import elasticflow.checkpoint as ckpt
-from elasticflow import data, optim
-from elasticflow.config import compose
-from elasticflow.modelfile import load as load_model_file
+from elasticflow.data import order as data
+from elasticflow import optim
+from elasticflow.config.schema import compose
+from elasticflow.train.model_file import load as load_model_file
 from elasticflow.trainer import ElasticTrainer
 
 SAMPLES, BATCH, STEPS = 96, 32, 7  # 3 steps per epoch: 7 steps cross two epoch boundaries

@@ -86,7 +86,7 @@ def test_buckets_start_while_backward_runs_in_order_and_the_last_carries_the_vot
 
     from elasticflow.backends import torch as backend
     from elasticflow.optim import SGD
-    from elasticflow.replica import Replica
+    from elasticflow.replica.replica import Replica
 
     cfg = SimpleNamespace(seed=0)
     probe = {}
@@ -143,7 +143,7 @@ def test_the_step_reduces_the_gradient_where_it_lies_with_the_votes_and_buffers_
 
     from elasticflow.backends import torch as backend
     from elasticflow.optim import SGD
-    from elasticflow.replica import Agreed, Replica
+    from elasticflow.replica.replica import Agreed, Replica
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
@@ -171,7 +171,7 @@ def test_on_tensorflow_every_bucket_starts_once_the_gradient_is_complete_and_is_
 
     from elasticflow import ops
     from elasticflow.optim import SGD
-    from elasticflow.replica import Replica
+    from elasticflow.replica.replica import Replica
 
     rng = np.random.default_rng(0)
     model = {"hidden": {"W": rng.normal(0, 0.3, (32, 256)).astype(np.float32), "b": np.zeros(256, np.float32)},

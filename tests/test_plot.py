@@ -8,7 +8,7 @@ import pytest
 from conftest import ELASTICFLOW, run_cli, train
 
 pytest.importorskip("matplotlib")
-from elasticflow.plot import figure  # noqa: E402
+from elasticflow.observability.plot import figure  # noqa: E402
 
 PROBE = Path(__file__).parent / "models" / "digits_probe.py"
 

@@ -7,7 +7,8 @@ import pytest
 
 import elasticflow.checkpoint as ckpt
 from conftest import MODELS, metrics, run_cli, train
-from elasticflow import devices, loss_scale
+from elasticflow.config import devices
+from elasticflow.train import loss_scale
 from elasticflow.errors import ElasticFlowError
 
 HERE = MODELS.parent / "tests" / "models"

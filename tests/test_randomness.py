@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from elasticflow import randomness
-from elasticflow.config import compose
+from elasticflow.train import randomness
+from elasticflow.config.schema import compose
 from elasticflow.trainer import ElasticTrainer
 
 ENCODER = '''

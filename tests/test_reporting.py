@@ -3,7 +3,7 @@ writes for the one that left. tests/test_elastic.py's rank0-before-writing-a-rec
 the point these cover."""
 import json
 
-from elasticflow.reporting import RunLog, StepLog
+from elasticflow.observability.reporting import RunLog, StepLog
 
 
 def record(step: int, samples_per_step: int = 64) -> dict:
@@ -78,7 +78,7 @@ def test_a_rolled_forward_rank_0_writes_its_own_step_and_the_adopted_one(tmp_pat
 
 def test_the_banner_says_how_a_global_batch_is_cut_and_dealt():
     """It said "global batch 64 = micro 16 x accumulation 2 x workers 3" (that is 96): the deal was 2+1+1."""
-    from elasticflow.reporting import banner, batch_layout
+    from elasticflow.observability.reporting import banner, batch_layout
 
     assert batch_layout(64, 3, 16) == "4 micro-batches of 16, dealt 2+1+1 over 3 workers"
     assert batch_layout(64, 3, 24) == "3 micro-batches of 24 (the last 16), dealt 1+1+1 over 3 workers"

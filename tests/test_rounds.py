@@ -1,4 +1,4 @@
-"""topology=local_sgd|diloco (elasticflow/rounds.py) against the same algorithms written plainly here: K model
+"""topology=local_sgd|diloco (elasticflow/train/local_sgd.py) against the same algorithms written plainly here: K model
 replicas, each taking sync_every plain SGD steps on its part of every global batch, then an average (local
 SGD) or an outer Nesterov step on the averaged move (DiLoCo). One process, several workers, workers killed
 mid-round, and checkpoints across topologies all end on the plain loop's parameters."""
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 import elasticflow.checkpoint as ckpt
 from conftest import REPO, metrics
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
-from elasticflow.rounds import Outer, owner, part
-from elasticflow.data import GlobalBatch
+from elasticflow.train.local_sgd import Outer, owner, part
+from elasticflow.data.order import GlobalBatch
 from test_elastic import events, train_ok
 
 sys.path.insert(0, str(REPO / "models"))

@@ -22,7 +22,7 @@ from conftest import ELASTICFLOW, metrics, run_cli
 from test_elastic import (assert_equivalent, events, finish, logged_step, members, reference,  # noqa: F401
                           start, tf_reference, wait_for)
 
-from elasticflow import status as run_status
+from elasticflow.observability import status as run_status
 from elasticflow.distributed import control, protocol, scaling
 from elasticflow.distributed.membership import Membership
 from elasticflow.distributed.process import listening_store

@@ -1,4 +1,4 @@
-"""Sealed store records and the agent's defences against what anyone on the network can write (sealing.py,
+"""Sealed store records and the agent's defences against what anyone on the network can write (_util/sealing.py,
 protocol.py): each forgery or malformed input is refused, and the reader's connection survives it."""
 import datetime
 import os
@@ -13,7 +13,7 @@ from torch.distributed import TCPStore
 
 from elasticflow.distributed import protocol
 from elasticflow.distributed.process import Worker, listening_store
-from elasticflow.sealing import REFUSED, Forged, Sealer
+from elasticflow._util.sealing import REFUSED, Forged, Sealer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""topology=parameter_server (elasticflow/servers.py): aggregators hold the shards, trainers push and pull.
+"""topology=parameter_server (elasticflow/replica/parameter_server.py): aggregators hold the shards, trainers push and pull.
 The roles' deal on its own; then real runs against the 1-worker reference, with aggregators and trainers
 killed, and the fallback when a shard has no copy left."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 import elasticflow.checkpoint as ckpt
 from conftest import metrics
-from elasticflow.config import compose, validate
+from elasticflow.config.schema import compose, validate
 from elasticflow.errors import ElasticFlowError
-from elasticflow.servers import Layout, deal, handoff
+from elasticflow.replica.parameter_server import Layout, deal, handoff
 from test_elastic import assert_equivalent, events, finish, logged_step, start, train_ok, wait_for
 
 PS = ["topology=parameter_server", "checkpoint.interval.steps=10"]

@@ -14,9 +14,9 @@ from conftest import metrics
 from test_elastic import events, finish, logged_step, start, train_ok, wait_for
 from test_scale import scale
 
-from elasticflow.config import compose
+from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
-from elasticflow.shard import needed, owned, plan_moves, MAX_HELD
+from elasticflow.replica.shard import needed, owned, plan_moves, MAX_HELD
 
 OPTIMIZERS = {"sgd": ["optimizer.momentum=0.9", "optimizer.lr=0.05"], "adam": ["optimizer=adam", "optimizer.lr=0.003"]}
 SAVE = ["checkpoint.interval.steps=10"]
@@ -166,7 +166,7 @@ def test_the_update_over_slices_is_the_update_over_the_whole_vector(spec, groupe
 
     from elasticflow.backends.torch.optim import FlatAdam
     from elasticflow.optim import SGD, Adam, AdamW, Hyper
-    from elasticflow.shard import FlatUpdate
+    from elasticflow.replica.shard import FlatUpdate
 
     spec = {"sgd_nesterov_wd": SGD(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
             "adam_l2": Adam(0.01, weight_decay=0.1), "adamw": AdamW(0.01)}[spec]

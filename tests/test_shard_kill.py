@@ -22,7 +22,7 @@ from test_elastic import events
 from test_shard import assert_same_state
 
 from elasticflow.optim import Adam, Hyper
-from elasticflow.shard import KEPT, ShardedState, needed, owned, plan_moves, plan_roll
+from elasticflow.replica.shard import KEPT, ShardedState, needed, owned, plan_moves, plan_roll
 
 PROBE = Path(__file__).parent / "models" / "shard_probe.py"
 STEPS, KILL_AT = 30, 12

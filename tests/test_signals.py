@@ -15,7 +15,7 @@ from test_checkpoint import SLOW  # a model file whose steps take 0.05 s
 # (a worker writing a step's record): a handler that logged there waited for that lock forever.
 SCRIPT = r"""
 import json, logging, logging.handlers, queue, signal
-from elasticflow.signals import StopSignal
+from elasticflow._util.signals import StopSignal
 
 q = queue.Queue()
 log = logging.getLogger("elasticflow")

@@ -15,8 +15,8 @@ from conftest import ELASTICFLOW, metrics, run_cli
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401 - fixtures
 from test_elastic import COMMON, PROBE, assert_equivalent, logged_step, reference, wait_for  # noqa: F401
 
-from elasticflow import devices
-from elasticflow.config import compose
+from elasticflow.config import devices
+from elasticflow.config.schema import compose
 from elasticflow.distributed import protocol
 from elasticflow.errors import ElasticFlowError
 from elasticflow.launchers import slurm as slurm_launcher

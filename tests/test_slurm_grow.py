@@ -186,7 +186,7 @@ def settle(jobs, agent, until, what):
 
 
 def test_worker_jobs_come_back_after_preemption_not_after_a_cancel_and_end_with_the_job(tmp_path, monkeypatch):
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.launchers.slurm_grow import WorkerJobs
 
     q = fake_slurm(tmp_path, monkeypatch)
@@ -240,7 +240,7 @@ def test_worker_jobs_come_back_after_preemption_not_after_a_cancel_and_end_with_
 
 
 def test_a_refused_worker_job_stops_growing_with_one_warning(tmp_path, monkeypatch, caplog):
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.launchers.slurm_grow import WorkerJobs
 
     q = fake_slurm(tmp_path, monkeypatch)

@@ -3,10 +3,10 @@ import dataclasses
 import json
 
 from elasticflow import checkpoint as ckpt
-from elasticflow.config import compose
-from elasticflow.data import Cursor
-from elasticflow.replica import Agreed, Replica
-from elasticflow.state import TrainState
+from elasticflow.config.schema import compose
+from elasticflow.data.order import Cursor
+from elasticflow.replica.replica import Agreed, Replica
+from elasticflow.train.state import TrainState
 from elasticflow.trainer import ElasticTrainer
 
 from conftest import MODELS

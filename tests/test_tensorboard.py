@@ -71,7 +71,7 @@ def test_the_sidecar_runs_below_the_trainers_priority(tmp_path):
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.tensorboard", str(tmp_path), "--parent",
+    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.tensorboard", str(tmp_path), "--parent",
                              str(os.getpid())], stdin=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -93,7 +93,7 @@ def test_the_sidecar_exits_quietly_when_its_run_directory_is_removed(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.tensorboard", str(run), "--parent",
+    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.tensorboard", str(run), "--parent",
                              str(os.getpid())], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60

@@ -57,7 +57,7 @@ RESUME_SGD = ("digits_mlp.py", ["optimizer=sgd", "optimizer.lr=0.05", "optimizer
 
 RUNNER = textwrap.dedent("""
     import json, sys
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     for job in json.loads(sys.argv[1]):
@@ -84,7 +84,7 @@ def _run_jobs(jobs, timeout=240) -> list:
 def _fit_here(job: dict):
     """One job in this process (pytest has both frameworks imported already)."""
     from elasticflow import ops
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     with ops.using():  # the trainer chooses its backend; the one active before comes back after
@@ -167,7 +167,7 @@ def test_torch_run_never_imports_tensorflow(runs):
 
 def test_keras_batchnorm_statistics_survive_a_checkpoint(runs):
     from elasticflow import ops
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     run = runs["dirs"]["bn"]
@@ -224,7 +224,7 @@ def test_torch_model_under_tensorflow_fails_in_one_line(tmp_path, write_model):
 
 def test_keras_model_under_torch_is_refused(tmp_path, restore_ops):
     # In-process (the CLI's one-line rendering of ElasticFlowError is the test above's business).
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.errors import ElasticFlowError
     from elasticflow.trainer import ElasticTrainer
 

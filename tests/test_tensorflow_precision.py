@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from elasticflow.devices import Placement
+from elasticflow.config.devices import Placement
 from elasticflow.errors import ElasticFlowError
 
 STEPS, REL = 20, 2e-2

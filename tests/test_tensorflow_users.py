@@ -71,7 +71,7 @@ def restore_ops():
 
 def _fit(model_path, run_dir, *overrides):
     """One in-process training run of ``model_path``; returns the trainer."""
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
     trainer = ElasticTrainer(str(model_path), compose(str(model_path), [*COMMON, *overrides]), run_dir=str(run_dir))
@@ -92,8 +92,8 @@ def test_keras_regularizers_train_as_fit(tmp_path, write_model, restore_ops):
     reaches on the same batches, and the reported loss is fit's (data loss plus regularization)."""
     import keras
 
-    from elasticflow import data
-    from elasticflow.config import compose
+    from elasticflow.data import order as data
+    from elasticflow.config.schema import compose
 
     path = write_model(KERAS_MODEL)
     trainer = _fit(path, tmp_path / "run", "optimizer=sgd", "optimizer.lr=0.1", "trainer.micro_batch_size=16",
@@ -122,7 +122,7 @@ def test_keras_regularizers_train_as_fit(tmp_path, write_model, restore_ops):
 def test_frozen_keras_embedding_is_state_and_never_changes(tmp_path, write_model, restore_ops):
     """``emb.trainable = False`` under AdamW(weight_decay=0.1): bit-identical after training, in the
     checkpoint without optimizer state, restored on resume; unfreezing it then is refused in one line."""
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
     from elasticflow.errors import ElasticFlowError
     from elasticflow.trainer import ElasticTrainer
 

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from elasticflow.errors import ElasticFlowError
-from elasticflow.topology import ROLES, Topology, TopologyConfig, validate
+from elasticflow.config.topology import ROLES, Topology, TopologyConfig, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "topology"
 BUILTINS = ("ring", "hierarchical", "parameter_server", "local_sgd", "diloco")
@@ -54,7 +54,7 @@ def test_the_shapes_of_the_builtins():
 
 
 def test_group_size_splits_a_host_by_local_slot():
-    from elasticflow.config import compose
+    from elasticflow.config.schema import compose
 
     topo = validate(compose("models/digits_mlp.py", ["topology=hierarchical", "topology.group_size=2"]).topology)
     assert [topo.group_of("h1", slot=s) for s in range(4)] == ["h1/0", "h1/0", "h1/1", "h1/1"]
@@ -65,7 +65,7 @@ def test_group_size_splits_a_host_by_local_slot():
 
 
 def test_the_composed_config_carries_the_topology():
-    from elasticflow import config
+    from elasticflow.config import schema as config
 
     assert validate(config.compose("models/linear.py").topology).kind == "ring"
     cfg = config.compose("models/linear.py", ["topology=diloco", "topology.sync_every=8"])

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 
 import numpy as np
 
-from ..buffers import Rule
+from .buffers import Rule
 from ..optim import Hyper, OptimizerSpec
 
 
@@ -91,7 +91,7 @@ class Engine(Protocol):
         """Seed every generator forward() draws from (dropout) for the next micro-batch."""
 
     def buffer_rules(self) -> Dict[str, Rule]:
-        """How each buffer that is state combines across workers (``elasticflow.buffers``); {} if none."""
+        """How each buffer that is state combines across workers (``elasticflow.backends.buffers``); {} if none."""
 
     def buffer_arrays(self) -> Dict[str, np.ndarray]:
         """The buffers named by ``buffer_rules()``, as numpy (views: read them before the next step)."""
@@ -115,7 +115,7 @@ class Engine(Protocol):
         whose head IS the gradient (reducing it in place reduces the gradient): the step's scalars ride
         with it. None when there is no such room (TensorFlow's, always): the caller copies instead."""
 
-    # -- sharded optimizer state (``trainer.shard``, elasticflow/shard.py)
+    # -- sharded optimizer state (``trainer.shard``, elasticflow/replica/shard.py)
     def flat_params(self) -> Any:
         """The trainable parameters as one flat float32 torch tensor, in the flat gradient's order. torch's
         IS the parameters; TensorFlow's is a copy, written back by ``params_written()``."""

@@ -4,7 +4,7 @@ Each rank ``report``s (ok, file, bytes, file and piece checksums) under the save
 ``collect``s all W reports, bounded by a timeout, and only then commits. A member that died never
 reports, so its save never commits -- and training goes on.
 
-Store keys (the agent's TCPStore; every value sealed with the job token, sealing.py):
+Store keys (the agent's TCPStore; every value sealed with the job token, _util/sealing.py):
     ckpt/job/<tag>              the job directory every worker of the run uses (first writer wins; <tag> is
                                 derived from the token, so a stranger cannot take the slot first)
     ckpt/token/<tag>            a random token naming this run's temporary directories
@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import ElasticFlowError
-from ..sealing import REFUSED, Forged, Sealer
+from .._util.sealing import REFUSED, Forged, Sealer
 
 
 AGREE_TRIES = 12  # 0.2 s apart: the agent's health round (0.1 s) puts an agreed value back well within

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import ElasticFlowError
-from ..fileio import write_atomic
+from .._util.fileio import write_atomic
 from .format import job_dirs
 
 log = logging.getLogger("elasticflow")

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import affinity
+from .._util import affinity
 from . import jobdir
 from ..errors import ElasticFlowError
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree, plain_name

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..fileio import aligned
+from .._util.fileio import aligned
 from .format import Piece, take
 
 

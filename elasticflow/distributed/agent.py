@@ -10,7 +10,7 @@ members that arrived or reported; the others *wait* (alive, out of the generatio
 later one once they arrive. Joiners admitted while a generation forms enter the next one together.
 
 Health (heartbeats, failure reports, cutting out the silent) is health.py's. Every record the agent writes
-is sealed with the job token and every one it reads is checked (sealing.py).
+is sealed with the job token and every one it reads is checked (_util/sealing.py).
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from ..console import DetachedConsole
+from .._util.console import DetachedConsole
 from ..errors import ElasticFlowError, TrainingInterrupted
-from ..fileio import append_event
+from .._util.fileio import append_event
 from . import admission, health, hosts, protocol, scaling, workers_json
 from .process import Worker, listening_store
 from .rendezvous import Rendezvous
@@ -64,7 +64,7 @@ class Agent:
         self.state_dir = self.run_dir / ".elasticflow"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token = protocol.new_token(self.run_dir, token)
-        self.job = secrets.token_hex(8)       # this run's id, inside every record's MAC (sealing.py)
+        self.job = secrets.token_hex(8)       # this run's id, inside every record's MAC (_util/sealing.py)
         self.sealer = protocol.Sealer(self.token, self.job)
         self.verdicts = protocol.Sealer(self.token)  # join verdicts: they hand the job id out
         self.refused_joins = 0

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
-from .. import affinity
-from ..fileio import aligned
+from .._util import affinity
+from .._util.fileio import aligned
 from . import hierarchy
 from .protocol import CommError
 

@@ -1,5 +1,5 @@
 """`elasticflow scale`, and the devices `elasticflow status` shows: talk to a running job through its run
-directory and its agent's store. (The status page itself is rendered above, in ``elasticflow.status``.)"""
+directory and its agent's store. (The status page itself is rendered above, in ``elasticflow.observability.status``.)"""
 from __future__ import annotations
 
 import datetime

@@ -4,7 +4,7 @@ forming generation, and cutting out members that went silent.
 Health: a member whose heartbeat stops for ``elastic.heartbeat_timeout_s`` (a stopped process) is
 SIGKILLed; so is one that never reports when its peers' collectives of a generation failed (a
 deadlock or a stuck collective). Killing, not aborting, is what wakes peers blocked on it.
-Every record read here is sealed (sealing.py): a stranger's is refused, never acted on.
+Every record read here is sealed (_util/sealing.py): a stranger's is refused, never acted on.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import secrets
 import time
 from typing import Dict, List
 
-from ..paths import checkpoint_dir
+from .._util.paths import checkpoint_dir
 from . import protocol
 from .process import Worker
 

@@ -5,7 +5,7 @@ bumps this worker's heartbeat and reads ``gen/current`` every ``POLL_S``: the tr
 sees the newest generation without a round trip, and learns within ``POLL_S`` when the agent is
 gone. A stopped process (SIGSTOP) stops heartbeating, which is how the agent finds hung workers.
 
-Every record read here is sealed by its writer (sealing.py); one that does not verify is refused and
+Every record read here is sealed by its writer (_util/sealing.py); one that does not verify is refused and
 ignored -- a stranger who can reach the store cannot stop the job, or enter it, by writing records.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Dict, List, Optional
 
 from torch.distributed import PrefixStore, TCPStore
 
-from ..fileio import append_event
-from ..memory import rss_mib
+from .._util.fileio import append_event
+from .._util.memory import rss_mib
 from . import protocol
 from .comm import Group
 from .protocol import CommError

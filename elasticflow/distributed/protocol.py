@@ -1,6 +1,6 @@
 """What the agent and the workers say to each other through the store, and the exit codes they use.
 
-Store keys (every record a worker or the agent acts on is sealed with the job token: sealing.py):
+Store keys (every record a worker or the agent acts on is sealed with the job token: _util/sealing.py):
     gen/current                 the newest generation number g (sealed)
     gen/<g>                     sealed JSON {"members": [worker ids in rank order], "action": "train" | "stop",
                                 "reason", "waiting": [ids alive but left out: they re-enter a later generation]}
@@ -28,7 +28,7 @@ Store keys (every record a worker or the agent acts on is sealed with the job to
                                 from the token, so a stranger cannot address it
 
 The job token never crosses the wire: requests carry an HMAC of their fields keyed by it, records a MAC keyed
-by the token and the run's job id (sealing.py). A stranger's record is refused, counted and logged once per kind.
+by the token and the run's job id (_util/sealing.py). A stranger's record is refused, counted and logged once per kind.
 """
 import hashlib
 import hmac
@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
-from ..fileio import write_atomic
-from ..sealing import REFUSED, Forged, Sealer  # noqa: F401 - the workers' and the agent's sealer
+from .._util.fileio import write_atomic
+from .._util.sealing import REFUSED, Forged, Sealer  # noqa: F401 - the workers' and the agent's sealer
 
 # The environment variables between the agent and its workers live in a leaf (devices.py reads one too).
-from ..envnames import (ENV_BIND, ENV_DEBUG, ENV_JOB_TOKEN, ENV_LOCAL_SLOT, ENV_LOCAL_WORKERS,  # noqa: F401
-                        ENV_NODE, ENV_RUN_DIR, ENV_SPAWNED_AT, ENV_STORE, ENV_TOKEN, ENV_WORKER_ID)
+from .._util.envnames import (ENV_BIND, ENV_DEBUG, ENV_JOB_TOKEN, ENV_LOCAL_SLOT, ENV_LOCAL_WORKERS,
+                              ENV_NODE, ENV_RUN_DIR, ENV_SPAWNED_AT, ENV_STORE, ENV_TOKEN, ENV_WORKER_ID)
 
 IDS_KEY = "worker/ids"  # worker ids are drawn from this counter, by the agent and by node agents
 

@@ -12,7 +12,7 @@ import signal
 import time
 from typing import Any, Optional
 
-from ..fileio import write_atomic
+from .._util.fileio import write_atomic
 from . import protocol
 
 log = logging.getLogger("elasticflow")

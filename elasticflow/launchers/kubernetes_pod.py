@@ -44,7 +44,7 @@ def _no_local_worker(env: Dict[str, str]):
 
 def load_config(files: Path) -> Any:
     """The config written at submission (validated then), its model file where the pod holds it."""
-    from ..config import Config
+    from ..config.schema import Config
 
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(files / "config.yaml"))
     cfg.model = str(files / Path(cfg.model).name)
@@ -72,7 +72,7 @@ def ended(run_dir: Path, submission: str) -> Optional[int]:
 
 
 def run_agent(cfg: Any, ns: argparse.Namespace) -> Dict[str, Any]:
-    from ..goodput import job
+    from ..observability.goodput import job
 
     run_dir = Path(ns.run_dir)
     ended_file(run_dir, ns.submission).unlink(missing_ok=True)  # a retried agent pod: the job is on again
@@ -153,7 +153,7 @@ def run_worker(cfg: Any, ns: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    from ..exits import debug_requested, print_done, report
+    from .exits import debug_requested, print_done, report
 
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
     parser.add_argument("role", choices=("agent", "worker"))

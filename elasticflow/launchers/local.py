@@ -20,7 +20,7 @@ def local_launch(env: Dict[str, str]) -> subprocess.Popen:
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     # cfg arrives validated (cli._train_task): nothing here checks it again.
-    from ..goodput import job
+    from ..observability.goodput import job
 
     with job(run_dir):  # the job's start and end, for the goodput ledger
         if cfg.launcher.workers == 1 and not cfg.launcher.max_workers:

@@ -68,7 +68,7 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
         return NodeAgent(cfg, cfg.launcher.endpoint, token, local_launch,
                          bind=netif.address_toward(host, cfg.launcher.interface)).run()
     from ..distributed.agent import Agent
-    from ..goodput import job
+    from ..observability.goodput import job
 
     address = socket.gethostbyname(host)
     if cfg.checkpoint.dir:  # the workers of every host must name the same directory: no relative path

@@ -76,7 +76,7 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """The agent, here, with workers as srun steps; requeues the job after a preemption warning."""
     from ..distributed.agent import Agent
     from ..distributed.netif import address_of
-    from ..goodput import job
+    from ..observability.goodput import job
 
     lc = cfg.launcher
     lc.workers = total_workers(cfg)
@@ -151,8 +151,8 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
 
 def main(argv: List[str] | None = None) -> None:
     """The batch script's entry: `python -m elasticflow.launchers.slurm RUN_DIR`."""
-    from ..config import Config
-    from ..exits import debug_requested, print_done, report
+    from ..config.schema import Config
+    from .exits import debug_requested, print_done, report
 
     argv = sys.argv[1:] if argv is None else argv
     run_dir = Path(argv[0]).resolve()

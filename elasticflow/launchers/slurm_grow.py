@@ -300,7 +300,7 @@ def join(run_dir: Path, run_job: str) -> Dict[str, Any]:
     """In a worker job: join this node to the run's agent, if it is still the one that submitted us."""
     from omegaconf import OmegaConf
 
-    from ..config import Config
+    from ..config.schema import Config
     from ..distributed import netif
     from ..distributed.node_agent import NodeAgent
 
@@ -323,7 +323,7 @@ def join(run_dir: Path, run_job: str) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """The worker job's entry: `python -m elasticflow.launchers.slurm_grow RUN_DIR RUN_JOB`."""
-    from ..exits import debug_requested, report
+    from .exits import debug_requested, report
 
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

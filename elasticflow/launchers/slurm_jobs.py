@@ -6,7 +6,7 @@ import shutil
 import subprocess
 from typing import Any, Dict, List
 
-from ..config_ranges import has_control_characters
+from ..config.ranges import has_control_characters
 from ..distributed import protocol
 from ..errors import ElasticFlowError
 from .worker import COMMAND

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..checkpoint import jobdir
-from ..console import DetachedConsole
+from .._util.console import DetachedConsole
 from ..distributed import protocol
-from ..fileio import append_event, write_atomic
+from .._util.fileio import append_event, write_atomic
 
 COMMAND = [sys.executable, "-m", "elasticflow.launchers.worker"]  # what a launcher runs to start one worker
 
@@ -126,12 +126,12 @@ def _finish_save_on_sigterm(holder: dict) -> None:
 def main() -> None:
     from omegaconf import OmegaConf
 
-    from ..config import Config
+    from ..config.schema import Config
     from ..errors import ElasticFlowError, TrainingInterrupted
     from ..distributed.membership import AgentLost, Membership, Refused, Removed
     from torch.distributed import DistNetworkError
 
-    from ..topology import this_workers_group, validate as validate_topology
+    from ..config.topology import this_workers_group, validate as validate_topology
     from ..trainer import ElasticTrainer
 
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "models"))
 import tiny_gpt  # noqa: E402
-from elasticflow.data import permutation  # noqa: E402
+from elasticflow.data.order import permutation  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ddp_digits  # noqa: E402  (the options and group set-up of every DDP baseline)

@@ -29,7 +29,7 @@ SITECUSTOMIZE = f"WORKER_ENV = {ENV_WORKER_ID!r}\n" + '''
 import os, sys
 if os.environ.get(WORKER_ENV) is not None:
     sys.path.insert(0, os.getcwd())
-    import elasticflow.replica as replica
+    import elasticflow.replica.replica as replica
 
     installed = replica.Replica.start_reduce
     calls = [0]

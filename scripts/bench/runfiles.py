@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-from elasticflow.fileio import read_jsonl as jsonl  # noqa: F401  (skips a line torn by a SIGKILL)
+from elasticflow._util.fileio import read_jsonl as jsonl  # noqa: F401  (skips a line torn by a SIGKILL)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float) -> None:

@@ -103,7 +103,7 @@ def _stall_first_build():
 
 
 def _kill_while_logging(steps):
-    from elasticflow import reporting
+    from elasticflow.observability import reporting
 
     write = reporting.RunLog.step
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import elasticflow
-from elasticflow import shard
+from elasticflow.replica import shard
 from elasticflow.distributed import comm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from .. import common
 from ..common import host_array
-from ...devices import Placement
+from ...config.devices import Placement
 
 _placement = Placement()  # what setup() recorded: the default of resident() and to_device()
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from ...devices import Placement
+from ...config.devices import Placement
 from ...errors import ElasticFlowError
 from . import data as tf_data
 from .native import POLICIES

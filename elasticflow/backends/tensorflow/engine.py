@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf  # imported quietly already: tensorflow/__init__.py imports it before this module
 
-from ...buffers import Rule
-from ...devices import Placement
+from ..buffers import Rule
+from ...config.devices import Placement
 from ...errors import ElasticFlowError
 from ...optim import Hyper, OptimizerSpec
 from ..common import (activate, buckets, check_loss, check_trainable, flatten, rebuild, set_training, state_names,
@@ -433,7 +433,7 @@ class Engine:
     def state_names(self) -> List[str]:
         return state_names(self.param_names, [*self.buffers, *self.frozen], self.spec.slots())
 
-    # -- sharded optimizer state (elasticflow/shard.py)
+    # -- sharded optimizer state (elasticflow/replica/shard.py)
     def flat_params(self):
         """The parameters as one flat float32 torch tensor, in the flat gradient's order, read from the
         variables now. A copy (a variable cannot be written through DLPack): whoever writes it calls
@@ -464,7 +464,7 @@ class Engine:
         return self._groups.runs(self._sizes)
 
     def reset_optimizer(self) -> None:
-        """Start the optimizer afresh: zero slots, no updates counted (rounds.py: each round's inner optimizer)."""
+        """Start the optimizer afresh: zero slots, no updates counted (train/local_sgd.py: each round's inner optimizer)."""
         for variables in self._slots.values():
             for v in variables:
                 v.assign(np.zeros(v.shape, np.float32))

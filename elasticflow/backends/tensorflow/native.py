@@ -15,7 +15,7 @@ import numpy as np
 
 import tensorflow as tf
 
-from ...buffers import Rule, default_rule
+from ..buffers import Rule, default_rule
 from ...errors import ElasticFlowError
 from .data import np_dtype
 

@@ -8,7 +8,7 @@ import torch
 
 from .. import common
 from ..common import host_array
-from ...devices import Placement
+from ...config.devices import Placement
 
 
 def to_tensor(array: np.ndarray) -> torch.Tensor:

@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import torch
 
-from ...devices import Placement
+from ...config.devices import Placement
 
 
 def setup(threads: Optional[int], seed: int, placement: Optional[Placement] = None) -> None:

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ... import optim
-from ...buffers import Rule
-from ...devices import Placement
+from ..buffers import Rule
+from ...config.devices import Placement
 from ...errors import ElasticFlowError
 from ...optim import OptimizerSpec
 from .. import common
@@ -297,7 +297,7 @@ class Engine:
         stateful = [n for n in self.buffers if self._stateful is None or n in self._stateful]
         return state_names(self.params, [*self.frozen, *stateful], self.spec.slots())
 
-    # -- sharded optimizer state (elasticflow/shard.py): the parameters as one flat tensor
+    # -- sharded optimizer state (elasticflow/replica/shard.py): the parameters as one flat tensor
     def flat_params(self) -> torch.Tensor:
         """The parameters as one flat float32 tensor, in the flat gradient's order: writing it writes
         the model."""
@@ -312,7 +312,7 @@ class Engine:
         return list(self._runs)
 
     def reset_optimizer(self) -> None:
-        """Start the optimizer afresh: zero slots, no steps taken (rounds.py: each round's inner optimizer)."""
+        """Start the optimizer afresh: zero slots, no steps taken (train/local_sgd.py: each round's inner optimizer)."""
         self.optimizer.reset()
 
     def release_optimizer(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ...buffers import Rule, default_rule
+from ..buffers import Rule, default_rule
 from .data import to_numpy
 
 
@@ -42,7 +42,7 @@ def owners(module: torch.nn.Module) -> Dict[str, str]:
 
 
 def buffer_rules(module: Optional[torch.nn.Module], buffers: Dict[str, torch.Tensor]) -> Dict[str, Rule]:
-    """How each buffer combines across workers (``elasticflow.buffers``): BatchNorm's running
+    """How each buffer combines across workers (``elasticflow.backends.buffers``): BatchNorm's running
     statistics by its momentum (or cumulative average), its counter by sum, other persistent buffers
     by the default rule. Non-persistent buffers (causal masks, position ids) are not state: skipped.
     ``module`` None: a dict model, whose buffers are all state."""

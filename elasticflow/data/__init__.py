@@ -1,0 +1,10 @@
+"""Data: the global sample order and each worker's share of a batch (``order``), the forms ``data()`` may
+return (``forms``), and the next micro-batches read ahead (``prefetch``).
+
+Public (``elasticflow.data``): the dataset forms ``Mapped``, ``Columns`` and ``NpyShards``, the per-sample
+randomness ``sample_seed`` and ``sample_rng``, and the epoch order ``permutation``.
+"""
+from .forms import Columns, Mapped, NpyShards
+from .order import Dataset, permutation, sample_rng, sample_seed
+
+__all__ = ["Columns", "Mapped", "NpyShards", "Dataset", "permutation", "sample_rng", "sample_seed"]

@@ -1,0 +1,292 @@
+"""The dataset forms ``data()`` may return, each turned into one shape: ``len()`` and ``fetch(indices)``
+returning a tuple of numpy arrays with one row per index.
+
+Forms: a tuple of arrays held in memory (the trainer keeps those resident, see ``data.Dataset``);
+arrays memory-mapped from disk (``np.load(path, mmap_mode="r")``, or :class:`NpyShards` for a
+directory of ``.npy`` shards), read batch by batch; an object whose ``__getitem__`` takes an array
+of indices; a map-style ``torch.utils.data.Dataset`` (one item per index, optional ``collate_fn``,
+see :class:`Mapped`); a Hugging Face ``datasets.Dataset`` (batched column reads, see
+:class:`Columns`). Iterable-only sources are refused: exactly-once needs random access.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import ElasticFlowError
+
+Rows = Tuple[np.ndarray, ...]
+
+
+class Mapped:
+    """A map-style dataset read one item per index (``torch.utils.data.Dataset`` and the like).
+
+    Each item is an array, a tuple of arrays (``forward()``'s argument order) or a dict (its keys'
+    order); items are stacked into a batch, or passed to ``collate_fn`` (which returns a tuple of
+    arrays or tensors, as torch's ``default_collate`` does). A ``torch.utils.data.Dataset``
+    returned from ``data()`` is wrapped in this for you.
+
+    Example::
+
+        def data(cfg):
+            return elasticflow.data.Mapped(MyImages("train/"), collate_fn=pad_batch)
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Optional[Callable[[List[Any]], Any]] = None):
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ElasticFlowError(f"Mapped() got a {type(dataset).__name__}, which has no __len__ and __getitem__",
+                                   "pass a map-style dataset: dataset[i] returns sample i")
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def read(self, indices: np.ndarray) -> Any:
+        items = [self.dataset[int(i)] for i in indices]
+        if self.collate_fn is not None:
+            return self.collate_fn(items)
+        return _stack(items, indices)
+
+
+class Columns:
+    """A Hugging Face ``datasets.Dataset`` read by batched column access (no per-item Python loop).
+
+    ``columns`` picks and orders the columns that become ``forward()``'s arguments; without them
+    every column is used in the dataset's own order. Returning the dataset itself from ``data()``
+    means ``Columns(dataset)``.
+
+    Example::
+
+        def data(cfg):
+            ds = datasets.load_from_disk("mnist")
+            return elasticflow.data.Columns(ds, "pixels", "label")
+    """
+
+    def __init__(self, dataset: Any, *columns: str):
+        names = list(getattr(dataset, "column_names", None) or [])
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise ElasticFlowError(f"Columns(): the dataset has no column {', '.join(map(repr, missing))}",
+                                   f"its columns are {', '.join(map(repr, names))}")
+        self.columns = list(columns) or names
+        # numpy format: a batch read returns arrays, not lists of Python objects
+        self.dataset = dataset.with_format("numpy", columns=self.columns)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def read(self, indices: np.ndarray) -> Rows:
+        batch = self.dataset[indices.tolist()]
+        return tuple(np.asarray(batch[c]) for c in self.columns)
+
+
+class NpyShards:
+    """Arrays stored as ``.npy`` shards on disk, memory-mapped: one glob pattern per array, shards
+    concatenated in sorted file-name order. Only the rows of each batch are read.
+
+    Example::
+
+        def data(cfg):  # train/x-000.npy, train/x-001.npy, ... and train/y-000.npy, ...
+            return elasticflow.data.NpyShards("train/x-*.npy", "train/y-*.npy")
+    """
+
+    def __init__(self, *patterns: str):
+        if not patterns:
+            raise ElasticFlowError("NpyShards() got no pattern", 'pass one glob per array, e.g. "x-*.npy", "y-*.npy"')
+        self.arrays: List[List[DiskRows]] = []
+        self.offsets: List[np.ndarray] = []
+        for pattern in patterns:
+            files = sorted(glob.glob(os.path.expanduser(pattern)))
+            if not files:
+                raise ElasticFlowError(f"NpyShards(): no file matches {pattern!r}",
+                                       "check the path (relative paths start where elasticflow train was run)")
+            shards = [DiskRows(np.load(f, mmap_mode="r")) for f in files]
+            for f, s in zip(files, shards):
+                if s.shape[1:] != shards[0].shape[1:] or s.dtype != shards[0].dtype:
+                    raise ElasticFlowError(
+                        f"NpyShards(): {f} holds {s.dtype} rows of shape {s.shape[1:]}, but {files[0]} holds "
+                        f"{shards[0].dtype} rows of shape {shards[0].shape[1:]}",
+                        "every shard of one array must have the same row shape and dtype")
+            self.arrays.append(shards)
+            self.offsets.append(np.cumsum([0] + [len(s) for s in shards]))
+        totals = [int(o[-1]) for o in self.offsets]
+        if len(set(totals)) != 1:
+            raise ElasticFlowError(f"NpyShards(): the patterns hold different numbers of rows "
+                                   f"({', '.join(f'{p!r}: {n}' for p, n in zip(patterns, totals))})",
+                                   "every array needs one row per sample")
+        self.length = totals[0]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, indices: np.ndarray) -> Rows:
+        return tuple(_read_sharded(shards, offsets, indices) for shards, offsets in zip(self.arrays, self.offsets))
+
+
+class DiskRows:
+    """Rows of a memory-mapped array read with ``pread`` into the batch's own buffer.
+
+    Not through the mapping: a fault maps at least a page and, where the page cache holds the file in
+    large folios (a file just written), a whole folio, so 40 random batches brought a 2 GiB file
+    into the resident set (measured, scripts/bench_data.py). pread leaves the file in the page
+    cache, which the kernel may drop, and maps nothing. Runs of consecutive rows are one call each.
+    """
+
+    def __init__(self, array: np.memmap):
+        self.array = array  # kept: the mapping stays valid as the fallback and for non-contiguous files
+        self.fd = None
+        if getattr(array, "filename", None) and array.flags.c_contiguous and array.ndim >= 1:
+            self.fd = os.open(array.filename, os.O_RDONLY)
+            self.offset, self.row_bytes = int(array.offset), int(array.strides[0]) if array.ndim > 1 else array.itemsize
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        order = np.argsort(indices, kind="stable")
+        rows = np.empty((len(indices),) + self.shape[1:], dtype=self.dtype)
+        wanted = indices[order]
+        if self.fd is None:
+            rows[order] = self.array[wanted]
+            return rows
+        sorted_rows = np.empty_like(rows)
+        flat = sorted_rows.reshape(len(indices), -1).view(np.uint8)
+        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1  # runs of consecutive rows
+        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(wanted)]):
+            view = memoryview(flat[lo:hi]).cast("B")
+            got = os.preadv(self.fd, [view], self.offset + int(wanted[lo]) * self.row_bytes)
+            if got != len(view):
+                raise ElasticFlowError(f"{self.array.filename} is shorter than its header says (rows {wanted[lo]}.."
+                                       f"{wanted[hi - 1]} read {got} of {len(view)} bytes)",
+                                       "the file was truncated or is being rewritten; write it again")
+        rows[order] = sorted_rows
+        return rows
+
+
+def _read_sharded(shards: List[DiskRows], offsets: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    which = np.searchsorted(offsets, indices, side="right") - 1
+    out = np.empty((len(indices),) + shards[0].shape[1:], dtype=shards[0].dtype)
+    for s in np.unique(which):
+        hit = which == s
+        out[hit] = shards[s].read(indices[hit] - offsets[s])
+    return out
+
+
+class Mmapped:
+    """A tuple of arrays of which at least one is memory-mapped: rows are read per batch, never all."""
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self.arrays = tuple(DiskRows(a) if isinstance(a, np.memmap) else a for a in arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays[0])
+
+    def read(self, indices: np.ndarray) -> Rows:
+        return tuple(a.read(indices) if isinstance(a, DiskRows) else a[indices] for a in self.arrays)
+
+
+class Indexed:
+    """An object whose ``__getitem__`` takes an array of indices and returns a tuple of arrays."""
+
+    def __init__(self, source: Any):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def read(self, indices: np.ndarray) -> Any:
+        return self.source[indices]
+
+
+def _stack(items: List[Any], indices: np.ndarray) -> Rows:
+    """Items (arrays, tensors, tuples of them, or dicts) stacked field by field into a batch."""
+    first = items[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        items = [tuple(item[k] for k in keys) for item in items]
+    elif not isinstance(first, (tuple, list)):
+        items = [(item,) for item in items]
+    return tuple(_stack_field([item[f] for item in items], f, indices) for f in range(len(items[0])))
+
+
+def _stack_field(values: List[Any], field: int, indices: np.ndarray) -> np.ndarray:
+    # One C call when the items agree (torch.stack for tensors, as default_collate does; np.stack
+    # else); the item-by-item look for the odd one out only when they do not.
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
+        if len({(v.dtype, v.shape) for v in values}) == 1:
+            return torch.stack(values).numpy()
+    else:
+        arrays = [np.asarray(v) for v in values]
+        if len({(a.dtype, a.shape) for a in arrays}) == 1:
+            return np.stack(arrays)
+    arrays = [_as_array(v) for v in values]
+    for i, a in zip(indices, arrays):
+        if a.shape != arrays[0].shape or a.dtype != arrays[0].dtype:
+            raise ElasticFlowError(
+                f"sample {int(i)}'s field #{field} is {a.dtype} of shape {a.shape}, but sample {int(indices[0])}'s "
+                f"is {arrays[0].dtype} of shape {arrays[0].shape}",
+                "every sample's field must have one shape and dtype; pad or resize in __getitem__, or pass "
+                "collate_fn= to Mapped()")
+    return np.stack(arrays)
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # a torch or TF tensor
+        value = value.detach().cpu() if hasattr(value, "detach") else value
+        return np.asarray(value.numpy())
+    return np.asarray(value)
+
+
+def _is_instance(raw: Any, module: str, names: Tuple[str, ...]) -> bool:
+    """isinstance against a class of a package, without importing the package (it is loaded if
+    the object came from it)."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        return False
+    for name in names:
+        obj = mod
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type) and isinstance(raw, obj):
+            return True
+    return False
+
+
+_RANDOM_ACCESS = ("exactly-once training deals each global batch by sample index, so the source must "
+                  "be readable at any index")
+
+
+def refuse_iterable(raw: Any, what: str) -> None:
+    """Iterable-only sources cannot be read at a given index: say why, and what to return instead."""
+    kind = None
+    if _is_instance(raw, "torch.utils.data", ("IterableDataset",)):
+        kind, fix = "a torch IterableDataset", "return a map-style torch Dataset (__len__ and __getitem__(i))"
+    elif _is_instance(raw, "tensorflow", ("data.Dataset",)):
+        kind, fix = "a tf.data.Dataset", ("return the arrays it reads (e.g. tuple(np.stack(c) for c in zip(*ds."
+                                          "as_numpy_iterator()))) or a Columns/NpyShards source")
+    elif _is_instance(raw, "datasets", ("IterableDataset",)):
+        kind, fix = "a streaming Hugging Face IterableDataset", "load it without streaming=True (a datasets.Dataset)"
+    elif _is_instance(raw, "torch.utils.data", ("DataLoader",)):
+        kind, fix = "a torch DataLoader", "return its dataset (loader.dataset): ElasticFlow batches and shuffles"
+    elif hasattr(raw, "__next__") or (hasattr(raw, "__iter__") and not hasattr(raw, "__getitem__")):
+        kind, fix = f"an iterable ({type(raw).__name__})", "return arrays, or an object with __len__ and __getitem__"
+    if kind:
+        raise ElasticFlowError(f"{what} returned {kind}, which can only be read in order; {_RANDOM_ACCESS}", fix)
+
+
+def adapt(raw: Any, what: str) -> Any:
+    """``raw`` as a reader (``len`` and ``read(indices)``), or None for arrays held in memory."""
+    if isinstance(raw, (Mapped, Columns, NpyShards, Mmapped)):
+        return raw
+    refuse_iterable(raw, what)
+    if _is_instance(raw, "datasets", ("Dataset",)):
+        return Columns(raw)
+    if _is_instance(raw, "torch.utils.data", ("Dataset",)):
+        return Mapped(raw)
+    return None

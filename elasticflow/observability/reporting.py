@@ -1,0 +1,286 @@
+"""What the user sees and what tests read: the run log (metrics.jsonl, events.jsonl), the progress bar,
+the banner, log lines."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from ..data.order import deal, split_evenly
+from .._util.fileio import append_event
+from .._util.memory import rss_mib  # also re-exported: the trainer reads it from here
+
+log = logging.getLogger("elasticflow")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the line parseable
+    return value
+
+
+def last_logged_step(path: Path, field: str = "step") -> int:
+    """The highest training step already in metrics.jsonl (-1 if none); a torn last line is ignored.
+
+    ``field="samples_seen"``: the samples of that record instead (it also moves on a skipped step).
+    """
+    if not path.is_file():
+        return -1
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - 65536))
+        tail = f.read().decode(errors="replace").splitlines()
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record and field in record:
+            return int(record[field])
+    return -1
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl (appends across resumes)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+        if path.stat().st_size:  # a writer killed mid-line must not glue its torn line to ours
+            with open(path, "rb") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    self._file.write("\n")
+
+    def write(self, record: Dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RunLog:
+    """RUN_DIR/metrics.jsonl (one record per logged step and per evaluation, written by rank 0) and
+    RUN_DIR/events.jsonl (membership events; the agent appends there too).
+
+    Each step is written once, even across a change of rank 0: a new logger first reads the last step
+    already in the file (``take_over``).
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
+        self.run_dir = run_dir
+        self._writer: Optional[MetricsWriter] = None
+        self._written = -1  # samples_seen of the newest record in metrics.jsonl
+        self._board = None
+        if tensorboard:
+            from .tensorboard import TensorBoard
+
+            self._board = TensorBoard(run_dir)  # a sidecar that follows metrics.jsonl, started by rank 0
+
+    def _metrics(self) -> MetricsWriter:
+        if self._writer is None:
+            self._writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+        return self._writer
+
+    def take_over(self) -> None:
+        """This worker became rank 0 in place of one that left: it may have logged steps we have not."""
+        self._written = max(self._written, last_logged_step(self.run_dir / "metrics.jsonl", "samples_seen"))
+
+    def step(self, record: Dict[str, Any]) -> None:
+        """Append a training step's record, unless that step is in the file already.
+
+        A step is known by its samples_seen, not its step number: a skipped step (an overflow, a
+        non-finite loss) keeps the step number of the one before it, and is logged too.
+        """
+        if record.get("samples_seen", -1) <= self._written:
+            return
+        self._metrics().write(record)
+        self._written = record["samples_seen"]
+        if self._board is not None and self._board.proc is None:
+            self._board.start()
+
+    def eval(self, record: Dict[str, Any]) -> None:
+        self._metrics().write(record)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        append_event(self.run_dir / "events.jsonl", kind, "worker", **fields)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._board is not None:
+            self._board.close()
+
+
+class Progress:
+    """A tqdm bar over optimizer steps (step, ETA, loss, samples/s, workers, generation); silent when disabled."""
+
+    def __init__(self, enabled: Optional[bool], total: Optional[int], initial: int):
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    @property
+    def active(self) -> bool:
+        return self.bar is not None
+
+    def update(self, loss: float, samples_per_s: float, world: int = 1, generation: int = 0) -> None:
+        """One optimizer step; the bar shows the loss, samples/s, the workers and the membership
+        generation (tqdm adds the ETA from the steps left)."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{samples_per_s:,.0f}", workers=world,
+                                 gen=generation, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class StepLog:
+    """Rank 0's step records (metrics.jsonl, the console, the progress bar), written while no peer waits.
+
+    Every member waits at the next reduction for the last one to arrive, so rank 0's bookkeeping between
+    steps held all of them up (~0.15 ms a logged step on 2 cores, a third of the digits MLP's compute).
+    With more than one worker rank 0 keeps a step's record (``ended``) and writes it while the next step's
+    reduction is in flight (``flush``), or before an evaluation, a checkpoint, a regroup or the loop's end,
+    whichever comes first; the record's ``time`` is still the step's end.
+
+    Note: rank 0 writes step N's record after its part of step N+1's reduction is sent, so a rank 0 that
+    dies in between leaves the others to commit N+1 with N unwritten. Every rank keeps the records of
+    the last two steps it committed, and a new rank 0 writes them (``rewrite``; RunLog skips those there).
+    """
+
+    def __init__(self, run_log: RunLog, log_every: int, memory: Callable[[], Dict[str, float]]):
+        self.run_log, self.log_every, self.memory = run_log, log_every, memory
+        self.total_steps: Optional[int] = None  # the schedule's last step, always logged (once it is known)
+        self.progress: Optional[Progress] = None  # fit()'s bar; None in a custom loop
+        self._deferred: Optional[Dict[str, Any]] = None
+        self._recent: deque = deque(maxlen=2)
+
+    def due(self, record: Dict[str, Any]) -> bool:
+        """Whether ``record``'s step is written to metrics.jsonl (every ``log_every`` steps, and the last)."""
+        return record["step"] % self.log_every == 0 or record["step"] == self.total_steps
+
+    def committed(self, record: Dict[str, Any]) -> None:
+        """Every rank, as a step commits: its record, for a ``rewrite`` should this worker become rank 0."""
+        self._recent.append(record)
+
+    def ended(self, record: Dict[str, Any], rank: int, world: int) -> None:
+        """Rank 0, when the step's bookkeeping is done: write it now (one worker) or at the next ``flush``."""
+        if rank == 0:
+            if world > 1:
+                self._deferred = record
+            else:
+                self._write(record)
+
+    def write_now(self, record: Dict[str, Any]) -> None:
+        """Rank 0: write ``record`` at once (a step committed inside a round of steps, train/local_sgd.py)."""
+        self._write(record)
+
+    def flush(self) -> None:
+        """Write the record ``ended`` kept, if any."""
+        if self._deferred is not None:
+            record, self._deferred = self._deferred, None
+            self._write(record)
+
+    def rewrite(self, adopted: Dict[str, Any]) -> None:
+        """This worker is rank 0 after a regroup: the records a rank 0 that left may not have written, in
+        order -- the steps this worker committed and ``adopted``, the newest (from a member, if rolled forward)."""
+        records = {r["samples_seen"]: r for r in (*self._recent, adopted) if r}
+        for _, record in sorted(records.items()):
+            if self.due(record):
+                self.run_log.step(record)
+
+    def _write(self, record: Dict[str, Any]) -> None:
+        bar = self.progress
+        if self.due(record):
+            self.run_log.step({**record, "memory_mib": self.memory()})
+            if bar is None or not bar.active:
+                log.info(step_line(record))
+        if bar is not None:
+            bar.update(record["loss"], record["global_batch"] / max(record["step_time_s"], 1e-9),
+                       record["world_size"], record["generation"])
+
+
+def batch_layout(global_batch: int, world: int, micro: Optional[int]) -> str:
+    """How ``data.deal`` cuts a global batch and deals it out, as the banner says it.
+
+    >>> batch_layout(64, 3, 16)
+    '4 micro-batches of 16, dealt 2+1+1 over 3 workers'
+    >>> batch_layout(64, 3, None)
+    '22+21+21 samples over 3 workers, one micro-batch per worker'
+    """
+    def spread(counts) -> str:  # 2+1+1, or for many workers the range
+        if len(counts) <= 8:
+            return "+".join(map(str, counts))
+        return f"{counts[0]} each" if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)} each"
+
+    if world == 1:
+        return f"1 micro-batch of {global_batch}" if not micro else _cut(global_batch, micro)
+    over = f"over {world} workers"
+    if not micro:
+        samples = spread(split_evenly(global_batch, world))
+        samples = samples.replace(" each", " samples each") if " each" in samples else f"{samples} samples"
+        return f"{samples} {over}, one micro-batch per worker"
+    dealt = [len(deal((0, global_batch), r, world, micro).micro) for r in range(world)]
+    return f"{_cut(global_batch, micro)}, dealt {spread(dealt)} {over}"
+
+
+def _cut(global_batch: int, micro: int) -> str:
+    micro = min(micro, global_batch)
+    n, last = -(-global_batch // micro), global_batch % micro
+    return f"{n} micro-batch{'es' if n != 1 else ''} of {micro}" + (f" (the last {last})" if last else "")
+
+
+def banner(*, backend: str, device: str, world: int, global_batch: int, micro: Optional[int], optimizer: str,
+           samples: int, steps_per_epoch: int, total_steps: Optional[int], run_dir: Path, resumed: Optional[str]) -> str:
+    lines = [
+        f"elasticflow | backend {backend} | {device} | workers {world} | "
+        f"global batch {global_batch} = {batch_layout(global_batch, world, micro)}",
+        f"  optimizer {optimizer} | {samples} samples, {steps_per_epoch} steps/epoch"
+        + (f", {total_steps} steps in all" if total_steps else ""),
+        f"  run dir {run_dir}" + (f" | resumed from {resumed}" if resumed else ""),
+    ]
+    return "\n".join(lines)
+
+
+def step_line(record: Dict[str, Any]) -> str:
+    extra = " ".join(f"{k}={v:.4g}" for k, v in record.items()
+                     if k not in ("step", "epoch", "loss", "lr", "samples_seen", "world_size", "generation",
+                                  "step_time_s", "train_s", "micro_step", "time", "global_batch")
+                     and isinstance(v, float))
+    return (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.5g} lr {record['lr']:.3g} "
+            f"samples {record['samples_seen']} {record['step_time_s'] * 1e3:.1f} ms {extra}").rstrip()
+
+
+class WorkerMemory:
+    """Resident MiB of each worker, by worker id, for rank 0's step records (TensorBoard's memory/):
+    what rank 0's membership thread gathered, or without one this process's own, read at most every 2 s
+    (a /proc read: not on every logged step)."""
+
+    def __init__(self, membership: Any, worker_id: Callable[[], Any]):
+        self.membership, self.worker_id = membership, worker_id
+        self._own = (-1e9, 0.0)  # (monotonic time read, resident MiB)
+
+    def __call__(self) -> Dict[str, float]:
+        m = self.membership
+        if m is not None and m.memory:
+            return {str(k): v for k, v in m.memory.items()}
+        read_at, mib = self._own
+        if time.monotonic() - read_at > 2.0:
+            mib = round(rss_mib(), 1)
+            self._own = (time.monotonic(), mib)
+        return {str(self.worker_id() or 0): mib}

@@ -1,0 +1,103 @@
+"""`elasticflow status RUN_DIR [--json]`: a run at a glance, running or not, from its own records.
+
+Generation, members (and, while the job runs, each one's device, asked of its agent's store by
+``distributed.control``), the newest step, recent membership events and the goodput ledger.
+Rendering is the CLI's side: the distributed layer only answers what the running job knows.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import List
+
+from ..distributed import control, protocol
+from ..errors import ElasticFlowError
+from .._util.fileio import read_jsonl
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if not (run_dir / "workers.json").is_file() and not (run_dir / "metrics.jsonl").is_file():
+        raise ElasticFlowError(f"'{run_dir}' is not a run directory (no workers.json or metrics.jsonl)",
+                               "pass the run's hydra.run.dir, e.g. outputs/2026-11-22/10-00-00")
+
+
+def _last_step(run_dir: Path) -> dict:
+    """The newest training step's record of metrics.jsonl ({} before the first)."""
+    from .reporting import last_logged_step
+
+    metrics = run_dir / "metrics.jsonl"
+    step = last_logged_step(metrics)
+    last = {}
+    if step >= 0:
+        for line in metrics.read_text().splitlines()[-50:]:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step") == step and "loss" in record:
+                last = record
+    return last
+
+
+def _recent_events(run_dir: Path, events: int) -> List[dict]:
+    """The newest ``events`` membership events (the goodput ledger's own records left out)."""
+    from .goodput import ACCOUNTING_EVENTS
+
+    membership = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") not in ACCOUNTING_EVENTS]
+    return membership[-events:]
+
+
+def status_record(run_dir: Path, events: int = 8) -> dict:
+    """What `status --json` prints: running, workers.json, the newest step, recent events, the goodput ledger."""
+    from . import goodput
+
+    _check_run_dir(run_dir)
+    workers = run_dir / "workers.json"
+    return {"run_dir": str(run_dir), "running": protocol.agent_file(run_dir).is_file(),
+            "workers": json.loads(workers.read_text()) if workers.is_file() else None,
+            "last_step": _last_step(run_dir) or None, "recent_events": _recent_events(run_dir, events),
+            "goodput": goodput.load(run_dir)}
+
+
+def status(run_dir: Path, events: int = 8) -> str:
+    """Generation, members (and, while the job runs, each one's device), progress, recent membership
+    events and the goodput ledger of a run (running or not)."""
+    from . import goodput
+
+    _check_run_dir(run_dir)
+    running = protocol.agent_file(run_dir).is_file()
+    lines: List[str] = [f"run {run_dir}: {'running' if running else 'not running'}"]
+    if (run_dir / "workers.json").is_file():
+        snap = json.loads((run_dir / "workers.json").read_text())
+        lines.append(f"generation {snap['generation']}  workers {len(snap['members'])}  "
+                     f"restarts {snap.get('restarts', 0)}/{snap.get('max_restarts', '-')}")
+        lines.append(f"  {'rank':>4}  {'worker':>6}  {'pid':>8}  {'host':<16} state")
+        for m in snap["members"]:
+            lines.append(f"  {m['rank']:>4}  {m['worker_id']:>6}  {m['pid']:>8}  {m['host']:<16} {m['state']}")
+        others = snap.get("joining", []) + snap.get("retiring", [])
+        for m in others:
+            lines.append(f"  {'-':>4}  {m['worker_id']:>6}  {m['pid']:>8}  {m['host']:<16} {m['state']}")
+        devices = control.devices(run_dir, [m["worker_id"] for m in snap["members"] + others]) if running else {}
+        if devices:
+            lines.append("devices:")
+        for m in snap["members"] + others:
+            if m["worker_id"] in devices:
+                where = f"rank {m['rank']}" if m.get("rank") is not None else m["state"]
+                lines.append(f"  worker {m['worker_id']}: {where}, {devices[m['worker_id']]}")
+    last = _last_step(run_dir)
+    if last:
+        lines.append(f"step {last['step']}  epoch {last.get('epoch')}  samples consumed {last.get('samples_seen')}  "
+                     f"loss {last.get('loss', float('nan')):.5g}")
+    recent = _recent_events(run_dir, events)
+    if recent:
+        lines.append("recent events:")
+    for e in recent:
+        when = datetime.datetime.fromtimestamp(e.pop("time")).strftime("%H:%M:%S.%f")[:-3]
+        kind = e.pop("event")
+        e.pop("source", None)
+        lines.append(f"  {when} {kind:<10} " + " ".join(f"{k}={v}" for k, v in e.items()))
+    ledger = goodput.load(run_dir)
+    if ledger is not None:
+        lines.append(("so far: " if running else "") + goodput.render(ledger))
+    return "\n".join(lines)

@@ -1,0 +1,455 @@
+"""One worker's replica of the training state, kept identical to every other member's through failures.
+
+The trainer calls in; the replica never calls back (torchft's Manager is the model): it is built from
+the membership, the engine and two accessors of the state, and returns what happened.
+
+- ``reduce_step``: the per-step reduction, one allreduce: the gradient (one flat buffer) followed by
+  the loss, the metrics, three agreement flags and the buffers' contributions, so every member decides the same thing at the
+  same step: a newer generation is waiting, a stop was asked (Ctrl-C, SIGUSR1), the agent is gone.
+  With ``comm.bucket_mb`` the gradient goes in buckets instead, each started during backward
+  (``begin_backward``; on TensorFlow, all as soon as the gradient is complete), the last one carrying
+  the scalars and flags.
+- ``recover``: after a failed collective, drop the group, enter the agent's next generation and
+  ``sync_state``: the members compare how many samples each has committed, and if one is ahead
+  (it finished the step's reduction before the peer died) its full state is sent to the members
+  behind. So no member diverges and at most one step is redone.
+
+A single-process run has a replica too (no membership, world 1): every call is then a no-op, and the
+trainer has one code path.
+
+With ``trainer.shard`` the replica also drives the sharded optimizer state (``shard.ShardedState``): the
+update of the ranges this member holds (``update``), the parameters' allgather (``gather``), stage 2's
+reduce-scatter, and the redistribution of the ranges at every membership change (``sync_state``; a
+retiring member hands its ranges over first; members one step behind first roll forward with the step a
+member ahead kept, ``shard.ShardedState.keep_step``). When a range has no holder left, ``lost`` says
+which and the trainer falls back to the newest checkpoint.
+
+With ``topology=parameter_server`` the sharded state is the aggregators' shards (``replica/parameter_server.py``): the step's
+gradient is pushed to them before the votes' sum, the trainers alone consume data (``data_rank``), and each
+member publishes its role so that a scale-down retires trainers first.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .bucketing import Buckets
+from ..distributed import protocol
+
+log = logging.getLogger("elasticflow")
+FOLD_MAX = 1 << 20  # gradients up to 4 MiB (float32) carry the step's scalars in the same allreduce
+
+StateDict = Callable[[], Tuple[Dict[str, Any], Dict[str, Any]]]   # () -> (arrays by name, progress)
+LoadStateDict = Callable[[Dict[str, Any], Dict[str, Any]], None]  # (arrays, progress) -> None
+
+
+class Agreed(NamedTuple):
+    """What every member decided at a step boundary (the same everywhere: they summed the same votes)."""
+    membership: bool = False   # a newer generation is published: regroup now
+    interrupt: bool = False    # some member was asked to stop (Ctrl-C, SIGUSR1): checkpoint and exit
+    agent_lost: bool = False   # some member lost the agent: checkpoint and exit
+
+
+def agreed(summed: Any, generation: int, world: int) -> Agreed:
+    """What the ``world`` members of ``generation`` agreed, from the sums of their ``Replica.votes``."""
+    return Agreed(summed[0] != generation * world, summed[1] > 0, summed[2] > 0)
+
+
+@dataclass
+class Reduction:
+    """A step's reduction between ``Replica.start_reduce`` and ``finish_reduce``."""
+    result: Optional[Tuple[List[float], Agreed, Optional[np.ndarray]]] = None  # known at once (world 1)
+    generation: int = 0
+    world: int = 1
+    n: int = 0                       # votes: the scalars, then three flags
+    k: int = 0                       # scalars
+    buffers: bool = False            # the buffers' contributions follow the votes in ``tail``
+    tail: Any = None                 # reduced votes (and buffers) once finished
+    works: List[Any] = field(default_factory=list)  # collectives in flight, waited for in order
+    copy_back: Any = None            # (gradient, its reduced copy) when the fold could not reduce it in place
+    mine: Any = None                 # stage 2 (trainer.shard=gradients): the reduce-scatter's output
+    push: Any = None                 # parameter servers: the gradient, pushed before the votes' sum
+
+
+@dataclass
+class Joined:
+    """How a worker entered the job (the trainer logs it when the worker joined a running job)."""
+    generation: int
+    world: int
+    admit_s: float      # from asking to join until the agent admitted this worker
+    rebuild_s: float    # from admission until the group of the first generation was built
+    transfer_s: float   # receiving the state from the most advanced member
+    state_received: bool
+
+
+@dataclass
+class Recovery:
+    """What a recovery did; ``stop`` says why the worker must now stop (None: train on).
+
+    ``stop`` is one of ``"below_min"`` (the agent stopped the job: fewer than launcher.min_workers),
+    ``"agent_lost"`` (the store stopped answering), ``"removed"`` (the agent retired this worker) or
+    ``"cut_out"`` (the agent cut it out: silent past elastic.heartbeat_timeout_s, e.g. its host was cut off).
+    """
+    previous_generation: int
+    previous_world: int
+    rolled_forward: bool       # a member had committed the failed step; the rest adopted its state
+    recovery_s: float          # from the call until the state is in sync (every attempt) ...
+    transfer_s: float = 0.0    # ... of which comparing progress and sending the state (sync_state)
+    stop: Optional[str] = None
+    stop_reason: str = ""
+    committed: bool = False    # trainer.shard: the failed attempt had committed its step (its allgather failed)
+
+
+class Replica(Buckets):
+    """This worker's place in the group: reductions, state sync, recovery.
+
+    Args:
+        membership: a ``distributed.membership.Membership``; None for a single-process run.
+        engine: the backend Engine (its flat gradient is what ``reduce_step`` sums).
+        state_dict: returns (arrays, progress) of this replica: the engine's state and the TrainState.
+        load_state_dict: takes (arrays, progress) from the most advanced member.
+    """
+
+    def __init__(self, membership: Any, engine: Any, state_dict: StateDict, load_state_dict: LoadStateDict,
+                 bucket_mb: Optional[float] = None, shards: Any = None):
+        self.membership, self.engine = membership, engine
+        self.shards = shards                 # a shard.ShardedState with trainer.shard, else None
+        self.lost: List[Tuple[int, int]] = []  # ranges the last redistribution found no holder for
+        self.shard_moved = 0                   # elements of sharded state the last redistribution sent
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
+        self.bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb else 0
+        self._ranges: Optional[List[Tuple[int, int]]] = None  # the gradient's buckets (engine.buckets)
+        self._started: List[Any] = []        # this step's bucket allreduces, in flight
+        self._ready: set = set()             # buckets whose gradients backward has finished
+        self._next = 0                       # buckets are started in index order, on every member alike
+        self._start_error: Optional[Exception] = None
+
+    @property
+    def rank(self) -> int:
+        m = self.membership
+        if m is None:
+            return 0
+        return m.rank if m.generation >= 0 else -1  # no rank before entering a generation: never logs
+
+    @property
+    def world(self) -> int:
+        return 1 if self.membership is None else self.membership.world
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.membership is None else max(0, self.membership.generation)
+
+    @property
+    def worker_id(self) -> Optional[int]:
+        return None if self.membership is None else self.membership.worker_id
+
+    @property
+    def data_rank(self) -> Optional[int]:
+        """This member's place among the members that consume data: its rank, but for parameter servers
+        its place among the trainers (None: an aggregator, which consumes none)."""
+        if self.shards is None or not self.shards.serves():
+            return self.rank
+        trainers = self.shards.layout.trainers
+        return trainers.index(self.rank) if self.rank in trainers else None
+
+    @property
+    def data_world(self) -> int:
+        """How many members consume data (``data_rank``)."""
+        return self.world if self.shards is None or not self.shards.serves() else len(self.shards.layout.trainers)
+
+    def sharding(self) -> Any:
+        """How a checkpoint splits the sharded tensors (``checkpoint.format.Sharded``); None: replicated."""
+        return None if self.shards is None else self.shards.sharding()
+
+    def coordinated(self) -> bool:
+        """Whether the members can still coordinate a save through the agent's store."""
+        from ..checkpoint import store_alive
+
+        m = self.membership
+        return m is None or self.world == 1 or (not m.agent_lost and store_alive(m.store))
+
+    # ------------------------------------------------------------------ entering the job
+    def join(self, samples_seen: int) -> Optional[Joined]:
+        """Ask the agent to admit this worker, enter its generation and take the most advanced state.
+
+        ``samples_seen`` is this worker's own progress (a resumed checkpoint's). Returns None for a
+        single-process run.
+        """
+        m = self.membership
+        if m is None:
+            return None
+        ready_at = time.time()
+        m.join()
+        joined_at = time.time()
+        moved = self.sync_state(samples_seen)
+        return Joined(generation=self.generation, world=self.world, admit_s=m.admitted_at - ready_at,
+                      rebuild_s=joined_at - m.admitted_at, transfer_s=time.time() - joined_at, state_received=moved)
+
+    # ------------------------------------------------------------------ every step
+    def reduce_step(self, scalars: List[float], interrupt: bool,
+                    buffers: Optional[np.ndarray] = None) -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
+        """Sum the gradient, ``scalars`` and ``buffers`` (the buffers' contributions, ``buffers.Reconciler``)
+        over the members, and vote on the flags.
+
+        ``interrupt``: this worker was asked to stop. Returns (summed scalars, what all agreed, summed buffers).
+        ``start_reduce`` and ``finish_reduce`` are the same in two halves, with the reduction in flight between.
+        """
+        return self.finish_reduce(self.start_reduce(scalars, interrupt, buffers))
+
+    def start_reduce(self, scalars: List[float], interrupt: bool, buffers: Optional[np.ndarray] = None) -> "Reduction":
+        """Start ``reduce_step``'s reduction; ``finish_reduce`` waits for it and reads the sums. In between the
+        caller may do host work that touches neither the gradient nor the group (the transfer runs on gloo's
+        threads, without the GIL). Host gradients only; a GPU's reduce here, at once."""
+        m = self.membership
+        if m is None:
+            return Reduction(result=(scalars, Agreed(interrupt=interrupt), buffers))
+        generation = self.generation
+        if self.world == 1:
+            return Reduction(result=(scalars, agreed(self.votes(interrupt), generation, 1), buffers))
+        import torch
+
+        grad = self.engine.grad_view()
+        votes = scalars + self.votes(interrupt)
+        n = len(votes)
+        r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
+        ranges = self._buckets()
+        if self.shards is not None and self.shards.serves():  # finish_reduce pushes, then sums the votes
+            r.push = grad
+            r.tail = torch.tensor(votes, dtype=torch.float64)
+            if buffers is not None:
+                r.tail = torch.cat([r.tail, torch.from_numpy(buffers)])
+        elif self.shards is not None and self.shards.scatters():
+            # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
+            # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large
+            # one sends them in a small float64 allreduce queued behind it.
+            tail = torch.tensor(votes, dtype=torch.float64)
+            if buffers is not None:
+                tail = torch.cat([tail, torch.from_numpy(buffers)])
+            small = grad.numel() <= FOLD_MAX
+            work, r.mine = self.shards.start_reduce_scatter(self.membership.group, grad,
+                                                            tail.to(torch.float32) if small else None)
+            r.works.append(work)
+            if not small:
+                self._start(r, tail)
+                r.tail = tail
+        elif ranges:
+            self._reduce_buckets(r, grad, ranges, votes, buffers)
+        elif grad.numel() <= FOLD_MAX:
+            # One collective, not two: each is a round trip every member must be scheduled for, which on
+            # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
+            # in float32 after the gradient (exact for the flags and generations): written into the slots
+            # the engine keeps after its flat gradient, so the gradient is reduced where it lies.
+            head = grad.numel()
+            extra = n + (0 if buffers is None else buffers.size)
+            buf = self.engine.fold_buffer(extra)
+            if buf is not None:
+                buf[head:head + n].copy_(torch.tensor(votes, dtype=buf.dtype))
+                if buffers is not None:
+                    buf[head + n:].copy_(torch.from_numpy(buffers))  # float64 -> float32, as the copy below
+            else:  # no room after the gradient (a TF engine): copy it into a concatenation and back
+                parts = [grad, torch.tensor(votes, dtype=grad.dtype).to(grad.device)]
+                if buffers is not None:
+                    parts.append(torch.from_numpy(buffers).to(grad.device, grad.dtype))
+                buf = torch.cat(parts)
+                r.copy_back = (grad, buf[:head])
+            self._start(r, buf)
+            r.tail = buf[head:]
+        else:  # bandwidth-bound: a second, small round trip is noise beside the gradient's, and keeps the
+            # scalars in float64 (an engine whose fold_buffer is None would also copy a big gradient twice)
+            tail = torch.tensor(votes, dtype=torch.float64)
+            if buffers is not None:
+                tail = torch.cat([tail, torch.from_numpy(buffers)])
+            self._start(r, grad)
+            self._start(r, tail)  # the same order on every member: gloo matches collectives by sequence
+            r.tail = tail
+        return r
+
+    def votes(self, interrupt: bool) -> List[float]:
+        """This member's votes at a step boundary, for the members to sum (``agreed`` reads the sums): the newest
+        generation it has seen, whether it was asked to stop (``interrupt``), whether it lost the agent."""
+        m = self.membership
+        # The poller may lag behind a generation this worker already entered through a recovery.
+        return [float(max(m.latest_generation, self.generation)), float(interrupt), float(m.agent_lost)]
+
+    def _start(self, r: "Reduction", tensor) -> None:
+        group = self.membership.group
+        if tensor.is_cuda:  # NCCL or a pinned staging buffer: reduced (and ordered on its stream) now
+            group.allreduce_(tensor)
+        else:
+            r.works.append(group.allreduce_start(tensor))
+
+    def finish_reduce(self, r: "Reduction") -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
+        """Wait for ``start_reduce``'s reduction (a ``CommError`` if a member failed) and return what
+        ``reduce_step`` returns."""
+        if r.result is not None:
+            return r.result
+        import torch
+
+        group = self.membership.group
+        if r.push is not None:  # parameter servers: every sum in place before any member can commit
+            self.shards.push(group, r.push)
+            self._start(r, r.tail)
+        for work in r.works:
+            group.wait(work)
+        if r.mine is not None:
+            folded = self.shards.finish_reduce_scatter(group, r.mine)
+            if folded is not None:
+                r.tail = folded
+        if r.copy_back is not None:
+            r.copy_back[0].copy_(r.copy_back[1])
+        tail, n, k = r.tail, r.n, r.k
+        out = tail[:n].tolist()  # on a GPU: the sync point of the reduction
+        # Every member summed the same numbers, so every member reaches the same verdict.
+        buffers = tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
+        return out[:k], agreed(out[k:], r.generation, r.world), buffers
+
+    def reduce_sum(self, values: List[float]) -> List[float]:
+        """Sum ``values`` over the members (float64)."""
+        if self.membership is None or self.world == 1:
+            return values
+        import torch
+
+        vec = torch.tensor(values, dtype=torch.float64)
+        self.membership.group.allreduce_(vec)
+        return vec.tolist()
+
+    # ------------------------------------------------------------------ sharded state
+    def update(self, lr: float, step: int, samples_seen: int) -> None:
+        """trainer.shard: update the ranges this member holds (no communication); ``step`` is the optimizer
+        step this is (1-based), ``samples_seen`` the progress it commits."""
+        self.shards.update(self.engine.grad_view(), lr, step, samples_seen)
+
+    def gather(self) -> None:
+        """trainer.shard: all-gather the owners' parameters after the step was committed (a CommError if a
+        member failed: the recovery rebuilds the parameters from the ranges held)."""
+        if self.membership is not None:
+            self.shards.gather(self.membership.group)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the members."""
+        if self.membership is None or self.world == 1:
+            return value
+        import torch
+
+        vec = torch.tensor([value], dtype=torch.int64)
+        self.membership.group.allreduce_(vec, op="min")
+        return int(vec[0])
+
+    def _handoff(self, samples_seen: int) -> None:
+        """At an agreed change that retires members: move the next generation's ranges over the current
+        group while every member is alive, so a retiring member's ranges are not lost when it leaves."""
+        m = self.membership
+        try:
+            _, info = m.upcoming(self.generation)
+            new = info.get("members", [])
+            pairs = [(old, new.index(w)) for old, w in enumerate(m.members) if w in new]
+            if len(pairs) == self.world or not pairs:
+                return  # nobody leaves: the next generation moves what it needs
+            plan = self.shards.redistribute(m.group, samples_seen, (pairs, len(new)))
+            moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
+            log.info("handed over %d elements of sharded state before %d member(s) leave", moved,
+                     self.world - len(pairs))
+        except protocol.CommError as exc:
+            log.warning("handing over sharded state failed (%s); the next generation takes what is held", exc)
+            m.report_failure()
+
+    def _sync_shards(self, samples_seen: int) -> None:
+        m = self.membership
+        plan = self.shards.redistribute(m.group, samples_seen)
+        self.lost = plan.lost
+        self.shard_moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
+        if self.shards.serve is not None:
+            m.report_role("aggregator" if self.shards.layout.shard_of(self.rank) is not None else "trainer")
+        if self.shards.serves() and self.rank == 0 and m.events is not None:  # who holds what: tests read it
+            from .._util.fileio import append_event
+            from .parameter_server import describe
+
+            append_event(m.events, "roles", "worker", generation=self.generation, moved=self.shard_moved,
+                         **describe(self.shards.layout, m.members))
+
+    # ------------------------------------------------------------------ state
+    def sync_state(self, samples_seen: int) -> bool:
+        """Make every member's state equal to the most advanced member's; True if any state moved.
+
+        ``samples_seen``: this member's committed progress, the measure of who is ahead. With sharded
+        state the ranges are redistributed first (``lost`` is set if some range has no holder: then
+        nothing else moves, and the caller falls back to a checkpoint).
+        """
+        if self.membership is None:
+            return False
+        if self.shards is not None:
+            self._sync_shards(samples_seen)
+            if self.lost:
+                return False
+        if self.world == 1:
+            return False
+        import torch
+
+        group, rank = self.membership.group, self.rank
+        progress = torch.zeros(self.world, dtype=torch.float64)
+        progress[rank] = samples_seen
+        group.allreduce_(progress)
+        best = progress.max()
+        if bool((progress == best).all()):
+            return False
+        src = int((progress == best).nonzero()[0])
+        behind = (progress < best).nonzero().flatten().tolist()
+        if rank == src:
+            arrays, meta = self.state_dict()
+            if self.shards is not None:  # the parameters and slots moved with the ranges: the rest only
+                arrays = {k: v for k, v in arrays.items()
+                          if k not in self.shards.param_at and not k.startswith("optimizer/")}
+            group.share_state(arrays, meta, src, behind)  # views: sent before anything changes
+        elif rank in behind:
+            self.load_state_dict(*group.share_state({}, {}, src, behind))
+        return True
+
+    def recover(self, failure: Optional[str], samples_seen: int) -> Recovery:
+        """Enter the agent's next generation: after a failed collective (``failure`` says what failed),
+        or a change agreed at a step boundary (``failure`` None).
+
+        ``samples_seen``: this worker's committed progress (a failed step committed nothing, so it is the
+        same on every retry).
+        """
+        from ..distributed.membership import AgentLost, Removed, StopRequested
+
+        m = self.membership
+        failed_at = time.time()
+        # A member behind may need the step this one applied (shard_plan's note).
+        committed = self.shards is not None and self.shards.keep_step()
+        self.engine.zero_grad()  # a partial step's gradient is discarded
+        previous_generation, previous_world = self.generation, self.world
+        if failure is not None:
+            m.report_failure()
+        elif self.shards is not None and self.world > 1:
+            self._handoff(samples_seen)
+        stop, stop_reason, moved, transfer_s = None, "", False, 0.0
+        while True:
+            try:
+                try:
+                    m.rebuild(after=self.generation)
+                except StopRequested as exc:
+                    stop, stop_reason = "below_min", exc.reason
+                synced = time.time()
+                try:
+                    moved = self.sync_state(samples_seen)
+                finally:
+                    transfer_s += time.time() - synced
+                break
+            except protocol.CommError as exc:
+                log.warning("recovery in generation %d failed (%s); waiting for the next", self.generation, exc)
+                m.report_failure()
+                stop, stop_reason = None, ""
+            except AgentLost as exc:
+                stop, stop_reason = "agent_lost", str(exc)
+                break
+            except Removed as exc:
+                stop, stop_reason = "cut_out" if exc.cut else "removed", str(exc)
+                break
+        return Recovery(previous_generation=previous_generation, previous_world=previous_world,
+                        rolled_forward=moved, recovery_s=time.time() - failed_at, transfer_s=transfer_s, stop=stop,
+                        stop_reason=stop_reason, committed=committed)

@@ -1,0 +1,385 @@
+"""Sharded optimizer state (ZeRO stages 1 and 2) that stays elastic: ``trainer.shard=optimizer|gradients``.
+
+Design
+------
+**Slices.** The engine's parameters are one flat float32 vector of n elements, in the order of its flat
+gradient. With W members, rank r owns the contiguous range ``owned(n, W, r)`` = [r*c, min((r+1)*c, n))
+with c = ceil(n / W): equal chunks, the last one shorter (gloo's reduce_scatter and allgather want equal
+pieces; the short tail is padded in a scratch chunk). One rule, here and in the checkpoint plan
+(``checkpoint.format.Sharded``). The optimizer's slots (SGD's momentum buffer, Adam's two moments) exist
+only for the ranges a worker holds: its own and, with ``elastic.shard_replicas=1``, its buddy's, the slice
+of rank (r - 1) mod W (every slice is held twice: by its owner and by the next rank). Optimizer bytes per
+worker: 2/W of the replicated optimizer's (1/W with ``shard_replicas=0``), plus nothing else: the
+parameters stay whole on every worker (stages 1 and 2; stage 3 is not built, docs/sharded-state.md says what it needs).
+
+**The step.** Stage 1 (``optimizer``): the gradient is reduced exactly as without sharding (one allreduce
+of the flat gradient with the step's scalars and votes folded in, ``Replica.start_reduce``), so every
+member agrees on the same loss, flags and buffers as before. Each member then updates the parameters and
+slots of the ranges it holds (its own and its buddy's: the buddy copy is refreshed by computing the same
+update from the same reduced gradient, no bytes moved), commits the step, and the owners' parameter
+ranges are all-gathered. Stage 2 (``gradients``): the gradient is reduce-scattered (each member receives
+only the sum of its own chunk; the votes go in a small allreduce queued behind it), each owner sends its
+reduced chunk to its buddy, then the same update and allgather. The update is an elementwise formula
+(``sgd_update`` and ``adam_update`` of ``backends/torch/optim.py``, torch.optim's formulas) applied to a
+range instead of the whole vector: each element sees the same float32 operations as in a 1-worker run, so
+the result differs from it only by the order the reduction summed the workers' gradients (as without
+sharding).
+
+**Where state lives between steps.** ``at``: the committed progress (samples seen) at which the held
+ranges are valid, parameters and slots alike. A worker's parameters outside its ranges are valid only
+once the allgather of the step finished; inside them they are always valid at ``at``.
+
+**A membership change** (``redistribute``, called by the replica in the new generation): every member
+publishes (in one small allreduce) its committed progress and the ranges it holds with their progress.
+The target progress T is the largest. Every range the new layout needs (each member's own and buddy
+range) is covered by ranges held at T, preferring the member itself (nothing moves), then the lowest
+rank: only ranges that change owner travel, point to point, parameters and slots together. A member
+that died leaves its slice with its buddy. Members one step behind T (they failed in the sum a member
+at T completed) first roll forward: a member at T kept the step's reduced gradient until the step's
+allgather completed (``last``), sends them the gradient of their ranges, and they apply the same update
+(``shard_plan``'s note). If some range has still no holder at T (an owner and its buddy both died)
+nothing moves: the replica reports ``lost`` and the trainer falls back to the newest checkpoint on every
+member (it logs which ranges were lost and how many steps it redoes). After the transfers, the new
+owners' parameter ranges are all-gathered, so every member (joiners, members that missed a generation)
+holds the whole vector at T; the rest of the state (buffers, progress) comes from a member at T as
+without sharding (``Replica.sync_state``).
+
+A worker that retires at a step boundary (a shrink) hands its ranges over before it leaves: at an agreed
+change every old member is alive, so the ranges of the next generation's layout are moved over the old
+group first (``handoff``), and the new generation finds them already in place.
+
+Before its first generation a worker holds [0, n) at its own progress (fresh slots, or a checkpoint's):
+the first redistribution keeps only its ranges. So a resumed job, a fresh one and a joiner go through
+the same protocol.
+
+**Parameter servers** (``topology=parameter_server``, ``parameter_server.py``): the same state with another layout.
+The ranges are the shards of ``parameter_server.Layout``, held by the aggregators only (a trainer holds none);
+the step's sums come by push instead of reduce-scatter and the parameters go back by pull instead of
+allgather; the redistribution, the checkpoints and the fallback are this module's.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..backends.common import check_trainable
+from ..backends.torch.optim import adam_update, sgd_update, weight_decay_is_l2
+from ..checkpoint.format import Partial, Sharded
+from ..errors import ElasticFlowError
+from ..optim import SGD, Adam, AdamW, OptimizerSpec
+from . import parameter_server
+# The layout and the plans live in shard_plan; imported here for the callers that know this module.
+from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers, held_ranges,
+                         needed, owned, plan_moves, plan_roll)
+from .shard_sync import Redistribution
+
+log = logging.getLogger("elasticflow")
+
+
+@dataclass
+class KeptStep:
+    """The step a member applied last, kept until its allgather completes (until then some member may
+    not have applied it, and rolls forward with it: ``shard_plan``'s note)."""
+    before: int                     # the progress the step started from ...
+    at: int                         # ... and the one it committed
+    lr: float
+    step: int                       # the optimizer step (1-based); Adam's bias correction
+    grad: Optional[torch.Tensor]    # the reduced gradient (stage 1's whole vector); None: skipped, or stage 2
+    applied: bool = True            # False: the step was skipped (a non-finite gradient): nothing to apply
+    kept: bool = False              # a recovery kept it: grad is this object's copy (``keep_step``)
+
+
+class FlatUpdate:
+    """The optimizer's formula over one range of the flat vector: torch.optim's SGD, or the flat Adam's.
+
+    Elementwise, so a range updated alone gets the values the whole vector would (see the design above).
+    ``runs``: the engine's ``flat_runs()``, each parameter group's stretch and hyperparameters; a range
+    that crosses groups is updated stretch by stretch.
+    """
+
+    def __init__(self, spec: OptimizerSpec, runs: Sequence[Tuple[int, int, Any]]):
+        self.spec = spec
+        self.runs = list(runs)
+        self.slots = spec.slots()
+        self.adam = isinstance(spec, Adam)
+        self.decoupled = isinstance(spec, AdamW)
+        self.l2 = self.adam and weight_decay_is_l2(spec, self.runs)
+
+    @torch.no_grad()
+    def __call__(self, lo: int, param: torch.Tensor, grad: torch.Tensor, slots: Dict[str, torch.Tensor],
+                 lr: float, step: int, scratch: torch.Tensor) -> None:
+        """Update ``param`` (the flat vector's elements from ``lo`` on) and its ``slots`` in place."""
+        hi = lo + param.numel()
+        for a, b, h in self.runs:
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                self._stretch(param[a - lo:b - lo], grad[a - lo:b - lo],
+                              {k: v[a - lo:b - lo] for k, v in slots.items()}, lr * h.lr_scale, h.weight_decay,
+                              step, scratch)
+
+    def _stretch(self, param, grad, slots, lr: float, weight_decay: float, step: int, scratch) -> None:
+        s = self.spec
+        if self.adam:
+            k = param.numel()  # scratch: the denominator, then Adam's L2 term (grad + wd * param)
+            adam_update(param, grad, slots["exp_avg"], slots["exp_avg_sq"], scratch[:k], lr, s.betas, s.eps,
+                        weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None)
+            return
+        # torch.optim.SGD's step, as the engine's. The buffer starts at zero instead of taking the first
+        # gradient (first=False): 0 * m + g == g, but for the sign of a zero.
+        sgd_update(param, grad, slots.get("momentum_buffer"), lr, s.momentum, s.nesterov, weight_decay,
+                   first=False)
+
+
+class ShardedState(Redistribution):
+    """This worker's ranges of the optimizer state and the steps that keep them.
+
+    Args:
+        engine: the backend Engine: its ``flat_params()`` (a 1-D float32 torch tensor of the parameters,
+            in the flat gradient's order) is what the update writes, then ``params_written()`` (an engine
+            that handed out a copy writes it back); ``flat_layout()``/``flat_runs()`` describe that order.
+        spec: the optimizer spec (its ``slots()`` are what is sharded).
+        stage: ``optimizer`` (stage 1) or ``gradients`` (stage 2).
+        replicas: ``elastic.shard_replicas``: 1 keeps a buddy copy of every slice, 0 none.
+        serve: topology=parameter_server's (aggregators, replica, this worker's group tag hash): the
+            ranges are the aggregators' shards (``parameter_server.deal``); None: every member holds its own.
+    """
+
+    def __init__(self, engine: Any, spec: OptimizerSpec, stage: str, replicas: int,
+                 serve: Optional[Tuple[int, int, int]] = None):
+        what, instead = ("topology=parameter_server", "topology=ring") if serve else (f"trainer.shard={stage}",
+                                                                                     "trainer.shard=none")
+        if not isinstance(spec, (SGD, Adam)):
+            raise ElasticFlowError(f"{what} has no sharded update for {type(spec).__name__}",
+                                   f"use SGD, Adam or AdamW, or pass {instead}")
+        self.engine, self.stage, self.replicas = engine, stage, int(replicas)
+        engine.release_optimizer()  # its own slots would be whole-model sized
+        self.params = engine.flat_params()
+        if self.params.is_cuda:
+            raise ElasticFlowError(f"{what} keeps the optimizer's slices in host memory and cannot update GPU "
+                                   "parameters yet", f"pass {instead} on GPUs")
+        self.n = int(self.params.numel())
+        self.update_fn = FlatUpdate(spec, engine.flat_runs())
+        self.slot_names = self.update_fn.slots
+        layout = engine.flat_layout()
+        offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in layout]).tolist()
+        self.param_at = {name: (offsets[i], tuple(shape)) for i, (name, shape) in enumerate(layout)}
+        self.world, self.rank = 1, 0       # the layout the held ranges follow
+        self.at = 0                        # progress at which the held ranges are valid
+        self.held: Dict[Range, Dict[str, torch.Tensor]] = {(0, self.n): self._fresh(0, self.n)}
+        self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
+        self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
+        self._scratch = torch.empty(self._scratch_size(self.n))
+        self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
+        self.serve = serve
+        self.layout: Optional[parameter_server.Layout] = None  # parameter_server: this generation's roles
+        self.tags: List[int] = []                     # ... and every member's group tag, by rank
+
+    def serves(self) -> bool:
+        """Whether the ranges are aggregators' shards this generation (parameter_server, more than one member)."""
+        return self.layout is not None and self.layout.world > 1
+
+    # ------------------------------------------------------------------ what is held
+    def _fresh(self, lo: int, hi: int) -> Dict[str, torch.Tensor]:
+        return {s: torch.zeros(hi - lo, dtype=torch.float32) for s in self.slot_names}
+
+    def slot_bytes(self) -> int:
+        """Optimizer-state bytes this worker holds (the per-worker figure on docs/benchmarks.md)."""
+        return sum(t.numel() * 4 for slots in self.held.values() for t in slots.values())
+
+    def sharding(self) -> Sharded:
+        """How a checkpoint splits the optimizer's tensors: each owner writes its own range."""
+        names = {f"optimizer/{p}/{s}": at for p, (at, _) in self.param_at.items() for s in self.slot_names}
+        if self.serves():  # the primaries write their shards; the trainers and standbys nothing
+            return Sharded(self.n, names, self.layout.holders[:self.layout.shards])
+        return Sharded(self.n, names)
+
+    def partials(self) -> Dict[str, Partial]:
+        """This worker's own range of every slot tensor, by name (views: read them before the next step)."""
+        lo, hi = owned(self.n, self.world, self.rank)
+        if self.serves():
+            lo, hi = owned(self.n, self.layout.shards, self.layout.holders.index(self.rank)) \
+                if self.layout.is_primary(self.rank) else (0, 0)
+        found = next(((r, v) for r, v in self.held.items() if r[0] <= lo and hi <= r[1]), None)
+        if hi <= lo or found is None:  # none of its own (a trainer; a range lost, before the fallback's load)
+            return {f"optimizer/{p}/{s}": Partial(np.zeros(0, np.float32), 0, shape)
+                    for p, (_, shape) in self.param_at.items() for s in self.slot_names}
+        (a, _), slots = found
+        out: Dict[str, Partial] = {}
+        for p, (at, shape) in self.param_at.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            start, end = max(lo, at), min(hi, at + size)
+            for s in self.slot_names:
+                data = slots[s][start - a:end - a].numpy() if end > start else np.zeros(0, np.float32)
+                out[f"optimizer/{p}/{s}"] = Partial(data, start - at if end > start else 0, shape)
+        return out
+
+    def load_full(self, slots: Dict[str, np.ndarray], at: int) -> None:
+        """Hold [0, n) at progress ``at`` from whole slot tensors by name (a checkpoint's; missing: zeros).
+        The parameters were loaded by the engine. The next redistribution keeps only this worker's ranges."""
+        check_trainable({**slots, **dict.fromkeys(self.param_at)}, self.param_at, self.slot_names, at)
+        self.params = self.engine.flat_params()  # an engine that hands out a copy reads the loaded values
+        held = self._fresh(0, self.n)
+        for p, (off, shape) in self.param_at.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            for s in self.slot_names:
+                value = slots.get(f"optimizer/{p}/{s}")
+                if value is not None:
+                    held[s][off:off + size] = torch.from_numpy(np.asarray(value, np.float32).reshape(-1))
+        self.held, self.at, self.last = {(0, self.n): held}, int(at), None
+
+    def keep_local(self, rank: int, world: int) -> None:
+        """Take this worker's ranges of ``world`` out of what it holds, without moving anything (every
+        member loaded the same checkpoint). Parameter servers: the roles of the generation's deal."""
+        wanted = self.layout.needed(self.n, rank) if self.layout is not None else needed(self.n, world, rank,
+                                                                                         self.replicas)
+        self._adopt({r: self._copy_out(r) for r in wanted}, rank, world, self.at)
+
+    def _copy_out(self, r: Range) -> Dict[str, torch.Tensor]:
+        lo, hi = r
+        for (a, b), slots in self.held.items():
+            if a <= lo and hi <= b:
+                return {s: v[lo - a:hi - a].clone() for s, v in slots.items()}
+        raise KeyError(f"range {r} is not held")
+
+    def _adopt(self, held: Dict[Range, Dict[str, torch.Tensor]], rank: int, world: int, at: int) -> None:
+        self.held, self.rank, self.world, self.at = held, rank, world, at
+        self.reduced = {}  # a failed attempt's sums: its step is redone
+        self._scratch = torch.empty(self._scratch_size(max((b - a for a, b in held), default=0)))
+
+    def _scratch_size(self, largest: int) -> int:
+        """Adam's scratch for the largest range: its denominator, and its L2 term when weight decay is L2."""
+        return largest * (2 if self.update_fn.l2 else 1) if self.update_fn.adam else 0
+
+    # ------------------------------------------------------------------ every step
+    def update(self, grad: torch.Tensor, lr: float, step: int, at: int) -> None:
+        """Update the parameters and slots of every held range from the reduced gradient (stage 1: the
+        whole ``grad``; stage 2: the ranges received into ``reduced``). ``step``: the optimizer step this
+        is (1-based, Adam's bias correction); ``at``: the progress the step commits."""
+        scatters = self.scatters()
+        for (lo, hi), slots in self.held.items():
+            g = self.reduced[(lo, hi)] if scatters else grad[lo:hi]
+            self.update_fn(lo, self.params[lo:hi], g, slots, lr, step, self._scratch)
+        # Stage 2's reduced ranges are the ones this member holds anyway: no member behind could use them.
+        self.last = KeptStep(self.at, at, lr, step, None if scatters else grad)
+        self.at = at
+        self.reduced = {}
+        if not self.gathers():  # else gather() writes them back, once all are in
+            self._written()
+
+    def skipped(self, at: int) -> None:
+        """A step committed without an update (a non-finite gradient, float16's overflow): the held ranges
+        are valid at ``at`` as they are, and a member behind rolls forward by moving nothing."""
+        self.last = KeptStep(self.at, at, 0.0, 0, None, applied=False)
+        self.at = at
+
+    def keep_step(self) -> bool:
+        """Before a recovery zeroes the gradient: copy the kept step's reduced gradient (the engine's until
+        now; its allgather failed, so a member may be behind and need it). Costs one copy of the gradient.
+        Returns whether the failed attempt had committed its step (it failed in that allgather)."""
+        last = self.last
+        if last is None or last.kept:
+            return False
+        if last.grad is not None:
+            last.grad = last.grad.clone()
+        last.kept = True
+        return True
+
+    def _written(self) -> None:
+        self.engine.params_written()
+
+    def scatters(self) -> bool:
+        """Whether this step's gradient is reduce-scattered (stage 2): not where each member holds the whole
+        vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""
+        if self.serves():
+            return True  # a holder's sums came by push (parameter_server.exchange)
+        return self.stage == "gradients" and self.world > 1 and not covers(list(self.held), self.n)
+
+    def gather(self, group: Any) -> None:
+        """All-gather the owners' parameter ranges: afterwards every member holds the whole vector.
+
+        Nothing to gather where the ranges held cover the whole vector (W = 2 with a buddy copy: each
+        member updated all of it); the same on every member, as it depends on the layout only.
+        """
+        if self.serves():
+            parameter_server.pull(group, self.layout, self.n, self.params, self.tags)
+            self._written()
+        elif self.gathers():
+            group.allgather_flat(self.params, chunk(self.n, self.world))
+            self._written()
+        # Every member entered this allgather, so every member applied the step: nobody can be behind.
+        self.last = None
+
+    def gathers(self) -> bool:
+        """Whether a step ends with the parameters' allgather (``gather``)."""
+        return self.serves() or (self.world > 1 and not covers(list(self.held), self.n))
+
+    def push(self, group: Any, grad: torch.Tensor) -> None:
+        """Parameter servers: this step's push and forward (``parameter_server.exchange``); a holder's sums land in
+        ``reduced``, which a holder behind uses to roll forward by itself (``table_row``'s last column)."""
+        # Cleared first: should the exchange fail, a roll forward must not take the last step's sums for this one's.
+        self.reduced = {}
+        self.reduced = parameter_server.exchange(group, self.layout, self.n, grad, self._buffer, self.tags)
+
+    def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
+        lo, hi = owned(self.n, self.world, r)
+        dst[:hi - lo].copy_(grad[lo:hi])
+        dst[hi - lo:].zero_()
+
+    def start_reduce_scatter(self, group: Any, grad: torch.Tensor, tail: Optional[torch.Tensor] = None) -> Any:
+        """Stage 2: start the reduce-scatter of ``grad``; ``finish_reduce_scatter`` completes it.
+
+        ``tail`` (float32, small gradients): folded in, so one collective does it all: piece r is
+        [chunk r | chunk r - 1 | tail], and each member receives its own chunk, its buddy's and the
+        summed tail (the votes); this costs a copy of the gradient into the pieces, which a small model
+        pays gladly for the round trips it saves (each is a scheduling of every member). Without
+        ``tail`` the pieces are the gradient's own chunks (no copy) and the buddy's chunk travels after.
+        Returns (work, what ``finish_reduce_scatter`` takes).
+        """
+        c, w = chunk(self.n, self.world), self.world
+        if tail is None:
+            pieces = [grad[r * c:(r + 1) * c] for r in range(w)]
+            if pieces[-1].numel() < c:  # the last chunk is short: padded in a scratch copy
+                pad = self._buffer("pad", c)
+                self._chunk_into(pad, grad, w - 1)
+                pieces[-1] = pad
+            out = self._buffer("own", c)
+        else:
+            width = c * (2 if self.replicas else 1) + tail.numel()
+            pieces = [self._buffer(f"piece{r}", width) for r in range(w)]
+            for r, piece in enumerate(pieces):
+                self._chunk_into(piece[:c], grad, r)
+                if self.replicas:
+                    self._chunk_into(piece[c:2 * c], grad, (r - 1) % w)
+                piece[width - tail.numel():].copy_(tail)
+            out = self._buffer("out", width)
+        return group.reduce_scatter_start(pieces, out), (out, tail is not None)
+
+    def finish_reduce_scatter(self, group: Any, started: Any) -> Optional[torch.Tensor]:
+        """Stage 2, once the reduce-scatter finished: this step's reduced ranges (own, buddy's). Unfolded,
+        the own chunk goes to the buddy and the previous rank's comes in; folded, returns the summed tail."""
+        out, folded = started
+        c = chunk(self.n, self.world)
+        own = owned(self.n, self.world, self.rank)
+        self.reduced = {own: out[:own[1] - own[0]]}
+        if not (self.replicas and self.world > 1):
+            return out[c:] if folded else None
+        prev = owned(self.n, self.world, (self.rank - 1) % self.world)
+        if folded:
+            self.reduced[prev] = out[c:c + prev[1] - prev[0]]
+            return out[2 * c:]
+        theirs = self._buffer("buddy", c)[:prev[1] - prev[0]]
+        group.exchange([(self.reduced[own], (self.rank + 1) % self.world, 0)],
+                       [(theirs, (self.rank - 1) % self.world, 0)])
+        self.reduced[prev] = theirs
+        return None
+
+    def _buffer(self, what: str, size: int) -> torch.Tensor:
+        """A float32 scratch of ``size`` kept from step to step (a fresh one would fault its pages in)."""
+        t = self._buffers.get(what)
+        if t is None or t.numel() != size:
+            t = self._buffers[what] = torch.empty(size, dtype=torch.float32)
+        return t

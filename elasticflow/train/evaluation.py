@@ -1,0 +1,83 @@
+"""Evaluation over ``eval_data()``: each worker evaluates its share in evaluation mode, the sums are reduced.
+
+Also the one-time probe of forward()'s metric names, which fixes the order every worker reduces in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from ..data import order as data
+from . import randomness
+from ..errors import ElasticFlowError
+
+# The backends name the evaluation in their loss checks (common.check_loss's ``where``); the probe is
+# evaluation mode too, but a user without eval_data() must read where it really ran.
+_PROBE = "in the start-up probe (forward() on data()'s first samples, before the first step)"
+
+
+@dataclass
+class Probe:
+    metric_names: List[str]  # forward()'s metrics, sorted: the order every worker reduces them in
+    drew: bool               # forward() called elasticflow.ops.dropout with a rate above 0
+
+
+def probe(engine: Any, source: data.Source, check_fields: Optional[Callable[[int], None]] = None) -> Probe:
+    """forward() on two samples, once: checks its output early and fixes the metric order every
+    worker reduces in (a worker with an empty share still sends zeros for each).
+
+    ``check_fields(n)``: raises when forward() cannot take the batch's ``n`` fields (``ModelFile.check_fields``).
+    """
+    batch = source.rows(np.arange(min(2, len(source))))
+    if check_fields is not None:
+        check_fields(len(batch))
+    drawn = randomness.ops_draws
+    engine.train_mode(False)
+    try:
+        names = sorted(k for k in engine.evaluate(batch) if k != "loss")
+    except ElasticFlowError as exc:
+        raise ElasticFlowError(exc.message.replace("in evaluation", _PROBE), exc.hint, exc.exit_code) from exc
+    finally:
+        engine.train_mode(True)
+    return Probe(names, randomness.ops_draws > drawn)
+
+
+class Evaluation:
+    """Mean loss and metrics over an eval dataset, as ``{"eval_loss": ..., "eval_<metric>": ...}``.
+
+    Args:
+        dataset: what ``eval_data()`` returned, checked.
+        backend: the backend module (the dataset is converted to its tensors at the first run).
+        metric_names: the order in which the members reduce the metrics.
+        chunk: samples per forward call (``trainer.micro_batch_size`` or the global batch).
+    """
+
+    def __init__(self, dataset: data.Dataset, backend: Any, metric_names: List[str], chunk: int):
+        self.dataset, self.backend = dataset, backend
+        self.names = ["loss", *metric_names]
+        self.chunk = chunk
+        self._source: Optional[data.Source] = None  # converted lazily: many runs evaluate only at the end
+
+    def run(self, engine: Any, replica: Any) -> Dict[str, float]:
+        """Evaluate this member's share and sum over the members (``replica.reduce_sum``).
+
+        Raises CommError when a peer fails: the caller recovers and runs it again.
+        """
+        if self._source is None:
+            # The engine's device: eval batches go where the parameters are.
+            self._source = data.Source(self.dataset, self.backend, engine.placement)
+        source, totals = self._source, [0.0] * len(self.names)
+        lo, hi = data.worker_share((0, len(source)), replica.rank, replica.world)
+        engine.train_mode(False)
+        try:
+            for a in range(lo, hi, self.chunk):
+                positions = np.arange(a, min(a + self.chunk, hi))
+                values = engine.evaluate(source.rows(positions))
+                for i, k in enumerate(self.names):
+                    totals[i] += values.get(k, 0.0) * len(positions)
+        finally:
+            engine.train_mode(True)
+        totals = replica.reduce_sum(totals)
+        return {f"eval_{k}": v / len(source) for k, v in zip(self.names, totals)}

@@ -1,0 +1,140 @@
+"""One attempt at one optimizer step on this worker: accumulate its micro-batches, reduce with the other
+members, decide the update (apply, skip, stop), apply it, commit the step and its record.
+
+A failed collective raises ``CommError`` out of ``attempt``, before the commit: the trainer regroups and
+calls it again for the same global batch (``ElasticTrainer.train_step``). What the members agreed in the
+step's reduction (stop, regroup) is left in ``agreed`` for the trainer to act on at the step boundary.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List
+
+from ..data import order as data
+from . import grad_check, loss_scale
+from .. import optim
+from .._util.context import _context
+from ..data.order import GlobalBatch
+from ..errors import ElasticFlowError
+from ..replica.replica import Agreed
+
+log = logging.getLogger("elasticflow")
+
+
+class Stepper:
+    """One step's attempt over the parts the trainer built (``builder.Parts``) and its replica.
+
+    Args:
+        parts: the run's parts; t: the trainer config (a plain dataclass); state: the ``TrainState``;
+        replica: the ``Replica``; step_log: rank 0's ``StepLog``; stop_requested: whether this worker was
+        asked to stop (its vote); metric_names: forward()'s metrics, in the order they are reduced.
+    """
+
+    def __init__(self, parts: Any, t: Any, state: Any, replica: Any, step_log: Any, stop_requested: Any,
+                 metric_names: List[str]):
+        self.p, self.t, self.state, self.replica, self.step_log = parts, t, state, replica, step_log
+        self.stop_requested, self.metric_names = stop_requested, metric_names
+        self.order = None           # the epoch's global sample order (set by the trainer at each epoch)
+        self.agreed = Agreed()      # what the members agreed on in the last committed step's reduction
+        self.reduce_started = 0.0   # perf_counter() when this attempt's reduction began
+
+    def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
+        """Train on ``batch`` once; returns the committed step's record."""
+        t, s, p, replica = self.t, self.state, self.p, self.replica
+        engine = p.engine
+        _context.step, _context.epoch = s.step + 1, batch.epoch
+        rank, world = replica.data_rank, replica.data_world  # parameter servers: over the trainers alone
+        share = data.deal((batch.start, batch.end), rank or 0, world, t.micro_batch_size)
+        if rank is None:  # an aggregator consumes no data: no micro-batch, and its buffers contribute nothing
+            share, rank = data.Share([], share.total, share.total), -1
+        reconciler = p.reconciler if replica.world > 1 else None  # one worker's buffers are already sequential
+        if reconciler is not None:
+            reconciler.begin(engine.buffer_arrays())
+        engine.train_mode(True)
+        engine.zero_grad()
+        scaling = p.placement.loss_scaling
+        if scaling:
+            engine.grad_scale = s.loss_scale
+        loss_sum, metric_sums = None, {}
+        keys = p.schedule.ahead(batch, share, p.prefetch.depth if rank >= 0 else 0, s.step, rank, world,
+                                t.micro_batch_size)
+        for i, (a, b) in enumerate(share.micro):
+            # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
+            engine.seed(data.micro_seed(p.seed, batch.epoch, batch.start, share.first + i))
+            rows = p.prefetch.take(keys[i], keys[i + 1:]) if keys else p.source.rows(self.order[a:b])
+            if i == len(share.micro) - 1:
+                replica.begin_backward()  # the gradient is final as backward finishes each bucket
+            loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
+            if loss_sum is None:  # the first (often only) micro-batch: no tensor additions
+                loss_sum, metric_sums = loss_w, dict(metrics_w)
+            else:
+                loss_sum = loss_sum + loss_w
+                for k, v in metrics_w.items():
+                    metric_sums[k] = metric_sums.get(k, 0.0) + v
+            s.micro_step += 1
+        loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
+        # float(): a sync point on accelerators; the non-finite check needs it anyway.
+        scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
+        contribution = None if reconciler is None else reconciler.contribution(
+            engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
+        self.reduce_started = time.perf_counter()
+        reduction = replica.start_reduce(scalars, self.stop_requested(), contribution)
+        self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
+        scalars, agreed, buffers = replica.finish_reduce(reduction)
+        if buffers is not None:
+            engine.set_buffers(reconciler.finish(buffers))
+        loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
+
+        record: Dict[str, Any] = {"epoch": batch.epoch}
+        scattered = None  # stage 2: this member holds the sums of its own ranges only
+        if p.shards is not None and p.shards.scatters():
+            scattered = lambda: grad_check.scattered_finite(p.shards.reduced.values(), replica.reduce_sum)  # noqa: E731
+        verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, scattered)
+        lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
+        self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record)
+        if scaling:
+            record["loss_scale"] = s.loss_scale
+            s.loss_scale, s.loss_scale_good_steps = loss_scale.next_scale(s.loss_scale, s.loss_scale_good_steps,
+                                                                         verdict.overflow)
+        # Committed: from here on this worker's state includes the step.
+        self.agreed = agreed
+        s.cursor.samples_in_epoch = batch.end
+        s.cursor.samples_seen += batch.size
+        record.update(step=s.step, loss=loss, lr=lr, samples_seen=s.cursor.samples_seen, world_size=replica.world,
+                      generation=replica.generation, micro_step=s.micro_step, global_batch=batch.size,
+                      time=time.time())
+        record.update(metric_values)
+        if verdict.grad_norm is not None:
+            record["grad_norm"] = verdict.grad_norm
+        s.last_metrics = record
+        self.step_log.committed(record)
+        if p.shards is not None:
+            # After the commit: a member failing here leaves the step applied to every range held, and
+            # the recovery rebuilds the parameters from them.
+            replica.gather()
+        return record
+
+    def _update(self, update: grad_check.Update, lr: float, batch: GlobalBatch, record: Dict[str, Any]) -> None:
+        """Apply the summed gradient (one optimizer step), or skip it, or stop the run: ``update`` says."""
+        s = self.state
+        if update.action == "stop":
+            raise ElasticFlowError(f"{update.why} at step {s.step + 1} (epoch {batch.epoch}); training stopped, "
+                                   "no update applied", update.hint, exit_code=1)
+        if update.action == "skip":
+            s.skipped_steps += 1
+            record["skipped"] = True
+            if self.p.shards is not None:  # nothing applied: the held ranges are valid at the new progress
+                self.p.shards.skipped(s.cursor.samples_seen + batch.size)
+            if update.why == "overflow":  # float16: the loss scale comes down (loss_scale.next_scale)
+                log.debug("float16 gradient overflow at step %d; loss scale %g -> %g", s.step + 1, s.loss_scale,
+                          s.loss_scale * loss_scale.BACKOFF)
+                record["overflow"] = True
+            else:
+                log.warning("%s at step %d; skipping the update (trainer.on_nonfinite=skip)", update.why, s.step + 1)
+            return
+        if self.p.shards is not None:
+            self.replica.update(lr, s.step + 1, s.cursor.samples_seen + batch.size)
+        else:
+            self.p.engine.apply(lr)
+        s.step += 1
