@@ -93,7 +93,11 @@ class ElasticTrainer:
         """Build the parts (backend, model, optimizer, data), resume if a checkpoint exists, join the job."""
         cfg, t = self.cfg, self.tcfg
         parts = builder.build(cfg, t, self.model_file)
-        vars(self).update(vars(parts))  # self.engine, self.source, self.schedule, ... (builder.Parts)
+        self.model_file, self.backend, self.placement = parts.model_file, parts.backend, parts.placement
+        self.local_workers, self.spec, self.engine = parts.local_workers, parts.spec, parts.engine
+        self.shards, self.outer = parts.shards, parts.outer  # trainer.shard's state; topology=local_sgd|diloco's
+        self.source, self.prefetch, self.schedule = parts.source, parts.prefetch, parts.schedule
+        self.reconciler, self.eval_dataset = parts.reconciler, parts.eval_dataset
         self.step_log.total_steps = self.schedule.total_steps
         self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict,
                                cfg.comm.bucket_mb, self.shards)
@@ -325,11 +329,6 @@ class ElasticTrainer:
         """The loop's end (the ledger's ``trained``): the productive seconds not yet on a logged step."""
         if self.rank == 0 and self.meter.started:
             self.run_log.event("trained", step=self.state.step, train_s=round(self.meter.flush(), 4), outcome=outcome)
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Load checkpoint ``path`` (written by any number of workers, on either backend)."""
-        self.checkpoints.load(Path(path))
-        self.resumed_from = str(path)
 
     def finish(self) -> Dict[str, Any]:
         """Evaluate (if eval_data exists and the last step was not just evaluated) and write the final checkpoint."""

@@ -75,7 +75,7 @@ if os.environ.get(WORKER_ENV) is not None:
     # Inside the workers: the time the reconciliation itself takes on reconciled steps (snapshot, contribution,
     # rebuild, write-back), written every 50 steps to RECONCILE_LOG/<pid>.json.
     import json, time
-    from elasticflow import buffers
+    from elasticflow.backends import buffers
     from elasticflow.backends import torch as torch_backend
 
     spent = {"s": 0.0, "calls": 0}

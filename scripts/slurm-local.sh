@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A real SLURM cluster on this one machine, for tests: `start`, `stop`, `status`.
 #
+#   scripts/slurm-local.sh install  install Debian's SLURM and munge packages if missing, start nothing
+#                                   (CI's first step: it fails here, not in a skipped test)
 #   scripts/slurm-local.sh start    install Debian's slurmctld/slurmd/slurm-client/munge if missing, write
 #                                   /etc/slurm/slurm.conf, start munged, slurmctld and slurmd without systemd,
 #                                   wait until every node is idle. Does nothing if the cluster already runs.
@@ -452,11 +454,12 @@ do_status_hosts() {
 }
 
 case "${HOSTS_N:+hosts-}${1:-}" in
+  install) mkdir -p "$LOG"; install_packages ;;
   start) do_start ;;
   stop) do_stop ;;
   status) do_status ;;
   hosts-start) do_start_hosts ;;
   hosts-stop) do_stop_hosts ;;
   hosts-status) do_status_hosts ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  *) echo "usage: $0 install|start|stop|status" >&2; exit 2 ;;
 esac

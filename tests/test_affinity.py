@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ELASTICFLOW, REPO, metrics
+from harness import ELASTICFLOW, REPO, metrics
 from elasticflow._util.affinity import share
 
 ALL = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -44,7 +44,7 @@ PINNED = r"""
 import datetime, json, os
 from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
-from elasticflow import affinity
+from elasticflow._util import affinity
 from elasticflow.distributed.comm import Group
 
 affinity.pin([0])

@@ -11,11 +11,11 @@ import pytest
 
 import elasticflow
 import elasticflow.checkpoint as ckpt
-from elasticflow.train import model_file
+from elasticflow.train import model_file as modelfile
 from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 
-from conftest import MODELS, run_cli, train
+from harness import MODELS, cli, run_cli, train
 
 # A masked-LM BERT with its decoder tied to the word embeddings (state_dict lists both), non-persistent
 # position/token-type id buffers (not state), and a frozen token-type embedding.
@@ -120,7 +120,7 @@ def test_bert_export_loads_strict_and_with_from_pretrained(tmp_path):
     assert "exported step 3 of" in proc.stdout and "BertForMaskedLM (save_pretrained)" in proc.stdout
 
     cfg = compose(str(tmp_path / "bert.py"))
-    build = model_file.load(str(tmp_path / "bert.py")).model
+    build = modelfile.load(str(tmp_path / "bert.py")).model
     weights = _weights(tmp_path / "out" / "model.safetensors")
     fresh, initial = build(cfg), build(cfg)
     assert set(weights) == set(fresh.state_dict())  # the decoder alias present, position_ids absent
@@ -160,7 +160,7 @@ def test_native_module_exports_its_own_keys(net_runs, form, tmp_path, restore_op
     weights = _weights(tmp_path / "out" / "model.safetensors")
     assert sorted(weights) == ["fc.bias", "fc.weight", "head.bias", "head.weight", "offset"]
 
-    net = model_file.load(str(model_file)).model(compose(str(model_file)))
+    net = modelfile.load(str(model_file)).model(compose(str(model_file)))
     initial = {k: v.clone() for k, v in net.state_dict().items()}
     net.load_state_dict(weights, strict=True)
     _, state = _checkpoint_of(run)
@@ -193,7 +193,7 @@ def test_keras_export_loads_with_load_weights(tmp_path, restore_ops):
     proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=180, check=True)
     assert "keras weights (save_weights)" in proc.stdout
 
-    net = model_file.load(str(model)).model(compose(str(model), ["backend=tensorflow"]))
+    net = modelfile.load(str(model)).model(compose(str(model), ["backend=tensorflow"]))
     net.load_weights(str(tmp_path / "out" / "model.weights.h5"))
     _, s = _checkpoint_of(run)
     assert np.array_equal(net.get_layer("out").kernel.numpy(), s["out/kernel"])
@@ -234,7 +234,7 @@ def test_mistakes_are_one_line_with_a_hint(net_runs, tmp_path, restore_ops):
         assert message in info.value.message and hint in info.value.hint, (message, str(info.value))
     assert not (tmp_path / "o").exists() and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
 
-    proc = run_cli(["export", moved, "--to", tmp_path / "o"], timeout=60)
+    proc = cli(["export", moved, "--to", tmp_path / "o"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
         f"error: cannot tell which model file wrote '{ckpt.latest(moved)}': no .hydra/overrides.yaml in its run "

@@ -29,7 +29,7 @@ from ..optim import Hyper, OptimizerSpec
 class Engine(Protocol):
     """Parameters, autodiff, the flat gradient buffer and the optimizer of one worker.
 
-    Typical step (the trainer's ``_attempt``): ``train_mode(True)``, ``zero_grad()``,
+    Typical step (``train.stepper.Stepper.attempt``): ``train_mode(True)``, ``zero_grad()``,
     ``accumulate()`` per micro-batch, reduce ``grad_view()`` in place across workers, optionally
     ``grad_norm()``/``scale_grad()`` or ``grad_finite()``, then ``apply(lr)``.
     """

@@ -133,7 +133,7 @@ class Topology:
 
 def this_workers_group(topology: Topology, slot: Optional[str]) -> str:
     """``group_of`` for the calling process: its hostname, SLURM's node name if set, its local ``slot`` (the
-    launcher's ``EF_LOCAL_SLOT``, a string, or None)."""
+    launcher's ``ELASTICFLOW_LOCAL_SLOT``, a string, or None)."""
     import os
     import socket
 

@@ -1,3 +1,3 @@
 """One worker's replica of the training state, kept equal to every other member's through failures: the step's
-reduction (``replica``, ``bucketing``), sharded state (``shard``, ``shard_plan``, ``shard_sync``) and the
+reduction (``replica``, ``bucketing``), sharded state (``shard``, ``shard_plan``, ``flat_update``) and the
 parameter server's roles (``parameter_server``)."""

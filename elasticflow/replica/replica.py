@@ -104,7 +104,7 @@ class Recovery:
     committed: bool = False    # trainer.shard: the failed attempt had committed its step (its allgather failed)
 
 
-class Replica(Buckets):
+class Replica:
     """This worker's place in the group: reductions, state sync, recovery.
 
     Args:
@@ -121,12 +121,7 @@ class Replica(Buckets):
         self.lost: List[Tuple[int, int]] = []  # ranges the last redistribution found no holder for
         self.shard_moved = 0                   # elements of sharded state the last redistribution sent
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
-        self.bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb else 0
-        self._ranges: Optional[List[Tuple[int, int]]] = None  # the gradient's buckets (engine.buckets)
-        self._started: List[Any] = []        # this step's bucket allreduces, in flight
-        self._ready: set = set()             # buckets whose gradients backward has finished
-        self._next = 0                       # buckets are started in index order, on every member alike
-        self._start_error: Optional[Exception] = None
+        self.buckets = Buckets(engine, int(bucket_mb * (1 << 20)) if bucket_mb else 0)
 
     @property
     def rank(self) -> int:
@@ -190,6 +185,16 @@ class Replica(Buckets):
                       rebuild_s=joined_at - m.admitted_at, transfer_s=time.time() - joined_at, state_received=moved)
 
     # ------------------------------------------------------------------ every step
+    def begin_backward(self) -> None:
+        """Before this worker's last backward of the step: each gradient bucket starts its allreduce as soon
+        as backward has finished it (``comm.bucket_mb``; ``bucketing.Buckets``)."""
+        m = self.membership
+        self.buckets.begin_backward(None if m is None else m.group, self.world, self._scatters())
+
+    def _scatters(self) -> bool:
+        """Stage 2 reduce-scatters the gradient in one piece: no buckets."""
+        return self.shards is not None and self.shards.scatters()
+
     def reduce_step(self, scalars: List[float], interrupt: bool,
                     buffers: Optional[np.ndarray] = None) -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
         """Sum the gradient, ``scalars`` and ``buffers`` (the buffers' contributions, ``buffers.Reconciler``)
@@ -216,7 +221,7 @@ class Replica(Buckets):
         votes = scalars + self.votes(interrupt)
         n = len(votes)
         r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
-        ranges = self._buckets()
+        ranges = self.buckets.plan(self.world, self._scatters())
         if self.shards is not None and self.shards.serves():  # finish_reduce pushes, then sums the votes
             r.push = grad
             r.tail = torch.tensor(votes, dtype=torch.float64)
@@ -237,7 +242,7 @@ class Replica(Buckets):
                 self._start(r, tail)
                 r.tail = tail
         elif ranges:
-            self._reduce_buckets(r, grad, ranges, votes, buffers)
+            self.buckets.reduce(r, self.membership.group, grad, ranges, votes, buffers)
         elif grad.numel() <= FOLD_MAX:
             # One collective, not two: each is a round trip every member must be scheduled for, which on
             # a small model costs more than the step's compute. The scalars (and buffer contributions) ride

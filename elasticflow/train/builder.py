@@ -28,7 +28,8 @@ log = logging.getLogger("elasticflow")
 
 @dataclass
 class Parts:
-    """What a run trains with; each becomes the trainer attribute of the same name."""
+    """What a run trains with: ``ElasticTrainer.prepare`` takes the ones the loop reads as attributes of the same
+    name; the stepper (``stepper()``) gets the rest."""
     backend: Any                    # the backend module (elasticflow.backends.<name>)
     placement: devices.Placement    # device, precision, comm backend
     local_workers: int              # workers on this host (core pinning, threads)
