@@ -34,7 +34,7 @@ def test_a_replacement_takes_the_local_slot_of_the_worker_it_replaces(tmp_path):
         for _ in range(3):
             agent.spawn()
         assert [e[protocol.ENV_LOCAL_SLOT] for e in envs] == ["0", "1", "2"]
-        agent.admitted, agent.joining = list(agent.joining.values()), {}  # all three joined
+        agent.roster.move_all(list(agent.joining.values()), "admitted")  # all three joined
         agent.publish()
         procs[1].rc = -9  # the worker in slot 1 is SIGKILLed
         assert agent._reap() is None

@@ -8,9 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from . import protocol
 from .process import Worker
+
+if TYPE_CHECKING:  # the agent's parts take it typed; importing it at run time would be a cycle
+    from .agent import Agent
 
 log = logging.getLogger("elasticflow")
 
@@ -20,7 +24,7 @@ RECHECK_S = 10.0      # how long a request that failed its MAC is re-read: a rea
 RECHECKS_KEPT = 32    # ... and how many at most (the newest)
 
 
-def admit(agent) -> None:
+def admit(agent: "Agent") -> None:
     """Answer every join request written since the last round (the agent's loop, every REQUESTS_S)."""
     for n, request in list(agent.join_requests.read(agent.store)) + _changed(agent):
         try:
@@ -47,7 +51,7 @@ def admit(agent) -> None:
             agent.write_workers_json()  # `status` and `scale` see it admitted (it enters the next generation)
 
 
-def _changed(agent) -> list:
+def _changed(agent: "Agent") -> list:
     """Requests that failed their MAC, read again: a worker that counted ``n`` after a stranger wrote
     ``join/request/<n>`` overwrites the forgery with its own, which deserves a verdict of its own."""
     out, now = [], time.monotonic()
@@ -70,7 +74,7 @@ def _shown(value) -> str:
     return str(value)[:64]
 
 
-def judge(agent, n: int, request: dict) -> dict:
+def judge(agent: "Agent", n: int, request: dict) -> dict:
     """Admit the worker of request ``n`` (an agent's, a node agent's, or one started by hand with the
     token), or say why not."""
     wid, pid, node, host, nonce = (request.get(k) for k in ("id", "pid", "node", "host", "nonce"))
@@ -82,7 +86,7 @@ def judge(agent, n: int, request: dict) -> dict:
     cap = agent.cfg.launcher.max_workers
     if cap and len(agent.members) + len(agent.admitted) >= cap:
         return {"ok": False, "reason": f"the job already has launcher.max_workers={cap} workers"}
-    worker = agent.joining.pop(wid, None)
+    worker = agent.joining.get(wid)
     if worker is not None:
         worker.pid = pid  # behind srun, the process we started is srun, not the worker
     elif node is not None and agent.hosts.knows(node, wid):
@@ -90,7 +94,9 @@ def judge(agent, n: int, request: dict) -> dict:
     else:
         # Started by someone holding the token (another launcher): give it a fresh id.
         worker = Worker(agent.new_id(), pid, None, host)
-    worker.state = "admitted"
     worker.host = host
-    agent.admitted.append(worker)
+    if agent.roster.place_of(worker) is None:
+        agent.roster.add(worker, "admitted")
+    else:
+        agent.roster.move(worker, "admitted")
     return {"ok": True, "id": worker.id, "job": agent.job}

@@ -9,8 +9,9 @@ A generation that fails to form (rendezvous.py says when) is superseded by the n
 members that arrived or reported; the others *wait* (alive, out of the generation) and re-enter a
 later one once they arrive. Joiners admitted while a generation forms enter the next one together.
 
-Health (heartbeats, failure reports, cutting out the silent) is health.py's. Every record the agent writes
-is sealed with the job token and every one it reads is checked (_util/sealing.py).
+Where each worker is in its lifecycle is the roster's (roster.py): one place per worker, its state written
+as it moves. Health (heartbeats, failure reports, cutting out the silent) is health.py's. Every record the
+agent writes is sealed with the job token and every one it reads is checked (_util/sealing.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .._util.fileio import append_event
 from . import admission, health, hosts, protocol, scaling, workers_json
 from .process import Worker, listening_store
 from .rendezvous import Rendezvous
+from .roster import Roster
 
 log = logging.getLogger("elasticflow")
 WATCH_S = 0.01     # how often the agent polls its workers: a SIGKILLed worker is noticed within ~10 ms
@@ -76,13 +78,9 @@ class Agent:
         self.hosts = hosts.Hosts(self)        # the node agents of other hosts, and their workers' exits
         self.preempted = False
         self.generation = -1                  # nothing published yet
-        self.members: List[Worker] = []      # the published generation, rank order
-        self.published: List[Worker] = []    # ... as published (members leave it as they exit)
-        self.joining: Dict[int, Worker] = {}  # spawned, join request not yet accepted
-        self.admitted: List[Worker] = []     # accepted, enter at the next generation
-        self.retiring: List[Worker] = []     # dropped by a scale-down, exiting at a step boundary
-        self.waiting: List[Worker] = []      # alive, left out of a generation that failed to form
-        self.finished: List[Worker] = []
+        self.roster = Roster()                # every worker, in one place of its lifecycle (roster.py)
+        self.published: List[Worker] = []    # the published generation's members as published (they leave
+                                             # roster.members as they exit)
         self.join_requests = protocol.Inbox("join/count", "join/request")
         self.scale_requests = protocol.Inbox("control/count", "control/request")
         self.scale_nonces: Dict[str, None] = {}  # taken once (scaling.py), oldest first
@@ -100,6 +98,14 @@ class Agent:
         self.supersede_cause = ""
 
     # ------------------------------------------------------------------ workers
+    # The roster's places, to read (moves go through self.roster).
+    members = property(lambda self: self.roster.members, doc="the published generation, rank order")
+    joining = property(lambda self: self.roster.joining, doc="spawned, join request not yet accepted")
+    admitted = property(lambda self: self.roster.admitted, doc="accepted, enter at the next generation")
+    waiting = property(lambda self: self.roster.waiting, doc="alive, left out of a generation that failed")
+    retiring = property(lambda self: self.roster.retiring, doc="leaving after a scale-down")
+    finished = property(lambda self: self.roster.finished, doc="exited after training or a clean stop")
+
     def new_id(self) -> int:
         """The next worker id, from the store's counter: node agents on other hosts draw from it too."""
         return protocol.draw(self.store, protocol.IDS_KEY, protocol.IDS_KEY) - 1
@@ -116,9 +122,7 @@ class Agent:
                protocol.ENV_LOCAL_WORKERS: str(max(self.cfg.launcher.workers, len(here) + 1)),
                protocol.ENV_SPAWNED_AT: str(time.time())}
         proc = self.launch(env)
-        worker = Worker(wid, proc.pid, proc, slot=slot)
-        self.joining[wid] = worker
-        return worker
+        return self.roster.add(Worker(wid, proc.pid, proc, slot=slot))
 
     def target_workers(self) -> int:
         return len(self.members) + len(self.admitted) + len(self.joining) + len(self.waiting)
@@ -126,12 +130,10 @@ class Agent:
     def publish(self, action: str = "train", reason: str = "") -> None:
         """Announce the next generation with the current members (admitted joiners enter now)."""
         for w in self.admitted:
-            w.state = "training"
             w.hb_seen = time.monotonic()
         if self.generation < 0:  # the first generation ranks workers by id, not by who was quicker
             self.admitted.sort(key=lambda w: w.id)
-        self.members += self.admitted
-        self.admitted = []
+        self.roster.move_all(self.admitted, "members")
         self.published = list(self.members)
         self._announce_generation([w.id for w in self.members], [w.id for w in self.waiting], action, reason)
         self.dirty = False
@@ -225,7 +227,7 @@ class Agent:
                 self.event(event, generation=self.generation)
 
     def live(self) -> List[Worker]:
-        return [*self.members, *self.joining.values(), *self.admitted, *self.retiring, *self.waiting]
+        return self.roster.live()
 
     def _watch(self) -> Dict[str, Any]:
         next_health = next_requests = 0.0
@@ -264,25 +266,23 @@ class Agent:
             rc = w.poll()
             if rc is None:
                 continue
-            self.members.remove(w)
             if rc in CLEAN_EXITS and not self._announced(w):
+                self.roster.drop(w)
                 self._lost(w, f"exit code {rc} without the worker's exit record (its node or its srun failed)")
             elif rc in CLEAN_EXITS or (rc == protocol.EXIT_REMOVED and self.trained):
-                w.state = "finished"
-                self.finished.append(w)
+                self.roster.move(w, "finished")
                 self.trained = self.trained or rc == protocol.EXIT_OK
             elif rc in (1, 2, protocol.EXIT_REFUSED):
-                self.finished.append(w)
+                self.roster.move(w, "finished")
                 return w, rc
             else:
+                self.roster.drop(w)
                 self._lost(w, f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
         for w in list(self.joining.values()) + list(self.admitted):
             rc = w.poll()
             if rc is None:
                 continue
-            self.joining.pop(w.id, None)
-            if w in self.admitted:
-                self.admitted.remove(w)
+            self.roster.drop(w)
             if rc in (1, 2):
                 return w, rc
             self.event("join_failed", worker=w.id, pid=w.pid, exit_code=rc)
@@ -291,19 +291,18 @@ class Agent:
             rc = w.poll()
             if rc is None:
                 continue
-            self.waiting.remove(w)
             if rc in (1, 2, protocol.EXIT_REFUSED):
-                self.finished.append(w)
+                self.roster.move(w, "finished")
                 return w, rc
             if (rc in CLEAN_EXITS or rc == protocol.EXIT_REMOVED) and self._announced(w):
-                w.state = "finished"
-                self.finished.append(w)
+                self.roster.move(w, "finished")
             else:  # not in the generation: its loss changes no group, so nothing to publish
+                self.roster.drop(w)
                 self._lost(w, f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}", dirty=False)
         for w in list(self.retiring):
             rc = w.poll()
             if rc is not None:
-                self.retiring.remove(w)
+                self.roster.drop(w)
                 self.event("retired", worker=w.id, pid=w.pid, exit_code=rc)
                 self.write_workers_json()
         return None

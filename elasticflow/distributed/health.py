@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from . import protocol
 from .process import Worker
 from .rendezvous import key
+
+if TYPE_CHECKING:  # the agent's parts take it typed; importing it at run time would be a cycle
+    from .agent import Agent
 
 log = logging.getLogger("elasticflow")
 ENDED = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN)  # a member's exit that ends the job
 REPORT_GRACE_S = 2.0  # after a peer reports a failed collective, how long the others have to report too
 
 
-def check(agent, now: float) -> None:
+def check(agent: "Agent", now: float) -> None:
     el = agent.cfg.elastic
     ended = any(w.poll() in ENDED for w in agent.finished)  # the others stop heartbeating as they close
     # Retiring workers too: until a retiring worker leaves at the step boundary it is still in the current
@@ -36,11 +40,7 @@ def check(agent, now: float) -> None:
         elif now - w.hb_seen > el.heartbeat_timeout_s and w.proc is None and w.node is not None:
             # After the end, a worker of another host whose exit was never reported (its host went down
             # as the job ended) is not waited for: it has nothing left to do.
-            for group in (agent.members, agent.waiting, agent.retiring):
-                if w in group:
-                    group.remove(w)
-            w.state = "finished"
-            agent.finished.append(w)
+            agent.roster.move(w, "finished")
     if ended:
         return
     g = agent.generation
@@ -50,10 +50,7 @@ def check(agent, now: float) -> None:
     if agent.supersede_at is None:
         # A waiting worker that arrived at the newest generation is ready: it enters the next one. (Not
         # while a successor is due: it arrived at the failed generation, before it was left out.)
-        for w in [w for w in agent.waiting if has_reported(agent, g, "arrived", w.id)]:
-            agent.waiting.remove(w)
-            w.state = "admitted"
-            agent.admitted.append(w)
+        agent.roster.move_all([w for w in agent.waiting if has_reported(agent, g, "arrived", w.id)], "admitted")
     if not agent.dirty:  # when dirty, the next generation is published this round anyway
         verdict = agent.rdv.poll(now, [w.id for w in agent.members if w.state != "killed"])
         if verdict is not None:
@@ -72,10 +69,10 @@ def check(agent, now: float) -> None:
             if w not in reported and w.state != "killed":
                 cut_out(agent, w, "its peers' collectives failed and it never reported (stuck or deadlocked)")
 
-def has_reported(agent, g: int, what: str, worker_id: int) -> bool:
+def has_reported(agent: "Agent", g: int, what: str, worker_id: int) -> bool:
     return protocol.fetch(agent.store, agent.sealer, key(g, what, worker_id), "arrival") is not None
 
-def judged(agent, v, now: float) -> None:
+def judged(agent: "Agent", v, now: float) -> None:
     """The forming generation formed, or failed: then its successor is due (after the back-off)."""
     if v.outcome == "formed":
         for w in agent.members:
@@ -89,10 +86,7 @@ def judged(agent, v, now: float) -> None:
         # every live member (after the back-off).
         keep = alive
     left_out = [w for w in alive if w not in keep]
-    for w in left_out:
-        w.state = "waiting"
-    agent.waiting += left_out
-    agent.members = [w for w in agent.members if w not in left_out]
+    agent.roster.move_all(left_out, "waiting")
     delay = agent.rdv.backoff_s()
     log.warning("generation %d did not form (%s); the next one in %.2fs with %d worker(s)",
                 v.generation, v.cause, delay, len(keep))
@@ -100,23 +94,23 @@ def judged(agent, v, now: float) -> None:
                waiting=[w.id for w in left_out], retry_in_s=delay, failures=agent.rdv.failures)
     agent.supersede_at, agent.supersede_cause = now + delay, v.cause
 
-def cut_out(agent, w: Worker, why: str) -> None:
+def cut_out(agent: "Agent", w: Worker, why: str) -> None:
     log.warning("worker %d (pid %d): %s; killing it", w.id, w.pid, why)
     agent.event("hung", worker=w.id, pid=w.pid, reason=why, generation=agent.generation)
     agent._put(protocol.cut_key(w.id), why)  # a cut-off worker that outlives the kill reads why
-    w.state = "killed"
+    agent.roster.cut(w)
     w.signal(signal.SIGKILL)
     if w.proc is None:  # not our child: we cannot wait for its exit code
-        if w in agent.retiring:
-            agent.retiring.remove(w)
+        place = agent.roster.place_of(w)
+        agent.roster.drop(w)
+        if place == "retiring":
             agent.event("retired", worker=w.id, pid=w.pid, exit_code=-int(signal.SIGKILL))
             return
-        member = w in agent.members
-        (agent.members if member else agent.waiting).remove(w)
+        member = place == "members"
         agent._lost(w, "killed: hung", dirty=member)  # a waiting worker is in no group: nothing to publish
 
 
-def reassert(agent) -> None:
+def reassert(agent: "Agent") -> None:
     """Put back records a stranger replaced: the newest generation's (workers refuse the forgery, and would
     wait for the real record), and the checkpoint folder the workers agreed on (a joiner reads it; the agent
     pins the first value that verifies). Four round trips per health round."""

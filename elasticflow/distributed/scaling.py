@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import signal
 import time
+from typing import TYPE_CHECKING
 
 from . import protocol
 
+if TYPE_CHECKING:  # the agent's parts take it typed; importing it at run time would be a cycle
+    from .agent import Agent
+
 
 FRESH_S = 300.0   # a scale request older (or newer, by the requester's clock) than this is refused: a replay
-NONCES_KEPT = 4096
-MAX_WORKERS = 4096  # without launcher.max_workers: a bound all the same (each worker is a process we start)  # nonces remembered (a request is taken once); older ones are past FRESH_S anyway
+NONCES_KEPT = 4096  # nonces remembered (a request is taken once); older ones are past FRESH_S anyway
+MAX_WORKERS = 4096  # without launcher.max_workers: a bound all the same (each worker is a process we start)
 
 
-def serve(agent) -> None:
+def serve(agent: "Agent") -> None:
     """Answer the `elasticflow scale` requests written since the last round (the agent calls this every round).
     A request is anyone's to write: each is checked (types, MAC, job, time, nonce) and answered on its own."""
     for _, req in agent.scale_requests.read(agent.store):
@@ -38,7 +42,7 @@ def scale_message(job: str, target: int, nonce: str, at: float) -> str:
     return f"scale:{job}:{target}:{nonce}:{at!r}"
 
 
-def rescale(agent, req: dict) -> dict:
+def rescale(agent: "Agent", req: dict) -> dict:
     """Check a scale request, then start workers, or retire the surplus (waiting, joining, admitted, then
     the last-joined members). Returns the reply for the requester."""
     target, nonce, at = req.get("workers"), req["nonce"], req.get("time")
@@ -71,27 +75,24 @@ def rescale(agent, req: dict) -> dict:
     elif target < current:
         surplus = current - target
         while surplus and agent.waiting:  # not in the generation: they leave at the next publish
-            w = agent.waiting.pop()
-            w.state = "retiring"
-            agent.retiring.append(w)
+            agent.roster.move(agent.waiting[-1], "retiring")
             agent.dirty = True
             surplus -= 1
         for w in sorted(agent.joining.values(), key=lambda w: -w.id)[:surplus]:  # cancel starts first
-            agent.joining.pop(w.id)
+            agent.roster.drop(w)
             w.signal(signal.SIGKILL)
             surplus -= 1
         while surplus and agent.admitted:
-            agent.admitted.pop().signal(signal.SIGKILL)
+            w = agent.admitted[-1]
+            agent.roster.drop(w)
+            w.signal(signal.SIGKILL)
             surplus -= 1
         if surplus:
             # The last-joined members leave, trainers before aggregators (parameter servers: an aggregator's
             # shard would have to move first); the rest keep their relative order.
             order = sorted(agent.members[::-1], key=lambda w: _aggregator(agent.store, w.id))
             leaving = order[:surplus]
-            agent.members = [w for w in agent.members if w not in leaving]
-            for w in leaving:
-                w.state = "retiring"
-            agent.retiring += leaving
+            agent.roster.move_all([w for w in agent.members if w in leaving], "retiring")
             agent.dirty = True
     agent.write_workers_json()
     return {"ok": True, "workers": target}

@@ -10,15 +10,18 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Optional
+from typing import Any, Optional, TYPE_CHECKING
 
 from .._util.fileio import write_atomic
 from . import protocol
 
+if TYPE_CHECKING:  # the agent's parts take it typed; importing it at run time would be a cycle
+    from .agent import Agent
+
 log = logging.getLogger("elasticflow")
 
 
-def write(agent: Any, action: str = "train") -> None:
+def write(agent: "Agent", action: str = "train") -> None:
     """The ``agent``'s workers now, by state (members in rank order), with its restarts and pid."""
     snapshot = {"generation": agent.generation, "time": time.time(), "action": action,
                 "members": [w.describe(r) for r, w in enumerate(agent.members)],
@@ -31,12 +34,10 @@ def write(agent: Any, action: str = "train") -> None:
     write_atomic(agent.run_dir / "workers.json", json.dumps(snapshot, indent=1))
 
 
-def write_ended(agent: Any) -> None:
+def write_ended(agent: "Agent") -> None:
     """The job's last workers.json: the last generation's members (``agent.published``, which become its
     ``members``), each with how it ended (`status` of an ended job showed them all as still training)."""
-    for w in agent.published:
-        w.state = end_state(w.poll())
-    agent.members = agent.published
+    agent.roster.end(agent.published, [end_state(w.poll()) for w in agent.published])
     try:
         write(agent, "ended")
     except OSError as exc:  # in a finally: a status file must not hide the job's own error

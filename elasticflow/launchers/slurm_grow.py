@@ -206,12 +206,10 @@ class WorkerJobs:
     def _retire(self, agent, job: WorkerJob) -> None:
         """A scale-down's worker job: its workers leave at a step boundary (exit 5); then it is cancelled."""
         for w in [w for w in agent.members + agent.waiting if _of(job.job, w.node)]:
-            (agent.members if w in agent.members else agent.waiting).remove(w)
-            w.state = "retiring"
-            agent.retiring.append(w)
+            agent.roster.move(w, "retiring")
             agent.dirty = True
         for w in [w for w in agent.admitted if _of(job.job, w.node)]:
-            agent.admitted.remove(w)
+            agent.roster.drop(w)
             w.signal(signal.SIGKILL)
         agent.event("worker_job", job=job.job, state="RELEASING")
 
