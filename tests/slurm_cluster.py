@@ -240,8 +240,11 @@ class SlurmCluster:
         self.wait_state(jobid, "PENDING", timeout=timeout)
         # slurmd revokes the old instance's credential at the requeue, to the second: a new instance
         # launched within that same second is refused ("Job credential revoked", then FAILED with
-        # nothing in the job's log). SLURM's own hold avoids this; this shortcut waits out the second.
-        time.sleep(1.5)
+        # nothing in the job's log). SLURM's own hold avoids this; this shortcut waits for the next second
+        # of the clock slurmd reads (this machine's) to begin, past the one the requeue was seen in.
+        seen_in, deadline = int(time.time()), time.monotonic() + 10
+        while int(time.time()) <= seen_in and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.run("scontrol", "update", f"jobid={jobid}", "StartTime=now")
 
     def log_tail(self, name: str = "slurmctld.log", lines: int = 30) -> str:

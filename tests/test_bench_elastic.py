@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from harness import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench_elastic  # noqa: E402

@@ -3,10 +3,9 @@
 The headline equivalence and Ctrl-C run the real CLI; the many variations (resume=PATH, keep,
 corruption, incomplete directories, native modules) run in-process, where a run costs ~0.1 s.
 """
+import os
 import shutil
 import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,8 @@ from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import CheckpointInterval, ElasticTrainer
 
-from conftest import ELASTICFLOW, losses, metrics, run_cli, train
+from harness import (SLOW, assert_equivalent, events, flip_a_byte, logged_step, losses, members, metrics, reap, run_cli, saved,
+                     start, stop, train, wait_for)
 
 # Dropout draws from torch's RNG, Adam keeps state, and 200 samples in batches of 16 make 13 steps
 # per epoch (the last one of 8): a resume that lost the RNG, the optimizer state or the data cursor
@@ -57,21 +57,6 @@ def step_losses(run_dir):
     return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
 
 
-def saved(run_dir):
-    """{name: path} of the complete checkpoints under RUN_DIR/checkpoints, whatever the layout below it."""
-    found = [p for p in (run_dir / "checkpoints").rglob("*") if p.is_dir() and ckpt.is_complete(p)]
-    names = [p.name for p in found]
-    assert len(names) == len(set(names)), names
-    return {p.name: p for p in found}
-
-
-def assert_same_state(a, b, prefix=""):
-    assert sorted(a) == sorted(b)
-    for name in a:
-        if not name.startswith("rng/"):
-            assert np.array_equal(a[name], b[name]), prefix + name
-
-
 # ---------------------------------------------------------------- the CLI: save at 30, resume to 60
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, write_model):
     path = write_model(DROPOUT_ADAM)
@@ -88,7 +73,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, write_model):
     resumed, uninterrupted = step_losses(first), step_losses(straight)
     assert sorted(resumed) == list(range(1, 61))
     assert [resumed[s] for s in range(31, 61)] == [uninterrupted[s] for s in range(31, 61)]
-    assert_same_state(ckpt.load(ckpt.latest(first / "checkpoints")), ckpt.load(ckpt.latest(straight / "checkpoints")))
+    assert_equivalent(first, straight, rtol=0, rng=True, records=False)  # the same values, random streams too
     # keep=3 (the default): only the newest three remain
     assert sorted(saved(first)) == ["step_40", "step_50", "step_60"]
 
@@ -128,7 +113,7 @@ def test_resume_from_an_explicit_path(baseline, tmp_path):
     fit(path, other, "trainer.max_steps=20", f"resume={saved(run)['step_10']}")
     want = step_losses(run)
     assert step_losses(other) == {s: want[s] for s in range(11, 21)}
-    assert_same_state(ckpt.load(ckpt.latest(other / "checkpoints")), ckpt.load(saved(run)["step_20"]))
+    assert_equivalent(other, run, rtol=0, rng=True, records=False)  # run's newest: step_20
 
 
 def test_resume_none_starts_fresh(baseline, tmp_path):
@@ -186,12 +171,6 @@ def test_checkpoint_interval_argument_overrides_the_config(baseline, tmp_path):
     assert sorted(saved(tmp_path)) == ["step_3", "step_6", "step_8"]
 
 
-def flip_a_byte(path):
-    raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0xFF  # inside the tensor data: the file still parses, only the checksum can tell
-    path.write_bytes(bytes(raw))
-
-
 def test_corrupt_shard_names_the_file(baseline, tmp_path):
     path, run = baseline
     run = copy_run(run, tmp_path / "run")
@@ -204,7 +183,7 @@ def test_corrupt_shard_names_the_file(baseline, tmp_path):
     # resume=auto falls back to the previous good checkpoint, and continues exactly
     trainer = fit(path, run, "trainer.max_steps=20")
     assert trainer.resumed_from == str(saved(run)["step_15"])
-    assert_same_state(ckpt.load(ckpt.latest(run / "checkpoints")), ckpt.load(saved(baseline[1])["step_20"]))
+    assert_equivalent(run, baseline[1], rtol=0, rng=True, records=False)
 
 
 def test_directory_without_commit_is_never_loaded(baseline, tmp_path):
@@ -217,7 +196,8 @@ def test_directory_without_commit_is_never_loaded(baseline, tmp_path):
         ckpt.load(step20)
     trainer = fit(path, run, "trainer.max_steps=20")
     assert trainer.resumed_from == str(saved(run)["step_15"])
-    assert_same_state(ckpt.load(saved(run)["step_20"]), ckpt.load(saved(baseline[1])["step_20"]))
+    assert ckpt.latest(run / "checkpoints") == saved(run)["step_20"]
+    assert_equivalent(run, baseline[1], rtol=0, rng=True, records=False)
 
 
 def test_resume_auto_with_another_optimizer_is_an_error_not_a_fresh_start(baseline, tmp_path):
@@ -298,62 +278,23 @@ def test_native_module_buffers_are_saved_and_restored(tmp_path, write_model):
     resumed.fit()
 
     straight = fit(path, tmp_path / "straight", "trainer.max_steps=20")
-    assert_same_state(ckpt.load(ckpt.latest(run / "checkpoints")),
-                      ckpt.load(ckpt.latest(tmp_path / "straight" / "checkpoints")))
+    assert_equivalent(run, tmp_path / "straight", rtol=0, rng=True, records=False)
     assert straight.step_count == resumed.step_count == 20
 
 
 # ---------------------------------------------------------------- Ctrl-C
-SLOW = '''
-import time
-import numpy as np
-from elasticflow import ops
-
-
-def model(cfg):
-    return {"W": np.zeros((4, 1), np.float32)}
-
-
-def forward(x, y, params):
-    time.sleep(0.05)
-    return ops.mse(x @ params["W"], y)
-
-
-def data(cfg):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(256, 4)).astype(np.float32)
-    return x, x[:, :1] * 2
-'''
-
-
-def wait_for_steps(run_dir, count, proc, deadline_s=120):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the run exited early with {proc.returncode}: {proc.stderr.read()}")
-        path = run_dir / "metrics.jsonl"
-        if path.is_file() and len([line for line in path.read_text().splitlines() if '"loss"' in line]) >= count:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no {count} steps in {deadline_s} s")
-
-
-def test_ctrl_c_writes_a_checkpoint_exits_130_and_resumes(tmp_path, write_model):
-    path = write_model(SLOW)
+def test_ctrl_c_writes_a_checkpoint_exits_130_and_resumes(tmp_path):
+    path = SLOW
     run = tmp_path / "run"
-    args = ["train", str(path), f"hydra.run.dir={run}", "trainer.progress=false", "trainer.log_every=1",
-            "trainer.global_batch_size=8", "trainer.max_steps=100000"]
-    proc = subprocess.Popen(ELASTICFLOW + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(run, "trainer.progress=false", "trainer.log_every=1", "trainer.global_batch_size=8",
+                 "trainer.max_steps=100000", model=path, common=[])
     try:
-        wait_for_steps(run, 3, proc)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        wait_for(lambda: logged_step(run) >= 3, 120, "step 3", proc=proc)
+        out = stop(proc, signal.SIGINT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-    assert proc.returncode == 130, stderr
-    assert "interrupted" in stderr and "Traceback" not in stderr
+        reap(proc)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out and "Traceback" not in out
     last = max(step_losses(run))
     newest = ckpt.latest(run / "checkpoints")
     assert newest.name == f"step_{last}" and ckpt.read_metadata(newest)["step"] == last
@@ -406,18 +347,10 @@ def test_an_error_exit_lets_the_checkpoint_in_flight_commit(tmp_path, write_mode
 def test_sigterm_lets_the_checkpoint_in_flight_commit_before_the_workers_die(tmp_path, write_model):
     """SLURM's scancel and Kubernetes' pod deletion send SIGTERM: a worker lets the save it is writing commit,
     then dies by SIGTERM as before."""
-    import json
-    import os
-
-    from test_elastic import members, wait_for
-
     run, pids = tmp_path / "run", []
     big = BIG_THEN_FAIL.replace("RANKS", "()").replace("50_000_000", "100_000_000")  # 200 MB a rank to write
-    proc = subprocess.Popen(ELASTICFLOW + ["train", str(write_model(big)),
-                                           f"hydra.run.dir={run}", "trainer.progress=false", "launcher.workers=2",
-                                           "trainer.global_batch_size=16", "trainer.max_steps=400",
-                                           "checkpoint.interval.steps=4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start(run, "trainer.progress=false", "launcher.workers=2", "trainer.global_batch_size=16",
+                 "trainer.max_steps=400", "checkpoint.interval.steps=4", model=write_model(big), common=[])
     try:
         def both_writing():  # each rank copied its half of the step-4 state and is writing it in the background
             return len(list(run.glob("checkpoints/*/.step_4.tmp*/shard-*.safetensors"))) == 2
@@ -433,7 +366,7 @@ def test_sigterm_lets_the_checkpoint_in_flight_commit_before_the_workers_die(tmp
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    exits = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if '"left"' in line]
+    exits = events(run, "left")
     assert exits and all("SIGTERM" in e["cause"] for e in exits), exits  # each still dies by SIGTERM
     latest = ckpt.latest(run / "checkpoints")
     assert latest is not None and latest.name == "step_4", latest

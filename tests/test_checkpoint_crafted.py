@@ -17,7 +17,7 @@ from elasticflow.checkpoint import CorruptCheckpoint
 from elasticflow.checkpoint.inspect import render
 from elasticflow.errors import ElasticFlowError
 
-from conftest import run_cli, train
+from harness import cli, train, train_in_process
 
 STATE = {"W": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.arange(3, dtype=np.int64)}
 INFO = {"step": 10, "epoch": 0, "cursor": {"epoch": 0, "samples_in_epoch": 160, "samples_seen": 160}}
@@ -226,12 +226,12 @@ def test_resume_auto_falls_back_past_a_crafted_checkpoint_and_an_explicit_path_i
     meta_file = step10 / ckpt.METADATA
 
     # an explicit path to it: one error line naming the file and the field, no fallback
-    proc = train(path, tmp_path / "other", *RUN, "trainer.max_steps=12", f"resume={step10}", check=False)
+    proc = train_in_process(path, tmp_path / "other", *RUN, "trainer.max_steps=12", f"resume={step10}")
     line = one_error_line(proc)
     assert str(meta_file) in line and "tensors['W']['shape']" in line and "resumed from" not in proc.stderr
 
     # inspect: the same one line
-    line = one_error_line(run_cli(["inspect", step10], timeout=60))
+    line = one_error_line(cli(["inspect", step10]))
     assert str(meta_file) in line and "tensors['W']['shape']" in line
 
     # resume=auto: one warning line naming the bad checkpoint and why, then step_5
@@ -247,7 +247,7 @@ def test_resume_auto_with_no_checkpoint_that_loads_is_one_error(tmp_path, write_
     train(path, run, *RUN, "trainer.max_steps=10")
     for p in (run / "checkpoints").rglob("step_*"):
         edit_metadata(p, lambda m: m["files"].clear())
-    proc = train(path, run, *RUN, "trainer.max_steps=12", check=False)
+    proc = train_in_process(path, run, *RUN, "trainer.max_steps=12")
     line = one_error_line(proc)
     assert "none of the 2 checkpoint(s)" in line and "step_5" in line and "resumed from" not in proc.stderr
     assert "resume=none" in proc.stderr  # the hint

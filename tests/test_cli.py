@@ -1,6 +1,8 @@
 """The CLI as a user meets it: config printing, help, sweeps, determinism, and one-line errors.
 
-Every case runs `python -m elasticflow.cli` in a subprocess (bounded by run_cli's timeout).
+The cases that train run `python -m elasticflow.cli` in a subprocess (bounded by run_cli's timeout), and so
+do one case of each exit code, --debug and a closed pipe; the errors that come before a job starts run the
+same entry point in this process (harness.cli).
 """
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import elasticflow.checkpoint as ckpt
 from elasticflow.config.schema import compose
 from elasticflow.trainer import ElasticTrainer
 
-from conftest import losses, metrics, run_cli, train
+from harness import losses, metrics, run_cli, train, train_in_process
 
 TINY = '''
 import numpy as np
@@ -206,22 +208,22 @@ def assert_one_error(proc, message):
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_error_line_with_a_hint(write_model, tmp_path, case):
     source, overrides, message = BAD[case]
-    proc = train(write_model(source), tmp_path / "run", "trainer.max_steps=2", *overrides, check=False, timeout=120)
+    proc = train_in_process(write_model(source), tmp_path / "run", "trainer.max_steps=2", *overrides)
     assert_one_error(proc, message)
     assert "Traceback" not in proc.stderr
 
 
 def test_missing_model_file(tmp_path):
-    proc = train(tmp_path / "nope.py", tmp_path / "run", check=False, timeout=60)
+    proc = train_in_process(tmp_path / "nope.py", tmp_path / "run")
     assert_one_error(proc, f"model file '{tmp_path / 'nope.py'}' not found")
     assert "Traceback" not in proc.stderr
-    proc = train(tmp_path, tmp_path / "run", check=False, timeout=60)
+    proc = train_in_process(tmp_path, tmp_path / "run")
     assert_one_error(proc, "is a directory")
 
 
 @pytest.mark.parametrize("override", ["checkpoint.async=false", "+checkpoint.async=false", "++checkpoint.async=false"])
 def test_the_old_async_key_is_one_error_naming_the_new_one(tiny, tmp_path, override):
-    proc = train(tiny, tmp_path / "run", override, check=False, timeout=60)
+    proc = train_in_process(tiny, tmp_path / "run", override)
     assert_one_error(proc, "checkpoint.async was renamed to checkpoint.async_save")
     assert "hint: pass checkpoint.async_save=false" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.returncode == 2 and not (tmp_path / "run").exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from harness import REPO
 
 # Each rank runs this; rank 0 hosts the store. argv: rank world port mode
 RANK = r"""
@@ -28,7 +28,8 @@ group = Group(store, 0, rank, world, timeout_s=20)
 # Files, not the store: rank 0 hosts the store, and a rank still polling it would see it die instead.
 built = os.path.join(os.path.dirname(os.path.abspath(__file__)), "built.%d")
 open(built % rank, "w").close()
-while not all(os.path.exists(built % r) for r in range(world)):
+deadline = time.monotonic() + 60
+while not all(os.path.exists(built % r) for r in range(world)) and time.monotonic() < deadline:
     time.sleep(0.005)
 state = {"W": np.arange(600 * 1000, dtype=np.float32).reshape(600, 1000),   # 2.4 MB: its own message
          "b": np.linspace(0, 1, 7, dtype=np.float32), "steps": np.array(41, np.int64),
@@ -40,7 +41,6 @@ if mode.startswith("sum"):  # two sums in flight at once: a small one (exchanged
     big = torch.full((300_000,), float(rank + 1))  # 1.2 MB: more than EXCHANGE_MAX
     if mode == "sum-kill" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    t = time.perf_counter()
     try:
         mine = rows[rank].clone()
         works = [group.allreduce_start(mine), group.allreduce_start(big)]
@@ -53,12 +53,10 @@ if mode.startswith("sum"):  # two sums in flight at once: a small one (exchanged
                    digest=hashlib.sha1(mine.numpy().tobytes()).hexdigest(), exchanged=isinstance(works[0], SumByExchange))
     except CommError as exc:
         out["error"] = str(exc)
-    out["seconds"] = time.perf_counter() - t
     print(json.dumps(out), flush=True)
     os._exit(0)
 if (mode == "kill" and rank == 0) or (mode == "kill-receiver" and rank == 2):
     os.kill(os.getpid(), signal.SIGKILL)   # the sender (or the receiver) dies before the transfer
-t = time.perf_counter()
 try:
     if rank == 0:
         group.share_state(state, {"step": 12, "cursor": {"epoch": 1}}, 0, [2])
@@ -70,7 +68,6 @@ try:
             for k in state)
 except CommError as exc:
     out["error"] = str(exc)
-out["seconds"] = time.perf_counter() - t
 print(json.dumps(out), flush=True)
 sys.stdout.flush()
 os._exit(0)   # a process whose group failed may abort in gloo's destructors
@@ -113,14 +110,14 @@ def test_a_sender_that_dies_is_a_comm_error_not_a_hang(tmp_path):
     res = _run_ranks(tmp_path, "kill")
     assert res[0].get("returncode") == -signal.SIGKILL
     assert "failed" in res[2].get("error", ""), res[2]
-    assert res[2]["seconds"] < 15  # well inside the group's 20 s timeout: the closed socket wakes it
+    assert "Timed out" not in res[2]["error"], res[2]  # the closed socket woke it, not the group's 20 s timeout
 
 
 def test_a_receiver_that_dies_is_a_comm_error_for_the_sender(tmp_path):
     res = _run_ranks(tmp_path, "kill-receiver")
     assert res[2].get("returncode") == -signal.SIGKILL
     assert "failed" in res[0].get("error", ""), res[0]
-    assert res[0]["seconds"] < 15
+    assert "Timed out" not in res[0]["error"], res[0]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -138,4 +135,4 @@ def test_a_member_killed_before_an_exchanged_sum_is_a_comm_error(tmp_path):
     assert res[1].get("returncode") == -signal.SIGKILL
     for r in (0, 2):
         assert "allreduce failed" in res[r].get("error", ""), res[r]
-        assert res[r]["seconds"] < 15  # the closed socket wakes it, well inside the 20 s timeout
+        assert "Timed out" not in res[r]["error"], res[r]  # the closed socket woke it, not the 20 s timeout

@@ -9,14 +9,11 @@ import logging
 import os
 import signal
 import struct
-import subprocess
 import termios
 import threading
-import time
 from pathlib import Path
 
-from conftest import ELASTICFLOW
-from test_elastic import COMMON, PROBE, events, logged_step, members, wait_for
+from harness import events, logged_step, members, reap, start, wait_for
 
 from elasticflow._util.console import DetachedConsole
 
@@ -83,9 +80,7 @@ def test_a_full_queue_drops_lines_and_says_how_many():
     for i in range(2000):
         pipe.logger.info("line %d %s", i, "y" * 80)
     pipe.start_reading()
-    deadline = time.monotonic() + 30
-    while not console.queue.empty() and time.monotonic() < deadline:
-        time.sleep(0.01)  # the console moves again: the queue empties
+    wait_for(console.queue.empty, 30, "the console to move again: its queue empties", every=0.01)
     pipe.logger.info("after the console moved again")
     lines = pipe.close(console)
     text = "\n".join(lines)
@@ -117,11 +112,8 @@ def test_a_stopped_worker_is_cut_out_while_nobody_reads_the_jobs_output(tmp_path
     the job must finish."""
     run, steps = tmp_path / "run", 150
     r, w = small_pipe()
-    overrides = [o for o in COMMON if not o.startswith("trainer.max_steps=")] + [f"trainer.max_steps={steps}"]
-    cmd = ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", *overrides, "launcher.workers=3",
-                         "launcher.min_workers=2"]
-    proc = subprocess.Popen(cmd, stdout=w, stderr=w, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                          "EF_PROBE_SLEEP": "0.05"})
+    proc = start(run, f"trainer.max_steps={steps}", "launcher.workers=3", "launcher.min_workers=2",
+                 env={"EF_PROBE_SLEEP": "0.05"}, stdout=w)
     os.close(w)
     got, victim = bytearray(), None
     try:
@@ -136,8 +128,7 @@ def test_a_stopped_worker_is_cut_out_while_nobody_reads_the_jobs_output(tmp_path
         reader.join(10)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            reap(proc)
         if victim is not None:
             try:
                 os.kill(victim["pid"], signal.SIGKILL)  # a failed run must not leave it stopped forever

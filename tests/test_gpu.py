@@ -5,6 +5,7 @@ GPU allows: training in bf16 and float16, workers sharing the GPU over gloo with
 the model one worker trains (BatchNorm, dropout) on the GPU, and a GPU checkpoint resumed on the CPU.
 NCCL's recovery needs two GPUs or more.
 """
+import functools
 import os
 import signal
 
@@ -14,9 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import elasticflow.checkpoint as ckpt  # noqa: E402
-from conftest import metrics, train  # noqa: E402
-from test_elastic import finish, logged_step, members, wait_for  # noqa: E402
-from test_exact import final, start, train_ok  # noqa: E402
+from harness import (final_state, finish, logged_step, members, metrics, start_exact as start,  # noqa: E402
+                     train, train_exact as train_ok, wait_for)
+
+final = functools.partial(final_state, rng=False)
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu,

@@ -11,14 +11,41 @@ import subprocess
 import sys
 import threading
 
-from conftest import run_cli
-from test_elastic import assert_equivalent, events, finish, logged_step, reference, start, wait_for  # noqa: F401
+from harness import assert_equivalent, events, finish, logged_step, run_cli, start, wait_for
 
 INTRUDER = r"""
 import datetime, json, sys, time
 from torch.distributed import TCPStore
 
 host, port = sys.argv[1].rsplit(":", 1)
+events = sys.argv[2]  # the job's events.jsonl: where the job says what it refused
+
+
+def job_said(pred):
+    # Whether the job's events hold what PRED looks for (a torn last line is left out).
+    try:
+        lines = open(events).read().splitlines()
+    except OSError:
+        return False
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            pass
+    return pred(found)
+
+
+def until(pred, what, act=lambda: None):
+    # ACT again and again until the job's events show PRED (within a deadline, else exit with WHAT).
+    deadline = time.monotonic() + 60
+    while not job_said(pred):
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out waiting for the job to refuse {what}")
+        act()
+        time.sleep(0.02)
+
+
 store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
 keys = store.list_keys()
 done = []
@@ -62,18 +89,24 @@ for request in ["[]", json.dumps({"id": None}), json.dumps({"n": 1, "id": 5, "pi
                                                             "nonce": "n", "mac": "00"}), *real[:1]]:
     n = store.add("join/count", 1)
     forge("join request", f"join/request/{n}", request)
-time.sleep(1.0)  # read by the agent (within 50 ms) before the count below hides them
+# Read (and refused) by the agent before the count below hides them.
+until(lambda found: sum(e["event"] == "refused" and "pid" in e for e in found) >= 4, "the join requests")
 store.add("join/count", 10 ** 12)
 done.append("huge join/count")
-# Memory figures and heartbeats again and again, for longer than rank 0 takes to read the figures (every 2 s):
-# forgeries the readers see, not ones the member's own next record replaced first. (Shorter than
-# elastic.heartbeat_timeout_s: a stranger who drowns every beat for that long gets a worker cut out.)
-deadline = time.monotonic() + 2.5
-while time.monotonic() < deadline:
-    for i in ids:
-        store.set(f"worker/{i}/memory", "garbage")
-        store.set(f"worker/{i}/hb", "not-a-number")
-    time.sleep(0.02)
+# Memory figures and heartbeats again and again until their readers (rank 0 reads the figures every 2 s, the
+# agent the beats every round) have refused one: forgeries the readers see, not ones the member's own next
+# record replaced first. The beats only until the agent refused one: a stranger who drowns every beat for
+# elastic.heartbeat_timeout_s gets a worker cut out.
+def refused(kind):
+    return lambda found: any(e["event"] == "forged" and e.get("record") == kind for e in found)
+
+
+def forge_all(key, value):
+    return lambda: [store.set(f"worker/{i}/{key}", value) for i in ids]
+
+
+until(refused("heartbeat"), "a forged heartbeat", forge_all("hb", "not-a-number"))
+until(refused("memory"), "a forged memory figure", forge_all("memory", "garbage"))
 print(json.dumps(done))
 """
 
@@ -91,8 +124,8 @@ def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
     script = tmp_path / "intruder.py"
     script.write_text(INTRUDER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICFLOW_")}
-    intruder = subprocess.run([sys.executable, str(script), address], capture_output=True, text=True, timeout=60,
-                              env=env)
+    intruder = subprocess.run([sys.executable, str(script), address, str(run / "events.jsonl")],
+                              capture_output=True, text=True, timeout=240, env=env)
     assert intruder.returncode == 0, intruder.stderr[-3000:]
     tried = set(json.loads(intruder.stdout.splitlines()[-1]))
     pace.unlink()

@@ -15,15 +15,13 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, metrics, run_cli
-from test_elastic import COMMON, PROBE, assert_equivalent, reference, wait_for  # noqa: F401 - fixture
+from harness import COMMON, PROBE, REPO, assert_equivalent, cli, run_cli, wait_for, world_sizes
 
 from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
@@ -141,7 +139,7 @@ def test_a_model_file_ships_with_the_modules_it_imports_beside_it(tmp_path):
 ])
 def test_invalid_settings_are_refused_before_any_manifest_is_written(tmp_path, overrides, message):
     run = tmp_path / "run"
-    proc = run_cli(["train", PROBE, f"hydra.run.dir={run}", *BASE, *overrides], timeout=120)
+    proc = cli(["train", PROBE, f"hydra.run.dir={run}", *BASE, *overrides])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 2 and message in lines[0] and lines[1].startswith("hint: "), proc.stderr
@@ -152,6 +150,7 @@ def test_invalid_settings_are_refused_before_any_manifest_is_written(tmp_path, o
 def test_submit_without_a_kubeconfig_is_one_line(tmp_path):
     run = tmp_path / "run"
     env = {"KUBECONFIG": str(tmp_path / "none"), "HOME": str(tmp_path)}
+    # A subprocess: the kubernetes package reads $KUBECONFIG once, when it is imported.
     proc = run_cli(["train", PROBE, f"hydra.run.dir={run}", *BASE], timeout=120, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.splitlines()[0].startswith("error: no Kubernetes configuration found"), proc.stderr
@@ -171,7 +170,7 @@ def test_submit_to_an_api_server_that_does_not_answer_is_one_line(tmp_path):
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     proc = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path / 'run'}", *BASE], timeout=120,
-                   env={"KUBECONFIG": str(kubeconfig)})
+                   env={"KUBECONFIG": str(kubeconfig)})  # a subprocess: the package reads $KUBECONFIG at import
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: cannot reach the Kubernetes API server to create "
@@ -267,7 +266,7 @@ def test_scale_patches_the_elastic_job(tmp_path, monkeypatch):
 def test_scale_outside_min_and_max_workers_is_refused_in_one_line(tmp_path):
     k8s.run(compose(str(PROBE), [*BASE, "launcher.submit=false"]), tmp_path)
     for workers in (1, 4):
-        proc = run_cli(["scale", tmp_path, "--workers", workers], timeout=60)
+        proc = cli(["scale", tmp_path, "--workers", workers])
         assert proc.returncode == 2
         assert proc.stderr.splitlines() == [
             f"error: cannot scale job elasticflow-digits-probe to {workers} workers: it runs launcher.min_workers=2 "
@@ -340,13 +339,6 @@ class Pods:
                 proc.wait(5)
 
 
-def world_sizes(run: Path) -> list:
-    try:
-        return [r["world_size"] for r in metrics(run) if "loss" in r]
-    except (FileNotFoundError, ValueError):
-        return []
-
-
 def test_the_pods_commands_train_to_the_one_worker_result_and_survive_a_sigterm(tmp_path, reference):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -362,7 +354,7 @@ def test_the_pods_commands_train_to_the_one_worker_result_and_survive_a_sigterm(
         wait_for(lambda: 3 in world_sizes(pods.volume), 90, "the elastic pod's worker in the job")
         pods.procs["elastic-0"].send_signal(signal.SIGTERM)  # what Kubernetes sends a preempted pod
         assert pods.wait("elastic-0", 10) == 128 + signal.SIGTERM
-        time.sleep(1.0)
+        wait_for(lambda: world_sizes(pods.volume)[-1] == 2, 90, "a step without the pod")
         pace.unlink()
         assert pods.wait("agent", 120) == 0, pods.log("agent")[-3000:]
         for pod in ("core-0", "core-1"):
@@ -397,8 +389,9 @@ def test_a_replaced_agent_pod_resumes_the_job(tmp_path, reference):
         assert "interrupted: checkpoint written" in pods.log("agent")
         for pod in ("core-2", "core-3"):  # the Job's replacements, placed before the new agent pod
             pods.start("job-core", pod)
-        time.sleep(2.0)
-        assert pods.procs["core-2"].poll() is None, pods.log("core-2")  # waiting for the agent, not failing
+        for pod in ("core-2", "core-3"):  # waiting for the agent, not failing
+            wait_for(lambda: "waiting for the job's agent" in pods.log(pod), 60, f"{pod} to wait for the agent")
+            assert pods.procs[pod].poll() is None, pods.log(pod)
         pace.unlink()
         pods.start("job-agent", "agent-2")
         assert [pods.wait(pod, 120) for pod in ("agent-2", "core-2", "core-3")] == [0] * 3, pods.log("agent-2")[-3000:]

@@ -4,7 +4,7 @@ import pytest
 from elasticflow.train import model_file
 from elasticflow.errors import ElasticFlowError
 
-from conftest import losses, train
+from harness import losses, train
 
 NATIVE = '''
 import numpy as np

@@ -7,8 +7,8 @@ The thresholds leave room for thread-count and platform noise but fail if a mode
 """
 import importlib.util
 
-from conftest import MODELS, losses, metrics
-from conftest import train as _train
+from harness import MODELS, losses, metrics
+from harness import train as _train
 
 
 def train(model, run_dir, *overrides):

@@ -12,7 +12,7 @@ import pytest
 import elasticflow.checkpoint as ckpt
 from elasticflow.data.order import permutation
 
-from conftest import metrics, train
+from harness import metrics, train
 
 SAMPLES, BATCH, BAD_STEP, STEPS, LR, TERM = 256, 8, 15, 20, 0.1, 0.01
 

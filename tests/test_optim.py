@@ -227,7 +227,7 @@ def test_optimizer_spec_validation():
 def _gpt_and_batches(seed=0, steps=12):
     """models/tiny_gpt.py (nn.MultiheadAttention, LayerNorm, a tied embedding) small, and its batches."""
     import importlib.util
-    from conftest import MODELS
+    from harness import MODELS
     spec = importlib.util.spec_from_file_location("tiny_gpt_for_optim", MODELS / "tiny_gpt.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

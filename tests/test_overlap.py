@@ -1,66 +1,48 @@
 """Gradient buckets reduced while backward runs (comm.bucket_mb): the same updates as one reduction,
 and the same recovery when a worker dies with buckets in flight.
 
-Tolerance as tests/test_elastic.py: float32 sums over another number of workers (or another split of
-the buffer) round differently in the last bits.
+Each run ends on the 1-worker run's model (harness.assert_equivalent): float32 sums over another number of
+workers (or another split of the buffer) round differently in the last bits; one worker with buckets sums
+exactly as without, to the bit.
 """
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import elasticflow.checkpoint as ckpt
-from conftest import losses, metrics, train
+from harness import assert_equivalent, cli, final_state, metrics, train
 
 PROBE = Path(__file__).parent / "models" / "overlap_probe.py"
 COMMON = ["trainer.global_batch_size=64", "trainer.max_steps=30", "trainer.log_every=1", "optimizer.lr=0.1",
           "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5", "elastic.wait_s=30"]
-RTOL, ATOL = 1e-4, 1e-6
-
-
-def final(run: Path) -> dict:
-    return ckpt.load(ckpt.latest(run / "checkpoints"))
-
-
-def assert_same(run: Path, ref: Path, exact: bool = False) -> None:
-    got, want = final(run), final(ref)
-    names = [k for k in want if not k.startswith("rng/")]
-    assert any("weight" in k for k in names), names
-    for k in names:
-        if exact:
-            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-        else:
-            np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=k)
-    assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, 31))
 
 
 @pytest.fixture(scope="module")
-def one_worker(tmp_path_factory):
-    run = tmp_path_factory.mktemp("one")
-    train(PROBE, run, *COMMON, "comm.bucket_mb=null")
+def reference(one_worker):
+    run = one_worker("comm.bucket_mb=null", model=PROBE, common=["trainer.progress=false", *COMMON])
+    assert any("weight" in k for k in final_state(run)), "a model with weights to compare"
     return run
 
 
-def test_buckets_on_one_worker_are_bit_identical(tmp_path, one_worker):
+def test_buckets_on_one_worker_are_bit_identical(tmp_path, reference):
     train(PROBE, tmp_path / "run", *COMMON, "comm.bucket_mb=0.1")
-    assert_same(tmp_path / "run", one_worker, exact=True)
+    assert_equivalent(tmp_path / "run", reference, rtol=0)
 
 
-def test_three_buckets_on_three_workers_match_one_reduction(tmp_path, one_worker):
+def test_three_buckets_on_three_workers_match_one_reduction(tmp_path, reference):
     train(PROBE, tmp_path / "b", *COMMON, "comm.bucket_mb=0.1", "launcher.workers=3")
     train(PROBE, tmp_path / "n", *COMMON, "comm.bucket_mb=null", "launcher.workers=3")
-    assert_same(tmp_path / "b", tmp_path / "n")
-    assert_same(tmp_path / "b", one_worker)
-    np.testing.assert_allclose(losses(tmp_path / "b"), losses(one_worker), rtol=RTOL)
+    assert_equivalent(tmp_path / "b", tmp_path / "n")
+    assert_equivalent(tmp_path / "b", reference)  # the losses too
 
 
 @pytest.mark.parametrize("kill", ["1:12:3", "2:12:1", "0:20:0", "1:8:reduction"],
                          ids=["first-bucket-not-started", "two-buckets-in-flight", "rank0-last-layer",
                               "during-the-last-bucket"])
-def test_a_kill_with_buckets_in_flight_ends_on_the_one_worker_parameters(tmp_path, one_worker, kill):
+def test_a_kill_with_buckets_in_flight_ends_on_the_one_worker_parameters(tmp_path, reference, kill):
     run = tmp_path / "run"
     train(PROBE, run, *COMMON, "comm.bucket_mb=0.1", "launcher.workers=3", env={"EF_OVERLAP_KILL": kill})
-    assert_same(run, one_worker)
+    assert_equivalent(run, reference)
     worlds = [r["world_size"] for r in metrics(run) if "loss" in r]
     assert worlds[0] == 3 and worlds[-1] == 2
 
@@ -116,9 +98,7 @@ def test_buckets_start_while_backward_runs_in_order_and_the_last_carries_the_vot
 
 
 def test_a_negative_bucket_size_is_refused(tmp_path):
-    from conftest import run_cli
-
-    proc = run_cli(["train", PROBE, f"hydra.run.dir={tmp_path}", "comm.bucket_mb=-1"], timeout=60)
+    proc = cli(["train", PROBE, f"hydra.run.dir={tmp_path}", "comm.bucket_mb=-1"])
     assert proc.returncode == 2 and "error: comm.bucket_mb must be a size in MiB >= 0, got -1" in proc.stderr
     assert "hint:" in proc.stderr
 

@@ -1,46 +1,38 @@
 """`elasticflow plot`: the figure's axes and event markers (the matplotlib objects, not pixels)."""
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
-from conftest import ELASTICFLOW, run_cli, train
+from harness import cli, events, finish, reap, run_cli, start, train, wait_for, world_sizes
 
 pytest.importorskip("matplotlib")
 from elasticflow.observability.plot import figure  # noqa: E402
 
-PROBE = Path(__file__).parent / "models" / "digits_probe.py"
+
+def _joined_steps(run) -> int:
+    """How many steps ran with the joiner: those of 3 workers after the first of 2."""
+    sizes = world_sizes(run)
+    return sizes[sizes.index(2):].count(3) if 2 in sizes else 0
 
 
 @pytest.fixture(scope="module")
 def killed_and_joined(tmp_path_factory):
     """3 workers, one killed at step 15, then `scale --workers 3` brings a joiner."""
     run = tmp_path_factory.mktemp("run")
-    pace = run.parent / f"{run.name}.pace"  # slow steps until the joiner has trained a step; then full speed
+    pace = run.parent / f"{run.name}.pace"  # slow steps until the joiner has trained a few steps; then full speed
     pace.touch()
-    proc = subprocess.Popen(ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", "trainer.progress=false",
-                                           "trainer.max_steps=300", "trainer.log_every=1",
-                                           "launcher.workers=3", "launcher.max_workers=3", "elastic.timeout_s=10",
-                                           "elastic.heartbeat_timeout_s=5"],
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_KILL": "1:15:forward",
-                                 "EF_PROBE_SLEEP": "0.05", "EF_PROBE_PACE": str(pace)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start(run, "trainer.max_steps=300", "launcher.workers=3", "launcher.max_workers=3",
+                 common=["trainer.progress=false", "trainer.log_every=1", "elastic.timeout_s=10",
+                         "elastic.heartbeat_timeout_s=5"],
+                 env={"EF_PROBE_KILL": "1:15:forward", "EF_PROBE_SLEEP": "0.05", "EF_PROBE_PACE": str(pace)})
     try:
-        import time
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not ((run / "events.jsonl").is_file()
-                                                    and '"left"' in (run / "events.jsonl").read_text()):
-            time.sleep(0.05)
+        wait_for(lambda: events(run, "left"), 120, "the kill", proc=proc)
         run_cli(["scale", run, "--workers", "3"], timeout=150, check=True)
-        while time.monotonic() < deadline + 60 and '"joined"' not in (run / "events.jsonl").read_text():
-            time.sleep(0.05)
-        time.sleep(0.5)  # a few steps with the joiner, for the throughput panel
+        wait_for(lambda: events(run, "joined"), 60, "the joiner", proc=proc)
+        wait_for(lambda: _joined_steps(run) >= 3, 60, "a few steps with the joiner, for the throughput panel",
+                 proc=proc)
         pace.unlink()
-        out, _ = proc.communicate(timeout=240)
+        out = finish(proc)
     finally:
-        proc.kill()
+        reap(proc)
     assert proc.returncode == 0, out[-3000:]
     return run
 
@@ -93,11 +85,11 @@ def test_the_cli_writes_a_png(killed_and_joined, tmp_path):
 
 
 def test_bad_input_is_one_line_with_a_hint(tmp_path):
-    proc = run_cli(["plot", tmp_path / "nope"], timeout=60)
+    proc = cli(["plot", tmp_path / "nope"])
     assert proc.returncode == 2 and "error:" in proc.stderr and "is not a directory" in proc.stderr
     assert "hint:" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli(["plot", tmp_path], timeout=60)
+    proc = cli(["plot", tmp_path])
     assert proc.returncode == 2 and "has no logged steps yet" in proc.stderr
     train("digits_mlp.py", tmp_path / "r", "trainer.max_steps=3")
-    proc = run_cli(["plot", tmp_path / "r", "-o", tmp_path / "x.bmp"], timeout=60)
+    proc = cli(["plot", tmp_path / "r", "-o", tmp_path / "x.bmp"])
     assert proc.returncode == 2 and "unknown format '.bmp'" in proc.stderr

@@ -4,78 +4,31 @@ SGD) or an outer Nesterov step on the averaged move (DiLoCo). One process, sever
 mid-round, and checkpoints across topologies all end on the plain loop's parameters."""
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import elasticflow.checkpoint as ckpt
-from conftest import REPO, metrics
 from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.train.local_sgd import Outer, owner, part
 from elasticflow.data.order import GlobalBatch
-from test_elastic import events, train_ok
-
-sys.path.insert(0, str(REPO / "models"))
-import _digits  # noqa: E402
+from harness import REPO, assert_each_sample_once, assert_equivalent, events, metrics, train_ok
+from harness import plain_rounds as plain
 
 MODEL = REPO / "models" / "digits_mlp.py"
-BATCH, LR, SEED = 64, 0.1, 0
+BATCH = 64
 
 
-def plain(kind: str, replicas: int, every: int, steps: int, outer_lr: float = 0.7, momentum: float = 0.9):
-    """The algorithm, plainly: digits_mlp's parameters and forward, each epoch's permutation (the seeded
-    order every ElasticFlow run uses) cut into global batches, replica k on the k-th of K contiguous parts of
-    each with a fresh torch.optim.SGD each round, rounds of ``every`` steps (the last one shorter). Returns
-    (final parameters by name, the loss of every step: the mean over the global batch)."""
-    x, y = (torch.from_numpy(a) for a in _digits.train_split())
-    rng = np.random.default_rng(SEED)
-    theta = {"hidden/W": rng.normal(0, np.sqrt(2 / 64), (64, 64)), "hidden/b": np.zeros(64),
-             "out/W": rng.normal(0, np.sqrt(1 / 64), (64, 10)), "out/b": np.zeros(10)}
-    theta = {n: torch.tensor(v, dtype=torch.float32, requires_grad=True) for n, v in theta.items()}
-    outer = torch.optim.SGD(theta.values(), lr=outer_lr, momentum=momentum, nesterov=True)
-    n = len(x)
-    stream = [(torch.from_numpy(np.random.default_rng([SEED, epoch]).permutation(n)), lo, min(lo + BATCH, n))
-              for epoch in range(steps // (n // BATCH) + 1) for lo in range(0, n, BATCH)][:steps]
-    losses = []
-    for first in range(0, steps, every):
-        batches = stream[first:first + every]
-        moves, round_losses = [], np.zeros(len(batches))
-        for k in range(replicas):
-            mine = {name: t.detach().clone().requires_grad_(True) for name, t in theta.items()}
-            inner = torch.optim.SGD(mine.values(), lr=LR)
-            for j, (order, lo, hi) in enumerate(batches):
-                sizes = [len(a) for a in np.array_split(np.arange(hi - lo), replicas)]
-                ids = order[lo + sum(sizes[:k]):lo + sum(sizes[:k + 1])]
-                h = torch.relu(x[ids] @ mine["hidden/W"] + mine["hidden/b"])
-                loss = F.cross_entropy(h @ mine["out/W"] + mine["out/b"], y[ids])
-                inner.zero_grad()
-                loss.backward()
-                inner.step()
-                round_losses[j] += float(loss.detach()) * sizes[k] / (hi - lo)
-            moves.append({name: theta[name].detach() - mine[name].detach() for name in theta})
-        with torch.no_grad():
-            for name, t in theta.items():
-                mean = sum(m[name] for m in moves) / replicas
-                if kind == "local_sgd":
-                    t.sub_(mean)
-                else:
-                    t.grad = mean
-        if kind == "diloco":
-            outer.step()
-        losses.extend(round_losses)
-    return {n: t.detach().numpy() for n, t in theta.items()}, losses
+def by_step(losses) -> dict:
+    """Each step's loss as a tensor of its own, for assert_equivalent (the rule on one number: its relative
+    difference)."""
+    return {f"loss of step {k}": np.float64(loss) for k, loss in enumerate(losses, 1)}
 
 
-def assert_equal_to(state: dict, expect: dict, bound: float = 1e-5):
-    """Every tensor within ``bound`` of its largest value (float32 rounding: the moves are summed in
-    another order, and the engine's flat buffers add in another order than torch.optim's per tensor)."""
-    for name, want in expect.items():
-        got = np.asarray(state[name])
-        assert np.abs(got - want).max() <= bound * np.abs(want).max(), (name, np.abs(got - want).max())
+def assert_same_losses(got, want) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    assert_equivalent(by_step(got), by_step(want))
 
 
 def in_process(tmp_path, *overrides):
@@ -128,8 +81,8 @@ def test_one_process_equals_the_plain_loop(tmp_path, kind):
     state, losses = in_process(tmp_path, f"topology={kind}", "topology.replicas=2", "topology.sync_every=4",
                                "trainer.max_steps=30")
     expect, expect_losses = plain(kind, 2, 4, 30)
-    assert_equal_to(state, expect)
-    assert np.allclose(losses, expect_losses, rtol=1e-5), (losses, expect_losses)
+    assert_equivalent(state, expect)
+    assert_same_losses(losses, expect_losses)
 
 
 # ---------------------------------------------------------------------- workers, and workers killed
@@ -137,13 +90,11 @@ def test_three_workers_for_four_replicas_equal_the_plain_loop(tmp_path):
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=3", "topology=diloco", "topology.replicas=4", "topology.sync_every=4")
     expect, expect_losses = plain("diloco", 4, 4, 60)
-    assert_equal_to(ckpt.load(ckpt.latest(run / "checkpoints")), expect)
-    assert np.allclose([r["loss"] for r in metrics(run) if "loss" in r], expect_losses, rtol=1e-5)
+    assert_equivalent(run, expect)
+    assert_same_losses([r["loss"] for r in metrics(run) if "loss" in r], expect_losses)
 
 
 def test_diloco_survives_workers_killed_mid_round_and_ends_on_the_plain_loop(tmp_path):
-    from test_hosts import assert_each_sample_once
-
     run, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
     # Worker 1 dies in its replica's third inner step of the round 13-16; worker 3 in the first of 37-40.
@@ -152,14 +103,14 @@ def test_diloco_survives_workers_killed_mid_round_and_ends_on_the_plain_loop(tmp
     train_ok(run, "launcher.workers=4", "topology=diloco", "topology.replicas=4", "topology.sync_every=4",
              env={"EF_PROBE_KILL": "1:15:forward,3:37:forward", "EF_PROBE_RECORD": str(record)})
     expect, expect_losses = plain("diloco", 4, 4, 60)
-    assert_equal_to(ckpt.load(ckpt.latest(run / "checkpoints")), expect)
+    assert_equivalent(run, expect)
     records = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 61))  # every step once
-    assert np.allclose([r["loss"] for r in records], expect_losses, rtol=1e-5)
+    assert_same_losses([r["loss"] for r in records], expect_losses)
     assert records[-1]["samples_seen"] == 2 * 1437 + 14 * BATCH  # two epochs (23 steps each), 14 steps of a third
     world = [r["world_size"] for r in records]
     assert world[0] == 4 and world[20] == 3 and world[-1] == 2, world
-    recovered = [e for e in events(run) if e["event"] == "recovered"]
+    recovered = events(run, "recovered")
     assert [e["step"] for e in recovered] == [12, 36], recovered  # each costs its round: steps from the sync
     # Each sample once: a replica's part of a step counts from the generation whose training of it was used.
     assert_each_sample_once(run, record)
@@ -179,7 +130,7 @@ def test_a_diloco_run_resumed_from_its_checkpoint_equals_one_that_never_stopped(
     state, _ = in_process(tmp_path / "b", *common, "trainer.max_steps=30",
                           f"resume={ckpt.latest(tmp_path / 'a' / 'checkpoints')}")
     expect, _ = plain("diloco", 2, 4, 30)
-    assert_equal_to(state, expect)
+    assert_equivalent(state, expect)
 
 
 def test_ring_and_diloco_checkpoints_resume_under_each_other(tmp_path):
@@ -217,4 +168,4 @@ def test_tensorflow_restarts_its_inner_adam_each_round_as_torch_does(tmp_path):
               "optimizer=adam")
     tf_state, _ = in_process(tmp_path / "tf", *common, "backend=tensorflow")
     torch_state, _ = in_process(tmp_path / "torch", *common)
-    assert_equal_to(tf_state, {n: v for n, v in torch_state.items() if not n.startswith("optimizer/")})
+    assert_equivalent(tf_state, {n: v for n, v in torch_state.items() if not n.startswith("optimizer/")})

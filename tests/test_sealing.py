@@ -6,7 +6,7 @@ import signal
 import stat
 import subprocess
 import sys
-import time
+from types import SimpleNamespace
 
 import pytest
 from torch.distributed import TCPStore
@@ -62,14 +62,18 @@ def test_a_counter_set_to_text_is_refused_and_the_connection_survives(store):
     assert store.get("still") == b"alive"
 
 
-def test_an_inflated_count_keeps_only_the_newest_numbers_and_unfilled_ones_expire(store):
+def test_an_inflated_count_keeps_only_the_newest_numbers_and_unfilled_ones_expire(store, monkeypatch):
+    now = [1000.0]  # the inbox's clock, moved by the test
+    monkeypatch.setattr(protocol, "time", SimpleNamespace(monotonic=lambda: now[0]))
     inbox = protocol.Inbox("join/count", "join/request", backlog=8, expire_s=0.3)
     store.add("join/count", 10 ** 12)
     real = int(store.add("join/count", 1))  # a real writer counts after whoever inflated it
     store.set(f"join/request/{real}", '{"id": 1}')
     assert list(inbox.read(store)) == [(real, {"id": 1})]
     assert len(inbox.unread) == 7  # the other numbers a stranger counted: bounded
-    time.sleep(0.4)
+    now[0] += 0.2
+    assert list(inbox.read(store)) == [] and len(inbox.unread) == 7  # not expired yet
+    now[0] += 0.2
     assert list(inbox.read(store)) == [] and inbox.unread == {}  # never written: dropped
     n = int(store.add("join/count", 1))
     store.set(f"join/request/{n}", "[]")  # not a JSON object
@@ -92,12 +96,15 @@ def test_private_files_replace_a_planted_symlink_and_a_loose_mode(tmp_path):
     assert sorted(p.name for p in link.parent.iterdir()) == ["token"]  # no temporary left behind
 
 
-def test_a_pid_from_another_host_is_never_signalled_here():
+def test_a_pid_from_another_host_is_never_signalled_here(monkeypatch):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sent = []
+    kill = os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, sig: (sent.append((pid, sig)), kill(pid, sig)))
     try:
         Worker(7, bystander.pid, None, host="some-other-host").signal(signal.SIGKILL)
-        time.sleep(0.2)
-        assert bystander.poll() is None  # a hand-started worker on another host: its pid means nothing here
+        # a hand-started worker on another host: its pid means nothing here, so no signal went to it
+        assert sent == [] and bystander.poll() is None
     finally:
         bystander.kill()
         bystander.wait()

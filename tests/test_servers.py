@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
 import pytest
 
 import elasticflow.checkpoint as ckpt
-from conftest import metrics
 from elasticflow.config.schema import compose, validate
 from elasticflow.errors import ElasticFlowError
 from elasticflow.replica.parameter_server import Layout, deal, handoff
-from test_elastic import assert_equivalent, events, finish, logged_step, start, train_ok, wait_for
+from harness import (REPO, assert_equivalent, assert_replicas_hold_the_checkpoint, events, exact_reference, finish,
+                     logged_step, members, metrics, scale, start, train_exact, train_ok, wait_for)
 
 PS = ["topology=parameter_server", "checkpoint.interval.steps=10"]
 T = (-1, -1)  # a trainer's (or a new member's) previous role
@@ -63,18 +62,14 @@ def test_too_few_members_drop_the_standbys_then_shards_and_one_worker_holds_ever
     (["trainer.precision=16"], "topology=parameter_server does not run float16's loss scaling"),
 ])
 def test_what_parameter_servers_refuse(overrides, message):
-    from conftest import REPO
-
     with pytest.raises(ElasticFlowError, match=message):
         validate(compose(str(REPO / "models" / "digits_mlp.py"), ["topology=parameter_server", *overrides]))
 
 
 # ---------------------------------------------------------------------- runs against the 1-worker reference
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("reference")
-    train_ok(run, "optimizer=adam", "optimizer.lr=0.01")
-    return run
+def reference(one_worker):
+    return one_worker("optimizer=adam", "optimizer.lr=0.01")
 
 
 def roles(run) -> list:
@@ -96,8 +91,6 @@ def test_a_killed_primary_costs_no_step_and_its_standby_takes_over(tmp_path, ref
                  env={"EF_PROBE_PAUSE": "25:2.0", "EF_PROBE_KILL": "0:45:reduction"})
     wait_for(lambda: logged_step(run) >= 23, 120, "step 23")  # logged as step 24 reduces
     first = roles(run)[0]
-    from test_elastic import members
-
     victim = next(m for m in members(run) if m["worker_id"] == first["primaries"][0])
     os.kill(victim["pid"], signal.SIGKILL)  # the primary, while the trainers sit in step 25's forward
     out = finish(proc)
@@ -119,14 +112,12 @@ def test_without_a_standby_a_killed_aggregator_falls_back_to_the_last_checkpoint
     proc = start(run, *PS, "launcher.workers=3", "optimizer=adam", "optimizer.lr=0.01",
                  env={"EF_PROBE_PAUSE": "25:2.0"})
     wait_for(lambda: logged_step(run) >= 23, 120, "step 23")  # logged as step 24 reduces
-    from test_elastic import members
-
     first = roles(run)[0]
     victim = next(m for m in members(run) if m["worker_id"] == first["primaries"][0])
     os.kill(victim["pid"], signal.SIGKILL)
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
-    assert_same_state(run, reference)  # steps 21-24 were logged twice: trained, lost, trained again
+    assert_equivalent(run, reference, redone=True)  # steps 21-24 were logged twice: trained, lost, trained again
     fell = [e for e in events(run) if e["event"] == "fell_back"]
     assert len(fell) == 1 and fell[0]["step"] == 20, fell  # the shard's only copy died: back to step 20
 
@@ -140,36 +131,25 @@ def test_parameter_server_and_ring_checkpoints_resume_under_each_other(tmp_path,
     c = tmp_path / "c"  # and back to parameter servers, on four workers
     train_ok(c, *PS, "launcher.workers=4", "optimizer=adam", "optimizer.lr=0.01",
              f"resume={ckpt.latest(b / 'checkpoints')}")
-    assert_same_state(c, reference)
-
-
-def assert_same_state(run, reference) -> None:
-    got, want = ckpt.load(ckpt.latest(run / "checkpoints")), ckpt.load(ckpt.latest(reference / "checkpoints"))
-    for name in want:
-        if not name.startswith("rng/"):
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    assert_equivalent(c, reference, records=False)  # c logged only the steps after b's checkpoint
 
 
 # ---------------------------------------------------------------------- models with buffers, both backends, scaling
 @pytest.mark.parametrize("kind", ["torch_bn", "keras_bn"])
-def test_batchnorm_and_dropout_models_with_a_trainer_killed_equal_one_worker(tmp_path, kind):
+def test_batchnorm_and_dropout_models_with_a_trainer_killed_equal_one_worker(tmp_path, one_worker, kind):
     """BatchNorm statistics (the aggregators' are reconciled with contributions of nothing) and dropout masks
     (drawn per micro-batch), on torch and on TensorFlow, whose variables take the pulled parameters back."""
-    import test_exact
-
-    ref, run, dumps = tmp_path / "ref", tmp_path / "run", tmp_path / "dumps"
+    run, dumps = tmp_path / "run", tmp_path / "dumps"
     dumps.mkdir()
-    test_exact.train_ok(ref, kind)
-    test_exact.train_ok(run, kind, *PS, "launcher.workers=4", "topology.replica=2",
-                        env={"EF_PROBE_KILL": "1:23:reduction", "EF_PROBE_DUMP": str(dumps)})
-    test_exact.assert_same_model(run, ref)
-    test_exact.assert_replicas_hold_the_checkpoint(run, dumps, kind)  # trainers and aggregators alike
+    ref = exact_reference(one_worker, kind)
+    train_exact(run, kind, *PS, "launcher.workers=4", "topology.replica=2",
+                env={"EF_PROBE_KILL": "1:23:reduction", "EF_PROBE_DUMP": str(dumps)})
+    assert_equivalent(run, ref)
+    assert_replicas_hold_the_checkpoint(run, dumps, kind)  # trainers and aggregators alike
     assert len(list(dumps.glob("*.npz"))) == 3  # the two aggregators and the trainer left
 
 
 def test_a_scale_up_adds_trainers_and_a_scale_down_retires_trainers_before_aggregators(tmp_path, reference):
-    from test_scale import scale
-
     run, pace = tmp_path / "run", tmp_path / "pace"
     pace.touch()  # slow steps while the job scales; lifted once it runs with three
     proc = start(run, *PS, "launcher.workers=4", "launcher.max_workers=5", "topology.replica=2", "optimizer=adam",

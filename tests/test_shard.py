@@ -1,18 +1,15 @@
 """Sharded optimizer state (trainer.shard, ZeRO stages 1 and 2) that stays elastic, on real processes.
 
 Each run must end on the parameters AND the optimizer state of a 1-worker run with replicated state
-(trainer.shard=none): relative difference (norm of the difference over the norm of the reference, per
-tensor) <= 1e-5. A SIGKILL restores the dead worker's slice from its buddy in memory; a join and a 4->2
+(trainer.shard=none) (harness.assert_equivalent: per tensor, relative difference <= 1e-5). A SIGKILL restores the dead worker's slice from its buddy in memory; a join and a 4->2
 shrink move only the ranges that change owner; two neighbours killed at once lose a slice with both its
 copies, and the job falls back to the newest checkpoint, says so, and still ends on the same model.
 """
 import numpy as np
 import pytest
 
-import elasticflow.checkpoint as ckpt
-from conftest import metrics
-from test_elastic import events, finish, logged_step, start, train_ok, wait_for
-from test_scale import scale
+from harness import (assert_equivalent, events, final_state, finish, logged_step, metrics, scale, start, train_ok,
+                     wait_for)
 
 from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
@@ -22,37 +19,22 @@ OPTIMIZERS = {"sgd": ["optimizer.momentum=0.9", "optimizer.lr=0.05"], "adam": ["
 SAVE = ["checkpoint.interval.steps=10"]
 
 
-def final(run_dir):
-    return ckpt.load(ckpt.latest(run_dir / "checkpoints"))
-
-
-def assert_same_state(run_dir, reference):
-    got, want = final(run_dir), final(reference)
-    assert set(got) == set(want), set(got) ^ set(want)
-    assert any(n.startswith("optimizer/") for n in want)
-    for name in want:
-        a, b = got[name].astype(np.float64), want[name].astype(np.float64)
-        rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
-        assert rel <= 1e-5, f"{name}: relative difference {rel:.3g}"
+def assert_same_state(run_dir, reference, **kw):
+    """The 1-worker run's parameters and optimizer state (harness.assert_equivalent; the random streams too)."""
+    assert any(n.startswith("optimizer/") for n in final_state(reference))
+    assert_equivalent(run_dir, reference, rng=True, **kw)
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The 1-worker runs with replicated state, SGD with momentum and Adam (and Adam on TensorFlow)."""
-    out = {}
-    for name, overrides in OPTIMIZERS.items():
-        run = tmp_path_factory.mktemp(f"ref_{name}")
-        train_ok(run, *overrides, *SAVE)
-        out[name] = run
-    return out
+def references(one_worker):
+    """The 1-worker runs with replicated state, SGD with momentum and Adam."""
+    return {name: one_worker(*overrides, *SAVE) for name, overrides in OPTIMIZERS.items()}
 
 
 @pytest.fixture(scope="module")
-def tf_reference(tmp_path_factory):
+def tf_adam_reference(one_worker):
     pytest.importorskip("tensorflow")
-    run = tmp_path_factory.mktemp("ref_tf")
-    train_ok(run, "backend=tensorflow", *OPTIMIZERS["adam"], *SAVE)
-    return run
+    return one_worker("backend=tensorflow", *OPTIMIZERS["adam"], *SAVE)
 
 
 # ---------------------------------------------------------------- the layout and the transfer plan
@@ -110,14 +92,14 @@ def test_three_workers_one_killed_match_one_worker(tmp_path, references, stage, 
     assert recovered and recovered[0]["shard_elements_moved"] > 0
 
 
-def test_tensorflow_three_workers_one_killed_match_one_worker(tmp_path, tf_reference):
+def test_tensorflow_three_workers_one_killed_match_one_worker(tmp_path, tf_adam_reference):
     """The sharded update runs torch's formulas on TensorFlow's flat gradient (its variables are written
     back after the allgather)."""
     run, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()  # under tf.function the probe injects its faults at the data fetch, which records
     train_ok(run, "backend=tensorflow", "launcher.workers=3", "trainer.shard=optimizer", *OPTIMIZERS["adam"], *SAVE,
              env={"EF_PROBE_KILL": "1:23:reduction", "EF_PROBE_RECORD": str(record)})
-    assert_same_state(run, tf_reference)
+    assert_same_state(run, tf_adam_reference)
     assert [r["world_size"] for r in metrics(run) if "loss" in r][-1] == 2
 
 
@@ -130,7 +112,7 @@ def test_two_neighbours_killed_fall_back_to_the_checkpoint(tmp_path, references)
     assert "fell back to checkpoint" in out and "redoing 4 step(s)" in out
     fell = [e for e in events(run) if e["event"] == "fell_back"]
     assert len(fell) == 1 and fell[0]["step"] == 20 and fell[0]["steps_redone"] == 4
-    assert_same_state(run, references["sgd"])
+    assert_same_state(run, references["sgd"], redone=True)  # steps 21-24 trained, lost, trained again
 
 
 def test_join_and_shrink_four_to_two_move_slices_in_memory(tmp_path, references):

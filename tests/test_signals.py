@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
-from test_checkpoint import SLOW  # a model file whose steps take 0.05 s
+from harness import REPO, SLOW, finish, logged_step, reap, run_cli, start, wait_for  # SLOW: steps of 0.05 s
 
 # Ctrl-C arriving while the main thread is inside a logging call that holds the console queue's lock
 # (a worker writing a step's record): a handler that logged there waited for that lock forever.
@@ -42,32 +42,19 @@ def test_ctrl_c_inside_a_logging_call_is_recorded_and_announced_once_from_the_lo
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_to_a_two_worker_run_is_announced_once_and_status_says_interrupted(write_model, tmp_path):
+def test_ctrl_c_to_a_two_worker_run_is_announced_once_and_status_says_interrupted(tmp_path):
     """A terminal's Ctrl-C reaches the CLI's process group (the agent; workers have sessions of their own):
     the agent said it, and then every worker said it again."""
-    import signal
-    import time
-
-    from conftest import ELASTICFLOW, run_cli
-
     run = tmp_path / "run"
-    proc = subprocess.Popen(ELASTICFLOW + ["train", str(write_model(SLOW)), f"hydra.run.dir={run}", "launcher.workers=2",
-                                           "trainer.max_steps=100000", "trainer.log_every=1", "trainer.progress=false",
-                                           "trainer.global_batch_size=8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = start(run, "launcher.workers=2", "trainer.max_steps=100000", "trainer.log_every=1",
+                 "trainer.progress=false", "trainer.global_batch_size=8", model=SLOW, common=[],
+                 new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        metrics = run / "metrics.jsonl"
-        while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.05)
+        wait_for(lambda: logged_step(run) >= 2, 90, "step 2", proc=proc)
         os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        stderr = finish(proc, timeout=60)  # with stdout: nothing there says Ctrl-C
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
+        reap(proc)
     assert proc.returncode == 130, stderr
     assert stderr.count("Ctrl-C:") == 1, stderr  # the agent's line; not once more per worker
     assert stderr.count("interrupted: checkpoint written") == 1

@@ -3,17 +3,15 @@
 Skipped, with the reason, where SLURM cannot be started (not root, no apt). The tests of the generated
 script, the srun command line, each task's GPU placement and the GPU settings' validation need no cluster.
 """
-import json
 import os
 import subprocess
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from conftest import ELASTICFLOW, metrics, run_cli
+from harness import (COMMON, ELASTICFLOW, PROBE, assert_each_sample_once, assert_equivalent, events, job_log,
+                     logged_step, metrics, run_cli, wait_for)
 from slurm_cluster import slurm, slurm_cluster  # noqa: F401 - fixtures
-from test_elastic import COMMON, PROBE, assert_equivalent, logged_step, reference, wait_for  # noqa: F401
 
 from elasticflow.config import devices
 from elasticflow.config.schema import compose
@@ -32,10 +30,6 @@ def submit(run: Path, *overrides: str, env: dict | None = None) -> int:
     job = int((run / "slurm" / "job_id").read_text())
     assert f"submitted job {job}; run directory {run}" in proc.stdout
     return job
-
-
-def job_log(run: Path) -> str:
-    return "\n".join(p.read_text() for p in sorted((run / "slurm").glob("job-*.out")))
 
 
 def test_submit_false_writes_a_batch_script(tmp_path):
@@ -180,16 +174,9 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path, reference)
     assert "preempted: checkpoint written; requeueing job" in log
     assert_equivalent(run, reference)
     # Exactly once across the requeue: each committed step's ids, from the run that committed it.
-    committed = {r["step"]: r["generation"] for r in metrics(run) if "loss" in r}
-    consumed = Counter()
-    for f in record.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if committed.get(r["step"]) == r["generation"] and r["epoch"] == 0:
-                consumed.update(r["ids"])
-    assert consumed == Counter(range(1437))
-    events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
-    assert "preempt" in events and events.count("started") == 2
+    assert_each_sample_once(run, record)
+    kinds = [e["event"] for e in events(run)]
+    assert "preempt" in kinds and kinds.count("started") == 2
 
 
 def test_inside_an_allocation_uses_it_instead_of_submitting(slurm, tmp_path, reference):

@@ -9,11 +9,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from conftest import ELASTICFLOW, REPO
+from harness import (COMMON, ELASTICFLOW, PROBE, REPO, assert_each_sample_once, assert_equivalent, cli, events,
+                     job_done, job_log, logged_step, wait_for, world_sizes)
 from slurm_cluster import slurm_hosts, slurm_hosts_cluster  # noqa: F401 - fixtures
-from test_elastic import COMMON, PROBE, events, reference  # noqa: F401 - fixture
-from test_slurm import job_log
-from test_slurm_hosts import assert_close_to_reference, assert_each_sample_once, poll, wait_done, world_sizes
 
 GROW = ["launcher.nodes=1", "launcher.max_nodes=2", "launcher.tasks_per_node=1"]
 
@@ -31,11 +29,13 @@ def worker_jobs(run: Path, state: str = "SUBMITTED") -> list:
 
 
 def admitted_on(run: Path, host: str) -> bool:
+    """A worker on HOST is a member, or admitted (it enters the next generation)."""
     try:
         snapshot = json.loads((run / "workers.json").read_text())
     except (OSError, ValueError):
         return False
-    return any(w.get("host") == host for w in snapshot["joining"] + snapshot["members"])
+    return any(w.get("host") == host and (w.get("state") == "admitted" or w in snapshot["members"])
+               for w in snapshot["joining"] + snapshot["members"])
 
 
 def queued(cluster) -> list:
@@ -44,7 +44,40 @@ def queued(cluster) -> list:
 
 
 def logged_steps(run: Path) -> int:
-    return len(world_sizes(run)) if (run / "metrics.jsonl").is_file() else 0
+    return len(world_sizes(run))
+
+
+class Limit:
+    """How far training may go (tests/models/digits_probe.py's EF_PROBE_LIMIT): the job waits at that step, so a
+    fixed-length job cannot end before the test has acted, however loaded the machine."""
+
+    def __init__(self, path: Path, step: int):
+        self.path, self.step = path, step
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")  # written whole: the workers read it at every step
+        tmp.write_text(str(self.step))
+        os.replace(tmp, self.path)
+
+    def advance_until(self, run: Path, predicate, timeout: float, what: str):
+        """Let training go a step at a time (a membership change happens at a step boundary) until PREDICATE."""
+        def done():
+            if predicate():
+                return True
+            if logged_step(run) >= self.step - 1:  # at the limit: step N's record comes as step N + 1 reduces
+                assert self.step < 55, f"the job's 60 steps nearly spent, still waiting for {what}"
+                self.step += 1
+                self._write()
+            return False
+        wait_for(done, timeout, what, every=0.25)
+
+    def lift(self) -> None:
+        self.path.unlink()
+
+
+def poll(predicate, timeout: float, what: str, every: float = 0.25):
+    return wait_for(predicate, timeout, what, every=every)  # each poll may be a SLURM command
 
 
 def test_grows_into_a_freed_node_shrinks_on_scancel_and_leaves_nothing_queued(slurm_hosts, tmp_path, reference):
@@ -77,41 +110,41 @@ def test_grows_into_a_freed_node_shrinks_on_scancel_and_leaves_nothing_queued(sl
     slurm_hosts.cancel(int(worker_job))
     poll(lambda: world_sizes(run)[-1] == 1 and logged_steps(run) > grown_at, 60, "a step with 1 worker again")
     pace.unlink()
-    info = wait_done(slurm_hosts, job, run)
+    info = job_done(slurm_hosts, job, run)
     assert info["JobState"] == "COMPLETED", job_log(run)
     sizes = world_sizes(run)
     assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1, sizes
     assert worker_jobs(run) == [worker_job], "a cancelled worker job is given back, not submitted again"
-    assert_close_to_reference(run, reference)
+    assert_equivalent(run, reference)
     assert_each_sample_once(run, record)
     poll(lambda: not queued(slurm_hosts), 30, f"an empty queue (left: {queued(slurm_hosts)})")
 
 
 def test_scale_down_cancels_the_worker_job_and_the_end_cancels_a_queued_one(slurm_hosts, tmp_path, reference):
-    run, pace, hold = tmp_path / "run", tmp_path / "pace", tmp_path / "hold"
-    pace.touch()
-    job = submit(slurm_hosts, run, {"EF_PROBE_SLEEP": "0.1", "EF_PROBE_PACE": str(pace), "EF_PROBE_HOLD": str(hold)})
+    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 3)
+    job = submit(slurm_hosts, run, {"EF_PROBE_LIMIT": str(limit.path)})
     [worker_job] = poll(lambda: worker_jobs(run), 60, "the worker job's submission")
-    poll(lambda: logged_steps(run) and 2 in world_sizes(run), 120, "a step with 2 workers (h2 is free)")
+    poll(lambda: admitted_on(run, "h2"), 120, "the worker on h2 (h2 is free) to be admitted")
+    limit.advance_until(run, lambda: 2 in world_sizes(run), 120, "a step with 2 workers")
     # `elasticflow scale RUN 1`: the worker job's worker retires at a step boundary, then its job ends.
-    slurm_hosts.run(*ELASTICFLOW, "scale", run, "--workers", "1", cwd=REPO)
+    slurm_hosts.run(*ELASTICFLOW, "scale", run, "--workers", "1", "--wait", "0", cwd=REPO)
+    limit.advance_until(run, lambda: events(run, "retired"), 120, "the worker on h2 to retire")
     poll(lambda: slurm_hosts.state(int(worker_job)) in ("COMPLETED", "CANCELLED"), 60, "the worker job's end")
     # Grow again: a new worker job. Make it wait in the queue (h2 taken), then let the job finish: the
-    # queued worker job is cancelled with it. Training is held still meanwhile, so that it does not end first.
-    hold.touch()
+    # queued worker job is cancelled with it.
     blocker = slurm_hosts.sbatch_wrap("sleep 600", "--nodelist=h2", "--exclusive", "--job-name=blocker",
                                       "--output=/dev/null")
     slurm_hosts.wait_state(blocker, "RUNNING")
     slurm_hosts.run(*ELASTICFLOW, "scale", run, "--workers", "2", "--wait", "0", cwd=REPO)
     second = poll(lambda: worker_jobs(run)[1:], 30, "a second worker job")[0]
     assert slurm_hosts.state(int(second)) == "PENDING"
-    hold.unlink()
-    pace.unlink()
-    info = wait_done(slurm_hosts, job, run)
+    assert slurm_hosts.state(job) == "RUNNING", "the job ended before the test let it"
+    limit.lift()  # to the end
+    info = job_done(slurm_hosts, job, run)
     assert info["JobState"] == "COMPLETED", job_log(run)
     assert slurm_hosts.state(int(second)) == "CANCELLED"
     assert world_sizes(run)[-1] == 1
-    assert_close_to_reference(run, reference)
+    assert_equivalent(run, reference)
     slurm_hosts.cancel(blocker)
     poll(lambda: not queued(slurm_hosts), 30, f"an empty queue (left: {queued(slurm_hosts)})")
 
@@ -145,6 +178,7 @@ FAKE = {
 
 class FakeWorker:
     def __init__(self, node):
+        self.id = int(node.split("job")[-1])  # one worker a job here: the job's number will do
         self.node, self.exit_code, self.state, self.signalled = node, None, "training", []
 
     def signal(self, sig):
@@ -152,12 +186,22 @@ class FakeWorker:
 
 
 class FakeAgent:
+    """What WorkerJobs reads of the agent: its workers, in a real Roster (distributed/roster.py)."""
+
     def __init__(self):
-        self.interrupted, self.finished, self.stop_reason, self.dirty = False, [], "", False
-        self.members, self.waiting, self.admitted, self.retiring, self.events = [], [], [], [], []
+        from elasticflow.distributed.roster import Roster
+
+        self.roster = Roster()
+        self.interrupted, self.finished, self.stop_reason, self.dirty, self.events = False, [], "", False, []
+
+    def _place(name):
+        return property(lambda self: getattr(self.roster, name),
+                        lambda self, workers: getattr(self.roster, name).__setitem__(slice(None), workers))
+
+    members, waiting, admitted, retiring = _place("members"), _place("waiting"), _place("admitted"), _place("retiring")
 
     def live(self):
-        return [*self.members, *self.waiting, *self.admitted, *self.retiring]
+        return self.roster.live()
 
     def event(self, kind, **fields):
         self.events.append((kind, fields))
@@ -264,7 +308,6 @@ def test_max_nodes_is_checked_before_anything_is_submitted(tmp_path):
                              "launcher.max_nodes=1 is less than launcher.nodes=2"),
                             (["launcher.max_nodes=2"], "launcher.max_nodes=2 is for launcher=slurm only")):
         run = tmp_path / "run"
-        proc = subprocess.run([*ELASTICFLOW, "train", PROBE, f"hydra.run.dir={run}", *overrides],
-                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        proc = cli(["train", PROBE, f"hydra.run.dir={run}", *overrides])
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr
         assert not (run / "slurm").exists()

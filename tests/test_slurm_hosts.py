@@ -4,22 +4,16 @@ from a login node; its agent runs on h1 and one worker on each node.
 
 Skipped, with the reason, where the cluster cannot be started (not root, no network namespaces, no SLURM).
 """
-import json
 import subprocess
-import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from conftest import ELASTICFLOW, metrics
+from harness import (COMMON, ELASTICFLOW, PROBE, assert_each_sample_once, assert_equivalent, events, job_done,
+                     job_log, logged_step, members, wait_for, world_sizes)
 from slurm_cluster import slurm_hosts, slurm_hosts_cluster  # noqa: F401 - fixtures
-from test_elastic import (COMMON, PROBE, assert_equivalent, events, final_state, logged_step, members,  # noqa: F401
-                          reference)
-from test_slurm import job_log
 
 TWO_NODES = ["launcher.nodes=2", "launcher.tasks_per_node=1"]
-SAMPLES = 1437  # the digits training split: one epoch
 
 
 def submit(cluster, run: Path, *overrides: str, env: dict | None = None) -> int:
@@ -32,63 +26,16 @@ def submit(cluster, run: Path, *overrides: str, env: dict | None = None) -> int:
     return int((run / "slurm" / "job_id").read_text())
 
 
-def wait_done(cluster, job: int, run: Path, timeout: float = 120) -> dict:
-    """The job's scontrol record once it has ended; on a timeout, an error with the end of the job's log."""
-    try:
-        return cluster.wait_done(job, timeout=timeout)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n--- the job's log (end)\n{job_log(run)[-3000:]}") from None
-
-
-def poll(predicate, timeout: float, what: str, every: float = 0.25):
-    """Wait until PREDICATE() is truthy (polled every EVERY s: each poll may be a SLURM command); returns it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def assert_close_to_reference(run: Path, reference: Path, rtol: float = 1e-5) -> None:
-    """Every final parameter within RTOL (relative to the largest magnitude of that tensor) of the 1-worker run's,
-    plus assert_equivalent's checks (every step logged once, the same losses)."""
-    got, want = final_state(run), final_state(reference)
-    for name in want:
-        if not name.startswith("rng/"):
-            scale = max(float(abs(want[name]).max()), 1e-12)
-            assert float(abs(got[name] - want[name]).max()) / scale <= rtol, name
-    assert_equivalent(run, reference)
-
-
-def assert_each_sample_once(run: Path, record: Path) -> None:
-    """Every sample of the first epoch went into exactly one committed step: each step's sample ids are
-    counted from the generation that committed it (a step redone after a loss counts once)."""
-    committed = {r["step"]: r["generation"] for r in metrics(run) if "loss" in r}
-    consumed = Counter()
-    for f in record.glob("*.jsonl"):  # named by pid: two hosts' workers may share one, lines say whose
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if committed.get(r["step"]) == r["generation"] and r["epoch"] == 0:
-                consumed.update(r["ids"])
-    assert consumed == Counter(range(SAMPLES))
-
-
-def world_sizes(run: Path) -> list:
-    return [r["world_size"] for r in metrics(run) if "loss" in r]
-
-
 def test_two_nodes_train_on_both_and_match_one_worker(slurm_hosts, tmp_path, reference):
     run, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
     job = submit(slurm_hosts, run, env={"EF_PROBE_RECORD": str(record)})
-    info = wait_done(slurm_hosts, job, run)
+    info = job_done(slurm_hosts, job, run)
     assert info["JobState"] == "COMPLETED", job_log(run)
     assert info["NodeList"] == "h[1-2]"
     assert sorted(m["host"] for m in members(run)) == ["h1", "h2"]  # each worker's own hostname
     assert set(world_sizes(run)) == {2}
-    assert_close_to_reference(run, reference)
+    assert_equivalent(run, reference)
     assert_each_sample_once(run, record)
 
 
@@ -104,25 +51,25 @@ def test_a_lost_node_leaves_the_job_training_on_the_other(slurm_hosts, tmp_path,
     pace.touch()  # 50 ms steps until the loss, so that it lands mid-job; full speed after
     job = submit(slurm_hosts, run, *heartbeat, env={"EF_PROBE_RECORD": str(record), "EF_PROBE_SLEEP": "0.05",
                                                     "EF_PROBE_PACE": str(pace), "EF_PROBE_HOLD": str(hold)})
-    poll(lambda: logged_step(run) >= 10, 120, "step 10")
+    wait_for(lambda: logged_step(run) >= 10, 120, "step 10")
     # Training stands still (every worker inside forward) until SLURM has marked the node DOWN: that is when
     # SLURM would end the job, and when it tells the lost worker's srun.
     hold.touch()
     pace.unlink()
     slurm_hosts.power_off("h2")  # slurmd, the worker's step and the worker die at once
     try:
-        poll(lambda: slurm_hosts.node_state("h2").startswith("down"), 60, "slurmctld to mark h2 DOWN", every=0.5)
+        wait_for(lambda: slurm_hosts.node_state("h2").startswith("down"), 60, "slurmctld to mark h2 DOWN", every=0.5)
         assert slurm_hosts.state(job) == "RUNNING", slurm_hosts.job_info(job)
     finally:
         hold.unlink()
-    info = wait_done(slurm_hosts, job, run, timeout=60)  # ~5 s of training left
+    info = job_done(slurm_hosts, job, run, timeout=60)  # ~5 s of training left
     assert info["JobState"] == "COMPLETED", job_log(run)
     assert info["Restarts"] == "0", info              # not requeued: the job went on
     assert info["NodeList"] == "h1", info             # SLURM took the failed node out of the allocation
     sizes = world_sizes(run)
     assert sizes[0] == 2 and sizes[-1] == 1
     assert [m["host"] for m in members(run)] == ["h1"]
-    assert_close_to_reference(run, reference)
+    assert_equivalent(run, reference)
     assert_each_sample_once(run, record)
 
 
@@ -132,16 +79,16 @@ def test_preemption_on_two_nodes_requeues_and_resumes_on_both(slurm_hosts, tmp_p
     pace.touch()  # 50 ms steps until the signal has been handled; the requeued job runs at full speed
     job = submit(slurm_hosts, run, env={"EF_PROBE_SLEEP": "0.05", "EF_PROBE_PACE": str(pace),
                                         "EF_PROBE_RECORD": str(record)})
-    poll(lambda: logged_step(run) >= 15, 120, "step 15")
+    wait_for(lambda: logged_step(run) >= 15, 120, "step 15")
     slurm_hosts.signal(job, "USR1", batch=True)   # what SLURM sends launcher.signal's seconds before the end
     slurm_hosts.requeue_now(job, timeout=120)     # test-only: skip SLURM's 120 s hold on a requeued job
     pace.unlink()
-    info = wait_done(slurm_hosts, job, run)
+    info = job_done(slurm_hosts, job, run)
     assert info["JobState"] == "COMPLETED", job_log(run)
     assert int(info["Restarts"]) >= 1 and info["NodeList"] == "h[1-2]", info
     assert "preempted: checkpoint written; requeueing job" in job_log(run)  # said before SLURM kills the step
     assert sorted(m["host"] for m in members(run)) == ["h1", "h2"]  # the requeued job's workers
-    assert_close_to_reference(run, reference)
+    assert_equivalent(run, reference)
     assert_each_sample_once(run, record)
     kinds = [e["event"] for e in events(run)]
     assert "preempt" in kinds and kinds.count("started") == 2

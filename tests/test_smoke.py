@@ -1,7 +1,7 @@
 """The walking skeleton: `elasticflow train models/linear.py` trains and writes what it promises."""
 import elasticflow.checkpoint as ckpt
 
-from conftest import losses, metrics, train
+from harness import losses, metrics, train
 
 
 def test_linear_trains_end_to_end(tmp_path):

@@ -9,7 +9,7 @@ from elasticflow.replica.replica import Agreed, Replica
 from elasticflow.train.state import TrainState
 from elasticflow.trainer import ElasticTrainer
 
-from conftest import MODELS
+from harness import MODELS
 
 
 def test_state_dict_round_trips_through_json():

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import elasticflow.checkpoint as ckpt
-from conftest import MODELS, REPO, metrics, train
+from harness import MODELS, REPO, metrics, train_in_process
 
 SGD_TOL, ADAM_TOL = 1e-4, 1e-3
 STEPS = 30
@@ -215,7 +215,7 @@ def _error_lines(proc) -> list:
 
 
 def test_torch_model_under_tensorflow_fails_in_one_line(tmp_path, write_model):
-    proc = train(write_model(TORCH_MODEL), tmp_path / "run", "backend=tensorflow", check=False)
+    proc = train_in_process(write_model(TORCH_MODEL), tmp_path / "run", "backend=tensorflow")
     assert proc.returncode != 0
     (line,) = _error_lines(proc)
     assert "PyTorch model" in line and "torch.nn.Module" in line and "backend=tensorflow" in line, line

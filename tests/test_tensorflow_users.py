@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import elasticflow.checkpoint as ckpt
-from conftest import ELASTICFLOW, MODELS, REPO, metrics
+from harness import ELASTICFLOW, MODELS, REPO, metrics
 
 KERAS_MODEL = '''
 import numpy as np

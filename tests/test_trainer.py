@@ -161,7 +161,7 @@ def test_data_must_hold_one_global_batch(classifier, tmp_path):
 def test_two_workers_write_each_record_once_in_step_order_with_evaluations_after_their_step(tmp_path):
     # With workers, rank 0 writes a step's record during the next step's reduction; an evaluation, a
     # checkpoint and the end write it first, so the file still reads in the order things happened.
-    from conftest import REPO, metrics, train
+    from harness import REPO, metrics, train
 
     train(REPO / "models" / "digits_mlp.py", tmp_path, "launcher.workers=2", "trainer.max_steps=9",
           "trainer.log_every=1", "trainer.eval_every=4", "trainer.global_batch_size=64")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli, train
+from harness import run_cli, train
 
 # Logs at import, in model() and in data() (INFO and WARNING), before this worker has a rank, and uses a
 # Hugging Face datasets.Dataset, whose import logs at INFO. Before, the console's rank filter read the

@@ -14,9 +14,13 @@ Environment (read by every worker):
                      paces the job while it injects faults, then lets it run to the end at full speed).
     EF_PROBE_HOLD    a file path: forward blocks while that file exists (a test holds training still
                      while it scales or kills, then removes the file).
+    EF_PROBE_LIMIT   a file path: while it exists, the forward of a step past the number it holds blocks (a
+                     test lets training go exactly as far as it needs, so a fixed-length job cannot end
+                     before the test has acted; it removes the file to let the job run to its end).
     EF_PROBE_STALL_BUILD "worker:seconds:file": that worker, about to build the gloo group of its first
-                     generation with peers, writes time.time() to file and sleeps first: it arrived, heartbeats,
-                     and never connects (the others' rendezvous times out). The test may SIGSTOP it meanwhile.
+                     generation with peers, writes its pid and that generation to file and waits first, until
+                     the test removes the file (at most that many seconds): it arrived, heartbeats, and never
+                     connects (the others' rendezvous times out). The test may SIGSTOP it meanwhile.
     EF_PROBE_SLOW_START "first_id:seconds": workers with that id or higher (joiners) sleep that long when
                      the model file loads, before they ask to join.
     (Under backend=tensorflow set EF_PROBE_RECORD: the injections then happen at the data fetch.)
@@ -48,6 +52,7 @@ PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.e
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
 PACE = os.environ.get("EF_PROBE_PACE")
 HOLD = os.environ.get("EF_PROBE_HOLD")
+LIMIT = os.environ.get("EF_PROBE_LIMIT")
 RECORD = os.environ.get("EF_PROBE_RECORD")
 STALL = os.environ.get("EF_PROBE_STALL_BUILD", "").split(":") if os.environ.get("EF_PROBE_STALL_BUILD") else None
 _seen_steps = set()
@@ -84,6 +89,18 @@ def _inject(ctx):
     deadline = time.monotonic() + 120
     while HOLD and ctx.step > 0 and os.path.exists(HOLD) and time.monotonic() < deadline:
         time.sleep(0.01)
+    while LIMIT and ctx.step > _allowed(LIMIT) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _allowed(path):
+    """The last step EF_PROBE_LIMIT's file lets run (every step once it is gone; none while it is torn)."""
+    try:
+        return int(Path(path).read_text())
+    except FileNotFoundError:
+        return float("inf")
+    except ValueError:
+        return 0
 
 
 def _stall_first_build():
@@ -95,8 +112,10 @@ def _stall_first_build():
     def stalling(self, store, generation, rank, world, *args, **kwargs):
         if world > 1 and not stalled:
             stalled.append(generation)
-            Path(STALL[2]).write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "generation": generation}))
-            time.sleep(float(STALL[1]))
+            Path(STALL[2]).write_text(json.dumps({"pid": os.getpid(), "generation": generation}))
+            deadline = time.monotonic() + float(STALL[1])
+            while os.path.exists(STALL[2]) and time.monotonic() < deadline:
+                time.sleep(0.01)
         build(self, store, generation, rank, world, *args, **kwargs)
 
     comm.Group.__init__ = stalling
