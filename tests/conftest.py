@@ -47,7 +47,7 @@ def tf_reference(one_worker):
 
 
 # ---------------------------------------------------------------- two processes over the 2 cores
-# scripts/test.sh runs the suite in two pytest-xdist workers (--dist loadgroup). A file's tests stay in one
+# EF_TEST_WORKERS=2 scripts/test.sh runs the suite in two pytest-xdist workers (--dist loadgroup). A file's tests stay in one
 # worker, so a module's fixtures build once. The files that use machine-wide resources (SLURM's daemons and
 # /etc/slurm, network namespaces and their addresses: tests/slurm_cluster.py, tests/hosts.py) form one group,
 # run one at a time, and go first: they are the longest, and the other worker fills in beside them.

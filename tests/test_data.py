@@ -186,11 +186,14 @@ def test_loader_processes_take_their_cores_from_the_intra_op_threads(tmp_path, w
     path = write_model(RECORDING)
     cores, before = os.cpu_count() or 1, torch.get_num_threads()
     try:
-        for overrides, want in ((["data.worker_type=process", "data.workers=2"], max(1, cores - 2)),
-                                (["data.workers=2"], cores),  # threads: a reader holds the GIL, not a core
-                                (["data.worker_type=process", "data.workers=2", "backend.threads=3"], 3)):
+        for k, (overrides, want) in enumerate((
+                (["data.worker_type=process", "data.workers=2"], max(1, cores - 2)),
+                (["data.workers=2"], cores),  # threads: a reader holds the GIL, not a core
+                (["data.worker_type=process", "data.workers=2", "backend.threads=3"], 3))):
             cfg = compose(str(path), ["trainer.global_batch_size=16", "trainer.max_steps=1", *overrides])
-            ElasticTrainer(str(path), cfg, run_dir=str(tmp_path / "run")).prepare()
+            # A run directory each: three runs in one process and one second would name the same checkpoint
+            # folder, which the first still holds (checkpoint/jobdir.py's lease).
+            ElasticTrainer(str(path), cfg, run_dir=str(tmp_path / f"run{k}")).prepare()
             assert torch.get_num_threads() == want, overrides
     finally:
         torch.set_num_threads(before)
