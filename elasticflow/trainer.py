@@ -92,12 +92,11 @@ class ElasticTrainer:
     def prepare(self) -> "ElasticTrainer":
         """Build the parts (backend, model, optimizer, data), resume if a checkpoint exists, join the job."""
         cfg, t = self.cfg, self.tcfg
-        parts = builder.build(cfg, t, self.model_file)
-        self.model_file, self.backend, self.placement = parts.model_file, parts.backend, parts.placement
-        self.local_workers, self.spec, self.engine = parts.local_workers, parts.spec, parts.engine
-        self.shards, self.outer = parts.shards, parts.outer  # trainer.shard's state; topology=local_sgd|diloco's
-        self.source, self.prefetch, self.schedule = parts.source, parts.prefetch, parts.schedule
-        self.reconciler, self.eval_dataset = parts.reconciler, parts.eval_dataset
+        p = builder.build(cfg, t, self.model_file)  # the parts the loop reads, each by its name
+        self.model_file, self.backend, self.placement, self.spec = p.model_file, p.backend, p.placement, p.spec
+        self.local_workers, self.engine, self.reconciler = p.local_workers, p.engine, p.reconciler
+        self.shards, self.outer = p.shards, p.outer  # trainer.shard's state; topology=local_sgd|diloco's
+        self.source, self.prefetch, self.schedule, self.eval_dataset = p.source, p.prefetch, p.schedule, p.eval_dataset
         self.step_log.total_steps = self.schedule.total_steps
         self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict,
                                cfg.comm.bucket_mb, self.shards)
@@ -114,7 +113,7 @@ class ElasticTrainer:
         self.metric_names = probe.metric_names
         self.evaluation = None if self.eval_dataset is None else evaluation.Evaluation(
             self.eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size)
-        self.stepper = builder.stepper(parts, t, self.state, self.replica, self.step_log,
+        self.stepper = builder.stepper(p, t, self.state, self.replica, self.step_log,
                                        lambda: self.stop_signal.requested, self.metric_names)
         self.regrouper.join()
         if self.membership is not None:  # once joined: a worker started by srun learns its id on joining
@@ -126,7 +125,7 @@ class ElasticTrainer:
         self.meter.start()  # from here every second is productive or a measured cost (goodput.py)
         if self.rank == 0:
             self.run_log.event("ready", step=self.state.step, world_size=self.world, resumed_from=self.resumed_from)
-            builder.announce(parts, cfg, t, self.world, self.run_dir, self.resumed_from, probe.drew)
+            builder.announce(p, cfg, t, self.world, self.run_dir, self.resumed_from, probe.drew)
         return self
 
     # ------------------------------------------------------------------ the state, for checkpoints and replicas
