@@ -120,7 +120,8 @@ def inspect_checkpoint(args: List[str]) -> None:
     from .checkpoint.inspect import render
 
     if len(args) != 1:
-        fail("inspect takes one checkpoint directory", "e.g. elasticflow inspect outputs/.../checkpoints/step_100")
+        fail("inspect takes one checkpoint directory", "e.g. elasticflow inspect outputs/.../checkpoints/step_100, "
+             "or a run directory for its newest checkpoint")
     print(render(Path(args[0])))
 
 

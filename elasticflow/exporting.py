@@ -13,12 +13,16 @@ writes the model as its framework saves it:
                         ``TheClass.from_pretrained(DIR)`` and the strict load both work
     keras model         model.weights.h5 (``save_weights``): ``net.load_weights(DIR / "model.weights.h5")``
     tf.Module           model.index + model.data-*: ``tf.train.Checkpoint(model=net).read(DIR / "model")``
+    peft model          adapter_config.json + adapter_model.safetensors (``PeftModel.from_pretrained(base,
+                        DIR)``), and merged/: the base model with the adapter merged in, in its own form
     dict of arrays      model.safetensors of the arrays by name (nested keys joined with "/")
 
-``model()`` returning ``{"net": module, "optimizer": ...}`` exports ``module`` with its own keys.
+``model()`` returning ``{"net": module, "optimizer": ...}`` exports ``module`` with its own keys, and
+``torch.compile(net)`` exports ``net``'s.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -93,9 +97,7 @@ def export(checkpoint: str | Path, to: str | Path, model: Optional[str] = None,
 def _checkpoint(path: Path) -> Path:
     if not path.exists():
         raise ElasticFlowError(f"checkpoint '{path}' does not exist", HINT_PATH)
-    found = resolve(path)
-    if not (found / METADATA).exists() and (path / "checkpoints").is_dir():  # a run directory
-        found = resolve(path / "checkpoints")
+    found = resolve(path)  # a checkpoint, or the newest under a job, checkpoint or run directory
     if not (found / METADATA).exists():
         raise ElasticFlowError(f"'{path}' is not a checkpoint: no {METADATA} in it and no complete checkpoint "
                                "under it", HINT_PATH + " (or a run directory)")
@@ -180,7 +182,14 @@ def _export_into(checkpoint: Path, cfg: Any, out: Path, meta: Dict[str, str]) ->
 
 
 def _unwrapped(model: Any, backend: Any) -> Any:
-    """``{"net": module}`` (model() returned it beside its optimizer) -> the module, with its own keys."""
+    """``{"net": module}`` (model() returned it beside its optimizer) -> the module, with its own keys;
+    ``torch.compile(net)`` -> ``net`` (the wrapper's keys gain ``_orig_mod.``, which ``Net()`` does not load)."""
+    compiled = _module("torch._dynamo.eval_frame", "OptimizedModule")
+    if compiled is not None:
+        if isinstance(model, dict):
+            model = {k: v._orig_mod if isinstance(v, compiled) else v for k, v in model.items()}
+        elif isinstance(model, compiled):
+            model = model._orig_mod
     if isinstance(model, dict) and len(model) == 1 and backend.is_native(next(iter(model.values()))):
         return next(iter(model.values()))
     return model
@@ -199,6 +208,10 @@ def _write(model: Any, arrays: Dict[str, Any], out: Path, meta: Dict[str, str]) 
         import torch
 
         model = torch.nn.ModuleDict(model)  # several modules: their keys "<name>.<key>", as ModuleDict loads them
+    adapter = _module("peft", "PeftModel")
+    if adapter is not None and isinstance(model, adapter):
+        _write_adapter(model, out, meta)
+        return "peft adapter (save_pretrained), and the merged model in merged/"
     if pretrained is not None and isinstance(model, pretrained):
         _write_pretrained(model, out, meta)
         return f"transformers {type(model).__name__} (save_pretrained)"
@@ -232,21 +245,44 @@ def _write_state_dict(module: Any, out: Path, meta: Dict[str, str]) -> None:
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt", **meta})
 
 
+def _write_adapter(model: Any, out: Path, meta: Dict[str, str]) -> None:
+    """A peft model: its adapter as peft saves it (adapter_config.json, adapter_model.safetensors:
+    ``PeftModel.from_pretrained(base, out)``), and in ``merged/`` the base model with the adapter merged into
+    its weights, as its own framework saves it (``from_pretrained``, or a state_dict for a plain module).
+    Not one folder: transformers' from_pretrained reads a folder holding adapter_config.json as an adapter."""
+    with _quiet_progress():
+        model.save_pretrained(str(out))
+    merged = model.merge_and_unload()  # the exported copy only: this model was built for the export
+    pretrained = _module("transformers", "PreTrainedModel")
+    (out / "merged").mkdir()
+    if pretrained is not None and isinstance(merged, pretrained):
+        _write_pretrained(merged, out / "merged", meta)
+    else:
+        _write_state_dict(merged, out / "merged", meta)
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """transformers' "Writing model shards" bar off for a save: noise beside export's one line."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def _write_pretrained(model: Any, out: Path, meta: Dict[str, str]) -> None:
     import torch
 
     with torch.no_grad():  # each parameter its own storage again (a tied one stays one Parameter: still tied)
         for p in model.parameters():
             p.data = p.data.clone()
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # its "Writing model shards" bar is noise beside export's one line
-    try:
+    with _quiet_progress():
         model.save_pretrained(str(out))
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
     if (out / WEIGHTS).is_file():
         # save_pretrained leaves tied aliases out (from_pretrained ties them again); rewritten with every
         # state_dict key, the same file also loads with load_state_dict(strict=True), as a torch model's does.

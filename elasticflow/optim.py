@@ -39,6 +39,7 @@ class Schedule:
     """How the learning rate moves with ``step`` (optimizer steps, never micro-batches)."""
     kind: str = "constant"          # constant | linear | cosine | step
     warmup_steps: int = 0
+    warmup_from_zero: bool = False  # Hugging Face's warmup: step s at lr * s / warmup_steps (the first at 0)
     decay_steps: Optional[int] = None
     min_lr: float = 0.0
     step_size: int = 1000
@@ -139,7 +140,8 @@ class AdamW(Adam):
 
 def from_config(ocfg: Any) -> OptimizerSpec:
     """The spec the ``optimizer`` config group describes."""
-    schedule = Schedule(kind=ocfg.schedule, warmup_steps=ocfg.warmup_steps, decay_steps=ocfg.decay_steps,
+    schedule = Schedule(kind=ocfg.schedule, warmup_steps=ocfg.warmup_steps,
+                        warmup_from_zero=ocfg.warmup_from_zero, decay_steps=ocfg.decay_steps,
                         min_lr=ocfg.min_lr, step_size=ocfg.step_size, gamma=ocfg.gamma)
     groups = [Group(tuple(g.params), lr=g.lr, weight_decay=g.weight_decay) for g in ocfg.groups]
     if ocfg.name == "sgd":
@@ -231,11 +233,18 @@ def grouped_order(names: Sequence[str], hyper: Mapping[str, Hyper]) -> List[str]
 
 
 def lr_at(spec: OptimizerSpec, step: int, total_steps: Optional[int]) -> float:
-    """Learning rate for the update that turns ``step`` completed steps into ``step + 1``."""
+    """Learning rate for the update that turns ``step`` completed steps into ``step + 1``.
+
+    With W warmup steps, the update after ``step`` steps uses ``lr * (step + 1) / W`` while ``step < W``
+    (the first at lr / W, the W-th at lr), or ``lr * step / W`` with ``warmup_from_zero`` (Hugging Face's
+    ``get_*_schedule_with_warmup``: the first update at 0). Then, over ``horizon = (decay_steps or total
+    steps) - W`` and ``progress = min((step - W) / horizon, 1)``: linear ``min_lr + (lr - min_lr) * (1 -
+    progress)``, cosine ``min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2``, step ``lr * gamma **
+    ((step - W) // step_size)``: with ``min_lr=0``, Hugging Face's linear and cosine schedules."""
     s = spec.schedule
     base = spec.lr
     if s.warmup_steps and step < s.warmup_steps:
-        return base * (step + 1) / s.warmup_steps
+        return base * (step + (0 if s.warmup_from_zero else 1)) / s.warmup_steps
     if s.kind == "constant":
         return base
     if s.kind == "step":

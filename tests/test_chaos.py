@@ -1,9 +1,10 @@
-"""The chaos soak, short: 60 s of random SIGKILLs, SIGSTOPs and `scale` requests against a running
+"""The chaos soak, short: 30 s of random SIGKILLs, SIGSTOPs and `scale` requests against a running
 4-worker-max job (scripts/chaos.py), then its checks: exit 0, the 1-worker parameters, every sample
 once, every generation formed within its timeouts, only stopped workers cut out.
 
 The seed is fixed so that a failure replays (EF_CHAOS_SEED=N picks another: the choices replay, the
-timings do not). About 2 minutes on 2 cores: the 1-worker reference, 60 s of faults, the end at full speed.
+timings do not). About a minute on 2 cores: the 1-worker reference, 30 s of faults (13 of every family with
+seed 1), the end at full speed. The 10-minute soak runs outside the suite (docs/elastic-training.md).
 """
 import os
 import re
@@ -17,15 +18,15 @@ CHAOS = [sys.executable, str(REPO / "scripts" / "chaos.py")]
 
 def test_short_soak_passes_every_check(tmp_path):
     seed = os.environ.get("EF_CHAOS_SEED", "1")
-    proc = subprocess.run(CHAOS + ["--duration", "60", "--seed", seed, "--min-events", "20",
+    proc = subprocess.run(CHAOS + ["--duration", "30", "--seed", seed, "--min-events", "10",
                                    "--keep", str(tmp_path / "soak")],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = proc.stdout + proc.stderr
-    replay = f"replay: scripts/chaos.py --duration 60 --seed {seed} --min-events 20 --keep DIR\n{out[-6000:]}"
+    replay = f"replay: scripts/chaos.py --duration 30 --seed {seed} --min-events 10 --keep DIR\n{out[-6000:]}"
     assert proc.returncode == 0 and "outcome: PASS" in out, replay
     counts = re.search(r"^events: (\d+) \((.*?);", out, re.M)
-    assert counts and int(counts.group(1)) >= 20, replay
+    assert counts and int(counts.group(1)) >= 10, replay
     kinds = dict(kv.rsplit(" ", 1) for kv in counts.group(2).split(", "))
     assert {"kill", "stop_short", "scale"} <= set(kinds), replay  # faults of every family happened
     assert any(k in kinds for k in ("stop_long", "stop_retiring")), replay

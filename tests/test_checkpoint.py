@@ -3,6 +3,7 @@
 The headline equivalence and Ctrl-C run the real CLI; the many variations (resume=PATH, keep,
 corruption, incomplete directories, native modules) run in-process, where a run costs ~0.1 s.
 """
+import logging
 import os
 import shutil
 import signal
@@ -15,8 +16,8 @@ from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.trainer import CheckpointInterval, ElasticTrainer
 
-from harness import (SLOW, assert_equivalent, events, flip_a_byte, logged_step, losses, members, metrics, reap, run_cli, saved,
-                     start, stop, train, wait_for)
+from harness import (SLOW, assert_equivalent, cli, events, flip_a_byte, logged_step, losses, members, metrics, reap,
+                     run_cli, saved, start, stop, train, wait_for)
 
 # Dropout draws from torch's RNG, Adam keeps state, and 200 samples in batches of 16 make 13 steps
 # per epoch (the last one of 8): a resume that lost the RNG, the optimizer state or the data cursor
@@ -200,6 +201,27 @@ def test_directory_without_commit_is_never_loaded(baseline, tmp_path):
     assert_equivalent(run, baseline[1], rtol=0, rng=True, records=False)
 
 
+def test_a_model_file_edited_since_the_checkpoint_is_named_with_both_hashes(baseline, tmp_path, caplog):
+    """A rerun after editing the model file resumed the old checkpoint without a word."""
+    import hashlib
+
+    path, run = baseline
+    run = copy_run(run, tmp_path / "run")
+    edited = tmp_path / path.name
+    edited.write_text(path.read_text() + "\n# a comment: the tensors are the same\n")
+    then, now = (hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in (path, edited))
+    with caplog.at_level(logging.WARNING, logger="elasticflow"):
+        fit(edited, run, "trainer.max_steps=25")
+    warned = [r.getMessage() for r in caplog.records if "changed since checkpoint" in r.getMessage()]
+    assert warned == [f"model file {path.name} changed since checkpoint step_20 was written (sha256 {then} then, "
+                      f"{now} now): resuming from it; pass resume=none to start afresh"]
+    assert "step_25" in saved(run)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="elasticflow"):
+        fit(edited, run, "trainer.max_steps=30")  # the file that wrote step_25: nothing to say
+    assert not [r for r in caplog.records if "changed since checkpoint" in r.getMessage()]
+
+
 def test_resume_auto_with_another_optimizer_is_an_error_not_a_fresh_start(baseline, tmp_path):
     path, run = baseline
     run = copy_run(run, tmp_path / "run")
@@ -221,6 +243,9 @@ def test_inspect_prints_a_table(baseline):
     assert rows["W"][1:3] == ["float32", "4x3"]
     assert rows["optimizer/W/exp_avg_sq"][1:3] == ["float32", "4x3"]
     assert rows["b"][1:3] == ["float32", "3"]
+    # A run directory (as export takes it): its newest checkpoint.
+    proc = cli(["inspect", run])
+    assert proc.returncode == 0 and "step 20" in proc.stdout.splitlines()[1], proc.stderr
 
 
 # ---------------------------------------------------------------- a native torch.nn.Module

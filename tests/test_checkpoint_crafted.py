@@ -251,3 +251,46 @@ def test_resume_auto_with_no_checkpoint_that_loads_is_one_error(tmp_path, write_
     line = one_error_line(proc)
     assert "none of the 2 checkpoint(s)" in line and "step_5" in line and "resumed from" not in proc.stderr
     assert "resume=none" in proc.stderr  # the hint
+
+
+def _nest(depth):
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda p: edit_metadata(p, lambda m: m.update(micro_step="x")), "holds progress this run cannot use"),
+    (lambda p: edit_metadata(p, lambda m: m.update(last_metrics=5)), "holds progress this run cannot use"),
+    (lambda p: (p / ckpt.METADATA).write_text((p / ckpt.METADATA).read_text().replace(
+        '"skipped_steps": 0', '"skipped_steps": 1e999')), "holds progress this run cannot use"),
+    # unreadable metadata sorts as the oldest checkpoint: step_5 is the newest, and nothing is skipped
+    (lambda p: (p / ckpt.METADATA).write_text('{"step": ' + _nest(100_000) + "}"), None),
+    (lambda p: _replace_header(p, b'{"W": ' + _nest(100_000).encode() + b"}"), "unreadable header"),
+], ids=["micro_step", "last_metrics", "skipped_steps", "nested_metadata", "nested_header"])
+def test_resume_auto_falls_back_past_progress_of_the_wrong_type_or_a_parser_bomb(tmp_path, write_model, damage, why):
+    """Each of these stopped resume=auto with a raw TypeError, ValueError, OverflowError or RecursionError."""
+    path, run = write_model(MODEL), tmp_path / "run"
+    train_in_process(path, run, *RUN, "trainer.max_steps=10")
+    step5, step10 = sorted((p for p in (run / "checkpoints").rglob("step_*") if ckpt.is_complete(p)),
+                           key=lambda p: int(p.name.split("_")[1]))
+    damage(step10)
+    proc = train_in_process(path, run, *RUN, "trainer.max_steps=12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "skipping checkpoint" in line]
+    if why is not None:
+        assert len(warnings) == 1 and str(step10) in warnings[0] and why in warnings[0], proc.stderr[-3000:]
+    assert f"resumed from {step5}" in proc.stderr
+
+
+def test_nested_metadata_is_one_line_for_inspect_and_an_explicit_resume(checkpoint):
+    (checkpoint / ckpt.METADATA).write_text('{"step": ' + _nest(100_000) + "}")
+    refused(checkpoint, "is corrupt or truncated (nested too deeply)")
+
+
+def _replace_header(path, raw):
+    """The shard's header replaced by ``raw`` (padded to 8 bytes), its data kept."""
+    shard = path / SHARD
+    old = shard.read_bytes()
+    n = struct.unpack("<Q", old[:8])[0]
+    raw += b" " * (-(8 + len(raw)) % 8)
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + old[8 + n:])
+    edit_metadata(path, lambda m: m["files"][SHARD].update(bytes=shard.stat().st_size))

@@ -251,6 +251,18 @@ def test_an_error_in_the_users_forward_names_its_line(write_model, tmp_path, deb
     assert ("Traceback (most recent call last)" in proc.stderr) is debug
     assert ("hint: the full traceback is above" if debug else "hint: run with --debug") in proc.stderr
 
+def test_a_shape_error_raised_inside_torch_names_the_users_line(write_model, tmp_path):
+    """It named torch/nn/modules/linear.py, where the error was raised, not forward()'s call."""
+    source = ("import numpy as np\nimport torch\n\n\ndef model(cfg):\n    return torch.nn.Linear(4, 1)\n\n\n"
+              "def forward(x, y, net):\n    return ((net(x[:, :3]) - y) ** 2).mean()\n\n\n" + GOOD_DATA.replace(
+                  "(100, 3)", "(100, 4)"))
+    model = write_model(source)
+    proc = train_in_process(model, tmp_path / "run", "trainer.max_steps=2")
+    assert_one_error(proc, "RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+    assert f" at {model}:10\n" in proc.stderr and "linear.py" not in proc.stderr
+    assert proc.returncode == 1
+
+
 # ---------------------------------------------------------------- a loss that turns NaN/inf at step 15
 # The sample at position 14*8 + k of epoch 0's order (global step 15) carries NaN (or inf).
 NONFINITE = '''

@@ -162,6 +162,13 @@ def test_every_sample_once_per_epoch_including_the_last_partial_batch(tmp_path, 
         assert [len(c) for c in chunks[:5]] == [5, 5, 5, 1, 5]
 
 
+def test_shuffle_false_trains_the_samples_in_datas_order_every_epoch(tmp_path, write_model):
+    path = write_model(RECORDING)
+    fit(path, tmp_path / "run", "trainer.epochs=2", "data.shuffle=false", "trainer.micro_batch_size=5")
+    trained = [i for chunk in read_ids(tmp_path / "trained.txt") for i in chunk]
+    assert trained == list(range(70)) * 2
+
+
 # The first step waits (10 s at most) until the reads ahead of it have reached step 4's batch.
 READ_AHEAD = RECORDING.replace("""        time.sleep(0.01)  # a step""", """        served = HERE / "served.txt"
         deadline = time.monotonic() + 10

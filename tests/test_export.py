@@ -69,6 +69,8 @@ class Net(torch.nn.Module):
 def model(cfg):
     torch.manual_seed(cfg.seed)
     net = Net()
+    if cfg.model_args.get("compile"):  # the wrapper's names gain "_orig_mod."; eager: compiles in a second
+        net = torch.compile(net, backend="eager")
     return {"net": net, "optimizer": optim.Adam(0.05)} if cfg.model_args.get("dict") else net
 
 
@@ -147,6 +149,70 @@ def test_bert_export_loads_strict_and_with_from_pretrained(tmp_path):
     assert not torch.equal(logits[0], initial.eval()(input_ids=ids).logits)
 
 
+# GPT-2 with LoRA adapters on its attention (peft): the base frozen, only the adapters train.
+PEFT = '''
+import numpy as np
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def base(seed):
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def model(cfg):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    return get_peft_model(base(cfg.seed), lora)
+
+
+def forward(ids, net):
+    return net(input_ids=ids, labels=ids).loss
+
+
+def data(cfg):
+    return (np.random.default_rng(0).integers(0, 32, (64, 8)),)
+'''
+
+
+def test_a_peft_adapter_exports_as_peft_loads_it_and_merged(tmp_path):
+    """The adapter was exported only inside a full state_dict: PeftModel.from_pretrained found no
+    adapter_config.json."""
+    import runpy
+
+    import torch
+    peft = pytest.importorskip("peft")
+    from transformers import GPT2LMHeadModel
+
+    path = tmp_path / "lora.py"
+    path.write_text(PEFT)
+    run = tmp_path / "run"
+    train(path, run, *STEPS, "optimizer=adam", "optimizer.lr=0.01", timeout=180)
+    proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=180, check=True)
+    assert "peft adapter (save_pretrained), and the merged model in merged/" in proc.stdout
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "merged"} <= written
+
+    code = runpy.run_path(str(path))
+    trained = code["model"](compose(str(path)))  # the trained weights, from the checkpoint by name
+    _, state = _checkpoint_of(run)
+    own = trained.state_dict()
+    trained.load_state_dict({k: torch.from_numpy(state[k]) for k in own if k in state}, strict=False)
+    lora = [k for k in own if "lora_B" in k]
+    assert lora and all(np.abs(state[k]).max() > 0 for k in lora)  # trained: B starts at zero
+
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, 32, (4, 8)))
+    adapted = peft.PeftModel.from_pretrained(code["base"](0), tmp_path / "out")
+    merged = GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "merged")
+    with torch.no_grad():
+        expected = trained.eval()(input_ids=ids).logits
+        assert torch.equal(adapted.eval()(input_ids=ids).logits, expected)
+        np.testing.assert_allclose(merged.eval()(input_ids=ids).logits.numpy(), expected.numpy(), atol=1e-5)
+        assert not torch.allclose(code["base"](0).eval()(input_ids=ids).logits, expected, atol=1e-3)
+
+
 @pytest.mark.parametrize("form", ["module", "dict"])
 def test_native_module_exports_its_own_keys(net_runs, form, tmp_path, restore_ops):
     import torch
@@ -172,6 +238,29 @@ def test_native_module_exports_its_own_keys(net_runs, form, tmp_path, restore_op
     expected = np.tanh(x @ w["fc.weight"].T + w["fc.bias"]) * 2.0 @ w["head.weight"].T + w["head.bias"] + w["offset"]
     with torch.no_grad():
         np.testing.assert_allclose(net(torch.from_numpy(x)).numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_compiled_module_trains_exports_and_resumes_under_its_own_names(net_runs, tmp_path):
+    import torch
+
+    model_file, plain = net_runs["module"]
+    run = tmp_path / "compiled"
+    proc = train(model_file, run, *STEPS, "+model_args.compile=true", timeout=180)
+    assert "torch.compile: the first step compiles the model" in proc.stderr
+    path, state = _checkpoint_of(run)
+    assert not [n for n in state if "_orig_mod" in n]
+    _, reference = _checkpoint_of(plain)
+    assert sorted(state) == sorted(reference)
+    for name in reference:  # the eager backend computes what the module does: the same model
+        np.testing.assert_array_equal(state[name], reference[name], err_msg=name)
+    # The export loads into a plain Net() with strict=True.
+    elasticflow.export(run, tmp_path / "out")
+    net = modelfile.load(str(model_file)).model(compose(str(model_file)))
+    net.load_state_dict(_weights(tmp_path / "out" / "model.safetensors"), strict=True)
+    # The checkpoint resumes without compile.
+    train(model_file, run, "trainer.max_steps=5", "trainer.global_batch_size=16", "+model_args.compile=false",
+          timeout=180)
+    assert ckpt.read_metadata(ckpt.latest(run / "checkpoints"))["step"] == 5
 
 
 def test_dict_of_arrays_exports_arrays_by_name(tmp_path):

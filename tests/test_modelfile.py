@@ -109,3 +109,61 @@ def test_eval_every_without_eval_data_is_refused_before_anything_runs(write_mode
                                   "to evaluate on")
     assert "define eval_data(cfg)" in info.value.hint and "drop trainer.eval_every" in info.value.hint
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_forward_that_takes_the_model_first_is_one_line_naming_the_order(write_model):
+    """forward(net, x, y) was "'Tensor' object is not callable" from inside the model."""
+    path = write_model(TWO_FIELDS.format(signature="net, x, y", loss="((net(x) - y) ** 2).mean()"))
+    with pytest.raises(ElasticFlowError) as info:
+        model_file.load(str(path))
+    assert info.value.message == f"forward(net, x, y) in '{path}' takes the model first"
+    assert info.value.hint == "the model comes last, after the data fields: def forward(x, y, net)"
+
+
+def test_data_as_a_list_of_samples_is_one_line_naming_the_fix(write_model, tmp_path):
+    """A list of (x, y) tuples was numpy's "setting an array element with a sequence"."""
+    source = TWO_FIELDS.format(signature="x, y, net", loss="((net(x) - y) ** 2).mean()").replace(
+        "return x, x[:, :1] * 2", "return [(row, row[:1] * 2) for row in x]")
+    with pytest.raises(ElasticFlowError) as info:
+        prepare(write_model(source), tmp_path)
+    assert info.value.message == ("data() returned a list of 64 samples of 2 fields each; it returns the fields, "
+                                  "each an array with one row per sample")
+    assert "np.stack(field) for field in zip(*samples)" in info.value.hint
+    ragged = TWO_FIELDS.format(signature="x, y, net", loss="((net(x) - y) ** 2).mean()").replace(
+        "return x, x[:, :1] * 2", "return [[1.0, 2.0], [3.0]], [0.0, 1.0]")
+    with pytest.raises(ElasticFlowError, match="returned a field numpy cannot make one array of"):
+        prepare(write_model(ragged, "ragged.py"), tmp_path)
+
+
+HF_OUTPUT = '''
+import numpy as np
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def model(cfg):
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def forward(ids, net):
+    return net(input_ids=ids, labels={labels})
+
+
+def data(cfg):
+    return (np.random.default_rng(0).integers(0, 32, (64, 8)),)
+'''
+
+
+def test_forward_may_return_a_hugging_face_output_whose_loss_trains(write_model, tmp_path):
+    """A CausalLMOutput was "metric 'logits' is not a scalar"; the HF Trainer takes its .loss."""
+    run = tmp_path / "run"
+    train(write_model(HF_OUTPUT.format(labels="ids")), run, "trainer.max_steps=8", "trainer.log_every=1",
+          "optimizer=adam", "optimizer.lr=0.01")
+    steps = losses(run)
+    assert len(steps) == 8 and steps[-1] < steps[0]
+    with pytest.raises(ElasticFlowError) as info:
+        prepare(write_model(HF_OUTPUT.format(labels="None"), "nolabels.py"), tmp_path / "nolabels")
+    assert info.value.message.startswith("forward() returned a CausalLMOutputWithCrossAttentions without a loss")
+    assert "labels" in info.value.hint

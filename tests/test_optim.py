@@ -196,6 +196,26 @@ def test_lr_at_hand_computed(kind, schedule, total, expected):
     assert got == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_warmup_from_zero_is_hugging_faces_schedule(kind):
+    """optimizer.warmup_from_zero=true: the learning rate of each update equals what transformers'
+    get_{linear,cosine}_schedule_with_warmup gives the torch optimizer for that update."""
+    import torch
+    import transformers
+
+    make = {"linear": transformers.get_linear_schedule_with_warmup,
+            "cosine": transformers.get_cosine_schedule_with_warmup}[kind]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.3)
+    scheduler = make(opt, num_warmup_steps=4, num_training_steps=20)
+    theirs = []
+    for _ in range(21):  # 20 updates and one past the end (HF's cosine rises again after it)
+        theirs.append(opt.param_groups[0]["lr"])  # the lr of this update
+        opt.step()
+        scheduler.step()
+    ours = spec(kind, lr=0.3, warmup_steps=4, warmup_from_zero=True)
+    assert [optim.lr_at(ours, step, 20) for step in range(21)] == pytest.approx(theirs, abs=1e-12)
+
+
 def test_lr_at_scales_with_the_base_lr():
     assert optim.lr_at(spec("cosine", lr=0.3, decay_steps=10), 5, None) == pytest.approx(0.15)
     assert optim.lr_at(spec("constant", lr=0.3, warmup_steps=3), 0, None) == pytest.approx(0.1)

@@ -74,6 +74,16 @@ def test_a_transformer_encoder_with_dropout_is_warned_about_and_told_what_to_set
     assert banner_warnings(path, tmp_path, caplog, "+model_args.dropout=0.0", "launcher.max_workers=3") == []
 
 
+def test_reduced_precision_is_warned_about_like_dropout(write_model, tmp_path, caplog):
+    # bf16 rounds each worker's share of a step, so how the global batch is cut shows in the result.
+    path = write_model(ENCODER)
+    warned = banner_warnings(path, tmp_path, caplog, "+model_args.dropout=0.0", "trainer.precision=bf16")
+    assert len(warned) == 1 and "the bfloat16 rounding of each worker's share" in warned[0], warned
+    assert "set trainer.micro_batch_size=32 " in warned[0]
+    assert banner_warnings(path, tmp_path, caplog, "+model_args.dropout=0.0", "trainer.precision=bf16",
+                           "trainer.micro_batch_size=16") == []
+
+
 def test_a_dict_model_calling_ops_dropout_is_found_by_the_start_up_probe(write_model, tmp_path, caplog):
     warned = banner_warnings(write_model(DICT_MODEL.format(rate=0.2), "drop.py"), tmp_path, caplog)
     assert len(warned) == 1 and "ops.dropout in forward()" in warned[0] and "micro_batch_size=32 " in warned[0]

@@ -118,6 +118,26 @@ def test_keras_regularizers_train_as_fit(tmp_path, write_model, restore_ops):
     assert np.mean(losses) == pytest.approx(history.history["loss"][0], rel=1e-5)
 
 
+# ---------------------------------------------------------------- a keras optimizer is refused, never replaced
+@pytest.mark.parametrize("how", ["compiled", "in_the_dict"])
+def test_a_keras_optimizer_is_one_line_not_silently_replaced(tmp_path, write_model, restore_ops, how):
+    """A model compiled with keras.optimizers.Adam(1e-2) trained with the config's SGD at lr 0.1, without a word."""
+    from elasticflow.errors import ElasticFlowError
+
+    returned = {"compiled": "net.compile(optimizer=keras.optimizers.Adam(1e-2), loss='mse')\n    return net",
+                "in_the_dict": "return {'net': net, 'optimizer': keras.optimizers.Adam(1e-2)}"}[how]
+    source = KERAS_MODEL.replace("    return net\n", f"    {returned}\n").replace(
+        "return ops.mse(params(", "return ops.mse((params['net'] if isinstance(params, dict) else params)(")
+    path = write_model(source)
+    with pytest.raises(ElasticFlowError) as info:
+        _fit(path, tmp_path / "run", "trainer.max_steps=1")
+    what = "model() returned a keras model compiled with" if how == "compiled" else "model()['optimizer'] is"
+    assert info.value.message == (f"{what} a keras Adam(learning_rate=0.01): ElasticFlow trains with its own "
+                                  "optimizer (torch.optim's formulas), never a keras one")
+    assert "optimizer=adam optimizer.lr=" in info.value.hint
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # ---------------------------------------------------------------- frozen keras weights
 def test_frozen_keras_embedding_is_state_and_never_changes(tmp_path, write_model, restore_ops):
     """``emb.trainable = False`` under AdamW(weight_decay=0.1): bit-identical after training, in the

@@ -56,11 +56,23 @@ def split_output(out: Any) -> Tuple[Any, Dict[str, Any]]:
     """forward()'s output as (loss, {metric: value}); ``check_loss`` then checks they are scalars."""
     if not isinstance(out, dict):
         return out, {}
+    if type(out) is not dict and _model_output(out):
+        # A Hugging Face ModelOutput (a dict of loss, logits, hidden states): its .loss, as the HF Trainer takes.
+        if out.get("loss") is None:
+            raise ElasticFlowError(f"forward() returned a {type(out).__name__} without a loss",
+                                   "pass the labels to the model (net(input_ids=x, labels=y)) or return a loss")
+        return out["loss"], {}
     if "loss" not in out:
         raise ElasticFlowError(f"forward() returned a dict without a 'loss' key (keys: {sorted(out)})",
                                "return {'loss': loss, 'accuracy': acc, ...}")
     metrics = dict(out)  # a copy, then pop: 0.5 us less per micro-batch than a dict comprehension
     return metrics.pop("loss"), metrics
+
+
+def _model_output(out: Any) -> bool:
+    """A transformers ``ModelOutput`` (looked up by its class, never imported)."""
+    return any(cls.__name__ == "ModelOutput" and cls.__module__.startswith("transformers")
+               for cls in type(out).__mro__)
 
 
 def check_loss(out: Any, where: str, size: Callable[[Any], Optional[int]], framework: str

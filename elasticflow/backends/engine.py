@@ -41,6 +41,8 @@ class Engine(Protocol):
 
     placement: Any  # the devices.Placement it computes on (evaluation builds its batches there)
 
+    compiling: bool  # forward() is compiled at its first call (torch.compile): the banner says the wait is expected
+
     def __init__(self, model: Any, forward: Callable[..., Any], spec: OptimizerSpec, jit: bool = True,
                  placement: Any = None) -> None:
         """Build from what ``model(cfg)`` returned (params dict or native model), ``forward`` and the optimizer

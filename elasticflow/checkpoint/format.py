@@ -228,7 +228,7 @@ def read_shard_header(path: Path) -> Tuple[Dict[str, Any], int, bytes]:
                 raise ValueError("bad header length")
             raw = f.read(n)
         header = json.loads(raw)
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, ValueError, struct.error, RecursionError) as exc:  # RecursionError: nested too deeply
         raise CorruptCheckpoint(f"checkpoint shard '{path}' is corrupt (unreadable header: {exc})",
                                 HINT_FALLBACK) from exc
     if not isinstance(header, dict):
@@ -359,8 +359,9 @@ def read_metadata(path: Path) -> Dict[str, Any]:
         meta = json.loads(meta_file.read_text())
     except FileNotFoundError as exc:
         raise ElasticFlowError(f"checkpoint '{path}' has no {METADATA}", HINT_PATH) from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        where = f" ({exc.msg} at char {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        where = (f" ({exc.msg} at char {exc.pos})" if isinstance(exc, json.JSONDecodeError) else
+                 " (nested too deeply)" if isinstance(exc, RecursionError) else "")
         raise CorruptCheckpoint(f"checkpoint metadata '{meta_file}' is corrupt or truncated{where}",
                                 HINT_FALLBACK) from exc
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
@@ -408,7 +409,7 @@ def _checkpoints_in(directory: Path) -> List[Path]:
             try:
                 meta = json.loads((child / METADATA).read_text())
                 key = (int(meta["step"]), int(meta["cursor"]["samples_seen"]))
-            except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError, UnicodeDecodeError):
                 key = (-1, -1)  # unreadable metadata sorts first; load() reports it if it is chosen
             found.append((key, child.stat().st_mtime, child))
     return [p for _, _, p in sorted(found, key=lambda t: (t[0], t[1]))]
@@ -436,11 +437,15 @@ def latest(directory: str | Path) -> Optional[Path]:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory as given, or the newest complete one under a job dir / checkpoint.dir."""
+    """A checkpoint directory as given, or the newest complete one under a job dir, a checkpoint.dir or a
+    run directory (its ``checkpoints/``, where ``elasticflow train`` puts them by default)."""
     path = Path(path)
     if (path / METADATA).exists() or not path.is_dir():
         return path
-    return latest(path) or path
+    found = latest(path)
+    if found is None and (path / "checkpoints").is_dir():
+        found = latest(path / "checkpoints")
+    return found or path
 
 
 def temp_dirs(job_dir: Path) -> Iterable[Tuple[Path, int, str]]:

@@ -6,6 +6,7 @@ never hands it ``self``: ``state_dict() -> (arrays, progress)`` and ``load_state
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import CheckpointMismatch, ElasticFlowError
-from .format import complete_checkpoints, config_hash, latest, read_metadata, resolve
+from .format import (HINT_FALLBACK, METADATA, CorruptCheckpoint, complete_checkpoints, config_hash, latest,
+                     read_metadata, resolve)
 from .load import compare_names, load_with_metadata
 from .save import Checkpointer
 
@@ -42,6 +44,14 @@ class CheckpointInterval:
         return False
 
 
+def file_hash(path: Any) -> Optional[str]:
+    """The first 16 hex digits of the sha256 of the file at ``path``; None when it cannot be read."""
+    try:
+        return hashlib.sha256(Path(str(path)).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
 class CheckpointManager:
     """Saves and resumes one run's checkpoints.
 
@@ -60,8 +70,10 @@ class CheckpointManager:
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.resume_mode = str(cfg.resume)
         self.optimizer = optimizer
+        self.model_file = Path(str(cfg.model)).name
         self.recorded = {"backend": backend, "optimizer": optimizer, "seed": cfg.seed,
-                         "global_batch_size": cfg.trainer.global_batch_size, "config_hash": config_hash(cfg)}
+                         "global_batch_size": cfg.trainer.global_batch_size, "config_hash": config_hash(cfg),
+                         "model_file_sha256": file_hash(cfg.model)}
 
     @property
     def job_dir(self) -> Path:
@@ -124,8 +136,21 @@ class CheckpointManager:
         if meta.get("optimizer") != self.optimizer and any(n.startswith("optimizer/") for n in arrays):
             raise CheckpointMismatch(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
                                      f"{self.optimizer}", "resume with the same optimizer, or pass resume=none")
+        written, now = meta.get("model_file_sha256"), self.recorded["model_file_sha256"]
+        if written and now and written != now:
+            # A warning, not a refusal: an edit that keeps the tensors' names and shapes (a fix in forward(),
+            # a new metric) is a resume users make on purpose; one that does not is refused above.
+            log.warning("model file %s changed since checkpoint %s was written (sha256 %s then, %s now): "
+                        "resuming from it; pass resume=none to start afresh", self.model_file,
+                        path.name, written, now)
         # The checkpoint is by definition saved at its own step (older ones did not record it).
-        self.load_state_dict(arrays, {**meta, "last_saved_step": int(meta["step"])})
+        try:
+            self.load_state_dict(arrays, {**meta, "last_saved_step": int(meta["step"])})
+        except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
+            # A progress record of the wrong type or range ("micro_step": "x", "skipped_steps": 1e999): corrupt,
+            # so resume=auto falls back past it as past any other damage, instead of stopping the run.
+            raise CorruptCheckpoint(f"checkpoint metadata '{path / METADATA}' holds progress this run cannot use "
+                                    f"({type(exc).__name__}: {str(exc)[:200]})", HINT_FALLBACK) from None
 
     def resume(self) -> Optional[Path]:
         """Load what ``resume`` asks for; returns the checkpoint loaded (None: a fresh start).

@@ -36,6 +36,9 @@ class LauncherConfig:
     workers: int = 1               # local: worker processes; nodes: procs_per_node; slurm: nodes * tasks_per_node (set for you)
     min_workers: int = 1           # below this many for elastic.wait_s, the job checkpoints and stops
     max_workers: Optional[int] = None  # `elasticflow scale` limit (null = none); kubernetes: required, the most pods
+    # local and nodes: each worker forked from one process that imported torch once (~2 s of CPU less per
+    # worker start); false: each worker a fresh interpreter (launchers/zygote.py)
+    fork_workers: bool = True
     restart_failed: bool = False   # replace a dead worker with a fresh one ...
     max_restarts: int = 3          # ... at most this many times per job
     # Several hosts (launcher=nodes): the same command on every host, torchrun-style (docs/multi-host.md)
@@ -89,6 +92,7 @@ class OptimizerConfig:
     eps: float = 1e-8              # adam/adamw: added to the denominator
     schedule: str = "constant"     # constant | linear | cosine | step
     warmup_steps: int = 0          # the learning rate rises linearly to lr over the first this many steps
+    warmup_from_zero: bool = False  # step s of warmup at lr*s/warmup_steps (HF's; the first at 0), else lr*(s+1)/W
     decay_steps: Optional[int] = None  # linear/cosine: steps to reach min_lr (null = all training steps)
     min_lr: float = 0.0            # linear/cosine: the learning rate at the end of the decay
     step_size: int = 1000          # schedule=step: multiply by gamma every step_size steps
@@ -151,6 +155,7 @@ class ElasticConfig:
 
 @dataclass
 class DataConfig:
+    shuffle: bool = True           # each epoch a permutation of the samples, drawn from (seed, epoch); false: in order
     prefetch: int = 2              # micro-batches read ahead in the background (0: read when trained on)
     workers: int = 1               # readers at once: threads, or forked processes with worker_type=process
     worker_type: str = "thread"    # thread | process (CPU-heavy decoding in Python, out of the GIL's way)

@@ -17,6 +17,20 @@ from ..errors import ElasticFlowError
 from .forms import Columns, Mapped, NpyShards  # noqa: F401 - public: elasticflow.data.Mapped, ...
 
 
+def _fields(raw: Any, what: str) -> Tuple[np.ndarray, ...]:
+    """data()'s tuple of fields as arrays; a list of samples ([(x, y), ...]) is one line naming the fix."""
+    if isinstance(raw, list) and raw and isinstance(raw[0], tuple):
+        raise ElasticFlowError(f"{what} returned a list of {len(raw)} samples of {len(raw[0])} fields each; it "
+                               "returns the fields, each an array with one row per sample",
+                               "stack them: return tuple(np.stack(field) for field in zip(*samples))")
+    try:
+        return tuple(a if isinstance(a, np.ndarray) else np.asarray(a) for a in raw)
+    except ValueError as exc:  # numpy's "inhomogeneous shape": rows of unequal length in one field
+        raise ElasticFlowError(f"{what} returned a field numpy cannot make one array of ({exc})",
+                               "return a tuple of arrays with one row per sample, each field's rows of one "
+                               "shape (pad variable-length rows)") from None
+
+
 class Dataset:
     """A checked view of what ``data(cfg)`` returned: ``arrays`` (a tuple of equal-length arrays held
     in memory) or a reader fetched batch by batch (see :mod:`elasticflow.data.forms` for every form)."""
@@ -33,7 +47,7 @@ class Dataset:
             raise ElasticFlowError(f"{what} returned a dict (keys: {', '.join(map(str, raw))})",
                                    "return a tuple of arrays in forward()'s argument order, e.g. (x, y)")
         if isinstance(raw, (tuple, list)):
-            arrays = tuple(a if isinstance(a, np.ndarray) else np.asarray(a) for a in raw)
+            arrays = _fields(raw, what)
             if not arrays:
                 raise ElasticFlowError(f"{what} returned an empty tuple", "return a tuple of arrays, e.g. (x, y)")
             lengths = [len(a) if a.ndim else -1 for a in arrays]
@@ -138,8 +152,15 @@ def sample_rng(index: int, epoch: Optional[int] = None) -> np.random.Generator:
     return np.random.default_rng(sample_seed(index, epoch))
 
 
-def permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The epoch's global sample order: the same on every worker for the same (seed, epoch)."""
+def permutation(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The epoch's global sample order: the same on every worker for the same (seed, epoch); ``shuffle``
+    False (``data.shuffle=false``): the samples in data()'s order, every epoch.
+
+    >>> permutation(5, seed=0, epoch=0, shuffle=False)
+    array([0, 1, 2, 3, 4])
+    """
+    if not shuffle:
+        return np.arange(num_samples)
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 

@@ -41,10 +41,12 @@ class Prefetcher:
         depth: micro-batches read ahead of the one being trained (0: read on demand, in this thread).
         workers: threads (or processes) reading at once.
         worker_type: ``thread`` or ``process``.
+        shuffle: each epoch a permutation (``data.permutation``); False: data()'s order.
     """
 
-    def __init__(self, source: data.Source, seed: int, depth: int, workers: int, worker_type: str = "thread"):
-        self.source, self.seed = source, seed
+    def __init__(self, source: data.Source, seed: int, depth: int, workers: int, worker_type: str = "thread",
+                 shuffle: bool = True):
+        self.source, self.seed, self.shuffle = source, seed, shuffle
         # Arrays held in memory are gathered in microseconds: reading ahead would only add a thread hop.
         self.depth = depth if source.resident is None else 0
         self.workers, self.worker_type = max(1, workers), worker_type
@@ -60,7 +62,7 @@ class Prefetcher:
             if epoch not in self._orders:
                 if len(self._orders) >= 2:
                     self._orders.pop(min(self._orders))
-                self._orders[epoch] = data.permutation(len(self.source), self.seed, epoch)
+                self._orders[epoch] = data.permutation(len(self.source), self.seed, epoch, self.shuffle)
             return self._orders[epoch]
 
     def take(self, key: Key, ahead: List[Key] = ()):

@@ -69,14 +69,29 @@ def report(exc: BaseException, debug: bool) -> NoReturn:
         raise SystemExit(130)
     if isinstance(exc, ElasticFlowError):
         fail(exc.message, exc.hint, exc.exit_code)
-    # Not ours: name the innermost frame in the user's code (or a model file), where the fix usually is.
-    where = ""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "elasticflow/" not in frame.filename.replace(os.sep, "/") or "/models/" in frame.filename:
-            where = f" at {frame.filename}:{frame.lineno}"
-            break
-    fail(f"{type(exc).__name__}: {exc}{where}",
+    fail(f"{type(exc).__name__}: {exc}{user_frame(exc)}",
          "the full traceback is above" if debug else "run with --debug for the full traceback", 1)
+
+
+def _library(filename: str) -> bool:
+    """A file of an installed library or the standard library (torch, transformers, numpy, functools)."""
+    path = filename.replace(os.sep, "/")
+    return ("/site-packages/" in path or "/dist-packages/" in path or path.startswith("<")
+            or path.startswith(_STDLIB))
+
+
+_STDLIB = os.path.dirname(os.__file__).replace(os.sep, "/") + "/"
+
+
+def user_frame(exc: BaseException) -> str:
+    """`` at FILE:LINE`` of the innermost frame in the user's own code (a model file, their package), where
+    the fix usually is: not ElasticFlow's, not a library's (an error raised inside torch.nn.Linear is located
+    at the line of forward() that called it). Else the innermost frame outside ElasticFlow; else ""."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "elasticflow/" not in f.filename.replace(os.sep, "/") or "/models/" in f.filename]
+    own = [f for f in frames if not _library(f.filename)]
+    frame = (own or frames or [None])[-1]
+    return f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
 
 
 def print_done(summary: Dict[str, Any], run_dir: Optional[Path] = None) -> None:

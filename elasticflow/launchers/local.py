@@ -5,17 +5,47 @@ worker trains in the CLI process itself and skips the store and the process spaw
 """
 from __future__ import annotations
 
+import logging
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from .worker import COMMAND
+from .zygote import ForkServer
+
+log = logging.getLogger("elasticflow")
 
 
 def local_launch(env: Dict[str, str]) -> subprocess.Popen:
-    """Start a worker process on this machine (the agent's ``launch``)."""
+    """Start a worker process on this machine as a fresh interpreter."""
     # Own session: a terminal Ctrl-C reaches only the agent, which forwards it once.
     return subprocess.Popen(COMMAND, env=env, start_new_session=True)
+
+
+class LocalLaunch:
+    """The agent's (or a node agent's) ``launch`` on this machine: each worker forked from the zygote
+    (``zygote.py``: torch imported once, not once a worker) with ``launcher.fork_workers`` on Linux, else,
+    or where the zygote cannot serve, a fresh interpreter. ``close()`` when no more workers will start."""
+
+    def __init__(self, fork: bool = True):
+        self.fork = fork and sys.platform == "linux"
+        self.server: Optional[ForkServer] = None
+
+    def __call__(self, env: Dict[str, str]) -> Any:
+        if self.fork:
+            if self.server is None:
+                self.server = ForkServer()
+            proc = self.server.launch(env)
+            if proc is not None:
+                return proc
+            self.fork = False
+            log.debug("the fork server cannot serve: workers start as fresh interpreters")
+        return local_launch(env)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
@@ -29,4 +59,8 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
             return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
         from ..distributed.agent import Agent
 
-        return Agent(cfg, run_dir, launch=local_launch).run()
+        launch = LocalLaunch(cfg.launcher.fork_workers)
+        try:
+            return Agent(cfg, run_dir, launch=launch).run()
+        finally:
+            launch.close()

@@ -19,7 +19,7 @@ from typing import Any, Dict
 
 from ..distributed import netif, protocol
 from ..errors import ElasticFlowError
-from .local import local_launch
+from .local import LocalLaunch
 
 TOKEN_HINT = ("write one secret to a file readable only by you (`openssl rand -hex 32 > ~/.ef-token; "
               "chmod 600 ~/.ef-token`) and pass launcher.token_file=$HOME/.ef-token on every host, or export "
@@ -65,19 +65,27 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     if not owns(host):
         from ..distributed.node_agent import NodeAgent
 
-        return NodeAgent(cfg, cfg.launcher.endpoint, token, local_launch,
-                         bind=netif.address_toward(host, cfg.launcher.interface)).run()
+        launch = LocalLaunch(cfg.launcher.fork_workers)
+        try:
+            return NodeAgent(cfg, cfg.launcher.endpoint, token, launch,
+                             bind=netif.address_toward(host, cfg.launcher.interface)).run()
+        finally:
+            launch.close()
     from ..distributed.agent import Agent
     from ..observability.goodput import job
 
     address = socket.gethostbyname(host)
     if cfg.checkpoint.dir:  # the workers of every host must name the same directory: no relative path
         cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).expanduser().absolute())
+    launch = LocalLaunch(cfg.launcher.fork_workers)
     try:
-        agent = Agent(cfg, run_dir, host=address, port=int(port), token=token, launch=local_launch,
+        agent = Agent(cfg, run_dir, host=address, port=int(port), token=token, launch=launch,
                       worker_env={protocol.ENV_BIND: address})
     except OSError as exc:
         raise ElasticFlowError(f"cannot listen on launcher.endpoint={cfg.launcher.endpoint} ({exc.strerror})",
                                "pick a free port (another job may hold this one), the same on every host") from None
-    with job(run_dir):  # the job's start and end, for the goodput ledger
-        return agent.run()
+    try:
+        with job(run_dir):  # the job's start and end, for the goodput ledger
+            return agent.run()
+    finally:
+        launch.close()

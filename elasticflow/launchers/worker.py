@@ -20,6 +20,7 @@ from ..checkpoint import jobdir
 from .._util.console import DetachedConsole
 from ..distributed import protocol
 from .._util.fileio import append_event, write_atomic
+from .exits import user_frame
 
 COMMAND = [sys.executable, "-m", "elasticflow.launchers.worker"]  # what a launcher runs to start one worker
 
@@ -187,7 +188,8 @@ def main() -> None:
         import traceback
 
         logging.getLogger("elasticflow").error("worker %s failed:\n%s", worker_id, traceback.format_exc())
-        _write_error(run_dir, holder, worker_id, f"worker {worker_id}: {type(exc).__name__}: {exc}",
+        where = user_frame(exc)  # the user's line, not the library's frame the error was raised in
+        _write_error(run_dir, holder, worker_id, f"worker {worker_id}: {type(exc).__name__}: {exc}{where}",
                      f"see {run_dir}/logs/worker-{worker_id}.log for the traceback")
         code = 1
     if code != protocol.EXIT_OK:  # an error exit: an interval save in flight commits first

@@ -89,7 +89,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
     return Parts(backend=backend, placement=placement, local_workers=local_workers, model_file=mf, built=built,
                  spec=built.optimizer, engine=engine, seed=seed, reconciler=Reconciler(rules) if rules else None,
                  shards=shards, outer=outer, source=source,
-                 prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type),
+                 prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type, d.shuffle),
                  schedule=data.Schedule(len(source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs),
                  eval_dataset=data.Dataset(mf.call("eval_data", cfg), "eval_data()") if mf.eval_data else None)
 
@@ -112,9 +112,13 @@ def announce(parts: Parts, cfg: Any, t: Any, world: int, run_dir: Any, resumed: 
                     + (" (from the model file)" if parts.built.optimizer_from_model else ""),
                     samples=len(parts.source), steps_per_epoch=parts.schedule.steps_per_epoch,
                     total_steps=parts.schedule.total_steps, run_dir=run_dir, resumed=resumed))
+    if parts.engine.compiling:
+        log.info("  torch.compile: the first step compiles the model (tens of seconds on a CPU, longer for a "
+                 "large model); the steps after it run the compiled code")
     statistics = bool(parts.reconciler and parts.reconciler.has_batch_statistics)
     warning = t.micro_batch_size is None and randomness.warning(
         randomness.sources(parts.built.model, drew), statistics, t.global_batch_size,
-        max(world, cfg.launcher.workers, cfg.launcher.max_workers or 0, 2))  # a resume may add workers
+        max(world, cfg.launcher.workers, cfg.launcher.max_workers or 0, 2),  # a resume may add workers
+        parts.placement.compute_dtype)
     if warning:
         log.warning(warning)

@@ -112,6 +112,11 @@ def load(path: str) -> ModelFile:
     return ModelFile(path=file, eval_data=eval_fn, **functions)
 
 
+# What users call the model's parameter (Lightning's and HF's habits): a forward() that takes one of these
+# first, and a field last, has the model in the wrong place.
+MODEL_NAMES = ("model", "net", "params", "module", "network")
+
+
 def _model_argument(forward: Callable[..., Any], path: str) -> Callable[..., Any]:
     """forward() as the engines call it, ``forward(*batch, params=model)``, whatever the user named the
     model's parameter: a keyword-only ``params`` (``def forward(*batch, params)``) takes it by name,
@@ -128,6 +133,12 @@ def _model_argument(forward: Callable[..., Any], path: str) -> Callable[..., Any
         raise ElasticFlowError(f"forward() in '{path}' takes no argument for the model",
                                "declare it as def forward(x, y, params): the last argument receives the "
                                "parameters (or the native model) that model() returned")
+    names = [p.name for p in positional if p.kind != p.VAR_POSITIONAL]
+    if len(names) > 1 and names[0] in MODEL_NAMES and names[-1] not in MODEL_NAMES:
+        # forward(net, x, y) would receive a batch field as the model: "'Tensor' object is not callable".
+        order = ", ".join([*names[1:], names[0]])
+        raise ElasticFlowError(f"forward({', '.join(names)}) in '{path}' takes the model first",
+                               f"the model comes last, after the data fields: def forward({order})")
 
     @functools.wraps(forward)
     def by_position(*batch, params):

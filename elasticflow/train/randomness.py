@@ -89,10 +89,15 @@ def suggested_micro_batch(global_batch: int, workers: int) -> int:
     return max(d for d in range(1, most + 1) if global_batch % d == 0)
 
 
-def warning(drawn: List[str], batch_statistics: bool, global_batch: int, workers: int) -> Optional[str]:
+def warning(drawn: List[str], batch_statistics: bool, global_batch: int, workers: int,
+            precision: Optional[str] = None) -> Optional[str]:
     """The banner's line when the result depends on the number of workers (``trainer.micro_batch_size``
-    unset), else None. ``workers``: the most this job may have (its micro-batches should serve them all)."""
+    unset), else None. ``workers``: the most this job may have (its micro-batches should serve them all).
+    ``precision``: the compute dtype under autocast (bf16, float16): each worker's share of a step is summed
+    in it, so the rounding depends on how the global batch is cut."""
     what = []
+    if precision is not None:
+        what.append(f"the {precision} rounding of each worker's share")
     if drawn:
         more = f" and {len(drawn) - 2} more" if len(drawn) > 2 else ""
         what.append(f"the random draws (dropout) of {', '.join(drawn[:2])}{more}")

@@ -102,8 +102,11 @@ class Engine:
         self.placement = placement or Placement()
         self._compute = _LOW.get(self.placement.compute_dtype)  # None: float32 throughout
         self.grad_scale = 1.0  # the backward runs on loss * grad_scale (float16 loss scaling)
+        self.compiling = False  # tf.function traces in about a second: nothing to announce
         _generator()
         self.native = model if is_native(model) else None
+        if self.native is not None and getattr(self.native, "optimizer", None) is not None:
+            tf_optim.refuse_keras_optimizer(self.native.optimizer, "model() returned a keras model compiled with")
         if self.native is not None and self._compute is not None:
             mixed_native(self.native, self.placement.precision)
         self.buffers: Dict[str, Any] = {}

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from ... import optim
+from ...errors import ElasticFlowError
 from ...optim import SGD, AdamW, Hyper, OptimizerSpec
 
 
@@ -137,5 +138,29 @@ def apply_runs(spec: OptimizerSpec, ks: Sequence[Sequence[tf.Tensor]], param: tf
 
 
 def spec_from_native(opt: Any) -> Optional[OptimizerSpec]:
-    """A framework optimizer's spec: none here (a keras optimizer is not read; use elasticflow.optim)."""
+    """A framework optimizer's spec: none here. A keras optimizer is refused in one line (see
+    ``refuse_keras_optimizer``); anything else is not an optimizer this backend knows (None)."""
+    if is_keras_optimizer(opt):
+        refuse_keras_optimizer(opt, "model()['optimizer'] is")
     return None
+
+
+def is_keras_optimizer(opt: Any) -> bool:
+    return any(cls.__name__ == "Optimizer" and cls.__module__.startswith(("keras", "tf_keras"))
+               for cls in type(opt).__mro__)
+
+
+def refuse_keras_optimizer(opt: Any, what: str) -> None:
+    """One line instead of training with another optimizer than the user's: ElasticFlow's updates are
+    torch.optim's formulas, and Keras's differ (its Adam adds epsilon to the bias-corrected root, ~1e-3 apart
+    after a few steps), so a keras optimizer is neither replaced silently nor approximated."""
+    try:
+        lr = f"(learning_rate={float(opt.learning_rate):g})"
+    except (TypeError, ValueError, AttributeError):  # a schedule: no single number
+        lr = ""
+    name = type(opt).__name__
+    choice = name.lower() if name.lower() in ("sgd", "adam", "adamw") else "adam"
+    raise ElasticFlowError(f"{what} a keras {name}{lr}: ElasticFlow trains with its own optimizer (torch.optim's "
+                           "formulas), never a keras one", f"drop it (model.compile() without an optimizer, or no "
+                           f"compile) and choose it in the config, e.g. optimizer={choice} optimizer.lr=...; "
+                           "Keras's own update formulas are not reproduced")

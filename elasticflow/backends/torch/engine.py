@@ -73,13 +73,15 @@ class Engine:
         self.autocast = None if dtype is None else functools.partial(
             torch.autocast, self.device.type, dtype=getattr(torch, dtype))
         self.grad_scale = 1.0
+        self.compiling = native.compiled(model)
         self.module: Optional[torch.nn.Module] = None
         self.frozen: Dict[str, torch.Tensor] = {}  # requires_grad=False: state, never trained (torch.optim's skip)
         owners: Dict[str, str] = {}
         if isinstance(model, torch.nn.Module) or native.modules_only(model):
             # {"net": module, ...} (what model() returned beside its optimizer): one ModuleDict to train,
             # while forward() receives the dict as it was returned.
-            self.module = (model if isinstance(model, torch.nn.Module) else torch.nn.ModuleDict(model)).to(self.device)
+            own = native.unwrapped(model)  # torch.compile's wrapper: state under the module's own names
+            self.module = (own if isinstance(own, torch.nn.Module) else torch.nn.ModuleDict(own)).to(self.device)
             named = dict(self.module.named_parameters())
             self.frozen = {n: p for n, p in named.items() if not p.requires_grad}
             self.params = {n: p for n, p in named.items() if p.requires_grad}

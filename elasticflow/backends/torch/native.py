@@ -5,6 +5,7 @@ Checks class module names only for foreign models: describing a keras model must
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -28,6 +29,25 @@ def _foreign_kind(obj: Any) -> Optional[str]:
         if cls.__module__.split(".")[0] in ("keras", "tf_keras", "tensorflow"):
             return f"a TensorFlow model ({type(obj).__module__}.{type(obj).__name__})"
     return None
+
+
+def compiled(model: Any) -> bool:
+    """``torch.compile(net)``'s wrapper (an ``OptimizedModule``), or a dict of modules holding one. Looked up,
+    not imported: torch._dynamo is loaded once the user called torch.compile."""
+    if isinstance(model, dict):
+        return any(compiled(v) for v in model.values())
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return wrapper is not None and isinstance(model, wrapper)
+
+
+def unwrapped(model: Any) -> Any:
+    """The module itself for ``torch.compile(net)``'s wrapper, whose state_dict names gain ``_orig_mod.``;
+    each value unwrapped for a dict of modules; anything else as it is. State, checkpoints and exports use
+    the module's own names, so a checkpoint resumes with or without compile and an export loads into ``Net()``;
+    forward() still receives the compiled wrapper (it shares the module's parameters)."""
+    if isinstance(model, dict):
+        return {k: unwrapped(v) for k, v in model.items()}
+    return model._orig_mod if compiled(model) else model
 
 
 def modules_only(model: Any) -> bool:
