@@ -55,7 +55,7 @@ power_on() { # power_on H: start H's init in its namespaces and record its pid
   setsid ip netns exec "$(ns "$h")" unshare --uts --pid --mount --fork --mount-proc \
     sh -c "hostname $h; exec python3 -c '$REAPER'" </dev/null >/dev/null 2>&1 &
   local launcher=$!
-  for _ in $(seq 100); do
+  for _ in $(seq 1000); do  # up to 20 s: on a loaded machine the namespace's first exec can take seconds
     pid="$(pgrep -P "$launcher" -x python3 || true)"
     [ -n "$pid" ] && break
     sleep 0.02

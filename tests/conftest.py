@@ -47,7 +47,7 @@ def tf_reference(one_worker):
 
 
 # ---------------------------------------------------------------- two processes over the 2 cores
-# EF_TEST_WORKERS=2 scripts/test.sh runs the suite in two pytest-xdist workers (--dist loadgroup). A file's tests stay in one
+# scripts/test.sh runs the suite in two pytest-xdist workers (--dist loadgroup; pytest<9, see setup.cfg). A file's tests stay in one
 # worker, so a module's fixtures build once. The files that use machine-wide resources (SLURM's daemons and
 # /etc/slurm, network namespaces and their addresses: tests/slurm_cluster.py, tests/hosts.py) form one group,
 # run one at a time, and go first: they are the longest, and the other worker fills in beside them.
@@ -55,6 +55,7 @@ MACHINE_WIDE = {"test_hosts.py", "test_topology_hosts.py", "test_slurm.py", "tes
                 "test_slurm_grow.py", "test_slurm_hosts.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
