@@ -184,12 +184,7 @@ def _export_into(checkpoint: Path, cfg: Any, out: Path, meta: Dict[str, str]) ->
 def _unwrapped(model: Any, backend: Any) -> Any:
     """``{"net": module}`` (model() returned it beside its optimizer) -> the module, with its own keys;
     ``torch.compile(net)`` -> ``net`` (the wrapper's keys gain ``_orig_mod.``, which ``Net()`` does not load)."""
-    compiled = _module("torch._dynamo.eval_frame", "OptimizedModule")
-    if compiled is not None:
-        if isinstance(model, dict):
-            model = {k: v._orig_mod if isinstance(v, compiled) else v for k, v in model.items()}
-        elif isinstance(model, compiled):
-            model = model._orig_mod
+    model = backend.unwrapped(model)
     if isinstance(model, dict) and len(model) == 1 and backend.is_native(next(iter(model.values()))):
         return next(iter(model.values()))
     return model

@@ -2,11 +2,12 @@
 
 A backend package (Keras 3's ``backend/{torch,tensorflow}/``) provides the ops listed in
 ``elasticflow.ops``, plus ``NAME``, ``setup(threads, seed, placement)``, ``gpus()``/``bf16_supported()``,
-``is_native(obj)``/``native_kind(obj)``/``spec_from_native(opt)``, ``training()``/``set_training(flag)``,
-the data helpers ``to_tensor``, ``resident``, ``to_device``, ``index``, ``gather`` and ``to_numpy``, and
-an ``Engine`` class (parameters, autodiff, the flat gradient buffer, optimizer, state by name) that keeps
-the contract written once in ``engine.py`` (a ``typing.Protocol``; tests/test_backends.py checks every
-backend). Each package's ``__init__.py`` holds those names; behind them, the same modules in each:
+``is_native(obj)``/``native_kind(obj)``/``unwrapped(model)``/``spec_from_native(opt)``,
+``training()``/``set_training(flag)``, the data helpers ``to_tensor``, ``resident``, ``to_device``, ``index``,
+``gather`` and ``to_numpy``, and an ``Engine`` class (parameters, autodiff, the flat gradient buffer,
+optimizer, state by name) that keeps the contract written once in ``engine.py`` (a ``typing.Protocol``;
+tests/test_backends.py checks every backend). Each package's ``__init__.py`` holds those names; behind
+them, the same modules in each:
 
     ops.py      the ops, with torch's semantics and layouts
     data.py     numpy to tensors, the resident dataset, a batch on the device, rows by index

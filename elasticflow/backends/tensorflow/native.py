@@ -32,6 +32,11 @@ def is_native(obj: Any) -> bool:
     return isinstance(obj, tf.Module) or _is_keras(obj)
 
 
+def unwrapped(model: Any) -> Any:
+    """The model whose names state uses: a TensorFlow model is its own (torch's is not under torch.compile)."""
+    return model
+
+
 def native_kind(obj: Any) -> Optional[str]:
     """A description of ``obj`` when it is a framework-native model this backend cannot train.
 
