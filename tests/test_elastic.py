@@ -8,13 +8,14 @@ differs in the last bits.
 import os
 import random
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 import elasticflow.checkpoint as ckpt
 from harness import (COMMON, REPO, STEPS, assert_each_sample_once, assert_equivalent, events, finish, logged_step,
-                     members, metrics, reap, start, train_ok, wait_for)
+                     members, metrics, reap, run_cli, start, train_ok, wait_for)
 
 
 def test_kill_one_of_three_by_pid_from_workers_json(tmp_path, reference):
@@ -140,3 +141,52 @@ def test_the_survivors_regroup_at_once_not_at_the_group_timeout(tmp_path):
                     for line in log.read_text().splitlines() if "failed in generation 0" in line]
         assert len(failures) >= 2, failures  # each survivor saw its collective fail
         assert not [line for line in failures if "Timed out" in line or "timed out" in line], failures
+
+
+def test_the_agent_killed_every_worker_checkpoints_and_exits_and_a_rerun_resumes(tmp_path, reference):
+    """SIGKILL the agent (the job's store dies with it): no agent is left to reap anyone, so each worker must see
+    it gone, agree on a last checkpoint with the others, and exit 4; the same command then resumes exactly."""
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=3", env={"EF_PROBE_SLEEP": "0.1"}, stdout=subprocess.DEVNULL)
+    wait_for(lambda: logged_step(run) >= 20, 120, "step 20")
+    pids = [m["pid"] for m in members(run)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 120, "every worker to exit")
+    logs = sorted((run / "logs").glob("worker-*.log"))
+    assert len(logs) == 3
+    for log in logs:
+        assert "the agent (job master) is gone; checkpoint written, worker exiting" in log.read_text(), log
+    saved = ckpt.latest(run / "checkpoints")
+    assert saved is not None and ckpt.read_metadata(saved)["step"] >= 20, "the workers wrote where they were"
+    again = start(run, "launcher.workers=3")
+    out = finish(again)
+    assert again.returncode == 0, out[-3000:]
+    assert f"resumed from {saved}" in out, out[-3000:]
+    assert_equivalent(run, reference, redone=True)
+
+
+def test_a_crashed_agent_lets_every_worker_checkpoint_and_exit_and_a_rerun_resumes(tmp_path, reference):
+    """The agent fails with an error of its own (here: workers.json made a directory, so that its write after a
+    worker is killed raises IsADirectoryError): it closes the job's store, so the survivors agree on a last
+    checkpoint and exit 4 instead of being SIGKILLed by its cleanup, losing the steps since the last one."""
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=3", env={"EF_PROBE_SLEEP": "0.1"})
+    wait_for(lambda: logged_step(run) >= 20, 120, "step 20")
+    pids = [m["pid"] for m in sorted(members(run), key=lambda m: m["worker_id"])]
+    (run / "workers.json").unlink()
+    (run / "workers.json").mkdir()
+    os.kill(pids[2], signal.SIGKILL)  # the agent publishes the next generation, and writes workers.json
+    out = finish(proc, timeout=240)
+    assert proc.returncode == 1, out[-3000:]
+    assert "the agent failed (IsADirectoryError" in out and "closing the job's store" in out, out[-3000:]
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 60, "every worker to exit")
+    for log in sorted((run / "logs").glob("worker-[01].log")):  # in a step, or in the recovery from the kill
+        assert "the agent (job master) is gone" in log.read_text(), log
+    saved = ckpt.latest(run / "checkpoints")
+    assert saved is not None and ckpt.read_metadata(saved)["step"] >= 20
+    (run / "workers.json").rmdir()
+    again = start(run, "launcher.workers=3")
+    out = finish(again)
+    assert again.returncode == 0 and f"resumed from {saved}" in out, out[-3000:]
+    assert_equivalent(run, reference, redone=True)

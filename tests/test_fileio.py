@@ -1,11 +1,13 @@
 """fileio.write_atomic: old or new content and nothing else, on disk before it returns, never written through
 a planted symlink, and no temporary left behind whatever fails."""
+import errno
 import os
 import stat
 
 import pytest
 
 from elasticflow._util import fileio
+from elasticflow._util.fileio import append_event, open_append
 
 
 def _strays(directory):
@@ -83,3 +85,20 @@ def test_a_failure_mid_write_keeps_the_old_content_and_removes_the_temporary(tmp
         fileio.write_atomic(target, text)
     monkeypatch.undo()
     assert target.read_text() == "old" and _strays(tmp_path) == []
+
+
+def test_appends_never_go_through_a_planted_symlink(tmp_path):
+    """events.jsonl, metrics.jsonl and the worker logs are appended to with O_NOFOLLOW: a symlink planted where
+    one goes fails the append (ELOOP) instead of writing into the file it points at."""
+    victim = tmp_path / "victim"
+    victim.write_text("the owner's file\n")
+    planted = tmp_path / "events.jsonl"
+    planted.symlink_to(victim)
+    with pytest.raises(OSError) as err:
+        append_event(planted, "started", "agent")
+    assert err.value.errno == errno.ELOOP
+    assert victim.read_text() == "the owner's file\n"
+    fresh = tmp_path / "metrics.jsonl"
+    with open_append(fresh) as f:
+        f.write("{}\n")
+    assert fresh.read_text() == "{}\n"

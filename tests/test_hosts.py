@@ -163,7 +163,8 @@ def test_a_host_that_cannot_see_the_run_directory_fails_in_one_line(hosts, tmp_p
     assert lines[1].startswith("hint: put hydra.run.dir and checkpoint.dir on a shared filesystem")
     assert "Traceback" not in out
     # A host with another token is refused, and the job is untouched.
-    wrong = net.train("h2", PROBE, tmp_path / "other", *nodes_args(), env={"ELASTICFLOW_JOB_TOKEN": "x" * 32})
+    wrong = net.train("h2", PROBE, tmp_path / "other", *nodes_args(),
+                      env={"ELASTICFLOW_JOB_TOKEN": "0123456789abcdef" * 2})
     out = finish(wrong, timeout=60)
     assert wrong.returncode == 6 and "refused host h2: wrong or missing job token" in out, out[-2000:]
     Hosts.kill(job["h1"])
@@ -181,6 +182,12 @@ def test_the_token_comes_from_a_private_file_or_the_environment(tmp_path):
     shared = cli(base + [f"launcher.token_file={loose}"], env={"ELASTICFLOW_JOB_TOKEN": ""})
     assert shared.returncode == 2 and "can be read by others (mode 644)" in shared.stderr
     assert f"hint: chmod 600 {loose}" in shared.stderr
+    for weak, bits in (("x" * 32, 0), ("0123abcd" * 2, 64), ("hunter2hunter2hunter2", 0)):
+        guessable = cli(base, env={"ELASTICFLOW_JOB_TOKEN": weak})
+        assert guessable.returncode == 2, guessable.stderr
+        assert (f"error: the job token in $ELASTICFLOW_JOB_TOKEN is too weak to guess offline: about {bits} bits, "
+                "at least 128 needed") in guessable.stderr
+        assert "hint: generate one: `openssl rand -hex 32" in guessable.stderr
     no_endpoint = cli(["train", PROBE, f"hydra.run.dir={tmp_path / 'e'}", "launcher=nodes"])
     assert no_endpoint.returncode == 2 and "launcher=nodes needs launcher.endpoint" in no_endpoint.stderr
     bad = cli(["train", PROBE, f"hydra.run.dir={tmp_path / 'b'}", "launcher=nodes", "launcher.endpoint=10.0.0.1"])

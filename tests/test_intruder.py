@@ -6,12 +6,13 @@ environment). It lists the store's keys, as anyone can, so it knows every record
 """
 import json
 import os
+import pwd
 import stat
 import subprocess
 import sys
 import threading
 
-from harness import assert_equivalent, events, finish, logged_step, run_cli, start, wait_for
+from harness import PROBE, assert_equivalent, cli, events, finish, logged_step, run_cli, start, wait_for
 
 INTRUDER = r"""
 import datetime, json, sys, time
@@ -180,3 +181,115 @@ def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
         assert REFUSED.counts["checkpoint report"] == before + 2  # the unsigned one, and the replay
     finally:
         listener.close()
+
+
+CRASHER = r"""
+import datetime, json, sys, time
+from torch.distributed import TCPStore
+
+host, port, phase = sys.argv[1].rsplit(":", 1) + [sys.argv[2]]
+store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
+ESCAPES = "\x1b[2J\x1b[HFAKE LINE: job finished, all good"
+if phase == "bombs":
+    # Parser bombs where the agent reads: a join request and a scale request of 100,000 nested brackets, one of
+    # 70 KB, and a join request whose host clears the screen (refused: its host reaches the console and status).
+    for count, prefix in (("join/count", "join/request"), ("control/count", "control/request")):
+        for value in ("[" * 100000, json.dumps({"pad": "x" * 70000}),
+                      json.dumps({"id": 1, "pid": 1, "host": ESCAPES, "node": None, "nonce": "n", "mac": "0"})):
+            store.set(f"{prefix}/{store.add(count, 1)}", value)
+    ids = sorted({int(k.split("/")[1]) for k in store.list_keys() if k.startswith("worker/") and k.split("/")[1].isdigit()})
+    for i in ids:
+        store.set(f"worker/{i}/device", ESCAPES)  # the one unsealed record: shown by `status`
+    deadline = time.monotonic() + 60  # the agent reads (and refuses) the requests before their counters go
+    while sum('"refused"' in line and '"pid"' in line for line in open(sys.argv[3]).read().splitlines()) < 3:
+        assert time.monotonic() < deadline, "the agent never refused the join requests"
+        time.sleep(0.05)
+    # The counters deleted and put back to text, again and again for 3 s: an agent that checks a key and then
+    # gets it waits for the store's timeout (and died of it); one that adds to text loses its connection.
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        for key in ("join/count", "control/count"):
+            store.delete_key(key)
+        time.sleep(0.002)
+        for key in ("join/count", "control/count"):
+            store.set(key, "not a count")
+        time.sleep(0.002)
+    print("done")
+else:  # "text": text in the counters while a real worker joins and a real scale request is made
+    end = time.monotonic() + float(phase)
+    while time.monotonic() < end:
+        for key in ("join/count", "control/count"):
+            store.set(key, "not a count")
+        time.sleep(0.05)
+    print("done")
+"""
+
+
+def test_an_intruder_cannot_crash_stall_or_deceive_the_agent(tmp_path, reference):
+    """Parser bombs, counters deleted or set to text between a check and a read, and terminal escapes, each
+    caused for real against a running 3-worker job that then grows to 4: the job finishes on the 1-worker
+    model with its checkpoint, the real join and scale request get through, and nothing prints an escape."""
+    run, pace = tmp_path / "run", tmp_path / "pace"
+    pace.touch()
+    proc = start(run, "launcher.workers=3", "launcher.max_workers=4", "checkpoint.interval.steps=20",
+                 env={"EF_PROBE_SLEEP": "0.5", "EF_PROBE_PACE": str(pace)})
+    wait_for(lambda: logged_step(run) >= 5, 120, "step 5")
+    address = json.loads((run / ".elasticflow" / "agent.json").read_text())["address"]
+    script = tmp_path / "crasher.py"
+    script.write_text(CRASHER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICFLOW_")}
+
+    def attack(phase):
+        return subprocess.Popen([sys.executable, str(script), address, phase, run / "events.jsonl"],
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
+    bombs = attack("bombs")
+    assert bombs.wait(120) == 0, bombs.stderr.read()[-3000:]
+    shown = run_cli(["status", run], timeout=60, check=True).stdout
+    assert "FAKE LINE" in shown and "\x1b" not in shown and "\\x1b[2J" in shown, shown
+    text = attack("3")  # text in both counters while `scale` draws its number and the new worker its own
+    grown = run_cli(["scale", run, "--workers", 4, "--wait", 60], timeout=120)
+    assert text.wait(60) == 0, text.stderr.read()[-3000:]
+    assert grown.returncode == 0, grown.stdout + grown.stderr
+    wait_for(lambda: any(len(e.get("members", [])) == 4 for e in events(run) if e["event"] == "generation"),
+             120, "the 4th worker's generation")
+    pace.unlink()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "\x1b" not in out
+    assert_equivalent(run, reference)
+    assert list((run / "checkpoints").glob("*/step_*/metadata.json"))
+    log = events(run)
+    refused = [e for e in log if e["event"] == "refused" and "pid" in e]
+    assert len(refused) >= 3 and all("token" in e["reason"] for e in refused), refused
+    assert any(e["host"].startswith("\\x1b[2J\\x1b[HFAKE LINE") for e in refused), refused  # kept as text
+    assert {"join/count", "control/count"} <= {e["record"] for e in log if e["event"] == "forged"}
+
+
+def test_a_run_directory_another_user_can_write_is_refused(tmp_path):
+    """A local user (``nobody``) pre-creates the run directory, world-writable, to swap config.yaml under the job
+    later (the workers import the model file it names): the job refuses it in one line before writing or reading
+    anything of its own there. So does a folder of one's own that the group may write, unless trusted."""
+    planted = tmp_path / "planted"
+    made = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "mkdir", "-m", "777",
+                           str(planted)], capture_output=True, text=True)
+    if made.returncode != 0:  # tmp_path's parents may not be searchable by nobody: make it as root, give it away
+        planted.mkdir()
+        os.chown(planted, pwd.getpwnam("nobody").pw_uid, -1)
+        planted.chmod(0o777)
+    out = cli(["train", PROBE, f"hydra.run.dir={planted}", "trainer.max_steps=1"])
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: the run directory {planted} belongs to uid {pwd.getpwnam('nobody').pw_uid}, "
+                               "not to you"), lines
+    assert lines[1] == (f"hint: use a directory of your own (chmod go-w {planted}), or pass "
+                        "launcher.trust_shared_dirs=true if everyone who can write there is trusted")
+    assert not (planted / ".elasticflow").exists() and not (planted / "checkpoints").exists()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)
+    out = cli(["train", PROBE, f"hydra.run.dir={shared}", "trainer.max_steps=1"])
+    assert out.returncode == 2 and "may be written by its group (mode 775)" in out.stderr, out.stderr
+    trusted = cli(["train", PROBE, f"hydra.run.dir={shared}", "trainer.max_steps=1", "launcher.trust_shared_dirs=true"])
+    assert trusted.returncode == 0, trusted.stderr[-2000:]

@@ -93,3 +93,29 @@ def test_bad_input_is_one_line_with_a_hint(tmp_path):
     train("digits_mlp.py", tmp_path / "r", "trainer.max_steps=3")
     proc = cli(["plot", tmp_path / "r", "-o", tmp_path / "x.bmp"])
     assert proc.returncode == 2 and "unknown format '.bmp'" in proc.stderr
+
+
+CRAFTED = ["[" * 100000, '{"event": "recovered"}', '{"time": 1e999, "event": "left"}', '{"time": "noon", "event": "x"}',
+           '{"time": 1800000000.0, "event": 5}', '{"time": 1800000000.0, "event": "recovered", "recovery_s": "x"}',
+           "not json", '"a string"']
+
+
+def test_status_plot_and_the_ledger_skip_crafted_lines_of_events_jsonl(tmp_path, reference):
+    """Lines of events.jsonl and metrics.jsonl that are no plausible record (a parser bomb, no time, a time past
+    any clock, text where a figure belongs) once made `status` and `plot` fail with KeyError, OverflowError or
+    RecursionError: they are skipped, and `status` says how many."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    with open(run / "events.jsonl", "a") as f:
+        f.write("\n".join(CRAFTED) + "\n")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 61, "loss": "x", "time": 1800000000.0}\n{"step": 62, "loss": 1e999}\n' + "[" * 5000 + "\n")
+    status = cli(["status", run])
+    assert status.returncode == 0, status.stderr
+    skipped = len(CRAFTED) - 1  # the one whose figure is text is a record of its own: the ledger skips it
+    assert f"({skipped} unreadable lines of events.jsonl skipped)" in status.stdout, status.stdout
+    assert "goodput" in status.stdout
+    drawn = cli(["plot", run, "--output", tmp_path / "run.svg"])
+    assert drawn.returncode == 0 and (tmp_path / "run.svg").stat().st_size > 0, drawn.stderr

@@ -203,9 +203,17 @@ CASES = {  # kills (generation-0 rank:step:phase[:peer]) -> what the survivors f
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_kill_in_any_phase_ends_on_the_one_worker_model(tmp_path, reference, case):
     workers, kills, failed, redone = CASES[case]
-    run = tmp_path / "run"
-    train(PROBE, run, *COMMON, f"launcher.workers={workers}", "trainer.shard=optimizer", env={"EF_SHARD_KILL": kills})
-    assert _failures(run) == failed  # the kill landed where meant
+    for attempt in range(2):
+        run = tmp_path / f"run{attempt}"
+        train(PROBE, run, *COMMON, f"launcher.workers={workers}", "trainer.shard=optimizer",
+              env={"EF_SHARD_KILL": kills})
+        if _failures(run) == failed:  # the kill landed where meant
+            break
+        # Under load the victim's SIGKILL can reset its socket to ``peer`` before the peer's loop thread has
+        # read the message the victim sent last (Linux drops unread data on a reset), so the peer fails one
+        # phase early. That run must still end on the 1-worker model; then the case is tried once more.
+        assert_equivalent(run, reference, rng=True)
+    assert _failures(run) == failed
     assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, STEPS + 1))
     assert "fell_back" not in [e["event"] for e in events(run)]
     recovered = [e for e in events(run) if e["event"] == "recovered"]

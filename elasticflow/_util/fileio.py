@@ -7,7 +7,9 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, TextIO
+
+from . import untrusted
 
 ALIGN = 64  # bytes: a cache line, and a start aligned for any dtype
 
@@ -57,6 +59,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_append(path: Path, buffering: int = -1) -> TextIO:
+    """``open(path, "a")``, but never through a symlink at ``path`` (O_NOFOLLOW: a planted link fails with
+    ELOOP instead of having the job append into a file of the planter's choosing)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    return os.fdopen(fd, "a", buffering=buffering)
+
+
 def append_event(path: Path, kind: str, source: str, **fields: Any) -> None:
     """Append one event ``{"time", "event", "source", **fields}`` to a JSONL file (RUN_DIR/events.jsonl).
 
@@ -64,22 +73,40 @@ def append_event(path: Path, kind: str, source: str, **fields: Any) -> None:
     the same file (the agent and the workers) do not interleave.
     """
     record: Dict[str, Any] = {"time": time.time(), "event": kind, "source": source, **fields}
-    with open(path, "a") as f:
+    with open_append(path) as f:
         f.write(json.dumps(record) + "\n")
 
 
-def read_jsonl(path: Path) -> List[Dict[str, Any]]:
+class Records(list):
+    """``read_jsonl``'s records, and how many lines it skipped (``skipped``)."""
+
+    skipped = 0
+
+
+def read_jsonl(path: Path, timed: bool = False) -> Records:
     """The JSON objects of a JSONL file (events.jsonl, metrics.jsonl), in order; [] if it does not exist.
-    A torn line (its writer was killed mid-line) is skipped."""
+
+    A line that is not a JSON object is skipped and counted in ``.skipped``: a torn last line (its writer was
+    killed mid-line), or a line someone crafted (parsed by ``untrusted.loads``: bounded in size and depth).
+    ``timed``: only records whose ``time`` is a plausible Unix time and whose ``event``, if any, is text.
+    """
     path = Path(path)
+    out = Records()
     if not path.is_file():
-        return []
-    out = []
+        return out
     for line in path.read_text(errors="replace").splitlines():
         try:
-            record = json.loads(line)
+            record = untrusted.loads(line, max_bytes=1 << 20)
         except ValueError:
-            continue
-        if isinstance(record, dict):
+            record = None
+        if isinstance(record, dict) and (not timed or _timed(record)):
             out.append(record)
+        elif line.strip():
+            out.skipped += 1
     return out
+
+
+def _timed(record: Dict[str, Any]) -> bool:
+    t = record.get("time")
+    return (type(t) in (int, float) and 0 < t < 1e11 and isinstance(record.get("event", ""), str)
+            and isinstance(record.get("step", 0), int))

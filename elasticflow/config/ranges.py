@@ -200,6 +200,7 @@ def check_ranges(cfg: Any) -> None:
         if isinstance(value, str) and has_control_characters(value):
             raise ElasticFlowError(f"{key} must be one line without control characters, got {value!r}",
                                    ONE_LINE_HINT)
+    _check_sbatch_values(cfg.launcher)
     name = cfg.checkpoint.job_name
     if name is not None and (not name or any(part in name for part in ("/", "\\", "..")) or
                              has_control_characters(name)):
@@ -207,6 +208,25 @@ def check_ranges(cfg: Any) -> None:
                                f"characters), got {name!r}",
                                "it names the directory checkpoint.dir/<job_name>_<timestamp>/: pass e.g. "
                                "checkpoint.job_name=resnet-run2, and the location as checkpoint.dir")
+
+
+SBATCH_VALUES = ("partition", "time", "account")  # written as `#SBATCH --<key>=<value>` (launchers/slurm_jobs.py)
+
+
+def _check_sbatch_values(lc: Any) -> None:
+    """sbatch splits a directive at spaces, and reads a leading dash as an option: ``partition='gpu --output=x
+    --wrap=id'`` would pass options of its own. Each value is one word; each sbatch_args entry one option."""
+    for key in SBATCH_VALUES:
+        value = lc[key]
+        if value is not None and (not str(value) or str(value).startswith("-") or
+                                  any(c.isspace() for c in str(value))):
+            raise ElasticFlowError(f"launcher.{key} must be one value without spaces or a leading dash, got "
+                                   f"{str(value)!r}", f"pass e.g. launcher.{key}=gpu; other sbatch options go in "
+                                   "launcher.sbatch_args, one per entry")
+    for i, directive in enumerate(lc.sbatch_args):
+        if not str(directive).startswith("-") or any(c.isspace() for c in str(directive)):
+            raise ElasticFlowError(f"launcher.sbatch_args[{i}] must be one sbatch option without spaces, got "
+                                   f"{str(directive)!r}", "one directive per entry: launcher.sbatch_args=[--qos=high]")
 
 
 def has_control_characters(text: str) -> bool:

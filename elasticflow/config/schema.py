@@ -45,6 +45,8 @@ class LauncherConfig:
     endpoint: Optional[str] = None  # HOST:PORT of the job's agent and store; the host owning HOST runs them
     procs_per_node: int = 1        # workers each host starts (and restarts)
     token_file: Optional[str] = None  # a file holding the job's shared secret (else $ELASTICFLOW_JOB_TOKEN)
+    # Refused otherwise: whoever can write there can swap what the workers read back, and run code as you.
+    trust_shared_dirs: bool = False  # accept a run directory or checkpoint folder others own or may write into
     # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end
     nodes: int = 1                 # slurm: nodes to ask for; nodes: hosts the first generation waits for
     # slurm: grow up to this many nodes, one single-node worker job per missing node, as SLURM frees them

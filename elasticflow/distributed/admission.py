@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import protocol
 from .process import Worker
+from .._util.untrusted import printable
 
 if TYPE_CHECKING:  # the agent's parts take it typed; importing it at run time would be a cycle
     from .agent import Agent
@@ -30,7 +31,7 @@ def admit(agent: "Agent") -> None:
         try:
             verdict = judge(agent, n, request)
         except Exception as exc:  # noqa: BLE001 - a request is anyone's to write: never fatal to the agent
-            verdict = {"ok": False, "reason": f"malformed join request ({type(exc).__name__})"}
+            verdict = {"ok": False, "reason": f"wrong or missing job token (a malformed request: {type(exc).__name__})"}
         if not verdict["ok"]:
             agent.refused_joins += 1
             if "token" in verdict["reason"]:
@@ -44,6 +45,10 @@ def admit(agent: "Agent") -> None:
                             reason=verdict["reason"])
             else:
                 protocol.REFUSED("join request", verdict["reason"])
+            if "token" in verdict["reason"]:
+                # Never answered: a sealed refusal of a request anyone may write (copying a real joiner's
+                # nonce) would stop that joiner. A worker learns its token is wrong from job/check instead.
+                continue
         nonce = request.get("nonce")
         verdict["nonce"] = nonce if isinstance(nonce, str) else None  # whose request this answers
         protocol.put(agent.store, agent.verdicts, protocol.verdict_key(n), json.dumps(verdict))
@@ -60,8 +65,9 @@ def _changed(agent: "Agent") -> list:
             del agent.join_rechecks[n]
             continue
         key = f"join/request/{n}"
-        try:  # check first: get() on a key a stranger deleted would wait for the store's whole timeout
-            request = protocol.decode(agent.store.get(key)) if agent.store.check([key]) else seen
+        raw = protocol.read(agent.store, key)  # never get(): a key a stranger deleted would wait for the timeout
+        try:
+            request = seen if raw is None else protocol.loads(raw)
         except ValueError:
             continue
         if isinstance(request, dict) and request != seen:
@@ -71,7 +77,7 @@ def _changed(agent: "Agent") -> list:
 
 
 def _shown(value) -> str:
-    return str(value)[:64]
+    return printable(value, limit=64)  # a stranger's "host" reaches the console and status: never as escapes
 
 
 def judge(agent: "Agent", n: int, request: dict) -> dict:

@@ -15,6 +15,7 @@ agent writes is sealed with the job token and every one it reads is checked (_ut
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import secrets
 import signal
 import subprocess
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -42,6 +44,8 @@ REQUESTS_S = 0.05  # how often join and scale requests are read: two store round
                    # core), taken from the workers' cores; a joiner waits <= 50 ms more, beside the seconds
                    # its process takes to start
 HEALTH_S = 0.1     # how often heartbeats and failure reports are read
+REAP_S = 10.0  # at the end, how long workers have to exit on their own before SIGKILL
+CRASH_REAP_S = 120.0  # ... after the agent failed: time to agree on a last checkpoint and write it
 CONSOLE_DRAIN_S = 30.0  # at the end, how long the agent waits for a console that is not read (then writes on)
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
@@ -182,15 +186,26 @@ class Agent:
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         previous_usr1 = signal.signal(signal.SIGUSR1, self._on_preempt)
         console = DetachedConsole()  # a console nobody reads must not stop the watch (console.py)
+        crashed = False
         try:
             return self._watch()
+        except Exception as exc:
+            crashed = not isinstance(exc, ElasticFlowError) and bool(self.live())
+            if crashed:  # a bug of ours: the workers must not pay for it with their training
+                log.error("the agent failed (%s: %s); closing the job's store so that the workers write their "
+                          "checkpoint and exit", type(exc).__name__, str(exc)[:200])
+                traceback.clear_frames(exc.__traceback__)  # its frames hold the store: it must close now
+            raise
         finally:
             signal.signal(signal.SIGINT, previous)
             signal.signal(signal.SIGUSR1, previous_usr1)
-            self._announce()
+            if crashed:
+                self._close_store()
+            else:
+                self._announce()
             if self.capacity is not None:  # before the reaping: nothing of the job stays queued, however it ends
                 self.capacity.close(self)
-            self._reap_all()
+            self._reap_all(CRASH_REAP_S if crashed else REAP_S)
             workers_json.write_ended(self)
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
             console.close(timeout_s=CONSOLE_DRAIN_S)
@@ -418,8 +433,17 @@ class Agent:
             other.signal(signal.SIGTERM)
         raise ElasticFlowError(err["message"], err.get("hint", ""), exit_code=rc)
 
-    def _reap_all(self) -> None:
-        deadline = time.monotonic() + 10
+    def _close_store(self) -> None:
+        """Stop serving the store: each worker's next store call fails, so it takes the agent-lost path (the
+        members agree on a last checkpoint, write it and exit 4), as when the agent's host is lost. Without
+        this, a crashed agent's cleanup SIGKILLed the workers while they still saw a store, and the steps since
+        the last periodic checkpoint were lost."""
+        self._listener.close()
+        self.store = self.rdv.store = None
+        gc.collect()  # the TCPStore's server (and with it every worker's connection) closes with its last reference
+
+    def _reap_all(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
         for w in self.live():
             while w.poll() is None and w.proc is not None and time.monotonic() < deadline:
                 time.sleep(0.05)

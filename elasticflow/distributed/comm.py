@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class Group:
         self._sums = 0  # sums started by exchange: their tags
         self.nccl = None
         self.aborted = False
+        self.unsent: List[Any] = []  # the newest SumByExchange's sends, waited for by the next one (or close)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         # gloo's threads start here (the device's transport loop, the group's run loops), with the mask of
@@ -68,8 +69,16 @@ class Group:
             # The communicator itself is made at the first collective (ncclCommInitRank, ~0.1-1 s).
             self.nccl = dist.ProcessGroupNCCL(PrefixStore(f"gen{generation}/nccl/", store), rank, world, nccl_opts)
 
-    def close(self) -> None:
-        # Dropping the last reference destroys the gloo context and closes its sockets.
+    def close(self, flush: bool = True) -> None:
+        """Close the group (dropping the last reference destroys the gloo context and closes its sockets).
+        ``flush``: first let the newest sum's sends finish, so no peer loses this member's last row (not after
+        a failure: the peer may be the dead one)."""
+        if flush and self.pg is not None:
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - a peer died meanwhile: it fails its own step, as it would anyway
+                pass
+        self.unsent = []
         if self.hierarchy is not None:
             self.hierarchy.close()
         self.pg = self.hierarchy = None
@@ -95,7 +104,7 @@ class Group:
         try:
             return fn()
         except Exception as exc:
-            self.close()
+            self.close(flush=False)
             raise CommError(f"{what} failed in generation {self.generation}: {str(exc).splitlines()[0][:300]}") from exc
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -141,6 +150,12 @@ class Group:
     def wait(self, work: Any) -> None:
         """Wait for a started collective (the group's timeout bounds it); CommError if it failed."""
         self._run("allreduce", work.wait)
+
+    def flush(self) -> None:
+        """Wait for the sends of the newest SumByExchange (already complete, but for the last sum of a run)."""
+        unsent, self.unsent = self.unsent, []
+        for work in unsent:
+            work.wait()
 
     # -- sharded state (trainer.shard): equal chunks of a flat vector, the last one padded
     def allgather_flat(self, flat: torch.Tensor, chunk: int) -> None:
@@ -270,16 +285,25 @@ class SumByExchange:
     """
 
     def __init__(self, group: Group, tensor: torch.Tensor, tag: int):
-        self.tensor, self.rank = tensor, group.rank
+        self.group, self.tensor, self.rank = group, tensor, group.rank
         peers = [r for r in range(group.world) if r != group.rank]
         self.rows = {r: torch.empty_like(tensor) for r in peers}
         # The receives first: a message whose receive is already posted is read straight into its row.
-        self.works = [group.pg.recv([self.rows[r]], r, tag) for r in peers]
-        self.works += [group.pg.send([tensor], r, tag) for r in peers]
+        self.receives = [group.pg.recv([self.rows[r]], r, tag) for r in peers]
+        # Sent from a copy, so the sum can land in ``tensor`` while the sends are still in flight.
+        self.sent = tensor.clone()
+        self.sends = [group.pg.send([self.sent], r, tag) for r in peers]
 
     def wait(self) -> None:
-        for work in self.works:
+        """The sum, once every peer's row is in. This member's own sends are not waited for here: the next
+        sum (or ``Group.close``) does, after its receives, when every peer has long received them (a peer
+        sends its next row only after this one's). Waiting for them here once made a survivor wait out gloo's
+        whole timeout on a send to a SIGKILLed peer whose closed socket never failed it, holding up the
+        other survivor's recovery (tests/test_elastic.py, 1 run in 8 under load)."""
+        for work in self.receives:
             work.wait()  # no timeout given: gloo's, the group's, bounds each
+        self.group.flush()
+        self.group.unsent = self.sends
         own, rows = self.tensor, self.rows
         acc = rows[0] if self.rank != 0 else own
         for r in range(1, len(rows) + 1):

@@ -12,6 +12,8 @@ from typing import Dict, Iterable
 from ..errors import ElasticFlowError
 from . import protocol, scaling
 
+ASK_AGAIN_S = 3.0  # a scale request unanswered this long is written again (the agent answers within ~50 ms)
+
 
 def _running_agent(run_dir: Path) -> dict:
     path = protocol.agent_file(run_dir)
@@ -46,15 +48,19 @@ def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
         token, scaling.scale_message(str(agent.get("job", "")), workers, nonce, at))})
     # Each request in a numbered slot of its own (the agent reads them all): a single slot could be held by
     # anyone, so that real requests time out waiting for it.
-    n = protocol.draw(store, "control/count", "control/count")
-    store.set(f"control/request/{n}", request)
     reply_key, verdicts = f"control/reply/{nonce}", protocol.Sealer(token)
-    deadline = time.monotonic() + 30
-    reply = None
+    deadline, reply, asked = time.monotonic() + 30, None, 0.0
     while reply is None:
         if time.monotonic() > deadline:
             raise ElasticFlowError(f"the agent at {agent['address']} did not answer the scale request within 30s",
-                                   "the agent may be stopped or overloaded; see `elasticflow status RUN_DIR`")
+                                   "the agent answers only requests signed with the job's token: is "
+                                   "RUN_DIR/.elasticflow/token this run's? Else the agent may be stopped or "
+                                   "overloaded; see `elasticflow status RUN_DIR`")
+        if time.monotonic() - asked > ASK_AGAIN_S:
+            # Again, under a new number, while unanswered: a stranger may have deleted or overwritten the request
+            # (or reset the counter below what the agent read). The nonce is taken once, so it acts once.
+            store.set(f"control/request/{protocol.draw(store, 'control/count', 'control/count')}", request)
+            asked = time.monotonic()
         reply = protocol.fetch_json(store, verdicts, reply_key, "scale reply")
         time.sleep(0.02)
     if not reply["ok"]:
@@ -109,8 +115,9 @@ def devices(run_dir: Path, worker_ids: Iterable[int]) -> Dict[int, str]:
         found = {}
         for wid in worker_ids:
             key = protocol.device_key(wid)
-            if store.check([key]):  # check first: get() on a missing key waits for the whole timeout
-                found[wid] = store.get(key).decode()
+            raw = protocol.read(store, key)  # never get(): it waits for a missing key
+            if raw is not None:
+                found[wid] = raw.decode(errors="replace")
         return found
     except Exception:
         return {}

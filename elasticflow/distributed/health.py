@@ -118,13 +118,13 @@ def reassert(agent: "Agent") -> None:
     # sealer, not the job's, which they learn from the join verdict.
     for what in ("ckpt/job", "ckpt/token"):
         slot = f"{what}/{agent.verdicts.name(what)}"
-        if slot not in agent.record and protocol.fetch(agent.store, agent.verdicts, slot, "checkpoint job"):
-            agent.record[slot] = agent.store.get(slot).decode(errors="replace")
+        raw = protocol.read(agent.store, slot) if slot not in agent.record else None
+        if raw is not None and protocol.fetch(agent.store, agent.verdicts, slot, "checkpoint job"):
+            agent.record[slot] = raw.decode(errors="replace")
     for name in ("gen/current", protocol.generation_key(agent.generation), "job/check",
                  *[k for k in agent.record if k.startswith("ckpt/")]):
         sealed = agent.record.get(name)
-        if sealed is not None and (not agent.store.check([name]) or agent.store.get(name).decode(errors="replace")
-                                   != sealed):
+        if sealed is not None and (protocol.read(agent.store, name) or b"").decode(errors="replace") != sealed:
             kind = "gen/current" if name == "gen/current" else "generation" if name.startswith("gen/") else \
                 "job check" if name == "job/check" else "checkpoint job"
             protocol.REFUSED(kind, f"{name} was replaced; put back")

@@ -33,7 +33,9 @@ from .rendezvous import key
 log = logging.getLogger("elasticflow")
 POLL_S = 0.05
 MEMORY_POLLS = 40  # every 40 polls (2 s): the workers' resident memory
-UNVERIFIED_S = 3.0  # a join verdict that does not verify is believed only after this long without one that does
+VERDICT_S = 5.0  # a join request unanswered this long was lost (a stranger deleted or overwrote it): ask again
+JOIN_TRIES = 6
+UNVERIFIED_S = 3.0  # job/check not verifying this long (the agent puts back a stranger's within a round): wrong token
 
 
 class StopRequested(Exception):
@@ -151,20 +153,18 @@ class Membership:
     def join(self) -> None:
         """Ask the agent to admit this worker (signed with the job token), then enter the first
         generation that lists it. Call when ready to train: the agent adds joiners at once."""
-        try:
-            n = protocol.draw(self.store, "join/count", "join/count")
-        except Exception as exc:  # a worker that started as the job ended
-            raise AgentLost(f"the agent at {self.address} is gone ({str(exc).splitlines()[0][:120]})") from exc
-        wid = -1 if self.worker_id is None else self.worker_id
-        host, nonce = socket.gethostname(), secrets.token_hex(8)
-        request = {"n": n, "id": wid, "pid": os.getpid(), "host": host, "node": self.node, "nonce": nonce}
-        message = protocol.join_message(n, wid, os.getpid(), self.node, host, nonce)
-        request["mac"] = protocol.sign(self.token, message) if self.token else ""
-        try:
-            self.store.set(f"join/request/{n}", json.dumps(request))
-            verdict = self._verdict(n, nonce)
-        except Exception as exc:
-            raise AgentLost(f"the agent at {self.address} did not answer the join request ({exc})") from exc
+        verdict = None
+        for _ in range(JOIN_TRIES):  # a request a stranger deleted or overwrote gets no answer: ask again
+            try:
+                verdict = self._ask(time.monotonic() + VERDICT_S)
+            except Exception as exc:  # a worker that started as the job ended
+                raise AgentLost(f"the agent at {self.address} did not answer the join request "
+                                f"({str(exc).splitlines()[0][:120]})") from exc
+            if verdict is not None:
+                break
+        if verdict is None:
+            raise AgentLost(f"the agent at {self.address} answered none of {JOIN_TRIES} join requests in "
+                            f"{VERDICT_S:.0f} s each")
         if not verdict.get("ok"):
             raise Refused(str(verdict.get("reason", "refused")))
         self.sealer = self.sealer.for_job(str(verdict["job"]))
@@ -180,34 +180,50 @@ class Membership:
         """Before anything touches the run's files: a worker whose token does not verify the agent's
         ``job/check`` record asks to join at once, to be refused (and logged by the agent), rather than
         reach the checkpoint folder as a stranger. Raises Refused or AgentLost."""
+        sealer, deadline = protocol.Sealer(self.token or ""), time.monotonic() + UNVERIFIED_S
         try:
-            ok = protocol.fetch(self.store, protocol.Sealer(self.token or ""), "job/check", "job check")
+            # A stranger's replacement of job/check is put back by the agent within a health round: only a
+            # record that does not verify for UNVERIFIED_S says that our token is wrong.
+            while protocol.fetch(self.store, sealer, "job/check", "job check") is None:
+                if time.monotonic() > deadline:
+                    self._ask(deadline)  # once, without waiting for an answer: the agent logs the refusal
+                    raise Refused("the agent's records do not verify with this worker's job token (wrong or "
+                                  "missing token)")
+                time.sleep(POLL_S)
+        except Refused:
+            raise
         except Exception as exc:  # noqa: BLE001 - the store is gone
             raise AgentLost(f"the agent at {self.address} is gone ({str(exc).splitlines()[0][:120]})") from exc
-        if ok is None:
-            self.join()  # refused: a token that does not verify here does not verify a join request either
 
-    def _verdict(self, n: int, nonce: str) -> dict:
-        """The agent's sealed answer to join request ``n`` (ours: it names our ``nonce``).
+    def _ask(self, deadline: float) -> Optional[dict]:
+        """Count a join request, write it, and return the agent's verdict (None: no answer by ``deadline``)."""
+        n = protocol.draw(self.store, "join/count", "join/count")
+        wid = -1 if self.worker_id is None else self.worker_id
+        host, nonce = socket.gethostname(), secrets.token_hex(8)
+        request = {"n": n, "id": wid, "pid": os.getpid(), "host": host, "node": self.node, "nonce": nonce}
+        message = protocol.join_message(n, wid, os.getpid(), self.node, host, nonce)
+        request["mac"] = protocol.sign(self.token, message) if self.token else ""
+        self.store.set(f"join/request/{n}", json.dumps(request))
+        return self._verdict(n, nonce, deadline)
 
-        The agent answers within its next round (~50 ms); poll rather than wait with a deadline, so only a
-        store that stops answering ends this. An answer that does not verify is a stranger's -- or the
-        agent's, if our token is wrong: believed as a refusal only after UNVERIFIED_S without a good one.
+    def _verdict(self, n: int, nonce: str, deadline: float) -> Optional[dict]:
+        """The agent's sealed answer to join request ``n`` (ours: it names our ``nonce``), or None at ``deadline``.
+
+        The agent answers within its next round (~50 ms). An answer that does not verify is a stranger's, and is
+        waited past (check_token found our token good: the agent's would verify).
         """
-        key, unverified_since = protocol.verdict_key(n), None
-        while True:
-            if self.store.check([key]):
-                raw = self.store.get(key)
+        key = protocol.verdict_key(n)
+        while time.monotonic() < deadline:
+            raw = protocol.read(self.store, key)
+            if raw is not None:
                 try:
-                    verdict = json.loads(self.sealer.open(key, raw))
+                    verdict = protocol.loads(self.sealer.open(key, raw))
                     if isinstance(verdict, dict) and verdict.get("nonce") == nonce:
                         return verdict
-                except protocol.Forged:
-                    unverified_since = unverified_since or time.monotonic()
-                    if not self.token or time.monotonic() - unverified_since > UNVERIFIED_S:
-                        return {"ok": False, "reason": "the agent's answer does not verify with this worker's "
-                                                       "job token (wrong or missing token)"}
+                except (protocol.Forged, ValueError):
+                    pass
             time.sleep(0.01)
+        return None
 
     def report_device(self, text: str) -> None:
         """Publish where this worker computes (``Placement.describe()``) for `elasticflow status`.

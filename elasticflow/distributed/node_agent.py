@@ -110,10 +110,10 @@ class NodeAgent:
         stranger's -- or the agent's, when this host's token is wrong: taken as a refusal after UNVERIFIED_S."""
         key, sealer, unverified_since = f"node/verdict/{n}", protocol.Sealer(self.token), None
         while time.monotonic() < deadline:  # the agent answers within its next round (50 ms)
-            if self.store.check([key]):
-                raw = self.store.get(key)
+            raw = protocol.read(self.store, key)
+            if raw is not None:
                 try:
-                    verdict = json.loads(sealer.open(key, raw))
+                    verdict = protocol.loads(sealer.open(key, raw))
                     if isinstance(verdict, dict) and verdict.get("nonce") == nonce:
                         return verdict
                 except protocol.Forged:

@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from .._util.fileio import write_atomic
 from .._util.sealing import REFUSED, Forged, Sealer  # noqa: F401 - the workers' and the agent's sealer
+from .._util.untrusted import MAX_RECORD, loads, read  # noqa: F401 - the one reader of what strangers may write
 
 # The environment variables between the agent and its workers live in a leaf (devices.py reads one too).
 from .._util.envnames import (ENV_BIND, ENV_DEBUG, ENV_JOB_TOKEN, ENV_LOCAL_SLOT, ENV_LOCAL_WORKERS,
@@ -93,7 +94,7 @@ def encode(members, action: str = "train", reason: str = "", waiting=()) -> str:
 
 
 def decode(raw: Any) -> Dict[str, Any]:
-    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return loads(raw)
 
 
 def sign(token: str, message: str) -> str:
@@ -121,11 +122,12 @@ def put(store, sealer: Sealer, key: str, payload: str) -> None:
 
 def fetch(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> Optional[str]:
     """The payload of the sealed record at ``key``; None when absent or forged (refused: counted, logged once
-    per ``kind``). ``present``: the key is known to exist (skips the round trip of ``check``)."""
-    if not present and not store.check([key]):
+    per ``kind``). ``present`` is kept for callers that checked first; the read never waits either way."""
+    raw = read(store, key)
+    if raw is None:
         return None
     try:
-        return sealer.open(key, store.get(key))
+        return sealer.open(key, raw)
     except Forged as exc:
         REFUSED(kind, str(exc))
         return None
@@ -134,18 +136,21 @@ def fetch(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> 
 def fetch_json(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> Optional[Dict[str, Any]]:
     payload = fetch(store, sealer, key, kind, present)
     try:
-        value = None if payload is None else json.loads(payload)
+        value = None if payload is None else loads(payload)
     except ValueError:  # sealed by the job, so never: but a record is never trusted to parse
         value = None
     return value if isinstance(value, dict) else None
 
 
 def counter(store, key: str, kind: str) -> Optional[int]:
-    """A counter's value read with ``get``, never ``add``: ``add`` on a key a stranger set to text closes this
-    client's connection (the store answers with an error and hangs up). None (refused) unless a number."""
-    if not store.check([key]):
+    """A counter's value, read without ``add``: ``add`` on a key a stranger set to text closes this client's
+    connection (the store answers with an error and hangs up). 0 when missing, None (refused) unless a number."""
+    return _count_of(read(store, key), key, kind)
+
+
+def _count_of(raw: Optional[bytes], key: str, kind: str) -> Optional[int]:
+    if raw is None:
         return 0
-    raw = store.get(key)
     try:
         return int(raw)
     except ValueError:
@@ -153,15 +158,23 @@ def counter(store, key: str, kind: str) -> Optional[int]:
         return None
 
 
-def draw(store, key: str, kind: str) -> int:
-    """``add(key, 1)`` on a shared counter, after checking it still holds a number (a stranger's text there
-    would close our connection on ``add``): text is put back to the last number we know of."""
-    value = counter(store, key, kind)
-    if value is None:
-        store.set(key, str(_last_drawn.get(key, 0)))
-    n = int(store.add(key, 1))
-    _last_drawn[key] = n
-    return n
+def draw(store, key: str, kind: str, tries: int = 5) -> int:
+    """``add(key, 1)`` on a shared counter: the new count.
+
+    The ``add`` goes over a connection of its own (``store.clone()``), because a stranger may set the counter
+    to text at any moment, and ``add`` on text makes the store hang up: then only that throwaway connection is
+    lost, the text is put back to the last number we know of, and the draw is tried again.
+    """
+    for _ in range(tries):
+        if counter(store, key, kind) is None:
+            store.set(key, str(_last_drawn.get(key, 0)))
+        try:
+            n = int(store.clone().add(key, 1))
+        except Exception:  # noqa: BLE001 - text landed between our read and the add: its connection is gone
+            continue
+        _last_drawn[key] = n
+        return n
+    raise CommError(f"could not count at {key}: something keeps writing text there")
 
 
 _last_drawn: Dict[str, int] = {}
@@ -209,7 +222,7 @@ class Inbox:
         self.unread: Dict[int, float] = {}  # number -> when it was counted (monotonic)
 
     def read(self, store) -> Iterator[tuple]:
-        count = counter(store, self.count_key, self.count_key)
+        count = self._count(store)
         now = time.monotonic()
         if count is not None and count > self.seen:
             first = max(self.seen + 1, count - self.backlog + 1)
@@ -219,16 +232,26 @@ class Inbox:
             self.unread.update((n, now) for n in range(first, count + 1))
             self.seen = count
         for n, counted in list(self.unread.items()):
-            key = f"{self.prefix}/{n}"
-            if not store.check([key]):
+            raw = read(store, f"{self.prefix}/{n}")
+            if raw is None:
                 if now - counted > self.expire_s:
                     del self.unread[n]
                 continue
             del self.unread[n]
             try:
-                record = decode(store.get(key))
+                record = loads(raw)
             except ValueError:
                 record = {}
             yield n, record if isinstance(record, dict) else {}
         while len(self.unread) > self.backlog:  # numbers a stranger counted and never filled in
             del self.unread[min(self.unread)]
+
+    def _count(self, store) -> Optional[int]:
+        """The counter's value; one a stranger deleted, reset or set to text is put back to the count seen, so
+        the next writer counts past what was read (a number below it would never be read). compare_set: a
+        writer's own add in between wins."""
+        raw = read(store, self.count_key)
+        count = _count_of(raw, self.count_key, self.count_key)
+        if self.seen and (count is None or count < self.seen):
+            store.compare_set(self.count_key, b"" if raw is None else raw, str(self.seen))
+        return count

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from . import protocol
 
@@ -32,8 +32,12 @@ def serve(agent: "Agent") -> None:
             continue  # nowhere to answer
         try:
             reply = rescale(agent, req)
-        except Exception as exc:  # noqa: BLE001 - never fatal to the agent
-            reply = {"ok": False, "reason": f"malformed scale request ({type(exc).__name__})"}
+        except Exception as exc:  # noqa: BLE001 - never fatal to the agent (rescale raises only past the MAC check)
+            reply = {"ok": False, "reason": f"the agent could not act on it ({type(exc).__name__}: {str(exc)[:200]})"}
+        if reply is None:
+            # Unanswered: a refusal at control/reply/<nonce> for a request anyone may write (copying a real
+            # request's nonce, or replaying it) would overwrite or pre-empt the real request's answer.
+            continue
         key = f"control/reply/{nonce}"
         protocol.put(agent.store, agent.verdicts, key, json.dumps(reply))
 
@@ -42,18 +46,19 @@ def scale_message(job: str, target: int, nonce: str, at: float) -> str:
     return f"scale:{job}:{target}:{nonce}:{at!r}"
 
 
-def rescale(agent: "Agent", req: dict) -> dict:
+def rescale(agent: "Agent", req: dict) -> Optional[dict]:
     """Check a scale request, then start workers, or retire the surplus (waiting, joining, admitted, then
-    the last-joined members). Returns the reply for the requester."""
+    the last-joined members). Returns the reply for the requester; None (no reply) for a request that does not
+    verify or was taken before."""
     target, nonce, at = req.get("workers"), req["nonce"], req.get("time")
     if not (type(target) is int and isinstance(at, float)
             and protocol.verify(agent.token, scale_message(agent.job, target, nonce, at), req.get("mac"))):
         protocol.REFUSED("scale request", "wrong or missing job token")  # the first of a flood is an event
-        return {"ok": False, "reason": "wrong or missing job token"}
+        return None
     if nonce in agent.scale_nonces or abs(time.time() - at) > FRESH_S:
         protocol.REFUSED("scale request", "replayed (its nonce was taken, or it is older than "
                                           f"{FRESH_S:g}s)")
-        return {"ok": False, "reason": "a replayed request (its nonce was taken before, or it is stale)"}
+        return None
     agent.scale_nonces[nonce] = None
     while len(agent.scale_nonces) > NONCES_KEPT:
         agent.scale_nonces.pop(next(iter(agent.scale_nonces)))
@@ -102,6 +107,6 @@ def _aggregator(store, worker_id: int) -> bool:
     """Whether the worker said it is a parameter server's aggregator (``Membership.report_role``)."""
     key = protocol.role_key(worker_id)
     try:
-        return store.check([key]) and store.get(key) == b"aggregator"  # check first: get() waits for a missing key
+        return protocol.read(store, key) == b"aggregator"  # never get(): it waits for a missing key
     except Exception:
         return False

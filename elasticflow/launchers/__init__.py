@@ -8,6 +8,13 @@ from typing import Any, Dict
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """Train ``cfg`` (already validated: see cli._train_task) with its launcher; returns the final summary."""
+    if not cfg.launcher.trust_shared_dirs:
+        from .._util.paths import checkpoint_dir, refuse_if_shared
+
+        # Before anything of ours is written there, or read back (the workers import what config.yaml names).
+        for what, path in (("run directory", run_dir), ("run directory's .elasticflow/", run_dir / ".elasticflow"),
+                           ("checkpoint folder", checkpoint_dir(cfg, run_dir))):
+            refuse_if_shared(path, what)
     if cfg.launcher.name == "slurm":
         from .slurm import run as run_slurm
 

@@ -12,8 +12,10 @@ checkpoint.dir) and what the endpoint trusts.
 from __future__ import annotations
 
 import os
+import math
 import socket
 import stat
+import string
 from pathlib import Path
 from typing import Any, Dict
 
@@ -43,10 +45,34 @@ def job_token(cfg: Any) -> str:
                                    f"chmod 600 {path}")
     else:
         token = os.environ.get(protocol.ENV_JOB_TOKEN, "").strip()
-    if len(token) < 16:
-        raise ElasticFlowError("launcher=nodes needs the job's shared token, of at least 16 characters" +
-                               (f"; {path} holds {len(token)}" if path else ""), TOKEN_HINT)
+    if not token:
+        raise ElasticFlowError("launcher=nodes needs the job's shared token", TOKEN_HINT)
+    bits = token_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        where = str(path) if path else f"${protocol.ENV_JOB_TOKEN}"
+        raise ElasticFlowError(f"the job token in {where} is too weak to guess offline: about {bits:.0f} bits, "
+                               f"at least {MIN_TOKEN_BITS} needed (records travel in clear, sealed with it)",
+                               "generate one: `openssl rand -hex 32 > ~/.ef-token; chmod 600 ~/.ef-token`")
     return token
+
+
+MIN_TOKEN_BITS = 128
+
+
+def token_bits(token: str) -> float:
+    """What a token is worth against guessing, estimated from its alphabet: 32 hex digits are 128 bits. A token
+    of fewer than 8 distinct characters ("x" * 32, "abab...") counts as nothing: no generator makes one."""
+    if len(set(token)) < 8:
+        return 0.0
+    if all(c in string.hexdigits for c in token):
+        alphabet = 16
+    elif token.isdigit():
+        alphabet = 10
+    elif all(c in string.ascii_letters + string.digits + "-_+/=" for c in token):
+        alphabet = 64  # base64 (a lowercase-only token is rated as if it were, a little generously)
+    else:
+        alphabet = 94  # printable ASCII
+    return len(token) * math.log2(alphabet)
 
 
 def owns(host: str) -> bool:

@@ -19,10 +19,17 @@ from typing import Optional
 from ..checkpoint import jobdir
 from .._util.console import DetachedConsole
 from ..distributed import protocol
-from .._util.fileio import append_event, write_atomic
+from .._util.fileio import append_event, open_append, write_atomic
 from .exits import user_frame
 
 COMMAND = [sys.executable, "-m", "elasticflow.launchers.worker"]  # what a launcher runs to start one worker
+
+
+class _LogFile(logging.FileHandler):
+    """A worker's log file, opened for appending never through a symlink planted where it goes."""
+
+    def _open(self):
+        return open_append(Path(self.baseFilename))
 
 
 class _RankFilter(logging.Filter):
@@ -62,7 +69,7 @@ def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> DetachedConsol
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(message)s"))
     console.addFilter(_RankFilter(trainer_ref, worker_id))
-    file = logging.FileHandler(logs / f"worker-{worker_id}.log")
+    file = _LogFile(logs / f"worker-{worker_id}.log")
     file.setFormatter(logging.Formatter(f"[%(asctime)s][worker {worker_id}][%(levelname)s] %(message)s"))
     root.addHandler(console)
     root.addHandler(file)

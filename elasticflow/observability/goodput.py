@@ -41,6 +41,7 @@ accounts failures and elasticity, not numerics. Hosts' clocks must agree (one ho
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -135,6 +136,17 @@ def job(run_dir: Path) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------- the reader's side
+FIGURES = ("started", "train_s", "steps_redone", "redone_s", "detect_s", "transfer_s", "recovery_s", "stall_s",
+           "waited_s", "evaluation_s")
+
+
+def _sane(record: Dict[str, Any]) -> bool:
+    """Whether the figures the ledger reads from ``record`` are finite numbers (or absent): a line someone
+    crafted in events.jsonl is left out, never a reason for `status` or the ledger to fail."""
+    return all(k not in record or record[k] is None or (type(record[k]) in (int, float) and math.isfinite(record[k])
+                                                        and abs(record[k]) < 1e11) for k in FIGURES)
+
+
 def _costs(event: Dict[str, Any]) -> Dict[str, float]:
     """The seconds one event records, by cause."""
     kind, get = event.get("event"), lambda k: float(event.get(k) or 0.0)
@@ -199,12 +211,12 @@ def _job(start: Dict[str, Any], events: List[Dict[str, Any]], metrics: List[Dict
 def ledger(run_dir: Path) -> Dict[str, Any]:
     """The ledger of ``run_dir``: wall, seconds by cause (``CAUSES``; they sum to wall), goodput, per job."""
     run_dir = Path(run_dir)
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if "time" in e]
+    events = [e for e in read_jsonl(run_dir / "events.jsonl", timed=True) if _sane(e)]
     starts = [e for e in events if e.get("event") == "job_start" and "started" in e]
     if not starts:
         raise ElasticFlowError(f"{run_dir} has no goodput records (no job_start in events.jsonl)",
                                "the ledger covers runs trained since it was added; retrain to get one")
-    metrics = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time" in r]
+    metrics = [r for r in read_jsonl(run_dir / "metrics.jsonl", timed=True) if _sane(r)]
     jobs = []
     for i, start in enumerate(starts):
         lo, hi = float(start["time"]), float(starts[i + 1]["time"]) if i + 1 < len(starts) else float("inf")

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 from ..data.order import deal, split_evenly
-from .._util.fileio import append_event
+from .._util import untrusted
+from .._util.fileio import append_event, open_append
 from .._util.memory import rss_mib  # also re-exported: the trainer reads it from here
 
 log = logging.getLogger("elasticflow")
@@ -37,11 +38,11 @@ def last_logged_step(path: Path, field: str = "step") -> int:
         tail = f.read().decode(errors="replace").splitlines()
     for line in reversed(tail):
         try:
-            record = json.loads(line)
-        except ValueError:
+            record = untrusted.loads(line, max_bytes=1 << 20)
+            if isinstance(record, dict) and "loss" in record and field in record:
+                return int(record[field])
+        except (ValueError, TypeError, OverflowError):  # a torn line, or a crafted one
             continue
-        if "loss" in record and field in record:
-            return int(record[field])
     return -1
 
 
@@ -51,7 +52,7 @@ class MetricsWriter:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a", buffering=1)
+        self._file = open_append(path, buffering=1)
         if path.stat().st_size:  # a writer killed mid-line must not glue its torn line to ours
             with open(path, "rb") as f:
                 f.seek(-1, 2)

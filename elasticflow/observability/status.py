@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 from ..distributed import control, protocol
 from ..errors import ElasticFlowError
 from .._util.fileio import read_jsonl
+from .._util import untrusted
+from .._util.untrusted import printable
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -32,20 +35,22 @@ def _last_step(run_dir: Path) -> dict:
     if step >= 0:
         for line in metrics.read_text().splitlines()[-50:]:
             try:
-                record = json.loads(line)
+                record = untrusted.loads(line, max_bytes=1 << 20)
             except ValueError:
                 continue
-            if record.get("step") == step and "loss" in record:
+            if isinstance(record, dict) and record.get("step") == step and _number(record.get("loss")):
                 last = record
     return last
 
 
-def _recent_events(run_dir: Path, events: int) -> List[dict]:
-    """The newest ``events`` membership events (the goodput ledger's own records left out)."""
+def _recent_events(run_dir: Path, events: int) -> Tuple[List[dict], int]:
+    """The newest ``events`` membership events (the goodput ledger's own records left out), and how many lines
+    of events.jsonl were skipped as unreadable (torn, or crafted)."""
     from .goodput import ACCOUNTING_EVENTS
 
-    membership = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") not in ACCOUNTING_EVENTS]
-    return membership[-events:]
+    records = read_jsonl(run_dir / "events.jsonl", timed=True)
+    membership = [e for e in records if e.get("event") not in ACCOUNTING_EVENTS]
+    return membership[-events:], records.skipped
 
 
 def status_record(run_dir: Path, events: int = 8) -> dict:
@@ -56,7 +61,7 @@ def status_record(run_dir: Path, events: int = 8) -> dict:
     workers = run_dir / "workers.json"
     return {"run_dir": str(run_dir), "running": protocol.agent_file(run_dir).is_file(),
             "workers": json.loads(workers.read_text()) if workers.is_file() else None,
-            "last_step": _last_step(run_dir) or None, "recent_events": _recent_events(run_dir, events),
+            "last_step": _last_step(run_dir) or None, "recent_events": _recent_events(run_dir, events)[0],
             "goodput": goodput.load(run_dir)}
 
 
@@ -89,7 +94,7 @@ def status(run_dir: Path, events: int = 8) -> str:
     if last:
         lines.append(f"step {last['step']}  epoch {last.get('epoch')}  samples consumed {last.get('samples_seen')}  "
                      f"loss {last.get('loss', float('nan')):.5g}")
-    recent = _recent_events(run_dir, events)
+    recent, skipped = _recent_events(run_dir, events)
     if recent:
         lines.append("recent events:")
     for e in recent:
@@ -97,7 +102,14 @@ def status(run_dir: Path, events: int = 8) -> str:
         kind = e.pop("event")
         e.pop("source", None)
         lines.append(f"  {when} {kind:<10} " + " ".join(f"{k}={v}" for k, v in e.items()))
+    if skipped:
+        lines.append(f"  ({skipped} unreadable line{'s' if skipped != 1 else ''} of events.jsonl skipped)")
     ledger = goodput.load(run_dir)
     if ledger is not None:
         lines.append(("so far: " if running else "") + goodput.render(ledger))
-    return "\n".join(lines)
+    # Hosts, devices and reasons come from workers and requests: printed as text, never as terminal escapes.
+    return "\n".join(printable(line, limit=4000) for line in lines)
+
+
+def _number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)

@@ -27,6 +27,8 @@ import types
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from .._util import untrusted
+
 POLL_S = 0.5  # how often the sidecar looks for new lines
 NICE = 10     # the sidecar's scheduling priority, below the trainer's
 OFFSETS = ".read"  # tensorboard/.read: bytes of metrics.jsonl and events.jsonl already written as events
@@ -103,18 +105,22 @@ class _Follower:
         self.writer = EventFileWriter(str(self.dir), filename_suffix=f".{os.getpid()}")
 
     def poll(self) -> None:
-        for line in self._new_lines("metrics"):
-            record = json.loads(line)
-            self.step = int(record.get("step", self.step))
-            values = scalars_of(record)
+        for record in self._new_lines("metrics"):
+            try:  # a crafted line (text where a figure belongs) is skipped, never the end of the sidecar
+                step, wall, values = int(record.get("step", self.step)), _wall(record), scalars_of(record)
+            except (TypeError, ValueError, OverflowError):
+                continue
+            self.step = step
             if values:
-                self.writer.add_event(_scalar_event(self.step, values, float(record.get("time", time.time()))))
-        for line in self._new_lines("events"):
-            event = json.loads(line)
+                self.writer.add_event(_scalar_event(self.step, values, wall))
+        for event in self._new_lines("events"):
             kind = str(event.get("event", "event"))
             text = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time"))
-            self.writer.add_event(_text_event(self.step, f"events/{kind}", f"{kind}: {text}",
-                                              float(event.get("time", time.time()))))
+            try:
+                wall = _wall(event)
+            except (TypeError, ValueError, OverflowError):
+                continue
+            self.writer.add_event(_text_event(self.step, f"events/{kind}", f"{kind}: {text}", wall))
         self.writer.flush()
         _atomic_write(self.dir / OFFSETS, json.dumps(self.read))
 
@@ -131,14 +137,22 @@ class _Follower:
             chunk = f.read(size - self.read[name])
         complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being appended waits for the next poll
         self.read[name] += len(complete)
-        lines = []
+        records = []
         for line in complete.decode(errors="replace").splitlines():
             try:
-                json.loads(line)
-                lines.append(line)
-            except ValueError:  # a torn line of a killed writer
+                record = untrusted.loads(line, max_bytes=1 << 20)  # bounded: a crafted line is no parser bomb
+            except ValueError:  # a torn line of a killed writer, or a crafted one
                 continue
-        return lines
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+
+def _wall(record: Dict[str, Any]) -> float:
+    wall = float(record.get("time", time.time()))
+    if not 0 < wall < 1e11:
+        raise ValueError(f"{wall} is no Unix time")
+    return wall
 
 
 def _atomic_write(path: Path, text: str) -> None:
