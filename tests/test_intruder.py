@@ -4,6 +4,7 @@ running 3-worker job. The job finishes with the 1-worker parameters, and each fo
 The intruder is a separate process with the job's store address and nothing else (no ELASTICFLOW_* in its
 environment). It lists the store's keys, as anyone can, so it knows every record's name.
 """
+import grp
 import json
 import os
 import pwd
@@ -11,6 +12,8 @@ import stat
 import subprocess
 import sys
 import threading
+
+import pytest
 
 from harness import PROBE, assert_equivalent, cli, events, finish, logged_step, run_cli, start, wait_for
 
@@ -267,10 +270,12 @@ def test_an_intruder_cannot_crash_stall_or_deceive_the_agent(tmp_path, reference
     assert {"join/count", "control/count"} <= {e["record"] for e in log if e["event"] == "forged"}
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user: needs root (as CI has)")
 def test_a_run_directory_another_user_can_write_is_refused(tmp_path):
     """A local user (``nobody``) pre-creates the run directory, world-writable, to swap config.yaml under the job
     later (the workers import the model file it names): the job refuses it in one line before writing or reading
-    anything of its own there. So does a folder of one's own that the group may write, unless trusted."""
+    anything of its own there. So does a folder of one's own that a shared group may write, unless trusted; a
+    user private group (a umask of 002) is no one else."""
     planted = tmp_path / "planted"
     made = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "mkdir", "-m", "777",
                            str(planted)], capture_output=True, text=True)
@@ -289,7 +294,16 @@ def test_a_run_directory_another_user_can_write_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o775)
+    os.chown(shared, -1, grp.getgrnam("daemon").gr_gid)  # the primary group of user daemon too
     out = cli(["train", PROBE, f"hydra.run.dir={shared}", "trainer.max_steps=1"])
-    assert out.returncode == 2 and "may be written by its group (mode 775)" in out.stderr, out.stderr
+    assert out.returncode == 2, out.stderr
+    assert "may be written by its group, which has other members (mode 775)" in out.stderr, out.stderr
     trusted = cli(["train", PROBE, f"hydra.run.dir={shared}", "trainer.max_steps=1", "launcher.trust_shared_dirs=true"])
     assert trusted.returncode == 0, trusted.stderr[-2000:]
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o775)  # and in this user's own group, whom nobody else is in (root's, on the test machines)
+    assert all(p.pw_name == "root" for p in pwd.getpwall() if p.pw_gid == os.getegid())
+    assert not grp.getgrgid(os.getegid()).gr_mem
+    mine = cli(["train", PROBE, f"hydra.run.dir={private}", "trainer.max_steps=1"])
+    assert mine.returncode == 0, mine.stderr[-2000:]

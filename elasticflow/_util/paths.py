@@ -21,6 +21,20 @@ def checkpoint_dir(cfg: Any, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
+def _private_group(gid: int) -> bool:
+    """Whether nobody but this user is in group ``gid``: a user private group, as under a umask of 002, where
+    Hydra's run directories come out group-writable."""
+    import grp
+    import pwd
+
+    try:
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        members = set(grp.getgrgid(gid).gr_mem) | {p.pw_name for p in pwd.getpwall() if p.pw_gid == gid}
+    except KeyError:  # a gid without a name: nobody can say who is in it
+        return False
+    return members <= {me}
+
+
 def refuse_if_shared(path: Path, what: str) -> None:
     """ElasticFlowError if ``path`` exists and another user owns it, or group or others may write into it (a
     sticky directory like /tmp aside, whose entries only their owner may replace). Whoever can write there can
@@ -33,8 +47,10 @@ def refuse_if_shared(path: Path, what: str) -> None:
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != os.geteuid():
         problem = f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"
-    elif mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
-        problem = f"may be written by {'others' if mode & stat.S_IWOTH else 'its group'} (mode {mode:o})"
+    elif mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        problem = f"may be written by others (mode {mode:o})"
+    elif mode & stat.S_IWGRP and not mode & stat.S_ISVTX and not _private_group(st.st_gid):
+        problem = f"may be written by its group, which has other members (mode {mode:o})"
     else:
         return
     raise ElasticFlowError(f"the {what} {path} {problem}: whoever can write there can change what the job reads "
