@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ._util.envnames import ENV_DEBUG
+from .errors import ElasticFlowError
 from .launchers.exits import debug_requested, fail, print_done, report
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
@@ -25,6 +26,8 @@ Train the model file's model(), forward() and data(); any config key can be over
 # Hydra's flags that take a value (`--cfg job`, `-p trainer`); --info's value is optional and not listed.
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
                           "--config-dir", "-cd", "--experimental-rerun"}
+
+INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}  # Hydra's --info [WHAT]
 
 # With these, Hydra's own messages stay: a sweep's comma lists are not one config, and another config
 # name or directory is not the conf/ that config.composed() reads.
@@ -67,6 +70,8 @@ def train(args: List[str], debug: bool) -> None:
             skip_value = True
         elif a.startswith("-"):
             flags.append(a)
+        elif flags and flags[-1] in ("--info", "-i") and a in INFO_CHOICES:
+            flags.append(a)
         elif "=" not in a:
             positional.append(a)
         else:
@@ -91,13 +96,43 @@ def train(args: List[str], debug: bool) -> None:
         # Composed once before Hydra's run (~60 ms) so that a bad override is one line with a hint (with
         # --debug, after the traceback of Hydra's error).
         composed(overrides)
+    elif not wants_help and {"-m", "--multirun"} & set(flags) and not (HYDRA_OWN_MESSAGES - {"-m", "--multirun"}) \
+            & set(flags):
+        _check_sweep(overrides)
     register()
+    for i, flag in enumerate(list(flags)):  # --info's value is optional: without one it would take an override
+        if flag in ("--info", "-i") and (i + 1 == len(flags) or flags[i + 1] not in INFO_CHOICES):
+            flags.insert(i + 1, "all")
     sys.argv = ["elasticflow train", *flags, *overrides]
     run_hydra = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_train_task)
     if wants_help and "--hydra-help" not in args:
         _help_with_meanings(run_hydra)
     else:
         run_hydra()
+
+
+def _check_sweep(overrides: List[str]) -> None:
+    """Every job of a ``-m`` sweep composed and validated exactly as a single run would be, before any starts: a
+    sweep of ``+optimizer.lrr=0.5,0.01`` once trained every job at the default lr. Hydra's basic sweeper's
+    expansion (comma lists, range(), choice()); another sweeper (``hydra/sweeper=optuna``) draws its own jobs."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from .config.schema import composed, validate
+
+    if any(o.startswith(("hydra/sweeper=", "hydra.sweeper")) for o in overrides):
+        return
+    try:
+        jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+                for job in batch]
+    except Exception:  # noqa: BLE001 - a sweep Hydra cannot parse: Hydra says why, in its own words
+        return
+    for n, job in enumerate(jobs):
+        try:
+            validate(composed(job))
+        except ElasticFlowError as exc:
+            fail(f"job {n} of the sweep ({' '.join(job[1:] if job[0].startswith('model=') else job)}): "
+                 f"{exc.message}", exc.hint)
 
 
 def _help_with_meanings(run_hydra) -> None:

@@ -11,7 +11,7 @@ import elasticflow.checkpoint as ckpt
 from elasticflow.config.schema import compose
 from elasticflow.trainer import ElasticTrainer
 
-from harness import losses, metrics, run_cli, train, train_in_process
+from harness import cli, losses, metrics, run_cli, train, train_in_process
 
 TINY = '''
 import numpy as np
@@ -113,6 +113,26 @@ def test_multirun_sweeps_two_learning_rates(tiny, tmp_path):
     assert {r["lr"] for r in metrics(sweep / "0") if "loss" in r} == {0.1}
     assert {r["lr"] for r in metrics(sweep / "1") if "loss" in r} == {0.01}
     assert ckpt.latest(sweep / "0" / "checkpoints").name == ckpt.latest(sweep / "1" / "checkpoints").name == "step_3"
+
+
+@pytest.mark.parametrize("sweep, message, hint", [
+    # The form Hydra's own hint suggests: it once trained every job at the default lr, and saved `lrr`.
+    ("+optimizer.lrr=0.5,0.01", "job 0 of the sweep (+optimizer.lrr=0.5 {common}): unknown config key optimizer.lrr "
+     "(added with +)", "did you mean optimizer.lr?"),
+    ("+trainer.max_stepz=2", "job 0 of the sweep (+trainer.max_stepz=2 {common}): unknown config key "
+     "trainer.max_stepz (added with +)", "did you mean trainer.max_steps?"),  # once a raw TypeError
+    ("trainer.max_steps=2,-3", "job 1 of the sweep (trainer.max_steps=-3 {common}): trainer.max_steps must be",
+     "pass e.g."),  # the second job's value: refused before the first job starts
+])
+def test_every_job_of_a_sweep_is_validated_before_any_runs(tiny, tmp_path, sweep, message, hint):
+    sweep_dir = tmp_path / "sweep"
+    common = f"hydra.sweep.dir={sweep_dir}"
+    proc = cli(["train", tiny, "-m", sweep, common])
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("error: " + message.format(common=common)), lines
+    assert lines[1].startswith("hint: ") and hint in lines[1], lines
+    assert not sweep_dir.exists()  # no job ran
 
 
 @pytest.mark.parametrize("override, message, hint", [
@@ -315,3 +335,15 @@ def test_inf_loss_is_skipped_with_on_nonfinite_skip(write_model, tmp_path):
     state = ckpt.load(ckpt.latest(run / "checkpoints"))
     assert ckpt.read_metadata(ckpt.latest(run / "checkpoints"))["step"] == 20
     assert np.isfinite(state["W"]).all() and abs(state["W"][0, 0]) > 0.1
+
+
+def test_hydras_info_and_cfg_pass_through(tiny, tmp_path):
+    """Hydra's own flags work as in any Hydra app: --info (its value optional) once took the model file's override
+    as its value and argparse refused it; `--info config` and `--cfg job` print and train nothing."""
+    bare = cli(["train", tiny, "--info"])
+    assert bare.returncode == 0 and "Installed Hydra Plugins" in bare.stdout, bare.stderr
+    config = cli(["train", tiny, "trainer.max_steps=3", "--info", "config"])
+    assert config.returncode == 0 and "Config search path" in config.stdout, config.stderr
+    job = cli(["train", tiny, "--cfg", "job", "trainer.max_steps=7", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert job.returncode == 0 and "max_steps: 7" in job.stdout, job.stderr
+    assert not (tmp_path / "run").exists()

@@ -121,8 +121,9 @@ def test_the_survivors_regroup_at_once_not_at_the_group_timeout(tmp_path):
     # it, waited out the group's timeout (here 10 s; 2 kills in 5 in bench_elastic's runs at the default 30)
     # and failed with gloo's "Timed out". Three runs of 3 workers on the plain digits MLP (steps of ~2 ms:
     # mostly in a reduction), each SIGKILLed from outside at step 100 as bench_elastic does (ranks 1, 2, 0):
-    # each survivor's reduction fails because the dead peer's socket closed, not by the timeout.
-    # (How long the regroup takes: scripts/bench_elastic.py.)
+    # each survivor's reduction fails because the dead peer's socket closed, not by the timeout. A second cause,
+    # 1 run in 8 under load: a survivor waited for its own send to the dead peer, which gloo never failed
+    # (comm.SumByExchange now leaves its sends to the next sum). (The regroup's cost: scripts/bench_elastic.py.)
     model = REPO / "models" / "digits_mlp.py"
     for k in range(3):
         run = tmp_path / f"run{k}"
@@ -140,6 +141,10 @@ def test_the_survivors_regroup_at_once_not_at_the_group_timeout(tmp_path):
         failures = [line for log in sorted((run / "logs").glob("worker-*.log")) if log.stem != f"worker-{victim['worker_id']}"
                     for line in log.read_text().splitlines() if "failed in generation 0" in line]
         assert len(failures) >= 2, failures  # each survivor saw its collective fail
+        # gloo's own text folded into our one line: what failed, where, no "GLHF! 🏖️"
+        assert all("(gloo " in line and "GLHF" not in line and "This is typically" not in line
+                   for line in failures), failures
+        assert "GLHF" not in out, out[-3000:]
         assert not [line for line in failures if "Timed out" in line or "timed out" in line], failures
 
 

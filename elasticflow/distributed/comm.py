@@ -105,7 +105,7 @@ class Group:
             return fn()
         except Exception as exc:
             self.close(flush=False)
-            raise CommError(f"{what} failed in generation {self.generation}: {str(exc).splitlines()[0][:300]}") from exc
+            raise CommError(f"{what} failed in generation {self.generation}: {gloo_text(exc)}") from exc
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place allreduce of one tensor (pass one flat buffer, not many small ones).
@@ -266,6 +266,19 @@ class Group:
         if tensor.numel():
             self._run("receive", lambda: self.pg.recv([tensor], src, tag).wait())
         return tensor
+
+
+def gloo_text(exc: BaseException) -> str:
+    """gloo's error as one short line of ours: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer
+    [127.0.0.1]:3302. This is typically caused by a remote worker crashing. Check the logs ... GLHF! 🏖️" becomes
+    "Connection closed by peer [127.0.0.1]:3302 (gloo pair.cc:553)"."""
+    text = (str(exc).splitlines() or [type(exc).__name__])[0]
+    where = ""
+    if text.startswith("[") and "] " in text:
+        source, text = text[1:].split("] ", 1)
+        where = f" (gloo {source.rsplit('/', 1)[-1]})"
+    text = text.split(" This is typically caused", 1)[0].rstrip(". ")
+    return text[:240] + where
 
 
 def _bytes(array: np.ndarray) -> torch.Tensor:
