@@ -95,7 +95,7 @@ def test_a_resumed_run_continues_the_ledger(tmp_path):
     first.send_signal(signal.SIGINT)
     out = finish(first)
     assert first.returncode == 130, out[-3000:]
-    second = launch(run, env={"EF_PROBE_SLEEP": "0.05"})  # the time between the jobs: in a cluster, the queue
+    second = launch(run, env={"EF_PROBE_SLEEP": "0.05"})  # the time between the jobs: the user's, not the run's
     out = finish(second)
     assert second.returncode == 0, out[-3000:]
 
@@ -103,10 +103,13 @@ def test_a_resumed_run_continues_the_ledger(tmp_path):
     assert_adds_up(led)
     one, two = led["jobs"]
     assert one["outcome"] == "interrupted" and two["outcome"] == "finished"
-    assert led["seconds"]["requeue"] == pytest.approx(two["started"] - one["ended"], abs=1e-3)
-    assert led["seconds"]["requeue"] > 0
+    # Not preempted: the gap is between runs, reported and left out of wall and goodput (a 4-minute pause once
+    # read as "requeue 237.575 s 74.7%", goodput 13.5%).
+    gap = two["started"] - one["ended"]
+    assert gap > 0 and led["between_runs_s"] == pytest.approx(gap, abs=1e-3) and led["seconds"]["requeue"] == 0
     assert two["seconds"]["startup"] > 0  # a second interpreter, imports and the checkpoint loaded
-    assert led["wall_s"] == pytest.approx(two["ended"] - one["started"], abs=1e-3)
+    assert led["wall_s"] == pytest.approx(two["ended"] - one["started"] - gap, abs=1e-3)
+    assert f"between runs {gap:.3f} s with no job running: not counted" in goodput.render(led)
     assert led["seconds"]["startup"] == pytest.approx(one["seconds"]["startup"] + two["seconds"]["startup"], abs=1e-3)
     # Each job's productive seconds are its own steps' (what each step's record booked, and the loop's tail
     # its "trained" record books): job 2 counts the steps after the checkpoint it resumed from, not job 1's.
@@ -159,6 +162,7 @@ def test_hand_written_records_give_exact_parts(tmp_path):
         {"time": 110.5, "event": "recovered", "recovery_s": 4.0, "transfer_s": 0.5, "redone_s": 0.25,
          "detect_s": 0.25, "steps_redone": 1},                                  # rebuild 3.5, of which 2 below min
         {"time": 112.0, "event": "regrouped", "recovery_s": 1.0},
+        {"time": 118.8, "event": "preempt"},                                    # SLURM's warning: requeued
         {"time": 119.0, "event": "trained", "train_s": 1.0},                   # loop 16 s
         {"time": 120.0, "event": "job_end", "outcome": "interrupted"},          # shutdown 1
         {"time": 130.2, "event": "job_start", "started": 130.0},                # requeue 10

@@ -30,7 +30,10 @@ The accounting:
   ``eval``                evaluation (``evaluation_s`` on metrics.jsonl's eval records)
   ======================  ==================================================================================
 - ``startup`` (each job's) and ``shutdown`` (process exit after ``trained``) are their windows, less any
-  cost recorded in them. ``requeue``: the gaps between one job's end and the next one's start.
+  cost recorded in them. ``requeue``: the gap between the end of a job that was preempted (its ``preempt``
+  event: SLURM's warning signal) and the next one's start, the scheduler's pause. The gap after any other end
+  (finished, Ctrl-C, stopped, killed) is **between runs**: no job of the run existed, which is a user's pause,
+  not the run's cost; it is reported (``between_runs_s``) and left out of wall and goodput.
 - ``other``: wall less every part above. Zero by construction with one rank 0 per job (the meter
   partitions the loop); a new rank 0 after a kill goes on from its own meter, which was reset at the
   same logged step, so ``other`` is the difference between two processes' clocks (milliseconds).
@@ -204,6 +207,7 @@ def _job(start: Dict[str, Any], events: List[Dict[str, Any]], metrics: List[Dict
     return {"started": began, "ended": ended, "finished": end is not None,
             "outcome": end.get("outcome") if end else "running or killed", "wall_s": wall, "seconds": parts,
             "recoveries": len(recovered), "steps_redone": sum(int(e.get("steps_redone") or 0) for e in recovered),
+            "preempted": any(e.get("event") == "preempt" for e in events),
             "regroups": sum(e.get("event") == "regrouped" for e in events),
             "checkpoints": sum(e.get("event") == "checkpoint" for e in events)}
 
@@ -226,8 +230,10 @@ def ledger(run_dir: Path) -> Dict[str, Any]:
     for j in jobs:
         for cause, s in j["seconds"].items():
             seconds[cause] += s
-    seconds["requeue"] = sum((max(0.0, b["started"] - a["ended"]) for a, b in zip(jobs, jobs[1:])), 0.0)
-    wall = jobs[-1]["ended"] - jobs[0]["started"]
+    gaps = [(a["preempted"], max(0.0, b["started"] - a["ended"])) for a, b in zip(jobs, jobs[1:])]
+    seconds["requeue"] = sum((gap for preempted, gap in gaps if preempted), 0.0)
+    between = sum((gap for preempted, gap in gaps if not preempted), 0.0)
+    wall = jobs[-1]["ended"] - jobs[0]["started"] - between
     # What rounding and an overlap of jobs (a second one started before the first ended) leave over.
     seconds["other"] += wall - sum(seconds.values())
     rounded = {k: round(v, 4) for k, v in seconds.items()}
@@ -235,6 +241,7 @@ def ledger(run_dir: Path) -> Dict[str, Any]:
         j["seconds"] = {k: round(v, 4) for k, v in j["seconds"].items()}
         j["wall_s"] = round(j["wall_s"], 4)
     return {"wall_s": round(wall, 4), "goodput": round(seconds["productive"] / wall, 4) if wall > 0 else 0.0,
+            "between_runs_s": round(between, 4),
             "seconds": rounded, "failures_s": round(sum(seconds[c] for c in FAILURES), 4),
             "recoveries": sum(j["recoveries"] for j in jobs), "steps_redone": sum(j["steps_redone"] for j in jobs),
             "regroups": sum(j["regroups"] for j in jobs), "checkpoints": sum(j["checkpoints"] for j in jobs),
@@ -256,6 +263,8 @@ def render(led: Dict[str, Any]) -> str:
         seconds = 0.0 if abs(seconds) < 0.0005 else seconds  # no "-0.000"
         if seconds or cause == "other":
             lines.append(f"  {cause:<11}{seconds:>9.3f} s {pct(seconds):>5.1f}%{notes.get(cause, '')}")
+    if led.get("between_runs_s"):
+        lines.append(f"  between runs {led['between_runs_s']:.3f} s with no job running: not counted")
     if led["recoveries"] or s["below_min"]:
         lines.append(f"  failures cost {led['failures_s']:.3f} s ({pct(led['failures_s']):.1f}%): "
                      f"{led['recoveries']} recover{'y' if led['recoveries'] == 1 else 'ies'}, "
