@@ -5,6 +5,8 @@ import json
 
 from elasticflow.observability.reporting import RunLog, StepLog
 
+from harness import PROBE, metrics, train
+
 
 def record(step: int, samples_per_step: int = 64) -> dict:
     return {"step": step, "epoch": 0, "loss": 1.0 / step, "lr": 0.1, "samples_seen": step * samples_per_step,
@@ -89,3 +91,17 @@ def test_the_banner_says_how_a_global_batch_is_cut_and_dealt():
     first = banner(backend="torch", device="cpu", world=3, global_batch=64, micro=16, optimizer="sgd", samples=640,
                    steps_per_epoch=10, total_steps=None, run_dir="r", resumed=None).splitlines()[0]
     assert first.endswith("| workers 3 | global batch 64 = 4 micro-batches of 16, dealt 2+1+1 over 3 workers")
+
+
+def test_the_step_line_shows_the_intervals_mean_not_one_steps_time(tmp_path):
+    """Steps 11-20 hold a 1 s pause (at step 15): the line for step 20 says at least 100 ms/step, where step 20's
+    own time (in metrics.jsonl) is milliseconds; the first line has no interval and shows its step's own."""
+    run = tmp_path / "run"
+    proc = train(PROBE, run, "trainer.max_steps=20", "trainer.log_every=10", env={"EF_PROBE_PAUSE": "15:1.0"})
+    lines = {int(line.split()[1]): line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.startswith("step ") and "ms/step" in line}
+    assert set(lines) == {10, 20}, proc.stderr[-2000:]
+    per_step = {s: float(line.split(" ms/step")[0].rsplit(" ", 1)[1]) for s, line in lines.items()}
+    records = {r["step"]: r for r in metrics(run) if "loss" in r}
+    assert per_step[20] >= 100.0 and records[20]["step_time_s"] * 1e3 < 50.0, (per_step, records[20])
+    assert per_step[10] == round(records[10]["step_time_s"] * 1e3, 1)
