@@ -71,8 +71,14 @@ def _setup_logging(run_dir: Path, worker_id: int, trainer_ref) -> DetachedConsol
     console.addFilter(_RankFilter(trainer_ref, worker_id))
     file = _LogFile(logs / f"worker-{worker_id}.log")
     file.setFormatter(logging.Formatter(f"[%(asctime)s][worker {worker_id}][%(levelname)s] %(message)s"))
+    # RUN_DIR/train.log holds what the console showed (the agent's lines go there through Hydra's job log): the
+    # lines of whoever is rank 0, and every worker's warnings, in the agent's format.
+    shown = _LogFile(run_dir / "train.log")
+    shown.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s"))
+    shown.addFilter(_RankFilter(trainer_ref, worker_id))
     root.addHandler(console)
     root.addHandler(file)
+    root.addHandler(shown)
     return DetachedConsole(root)  # a console nobody reads must not stop training (console.py)
 
 
