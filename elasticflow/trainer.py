@@ -72,7 +72,7 @@ class ElasticTrainer:
         self.ckpt_dir = checkpoint_dir(self.cfg, self.run_dir)
         self.membership = membership
         self.state = TrainState()
-        self.run_log = RunLog(self.run_dir, tensorboard=self.tcfg.tensorboard)
+        self.run_log = RunLog(self.run_dir, self.tcfg.loggers, config=self.cfg)
         self.stop_signal = StopSignal(console=membership is None)  # with workers, the agent says it once
         self.metric_names: list = []
         self.last_eval: Dict[str, float] = {}

@@ -180,7 +180,7 @@ def bench_decode(model: Path, tmp: Path, rounds: int, steps: int = 60, batch: in
         return batch * (len(stamps) - 1 - WARMUP) / (stamps[-1] - stamps[WARMUP])
 
     def ours(run: Path, *extra: str) -> float:  # the same span: step WARMUP+1's end to the last step's end
-        ends = [r["time"] for r in fit(model, run, *common, "trainer.tensorboard=false", *extra)]
+        ends = [r["time"] for r in fit(model, run, *common, "trainer.loggers=[]", *extra)]
         return batch * (len(ends) - 1 - WARMUP) / (ends[-1] - ends[WARMUP])
 
     loop = f"DataLoader(num_workers=2, pin_memory) loop, {threads} threads"

@@ -36,7 +36,7 @@ CLI = [sys.executable, "-m", "elasticflow.cli"]
 MLP = str(REPO / "models" / "digits_mlp.py")
 WIDE = str(REPO / "scripts" / "bench" / "wide_linear.py")
 BYTES_RE = re.compile(r"sharded optimizer state: (\d+) bytes in (\d+) range\(s\) \(replicated: (\d+)\) at world (\d+)")
-COMMON = ["trainer.progress=false", "trainer.tensorboard=false", "optimizer=adam", "optimizer.lr=0.001",
+COMMON = ["trainer.progress=false", "trainer.loggers=[]", "optimizer=adam", "optimizer.lr=0.001",
           "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=20"]
 
 

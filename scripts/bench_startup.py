@@ -31,7 +31,7 @@ def run_once(run: Path, fork: bool, workers: int, steps: int, kill: bool) -> tup
     model = PROBE if kill else MODEL
     args = [sys.executable, "-m", "elasticflow.cli", "train", str(model), f"hydra.run.dir={run}",
             f"launcher.workers={workers}", f"trainer.max_steps={steps}", "trainer.progress=false",
-            "trainer.tensorboard=false", f"launcher.fork_workers={str(fork).lower()}"]
+            "trainer.loggers=[]", f"launcher.fork_workers={str(fork).lower()}"]
     env = {**os.environ}
     if kill:  # worker 1 kills itself at step 10; restart_failed forks (or starts) a replacement
         args += ["launcher.restart_failed=true"]

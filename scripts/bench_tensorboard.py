@@ -1,4 +1,4 @@
-"""The step-time cost of TensorBoard logging: trainer.tensorboard=true vs false, trainer.log_every=1.
+"""The step-time cost of TensorBoard logging: trainer.loggers=[tensorboard] vs [], trainer.log_every=1.
 
     .venv/bin/python scripts/bench_tensorboard.py                 # digits MLP, 5 rounds of 4000 steps
     .venv/bin/python scripts/bench_tensorboard.py --rounds 9 --hidden 1024
@@ -31,7 +31,7 @@ def run(run_dir: Path, board: bool, steps: int, hidden: int, warmup: int) -> flo
 
     model = str(REPO / "models" / "digits_mlp.py")
     cfg = compose(model, [f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.progress=false",
-                          f"trainer.tensorboard={str(board).lower()}", "backend.threads=1",
+                          f"trainer.loggers={'[tensorboard]' if board else '[]'}", "backend.threads=1",
                           "checkpoint.interval.steps=null", f"+model_args.hidden={hidden}"])
     ElasticTrainer(model, cfg, run_dir=str(run_dir)).fit()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

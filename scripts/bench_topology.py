@@ -85,7 +85,7 @@ def one_job(topology: str, steps: int, skip: int, rate: str, side: int, extra: t
                      "launcher.nodes=2", f"topology={kind}", f"trainer.max_steps={steps}",
                      "trainer.global_batch_size=64", "trainer.log_every=1", "optimizer.lr=0.01",
                      "checkpoint.interval.steps=null", "elastic.timeout_s=120", "elastic.heartbeat_timeout_s=60",
-                     "trainer.tensorboard=false", *extra]
+                     "trainer.loggers=[]", *extra]
         env = {"ELASTICFLOW_JOB_TOKEN": TOKEN, "EF_WIDE_N": str(side)}
         procs = [net.train(h, MODEL, run, *overrides, env=env) for h in ("h1", "h2")]
         deadline = time.monotonic() + 900

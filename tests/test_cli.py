@@ -93,7 +93,7 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(tiny, tmp_path, co
     import sys
 
     run = tmp_path / "run"
-    cfg = compose(str(tiny), [*SMALL, "trainer.max_steps=1", "trainer.progress=false", "trainer.tensorboard=false"])
+    cfg = compose(str(tiny), [*SMALL, "trainer.max_steps=1", "trainer.progress=false", "trainer.loggers=[]"])
     ElasticTrainer(str(tiny), cfg, run_dir=str(run)).fit()
     target = ckpt.latest(run / "checkpoints") if command == "inspect" else run
     # The reader is gone before the command writes a line (as `| true`, or `| head` once it has its lines).
@@ -142,6 +142,8 @@ def test_every_job_of_a_sweep_is_validated_before_any_runs(tiny, tmp_path, sweep
     ("optimizer=rmsprop", "optimizer=rmsprop is not a choice of the config group optimizer",
      "use one of: optimizer=adam, optimizer=adamw, optimizer=sgd"),
     ("trainer.epochs=1,2", "Ambiguous value for argument 'trainer.epochs=1,2'", "to sweep over the values add -m"),
+    ("trainer.tensorboard=false", "trainer.tensorboard was replaced by trainer.loggers",
+     "trainer.loggers=[] no tracker at all"),
 ])
 def test_a_bad_override_is_one_error_line_with_a_hint_and_writes_nothing(tiny, tmp_path, override, message, hint):
     proc = train(tiny, tmp_path / "run", override, check=False, timeout=120)

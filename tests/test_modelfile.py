@@ -76,7 +76,7 @@ def prepare(path, tmp_path, *overrides):
     from elasticflow.config.schema import compose
     from elasticflow.trainer import ElasticTrainer
 
-    cfg = compose(str(path), ["trainer.progress=false", "trainer.tensorboard=false", *overrides])
+    cfg = compose(str(path), ["trainer.progress=false", "trainer.loggers=[]", *overrides])
     return ElasticTrainer(str(path), cfg, run_dir=str(tmp_path / "run")).prepare()
 
 

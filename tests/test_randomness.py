@@ -54,7 +54,7 @@ def data(cfg):
 
 
 def banner_warnings(path, tmp_path, caplog, *overrides) -> list:
-    cfg = compose(str(path), ["trainer.max_steps=1", "trainer.progress=false", "trainer.tensorboard=false", *overrides])
+    cfg = compose(str(path), ["trainer.max_steps=1", "trainer.progress=false", "trainer.loggers=[]", *overrides])
     with caplog.at_level(logging.INFO, logger="elasticflow"):
         caplog.clear()
         ElasticTrainer(str(path), cfg, run_dir=str(tmp_path / f"run{len(list(tmp_path.glob('run*')))}")).fit()

@@ -41,7 +41,7 @@ def test_scalars_equal_the_metrics_records(tmp_path):
 
 def test_off_writes_nothing(tmp_path):
     run = tmp_path / "run"
-    train("digits_mlp.py", run, "trainer.max_steps=5", "trainer.tensorboard=false")
+    train("digits_mlp.py", run, "trainer.max_steps=5", "trainer.loggers=[]")
     assert not (run / "tensorboard").exists()
 
 
@@ -71,7 +71,7 @@ def test_the_sidecar_runs_below_the_trainers_priority(tmp_path):
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.tensorboard", str(tmp_path), "--parent",
+    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.sidecar", str(tmp_path), "--parent",
                              str(os.getpid())], stdin=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -93,11 +93,11 @@ def test_the_sidecar_exits_quietly_when_its_run_directory_is_removed(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.tensorboard", str(run), "--parent",
+    proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.sidecar", str(run), "--parent",
                              str(os.getpid())], stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while not (run / "tensorboard" / ".read").exists() and time.monotonic() < deadline:
+        while not (run / ".elasticflow" / "trackers.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5, "time": 1.0}\n')
         shutil.rmtree(run)

@@ -122,7 +122,9 @@ class TrainerConfig:
     device: str = "auto"                     # auto | cpu | cuda (auto: a GPU where the worker sees one)
     precision: str = "32"                    # 32 | bf16 | 16 (mixed: float32 weights; 16 adds loss scaling)
     data_on_device: Optional[bool] = None    # array datasets on the GPU; null = when they total <= 2 GiB
-    tensorboard: bool = True                 # rank 0 writes RUN_DIR/tensorboard/ (scalars, membership events)
+    # Where metrics and membership events go besides metrics.jsonl/events.jsonl, written by a sidecar process
+    # of rank 0's: tensorboard (RUN_DIR/tensorboard/), csv (RUN_DIR/metrics.csv), mlflow, wandb (docs/observability.md)
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, mlflow, wandb
     # none | optimizer (ZeRO stage 1: each worker keeps 1/W of the optimizer state) | gradients (stage 2:
     # the gradient is reduce-scattered too). Elastic: see elastic.shard_replicas and elasticflow/replica/shard.py.
     shard: str = "none"
@@ -195,12 +197,15 @@ class Config:
 # Old key -> new key. An override of an old key fails naming the new one, not with Hydra's "Key not in".
 # (checkpoint.async: a Python keyword cannot be a dataclass field.)
 RENAMED = {"checkpoint.async": "checkpoint.async_save"}
+REPLACED = {"trainer.tensorboard": "trainer.loggers=[tensorboard] writes RUN_DIR/tensorboard/, trainer.loggers=[] "
+                                   "no tracker at all (trainer.loggers also takes csv, mlflow, wandb)"}
 
 BACKENDS = ("torch", "tensorflow")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "step")
 WORKER_TYPES = ("thread", "process")
 SHARD_STAGES = ("none", "optimizer", "gradients")
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # observability/trackers.py
 
 
 def register() -> None:
@@ -218,6 +223,8 @@ def refuse_renamed(overrides: List[str]) -> None:
             new = RENAMED[key]
             raise ElasticFlowError(f"{key} was renamed to {new}",
                                    f"pass {new}={value}" if has_value else f"use {new} instead")
+        if key in REPLACED:
+            raise ElasticFlowError(f"{key} was replaced by trainer.loggers", REPLACED[key])
 
 
 def _choice(value: Any, choices: tuple, key: str, hint: str) -> None:
@@ -298,6 +305,9 @@ def validate(cfg: Any) -> None:
     if t.on_nonfinite not in ("stop", "skip"):
         raise ElasticFlowError(f"trainer.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}",
                                "set trainer.on_nonfinite=skip to skip steps whose loss or gradient is NaN or inf")
+    for name in t.loggers:
+        _choice(name, LOGGERS, "trainer.loggers", "name any of them, e.g. trainer.loggers=[tensorboard,mlflow], "
+                "or trainer.loggers=[] for none")
     _choice(t.shard, SHARD_STAGES, "trainer.shard",
             "pass trainer.shard=optimizer (ZeRO stage 1), gradients (stage 2) or none (replicated state)")
     if t.shard == "gradients" and (t.grad_clip is not None or precision_name(t.precision) == "16"):

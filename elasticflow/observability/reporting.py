@@ -9,7 +9,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from ..data.order import deal, split_evenly
 from .._util import untrusted
@@ -74,15 +74,16 @@ class RunLog:
     already in the file (``take_over``).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, loggers: Sequence[str] = (), config: Any = None):
         self.run_dir = run_dir
         self._writer: Optional[MetricsWriter] = None
         self._written = -1  # samples_seen of the newest record in metrics.jsonl
         self._board = None
-        if tensorboard:
-            from .tensorboard import TensorBoard
+        if loggers:
+            from .sidecar import Sidecar
 
-            self._board = TensorBoard(run_dir)  # a sidecar that follows metrics.jsonl, started by rank 0
+            # a process that follows metrics.jsonl and events.jsonl into the trackers, started by rank 0
+            self._board = Sidecar(run_dir, list(loggers), config)
 
     def _metrics(self) -> MetricsWriter:
         if self._writer is None:
