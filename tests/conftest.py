@@ -53,6 +53,11 @@ def tf_reference(one_worker):
 # run one at a time, and go first: they are the longest, and the other worker fills in beside them.
 MACHINE_WIDE = {"test_hosts.py", "test_topology_hosts.py", "test_slurm.py", "test_slurm_cluster.py",
                 "test_slurm_grow.py", "test_slurm_hosts.py"}
+# Then the files of a minute or more (2026-11-27's `--durations`), longest first, the rest in name order: a long
+# file started last (test_tensorflow*, test_topology* sort late by name) left one worker alone at the end.
+LONG_FIRST = ["test_exact.py", "test_finetune.py", "test_servers.py", "test_elastic.py", "test_chaos.py",
+              "test_tensorflow.py", "test_data_forms.py", "test_shard_checkpoint.py", "test_scale.py", "test_shard.py",
+              "test_hierarchy.py", "test_kubernetes.py", "test_intruder.py", "test_checkpoint_sharded.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
@@ -62,4 +67,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("machine-wide" if name in MACHINE_WIDE else name))
-    items.sort(key=lambda item: item.path.name not in MACHINE_WIDE)  # stable: each file keeps its order
+    def rank(item) -> tuple:
+        name = item.path.name
+        return name not in MACHINE_WIDE, LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each file keeps its order
