@@ -107,6 +107,5 @@ def read_jsonl(path: Path, timed: bool = False) -> Records:
 
 
 def _timed(record: Dict[str, Any]) -> bool:
-    t = record.get("time")
-    return (type(t) in (int, float) and 0 < t < 1e11 and isinstance(record.get("event", ""), str)
+    return (untrusted.unix_time(record.get("time")) and isinstance(record.get("event", ""), str)
             and isinstance(record.get("step", 0), int))

@@ -5,6 +5,7 @@ failing only with ValueError), and read a store key only through :func:`read` (o
 waits, and no ``check`` before it to race with a delete).
 """
 import json
+import math
 import re
 import secrets
 from typing import Any, Optional
@@ -71,3 +72,14 @@ def printable(value: Any, limit: int = 200) -> str:
     shown as ``\\xNN`` (a stranger's "host" once cleared the agent's console and printed a fake last line)."""
     text = str(value)[:limit]
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def number(value: Any, bound: float = math.inf) -> bool:
+    """Whether ``value`` is a real number (not a bool, not text) smaller than ``bound`` in size, so finite: where
+    a record holds a figure, a crafted line may hold text, a list or 1e999."""
+    return type(value) in (int, float) and abs(value) < bound  # abs(nan) < anything is False
+
+
+def unix_time(value: Any) -> bool:
+    """Whether ``value`` is a plausible Unix time (a positive number below 1e11: datetime overflows past it)."""
+    return number(value, 1e11) and value > 0

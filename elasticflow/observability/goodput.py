@@ -44,7 +44,6 @@ accounts failures and elasticity, not numerics. Hosts' clocks must agree (one ho
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..errors import ElasticFlowError, TrainingInterrupted
+from .._util import untrusted
 from .._util.fileio import append_event, read_jsonl, write_atomic
 
 # The order the ledger lists its parts in; "recovery" in the text is detection + rebuild + transfer.
@@ -146,8 +146,7 @@ FIGURES = ("started", "train_s", "steps_redone", "redone_s", "detect_s", "transf
 def _sane(record: Dict[str, Any]) -> bool:
     """Whether the figures the ledger reads from ``record`` are finite numbers (or absent): a line someone
     crafted in events.jsonl is left out, never a reason for `status` or the ledger to fail."""
-    return all(k not in record or record[k] is None or (type(record[k]) in (int, float) and math.isfinite(record[k])
-                                                        and abs(record[k]) < 1e11) for k in FIGURES)
+    return all(k not in record or record[k] is None or untrusted.number(record[k], 1e11) for k in FIGURES)
 
 
 def _costs(event: Dict[str, Any]) -> Dict[str, float]:

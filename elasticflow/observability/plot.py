@@ -8,12 +8,12 @@ resumes, so a run of several jobs is one continuous plot (the gaps between jobs 
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
 from ..errors import ElasticFlowError
 from .._util.fileio import read_jsonl
+from .._util.untrusted import number, unix_time
 
 # The events marked, and their colours; others are drawn grey.
 MARKED = {"left": "tab:red", "hung": "tab:purple", "joined": "tab:green", "recovered": "tab:orange",
@@ -32,11 +32,11 @@ def figure(run_dir: Path):
     if not run_dir.is_dir():
         raise ElasticFlowError(f"{run_dir} is not a directory", "pass a run directory (hydra.run.dir of a train run)")
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if type(r.get("step")) is int]
-    steps = [r for r in records if _number(r.get("loss")) and _number(r.get("time")) and 0 < r["time"] < 1e11]
+    steps = [r for r in records if number(r.get("loss")) and unix_time(r.get("time"))]
     if not steps:
         raise ElasticFlowError(f"{run_dir} has no logged steps yet (metrics.jsonl is missing or empty)",
                                "plot a run that has trained at least trainer.log_every steps")
-    evals = [r for r in records if _number(r.get("eval_loss"))]
+    evals = [r for r in records if number(r.get("eval_loss"))]
     events = read_jsonl(run_dir / "events.jsonl", timed=True)
     t0 = min([steps[0]["time"]] + [e["time"] for e in events])
 
@@ -48,12 +48,12 @@ def figure(run_dir: Path):
     loss_ax.set(xlabel="step", ylabel="loss", title="loss")
     loss_ax.legend()
 
-    timed = [r for r in steps if _number(r.get("step_time_s")) and _number(r.get("global_batch", 0))]
+    timed = [r for r in steps if number(r.get("step_time_s")) and number(r.get("global_batch", 0))]
     speed_ax.plot([r["time"] - t0 for r in timed],
                   [r.get("global_batch", 0) / max(r["step_time_s"], 1e-9) for r in timed], ".", markersize=3)
     speed_ax.set(xlabel="time (s)", ylabel="samples/s", title="throughput")
     world_ax.step([r["time"] - t0 for r in steps],
-                  [r["world_size"] if _number(r.get("world_size")) else 1 for r in steps], where="post")
+                  [r["world_size"] if number(r.get("world_size")) else 1 for r in steps], where="post")
     world_ax.set(xlabel="time (s)", ylabel="workers", title="workers")
     world_ax.yaxis.get_major_locator().set_params(integer=True)
 
@@ -81,8 +81,3 @@ def plot(run_dir: Path, out: Optional[Path] = None) -> Path:
                                "name the file .png, .svg or .pdf")
     fig.savefig(out, dpi=110)
     return out
-
-
-def _number(value) -> bool:
-    """A real, finite number (a crafted line may hold text, a list, or 1e999 where a figure belongs)."""
-    return type(value) in (int, float) and math.isfinite(value)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 from pathlib import Path
 from typing import List, Tuple
 
@@ -38,7 +37,7 @@ def _last_step(run_dir: Path) -> dict:
                 record = untrusted.loads(line, max_bytes=1 << 20)
             except ValueError:
                 continue
-            if isinstance(record, dict) and record.get("step") == step and _number(record.get("loss")):
+            if isinstance(record, dict) and record.get("step") == step and untrusted.number(record.get("loss")):
                 last = record
     return last
 
@@ -109,7 +108,3 @@ def status(run_dir: Path, events: int = 8) -> str:
         lines.append(("so far: " if running else "") + goodput.render(ledger))
     # Hosts, devices and reasons come from workers and requests: printed as text, never as terminal escapes.
     return "\n".join(printable(line, limit=4000) for line in lines)
-
-
-def _number(value) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
