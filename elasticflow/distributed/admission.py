@@ -32,9 +32,10 @@ def admit(agent: "Agent") -> None:
             verdict = judge(agent, n, request)
         except Exception as exc:  # noqa: BLE001 - a request is anyone's to write: never fatal to the agent
             verdict = {"ok": False, "reason": f"wrong or missing job token (a malformed request: {type(exc).__name__})"}
+        unsigned = not verdict["ok"] and "token" in verdict["reason"]  # failed its MAC, or no request at all
         if not verdict["ok"]:
             agent.refused_joins += 1
-            if "token" in verdict["reason"]:
+            if unsigned:
                 agent.join_rechecks[n] = (request, time.monotonic())
                 while len(agent.join_rechecks) > RECHECKS_KEPT:  # a flood: each is a store read per round
                     del agent.join_rechecks[min(agent.join_rechecks)]
@@ -45,7 +46,7 @@ def admit(agent: "Agent") -> None:
                             reason=verdict["reason"])
             else:
                 protocol.REFUSED("join request", verdict["reason"])
-            if "token" in verdict["reason"]:
+            if unsigned:
                 # Never answered: a sealed refusal of a request anyone may write (copying a real joiner's
                 # nonce) would stop that joiner. A worker learns its token is wrong from job/check instead.
                 continue

@@ -119,7 +119,7 @@ def reassert(agent: "Agent") -> None:
     for what in ("ckpt/job", "ckpt/token"):
         slot = f"{what}/{agent.verdicts.name(what)}"
         raw = protocol.read(agent.store, slot) if slot not in agent.record else None
-        if raw is not None and protocol.fetch(agent.store, agent.verdicts, slot, "checkpoint job"):
+        if protocol.opened(agent.verdicts, slot, raw, "checkpoint job"):  # the value read, not a second read
             agent.record[slot] = raw.decode(errors="replace")
     for name in ("gen/current", protocol.generation_key(agent.generation), "job/check",
                  *[k for k in agent.record if k.startswith("ckpt/")]):

@@ -327,7 +327,7 @@ class Membership:
         while True:
             try:
                 if self.store.check(keys) and all(
-                        protocol.fetch(self.store, self.sealer, k, "arrival", present=True) for k in keys):
+                        protocol.fetch(self.store, self.sealer, k, "arrival") for k in keys):
                     return True
                 if self._current(self.store) > g:
                     return False

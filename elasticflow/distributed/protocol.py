@@ -93,10 +93,6 @@ def encode(members, action: str = "train", reason: str = "", waiting=()) -> str:
     return json.dumps({"members": list(members), "action": action, "reason": reason, "waiting": list(waiting)})
 
 
-def decode(raw: Any) -> Dict[str, Any]:
-    return loads(raw)
-
-
 def sign(token: str, message: str) -> str:
     return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
 
@@ -120,10 +116,14 @@ def put(store, sealer: Sealer, key: str, payload: str) -> None:
     store.set(key, sealer.seal(key, payload))
 
 
-def fetch(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> Optional[str]:
+def fetch(store, sealer: Sealer, key: str, kind: str) -> Optional[str]:
     """The payload of the sealed record at ``key``; None when absent or forged (refused: counted, logged once
-    per ``kind``). ``present`` is kept for callers that checked first; the read never waits either way."""
-    raw = read(store, key)
+    per ``kind``)."""
+    return opened(sealer, key, read(store, key), kind)
+
+
+def opened(sealer: Sealer, key: str, raw: Optional[bytes], kind: str) -> Optional[str]:
+    """The payload of ``raw``, the value read at ``key``; None when absent or forged (refused, as ``fetch``)."""
     if raw is None:
         return None
     try:
@@ -133,8 +133,8 @@ def fetch(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> 
         return None
 
 
-def fetch_json(store, sealer: Sealer, key: str, kind: str, present: bool = False) -> Optional[Dict[str, Any]]:
-    payload = fetch(store, sealer, key, kind, present)
+def fetch_json(store, sealer: Sealer, key: str, kind: str) -> Optional[Dict[str, Any]]:
+    payload = fetch(store, sealer, key, kind)
     try:
         value = None if payload is None else loads(payload)
     except ValueError:  # sealed by the job, so never: but a record is never trusted to parse
