@@ -107,33 +107,35 @@ class _Follower:
         # bytes of metrics.jsonl and events.jsonl each tracker has had (a tracker added on a resume starts at 0)
         self.read = {t.name: {"metrics": 0, "events": 0, **kept.get(t.name, {})} for t in trackers}
         self.step = 0
-        self._had: Dict[str, Dict[str, int]] = {}  # self.read as it was before the newest _new_lines
         self.failed: Dict[str, str] = {}  # tracker -> its error, reported once; it is given nothing more
 
     def poll(self) -> None:
-        for at, record in self._new_lines("metrics"):
+        had, lines = self._new_lines("metrics")
+        for at, record in lines:
             try:  # a crafted line (text where a figure belongs) is skipped, never the end of the sidecar
                 step, wall, values = int(record.get("step", self.step)), _wall(record), scalars_of(record)
             except (TypeError, ValueError, OverflowError):
                 continue
             self.step = step
             if values:
-                self._each("metrics", at, lambda t: t.scalars(step, values, wall))
-        for at, event in self._new_lines("events"):
+                self._each(lambda t: t.scalars(step, values, wall), at, had)
+        had, lines = self._new_lines("events")
+        for at, event in lines:
             kind = str(event.get("event", "event"))
             fields = {k: v for k, v in event.items() if k not in ("event", "time")}
             try:
                 wall = _wall(event)
             except (TypeError, ValueError, OverflowError):
                 continue
-            self._each("events", at, lambda t: t.event(self.step, kind, fields, wall))
-        self._each(None, 0, lambda t: t.flush())
+            self._each(lambda t: t.event(self.step, kind, fields, wall), at, had)
+        self._each(lambda t: t.flush())
         write_atomic(self.run_dir / ".elasticflow" / OFFSETS, json.dumps(self.read))
 
-    def _each(self, name: Optional[str], at: int, call) -> None:
-        """``call(tracker)`` for each tracker that has not had the line starting at byte ``at`` of ``name``."""
+    def _each(self, call, at: int = 0, had: Optional[Dict[str, int]] = None) -> None:
+        """``call(tracker)`` for each tracker that has not failed and, given ``had`` (the bytes of the file each
+        tracker had), had not had the line starting at byte ``at``."""
         for t in self.trackers:
-            if t.name in self.failed or (name is not None and at < self._had[t.name][name]):
+            if t.name in self.failed or (had is not None and at < had[t.name]):
                 continue
             try:
                 call(t)
@@ -142,17 +144,18 @@ class _Follower:
                 print(f"warning: the {t.name} logger failed ({self.failed[t.name][:300]}); it gets nothing more "
                       "in this job (the run's own metrics.jsonl and events.jsonl have everything)", file=sys.stderr)
 
-    def _new_lines(self, name: str) -> List[Tuple[int, Dict[str, Any]]]:
-        """(start byte, record) of each complete line past what the furthest-behind tracker had."""
-        self._had = {t: dict(r) for t, r in self.read.items()}
+    def _new_lines(self, name: str) -> Tuple[Dict[str, int], List[Tuple[int, Dict[str, Any]]]]:
+        """The bytes of ``name``.jsonl each tracker had before, and (start byte, record) of each complete line past
+        what the furthest-behind tracker had; each tracker's count moves to the end of those lines."""
+        had = {t: r[name] for t, r in self.read.items()}
         path = self.run_dir / f"{name}.jsonl"
-        start = min((r[name] for r in self.read.values()), default=0)
+        start = min(had.values(), default=0)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            return []
+            return had, []
         if size <= start:
-            return []
+            return had, []
         with open(path, "rb") as f:
             f.seek(start)
             chunk = f.read(size - start)
@@ -169,7 +172,7 @@ class _Follower:
             if isinstance(record, dict):
                 records.append((at, record))
             at += len(line) + 1
-        return records
+        return had, records
 
     def close(self) -> None:
         for t in self.trackers:
