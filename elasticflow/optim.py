@@ -72,6 +72,9 @@ class Hyper:
 
 @dataclass
 class OptimizerSpec:
+    # Whose update formulas: "torch" (torch.optim's, every spec here) or "keras" (a keras optimizer's, which the
+    # TensorFlow backend reads from a compiled model: backends/tensorflow/optim.py). A class attribute, not a field.
+    formulas = "torch"
     lr: float
     weight_decay: float = 0.0
     schedule: Schedule = field(default_factory=Schedule)
@@ -219,6 +222,44 @@ def runs(order: Sequence[str], sizes: Sequence[int], hyper: Mapping[str, Hyper])
             out[-1] = (out[-1][0], at + size, h)
         else:
             out.append((at, at + size, h))
+        at += size
+    return out
+
+
+Stretch = Tuple[int, int, Hyper, int]  # [lo, hi) of the flat vector, its hyperparameters, the step it takes (1-based)
+
+
+def stretches(runs: Sequence[Tuple[int, int, Hyper]], sizes: Sequence[int], step: int,
+              took_part: Optional[Sequence[bool]] = None, sat_out: Optional[Sequence[int]] = None) -> List[Stretch]:
+    """What a flat update of optimizer step ``step`` (1-based) runs over: ``runs`` (``runs()``'s stretches of
+    parameters of ``sizes`` elements each, in the flat order), each with the step it takes.
+
+    torch.optim's rule for a parameter whose ``.grad`` is None: no update at all (no weight decay, no change of
+    its slots) and no step counted, so its own step count (Adam's bias correction) falls behind. ``took_part[i]``:
+    parameter i had a gradient somewhere in the global batch (None: all did); ``sat_out[i]``: the steps it sat
+    out before this one (None: none). Parameters that take no part are cut out of the runs, and a run is cut
+    where the step its parameters take changes.
+
+    Example: the second of three parameters sat out, once before and now again:
+        >>> stretches([(0, 9, h)], [2, 3, 4], step=5, took_part=[True, False, True], sat_out=[0, 1, 0])
+        [(0, 2, h, 5), (5, 9, h, 5)]
+    """
+    if took_part is None and sat_out is None:
+        return [(lo, hi, h, step) for lo, hi, h in runs]
+    out: List[Stretch] = []
+    at, r = 0, 0
+    for i, size in enumerate(sizes):
+        if size == 0:  # nothing to update, and no run to find
+            continue
+        while runs[r][1] <= at:  # the run that holds parameter i (a parameter never spans two)
+            r += 1
+        h = runs[r][2]
+        own = step - (int(sat_out[i]) if sat_out is not None else 0)
+        if took_part is None or took_part[i]:
+            if out and out[-1][1] == at and out[-1][2] == h and out[-1][3] == own:
+                out[-1] = (out[-1][0], at + size, h, own)
+            else:
+                out.append((at, at + size, h, own))
         at += size
     return out
 

@@ -57,7 +57,8 @@ MACHINE_WIDE = {"test_hosts.py", "test_topology_hosts.py", "test_slurm.py", "tes
 # file started last (test_tensorflow*, test_topology* sort late by name) left one worker alone at the end.
 LONG_FIRST = ["test_exact.py", "test_finetune.py", "test_servers.py", "test_elastic.py", "test_chaos.py",
               "test_tensorflow.py", "test_data_forms.py", "test_shard_checkpoint.py", "test_scale.py", "test_shard.py",
-              "test_hierarchy.py", "test_kubernetes.py", "test_intruder.py", "test_checkpoint_sharded.py"]
+              "test_hierarchy.py", "test_kubernetes.py", "test_intruder.py", "test_checkpoint_sharded.py",
+              "test_idle_params.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids

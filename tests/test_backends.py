@@ -48,13 +48,17 @@ def test_the_contract_lists_what_the_trainer_calls():
     assert {"train_mode", "zero_grad", "accumulate", "grad_view", "grad_norm", "scale_grad", "apply", "evaluate",
             "state", "load_state", "state_names", "seed", "buffer_rules", "buffer_arrays", "set_buffers",
             "buckets", "arm", "fold_buffer", "flat_params", "params_written", "flat_layout", "flat_runs",
-            "release_optimizer"} <= set(METHODS)
+            "release_optimizer", "took_part"} <= set(METHODS)
     assert ATTRIBUTES == ["compiling", "grad_scale", "num_params", "placement"]
     assert _problems(inspect.signature(Contract.state), inspect.signature(lambda self: None)) == [
         "no argument 'copy'"]
-    assert _problems(inspect.signature(Contract.apply), inspect.signature(lambda self, lr=0.1, extra=1: None)) == []
-    assert _problems(inspect.signature(Contract.apply), inspect.signature(lambda self, rate, lr: None)) == [
+    assert _problems(inspect.signature(Contract.apply), inspect.signature(
+        lambda self, lr=0.1, took_part=None, sat_out=None, extra=1: None)) == []
+    assert _problems(inspect.signature(Contract.apply), inspect.signature(
+        lambda self, rate, lr, took_part=None, sat_out=None: None)) == [
         "argument 'lr' is positional or keyword at position 2, expected positional or keyword at 1",
+        "argument 'took_part' is positional or keyword at position 3, expected positional or keyword at 2",
+        "argument 'sat_out' is positional or keyword at position 4, expected positional or keyword at 3",
         "extra required argument 'rate'"]
 
 

@@ -167,7 +167,7 @@ def test_the_update_over_slices_is_the_update_over_the_whole_vector(spec, groupe
         grad = torch.zeros(1000)
         params = [torch.nn.Parameter(whole)]
         opt = FlatAdam(spec, whole, grad, params, runs)
-    update = FlatUpdate(spec, runs)
+    update = FlatUpdate(spec, runs, [hi - lo for lo, hi, _ in runs])
     ranges = [(0, 333), (333, 1000)]
     slots = {r: {s: torch.zeros(r[1] - r[0]) for s in update.slots} for r in ranges}
     scratch = torch.empty(2000)
@@ -179,5 +179,5 @@ def test_the_update_over_slices_is_the_update_over_the_whole_vector(spec, groupe
             grad.copy_(gr)
         opt.step()
         for lo, hi in ranges:
-            update(lo, sliced[lo:hi], gr[lo:hi], slots[(lo, hi)], spec.lr, step, scratch)
+            update(lo, sliced[lo:hi], gr[lo:hi], slots[(lo, hi)], spec.lr, update.plan(step), scratch)
     np.testing.assert_allclose(sliced.numpy(), whole.numpy(), rtol=1e-6, atol=1e-7)

@@ -72,8 +72,16 @@ class Engine(Protocol):
     def scale_grad(self, factor: float) -> None:
         """Multiply the accumulated gradient by ``factor`` in place (gradient clipping)."""
 
-    def apply(self, lr: float) -> None:
-        """One optimizer update with learning rate ``lr`` from the accumulated gradient."""
+    def took_part(self) -> np.ndarray:
+        """Per parameter (flat order), whether backward gave it a gradient since ``zero_grad()``: the flags the
+        members sum in the step's reduction, so that one with no gradient anywhere sits the step out."""
+
+    def apply(self, lr: float, took_part: Optional[np.ndarray] = None, sat_out: Optional[np.ndarray] = None) -> None:
+        """One optimizer update with learning rate ``lr`` from the accumulated gradient.
+
+        ``took_part``: per parameter, whether it had a gradient anywhere in the global batch (None: all had);
+        one that had none is not updated and counts no step, as torch.optim skips a None ``.grad``.
+        ``sat_out``: per parameter, the steps it sat out before (its own step count: ``optim.stretches``)."""
 
     def evaluate(self, batch: Any) -> Dict[str, float]:
         """forward() on ``batch`` without gradients: {"loss": ..., metric: ...} as Python floats."""

@@ -4,12 +4,13 @@ aggregator) applies, the same float32 operations a 1-worker run applies to the w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..backends.torch.optim import adam_update, sgd_update, weight_decay_is_l2
-from ..optim import Adam, AdamW, OptimizerSpec
+from ..optim import Adam, AdamW, OptimizerSpec, Stretch, stretches
 
 
 @dataclass
@@ -23,6 +24,22 @@ class KeptStep:
     grad: Optional[torch.Tensor]    # the reduced gradient (stage 1's whole vector); None: skipped, or stage 2
     applied: bool = True            # False: the step was skipped (a non-finite gradient): nothing to apply
     kept: bool = False              # a recovery kept it: grad is this object's copy (``keep_step``)
+    took_part: Optional[np.ndarray] = None  # per parameter: had a gradient (None: all had); ``optim.stretches``
+    sat_out: Optional[np.ndarray] = None    # per parameter: steps it sat out before this one (None: none)
+
+    def participation(self, n: int) -> torch.Tensor:
+        """``took_part`` and ``sat_out`` of ``n`` parameters as one float64 tensor of 2n values (what a member
+        behind needs beside the gradient to apply this step as it was applied: ``participation_of``)."""
+        took = np.ones(n) if self.took_part is None else self.took_part
+        sat = np.zeros(n) if self.sat_out is None else self.sat_out
+        return torch.from_numpy(np.concatenate([took, sat]).astype(np.float64))
+
+
+def participation_of(values: torch.Tensor) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """``KeptStep.participation``'s tensor as (took_part, sat_out), each None where it says nothing."""
+    n = values.numel() // 2
+    took, sat = values[:n].numpy() > 0, values[n:].numpy().astype(np.int64)
+    return (None if took.all() else took), (sat if sat.any() else None)
 
 
 class FlatUpdate:
@@ -33,20 +50,28 @@ class FlatUpdate:
     that crosses groups is updated stretch by stretch.
     """
 
-    def __init__(self, spec: OptimizerSpec, runs: Sequence[Tuple[int, int, Any]]):
+    def __init__(self, spec: OptimizerSpec, runs: Sequence[Tuple[int, int, Any]], sizes: Sequence[int]):
         self.spec = spec
         self.runs = list(runs)
+        self.sizes = list(sizes)  # each parameter's elements, in the flat order
         self.slots = spec.slots()
         self.adam = isinstance(spec, Adam)
         self.decoupled = isinstance(spec, AdamW)
         self.l2 = self.adam and weight_decay_is_l2(spec, self.runs)
 
+    def plan(self, step: int, took_part: Optional[np.ndarray] = None,
+             sat_out: Optional[np.ndarray] = None) -> List[Stretch]:
+        """The stretches of optimizer step ``step`` (1-based) and the step each takes (``optim.stretches``:
+        parameters with no gradient sit it out)."""
+        return stretches(self.runs, self.sizes, step, took_part, sat_out)
+
     @torch.no_grad()
     def __call__(self, lo: int, param: torch.Tensor, grad: torch.Tensor, slots: Dict[str, torch.Tensor],
-                 lr: float, step: int, scratch: torch.Tensor) -> None:
-        """Update ``param`` (the flat vector's elements from ``lo`` on) and its ``slots`` in place."""
+                 lr: float, plan: Sequence[Stretch], scratch: torch.Tensor) -> None:
+        """Update ``param`` (the flat vector's elements from ``lo`` on) and its ``slots`` in place, where
+        ``plan`` (``plan()``) says."""
         hi = lo + param.numel()
-        for a, b, h in self.runs:
+        for a, b, h, step in plan:
             a, b = max(a, lo), min(b, hi)
             if a < b:
                 self._stretch(param[a - lo:b - lo], grad[a - lo:b - lo],

@@ -323,10 +323,12 @@ class Replica:
         return vec.tolist()
 
     # ------------------------------------------------------------------ sharded state
-    def update(self, lr: float, step: int, samples_seen: int) -> None:
+    def update(self, lr: float, step: int, samples_seen: int, took_part: Optional[np.ndarray] = None,
+               sat_out: Optional[np.ndarray] = None) -> None:
         """trainer.shard: update the ranges this member holds (no communication); ``step`` is the optimizer
-        step this is (1-based), ``samples_seen`` the progress it commits."""
-        self.shards.update(self.engine.grad_view(), lr, step, samples_seen)
+        step this is (1-based), ``samples_seen`` the progress it commits; ``took_part``/``sat_out``: as
+        ``Engine.apply`` takes them."""
+        self.shards.update(self.engine.grad_view(), lr, step, samples_seen, took_part, sat_out)
 
     def gather(self) -> None:
         """trainer.shard: all-gather the owners' parameters after the step was committed (a CommError if a

@@ -73,7 +73,7 @@ from . import parameter_server
 # The layout and the plans live in shard_plan; imported here for the callers that know this module.
 from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers, held_ranges,
                          needed, owned, plan_moves, plan_roll)
-from .flat_update import FlatUpdate, KeptStep  # noqa: F401 - shard.FlatUpdate: tests patch it
+from .flat_update import FlatUpdate, KeptStep, participation_of  # noqa: F401 - shard.FlatUpdate: tests patch it
 
 log = logging.getLogger("elasticflow")
 
@@ -96,9 +96,9 @@ class ShardedState:
                  serve: Optional[Tuple[int, int, int]] = None):
         what, instead = ("topology=parameter_server", "topology=ring") if serve else (f"trainer.shard={stage}",
                                                                                      "trainer.shard=none")
-        if not isinstance(spec, (SGD, Adam)):
-            raise ElasticFlowError(f"{what} has no sharded update for {type(spec).__name__}",
-                                   f"use SGD, Adam or AdamW, or pass {instead}")
+        if not isinstance(spec, (SGD, Adam)) or spec.formulas != "torch":
+            raise ElasticFlowError(f"{what} has no sharded update for {spec.name or type(spec).__name__} "
+                                   "(it shards torch.optim's formulas)", f"use SGD, Adam or AdamW, or pass {instead}")
         self.engine, self.stage, self.replicas = engine, stage, int(replicas)
         engine.release_optimizer()  # its own slots would be whole-model sized
         self.params = engine.flat_params()
@@ -106,9 +106,9 @@ class ShardedState:
             raise ElasticFlowError(f"{what} keeps the optimizer's slices in host memory and cannot update GPU "
                                    "parameters yet", f"pass {instead} on GPUs")
         self.n = int(self.params.numel())
-        self.update_fn = FlatUpdate(spec, engine.flat_runs())
-        self.slot_names = self.update_fn.slots
         layout = engine.flat_layout()
+        self.update_fn = FlatUpdate(spec, engine.flat_runs(), [int(np.prod(s, dtype=np.int64)) for _, s in layout])
+        self.slot_names = self.update_fn.slots
         offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in layout]).tolist()
         self.param_at = {name: (offsets[i], tuple(shape)) for i, (name, shape) in enumerate(layout)}
         self.world, self.rank = 1, 0       # the layout the held ranges follow
@@ -199,16 +199,19 @@ class ShardedState:
         return largest * (2 if self.update_fn.l2 else 1) if self.update_fn.adam else 0
 
     # ------------------------------------------------------------------ every step
-    def update(self, grad: torch.Tensor, lr: float, step: int, at: int) -> None:
+    def update(self, grad: torch.Tensor, lr: float, step: int, at: int, took_part: Optional[np.ndarray] = None,
+               sat_out: Optional[np.ndarray] = None) -> None:
         """Update the parameters and slots of every held range from the reduced gradient (stage 1: the
         whole ``grad``; stage 2: the ranges received into ``reduced``). ``step``: the optimizer step this
-        is (1-based, Adam's bias correction); ``at``: the progress the step commits."""
+        is (1-based, Adam's bias correction); ``at``: the progress the step commits; ``took_part``,
+        ``sat_out``: which parameters sit the step out, and their own step counts (``optim.stretches``)."""
         scatters = self.scatters()
+        plan = self.update_fn.plan(step, took_part, sat_out)
         for (lo, hi), slots in self.held.items():
             g = self.reduced[(lo, hi)] if scatters else grad[lo:hi]
-            self.update_fn(lo, self.params[lo:hi], g, slots, lr, step, self._scratch)
+            self.update_fn(lo, self.params[lo:hi], g, slots, lr, plan, self._scratch)
         # Stage 2's reduced ranges are the ones this member holds anyway: no member behind could use them.
-        self.last = KeptStep(self.at, at, lr, step, None if scatters else grad)
+        self.last = KeptStep(self.at, at, lr, step, None if scatters else grad, took_part=took_part, sat_out=sat_out)
         self.at = at
         self.reduced = {}
         if not self.gathers():  # else gather() writes them back, once all are in
@@ -428,21 +431,31 @@ class ShardedState:
         """The takers apply the giver's kept step to the ranges they hold (the giver sends its reduced
         gradient of them): afterwards they hold them at ``roll.target``. Raises CommError as redistribute."""
         tag = 1 << 20  # apart from the moves' tags (exchange waits for its messages: none is left behind)
+        params = len(self.update_fn.sizes)
         if roll.applied and roll.sends and group.rank == roll.giver:
             grad = self.last.grad
-            group.exchange([(grad[lo:hi], m, tag + i) for m in roll.takers
+            took = self.last.participation(params)  # which parameters the step left alone, and their counts
+            group.exchange([(took, m, tag - 1) for m in roll.takers] +
+                           [(grad[lo:hi], m, tag + i) for m in roll.takers
                             for i, (lo, hi) in enumerate(held_ranges(table[m]))], [])
         if group.rank not in roll.takers:
             return
         if roll.applied:
             mine = held_ranges(table[group.rank])
+            took_part = sat_out = None
             if roll.sends:
+                took = torch.empty(2 * params, dtype=torch.float64)
                 grads = [torch.empty(hi - lo, dtype=torch.float32) for lo, hi in mine]
-                group.exchange([], [(g, roll.giver, tag + i) for i, g in enumerate(grads)])
+                group.exchange([], [(took, roll.giver, tag - 1)] +
+                               [(g, roll.giver, tag + i) for i, g in enumerate(grads)])
+                took_part, sat_out = participation_of(took)
             else:  # parameter servers: its own sums of the step (table_row's last column said it has them)
+                # Note: which parameters took part came in the votes' sum that this member missed; it applies
+                # the step to every parameter (exact unless some parameter had no gradient in that step).
                 grads = [self.reduced[r] for r in mine]
+            plan = self.update_fn.plan(roll.step, took_part, sat_out)
             for (lo, hi), g in zip(mine, grads):
-                self.update_fn(lo, self.params[lo:hi], g, self.held[(lo, hi)], roll.lr, roll.step, self._scratch)
+                self.update_fn(lo, self.params[lo:hi], g, self.held[(lo, hi)], roll.lr, plan, self._scratch)
             self._written()
         log.info("rolled %d range(s) of sharded state forward to progress %d with member %d's step %d",
                  len(self.held), roll.target, roll.giver, roll.step)

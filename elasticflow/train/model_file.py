@@ -166,9 +166,13 @@ def build(model_file: ModelFile, cfg: Any, backend: Any) -> Built:
             native = backend.spec_from_native(spec)  # a torch.optim optimizer built on the model's groups
             if native is None:
                 raise ElasticFlowError(f"model()['optimizer'] is a {type(spec).__name__}, not an optimizer spec",
-                                       "use elasticflow.optim.SGD(lr), Adam(lr) or AdamW(lr), or (torch) a "
-                                       "torch.optim.SGD, Adam or AdamW")
+                                       "use elasticflow.optim.SGD(lr), Adam(lr) or AdamW(lr), or a torch.optim "
+                                       "(torch) or keras.optimizers (tensorflow) SGD, Adam or AdamW")
             spec = native
+    elif backend.is_native(built):
+        compiled = backend.spec_from_native(built)  # a keras model compiled with an optimizer trains with it
+        if compiled is not None:
+            spec, from_model = compiled, True
     foreign = backend.native_kind(built)
     if foreign:
         raise ElasticFlowError(f"model() returned {foreign}, which backend={backend.NAME} cannot train",

@@ -36,6 +36,10 @@ class TrainState:
     cursor: Cursor = field(default_factory=Cursor)  # the next sample of the global order
     last_saved_step: Optional[int] = None   # the step of the newest checkpoint saved (None: none)
     last_metrics: Dict[str, Any] = field(default_factory=dict)  # the newest step record (for logging)
+    # Optimizer steps a parameter sat out: it had no gradient anywhere in the step's global batch (an expert no
+    # token reached), so, as torch.optim skips a None .grad, it was not updated and counts fewer steps of its own
+    # (Adam's bias correction: ``optim.stretches``). Only parameters that sat out some step are listed.
+    sat_out: Dict[str, int] = field(default_factory=dict)
 
     @property
     def epochs_completed(self) -> int:
@@ -46,6 +50,7 @@ class TrainState:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["cursor"] = self.cursor.as_dict()
         out["last_metrics"] = dict(self.last_metrics)
+        out["sat_out"] = dict(self.sat_out)
         return out
 
     def load_state_dict(self, values: Dict[str, Any]) -> None:
@@ -58,6 +63,15 @@ class TrainState:
                 value = Cursor(**value) if isinstance(value, dict) else Cursor()
             elif f.name == "last_metrics":
                 value = dict(value or {})
+            elif f.name == "sat_out":
+                value = {str(k): _count(v) for k, v in dict(value or {}).items()}
             elif isinstance(default, int) and value is not None:
                 value = int(value)
             setattr(self, f.name, value)
+
+
+def _count(value: Any) -> int:
+    """A count read from a checkpoint's progress: a non-negative integer, else ValueError (a crafted record)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a step count must be a non-negative integer, got {value!r}")
+    return value

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any, Dict, List
 
+import numpy as np
+
 from ..data import order as data
 from . import grad_check, loss_scale
 from .. import optim
@@ -38,6 +40,7 @@ class Stepper:
         self.order = None           # the epoch's global sample order (set by the trainer at each epoch)
         self.agreed = Agreed()      # what the members agreed on in the last committed step's reduction
         self.reduce_started = 0.0   # perf_counter() when this attempt's reduction began
+        self.names = [n for n, _ in parts.engine.flat_layout()]  # the parameters, in the flat order
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record."""
@@ -76,12 +79,16 @@ class Stepper:
         loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
         # float(): a sync point on accelerators; the non-finite check needs it anyway.
         scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
+        k = len(scalars)
+        # Summed: > 0 where some member's backward reached the parameter (none from a member without micro-batches).
+        scalars += engine.took_part().astype(float).tolist() if share.micro else [0.0] * len(self.names)
         contribution = None if reconciler is None else reconciler.contribution(
             engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
         self.reduce_started = time.perf_counter()
         reduction = replica.start_reduce(scalars, self.stop_requested(), contribution)
         self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
         scalars, agreed, buffers = replica.finish_reduce(reduction)
+        scalars, took_part = scalars[:k], np.asarray(scalars[k:]) > 0
         if buffers is not None:
             engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
@@ -92,7 +99,7 @@ class Stepper:
             scattered = lambda: grad_check.scattered_finite(p.shards.reduced.values(), replica.reduce_sum)  # noqa: E731
         verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, scattered)
         lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
-        self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record)
+        self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record, took_part)
         if scaling:
             record["loss_scale"] = s.loss_scale
             s.loss_scale, s.loss_scale_good_steps = loss_scale.next_scale(s.loss_scale, s.loss_scale_good_steps,
@@ -115,8 +122,11 @@ class Stepper:
             replica.gather()
         return record
 
-    def _update(self, update: grad_check.Update, lr: float, batch: GlobalBatch, record: Dict[str, Any]) -> None:
-        """Apply the summed gradient (one optimizer step), or skip it, or stop the run: ``update`` says."""
+    def _update(self, update: grad_check.Update, lr: float, batch: GlobalBatch, record: Dict[str, Any],
+                took_part: np.ndarray) -> None:
+        """Apply the summed gradient (one optimizer step), or skip it, or stop the run: ``update`` says.
+        ``took_part``: per parameter, whether some member's backward gave it a gradient in this global batch;
+        one that had none sits the step out (torch.optim's skip of a None ``.grad``; ``state.sat_out``)."""
         s = self.state
         if update.action == "stop":
             raise ElasticFlowError(f"{update.why} at step {s.step + 1} (epoch {batch.epoch}); training stopped, "
@@ -133,8 +143,14 @@ class Stepper:
             else:
                 log.warning("%s at step %d; skipping the update (trainer.on_nonfinite=skip)", update.why, s.step + 1)
             return
+        idle = None if took_part.all() else took_part
+        sat_out = np.array([s.sat_out.get(n, 0) for n in self.names]) if s.sat_out else None
         if self.p.shards is not None:
-            self.replica.update(lr, s.step + 1, s.cursor.samples_seen + batch.size)
+            self.replica.update(lr, s.step + 1, s.cursor.samples_seen + batch.size, idle, sat_out)
         else:
-            self.p.engine.apply(lr)
+            self.p.engine.apply(lr, idle, sat_out)
+        if idle is not None:
+            for i in np.flatnonzero(~took_part):
+                s.sat_out[self.names[i]] = s.sat_out.get(self.names[i], 0) + 1
+            record["params_without_grad"] = int((~took_part).sum())  # sat this step out
         s.step += 1

@@ -29,8 +29,8 @@ from . import ops as tf_ops
 from . import optim as tf_optim
 from .compiled import Compiled
 from .data import _on_rows, _split, _view, np_dtype, to_numpy
-from .native import (buffer_rules, is_native, mixed_native, native_variables, owners, seed_generators,
-                     with_model_losses)
+from .native import (arrays_by_name, assign_by_name, buffer_rules, is_native, mixed_native, native_variables, owners,
+                     seed_generators, with_model_losses)
 from .ops import _generator
 
 # What an Engine activates for elasticflow.ops: the backend package, which is importing this module now
@@ -105,8 +105,6 @@ class Engine:
         self.compiling = False  # tf.function traces in about a second: nothing to announce
         _generator()
         self.native = model if is_native(model) else None
-        if self.native is not None and getattr(self.native, "optimizer", None) is not None:
-            tf_optim.refuse_keras_optimizer(self.native.optimizer, "model() returned a keras model compiled with")
         if self.native is not None and self._compute is not None:
             mixed_native(self.native, self.placement.precision)
         self.buffers: Dict[str, Any] = {}
@@ -139,8 +137,7 @@ class Engine:
             self._targets = [named[n] for n in self.param_names]  # the variables the optimizer updates
             self._shapes = [tuple(int(d) for d in v.shape) for v in self._targets]
         self._sizes = [int(np.prod(s, dtype=np.int64)) for s in self._shapes]
-        self._offsets = np.concatenate([[0], np.cumsum(self._sizes)]).astype(int).tolist()
-        self.num_params = self._offsets[-1]
+        self.num_params = int(np.sum(self._sizes))
         self._target_shapes = [tuple(int(d) for d in v.shape) for v in self._targets]
         self._target_sizes = [int(np.prod(s, dtype=np.int64)) for s in self._target_shapes]
         self.flat_grad = tf.Variable(tf.zeros([self.num_params], tf.float32), trainable=False)
@@ -177,6 +174,8 @@ class Engine:
         # Takes no argument, so the public call: it runs only when something reads the state early.
         self._apply_fn = tf.function(self._apply_step, autograph=False) if jit else self._apply_step
         self._flat_copy = None  # flat_params()'s tensor, made at its first call
+        self._pieces: List[Any] = []  # a dict model's parameters as split in the step being traced (_params)
+        self._reached = np.ones(len(self.param_names), dtype=bool)  # took_part(): known once a step is traced
 
     def _compile(self, step):
         """``step(batch)`` as the compiled function the Engine calls, or as it is without jit."""
@@ -189,7 +188,7 @@ class Engine:
         flat = tf.convert_to_tensor(self._targets[0])
         if self._compute is not None:  # one cast of the flat variable, not one per parameter
             flat = tf.cast(flat, self._compute)
-        pieces = tf.split(flat, self._sizes)
+        pieces = self._pieces = tf.split(flat, self._sizes)  # kept (at trace time): _grad_step asks which it reached
         leaves = {n: tf.reshape(p, s) for n, p, s in zip(self.param_names, pieces, self._shapes)}
         leaves.update(self.buffers)
         return rebuild(self._tree, leaves)
@@ -280,7 +279,12 @@ class Engine:
             loss, metrics = self._forward(batch, "for a micro-batch")
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
             scaled = weighted * tf.convert_to_tensor(self._scale) if self._scaling else weighted
-        grads = tape.gradient(scaled, self._targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # Which parameters the loss reaches (Keras skips a None gradient), known at trace time: a dict model's
+        pieces = self._pieces if self.native is None else []  # ... asked of its pieces, in the same pass
+        grads = tape.gradient(scaled, self._targets + pieces, unconnected_gradients=tf.UnconnectedGradients.NONE)
+        self._reached = np.array([g is not None for g in (grads[len(self._targets):] or grads)])
+        grads = [tf.zeros_like(t) if g is None else g for t, g in zip(self._targets, grads)]
+        tf_optim.note_sparse(self.spec, [n for n, g in zip(self.param_names, grads) if isinstance(g, tf.IndexedSlices)])
         # convert_to_tensor: a native embedding's gradient arrives as IndexedSlices.
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
         if fresh:  # the step's first micro-batch overwrites: zero_grad() costs nothing
@@ -334,17 +338,24 @@ class Engine:
         so the caller reduces the step's scalars beside the gradient, not folded into it."""
         return None
 
-    def apply(self, lr: float) -> None:
-        """One optimizer update from the flat gradient, with torch.optim's formulas.
+    def took_part(self) -> np.ndarray:
+        """Per parameter (flat order): whether the loss reaches it. Static here (the traced graph's), where
+        torch tells it per backward: a keras layer or an array that forward() never uses has no gradient."""
+        return self._reached
 
-        The scalars (lr, bias corrections, ...) are computed in Python doubles and rounded to
-        float32 once, as torch does with its Python-number arguments.
+    def apply(self, lr: float, took_part: Optional[np.ndarray] = None, sat_out: Optional[np.ndarray] = None) -> None:
+        """One optimizer update from the flat gradient, with torch.optim's formulas; ``took_part``,
+        ``sat_out``: as the torch Engine's (what takes no part is left alone). The scalars (lr, bias
+        corrections, ...) are computed in Python doubles and rounded to float32 once, as torch does.
 
         Note: the update runs at the start of the next accumulate()'s compiled call (one call
         per step instead of two: each costs ~0.1 ms of dispatch), or as soon as anything reads
         parameters, gradient or state (evaluate, state, grad_*); nothing can observe the delay.
         """
         self._settle()
+        if self._groups.leave_alone(took_part, sat_out):  # the update is traced into the steps: trace again
+            self._grad_fns.clear()
+            self._apply_fn = tf.function(self._apply_step, autograph=False) if self.jit else self._apply_step
         step = self._updates + 1
         scalars = self._groups.scalars(lr, step)
         if scalars != self._scalars:  # constant-lr SGD: the same scalars every step, no eager op
@@ -388,19 +399,10 @@ class Engine:
     # -- state, by name, as numpy (backend-neutral checkpoints)
     def _by_name(self, variables: List[Any], copy: bool = True) -> Dict[str, np.ndarray]:
         """Per-target variables (parameters or one optimizer slot) -> {parameter name: array}."""
-        arrays = [_view(v) for v in variables]
-        if self.native is None:  # one flat variable: its pieces by name
-            o = self._offsets
-            arrays = [arrays[0][o[i]:o[i + 1]].reshape(self._shapes[i]) for i in range(len(self.param_names))]
-        return {n: a.copy() if copy else a for n, a in zip(self.param_names, arrays)}
+        return arrays_by_name(variables, self.param_names, self._shapes, copy, flat=self.native is None)
 
     def _assign_by_name(self, variables: List[Any], named: Dict[str, np.ndarray]) -> None:
-        if self.native is not None:
-            for v, n, shape in zip(variables, self.param_names, self._shapes):
-                v.assign(np.asarray(named[n]).astype(np_dtype(v)).reshape(shape))
-        else:
-            variables[0].assign(np.concatenate([np.asarray(named[n], np.float32).reshape(-1)
-                                                for n in self.param_names]))
+        assign_by_name(variables, self.param_names, self._shapes, named, flat=self.native is None)
 
     def state(self, copy: bool = True) -> Dict[str, np.ndarray]:
         """Parameters, buffers and optimizer slots by name, as numpy arrays (see the torch Engine).

@@ -111,7 +111,8 @@ class Engine:
         identity = {id(p): n for n, p in {**self.frozen, **self.params}.items()}
         hyper = optim.hypers(spec, list(self.params), owners, identity)
         self.params = {n: self.params[n] for n in optim.grouped_order(list(self.params), hyper)}
-        self._runs = optim.runs(list(self.params), [p.numel() for p in self.params.values()], hyper)
+        self._sizes = [p.numel() for p in self.params.values()]
+        self._runs = optim.runs(list(self.params), self._sizes, hyper)
         # What state() holds: the module's state_dict names (non-persistent buffers such as position ids
         # are rebuilt by the module, not state), frozen parameters included.
         self._stateful = set(self.module.state_dict()) if self.module is not None else None
@@ -141,6 +142,12 @@ class Engine:
         self._bucket_of: Optional[List[int]] = None  # parameter index -> bucket (arm())
         self._on_ready: Optional[Any] = None
         self._waiting: Counter = Counter()
+        # Which parameters received a gradient since zero_grad(): .grad is always a view of the flat buffer, so
+        # "None" (torch.optim's skip) is told by autograd's accumulation hook instead. One Python call per
+        # parameter per backward (~1 us each).
+        self._took_part = np.zeros(len(plist), dtype=bool)
+        for i, p in enumerate(plist):
+            p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
 
     # -- one step
     def train_mode(self, training: bool) -> None:
@@ -150,6 +157,12 @@ class Engine:
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
+        self._took_part[:] = False
+
+    def took_part(self) -> np.ndarray:
+        """Per parameter (flat order): whether backward gave it a gradient since ``zero_grad()``; one that
+        took no part in any forward (an expert no token was routed to, an unused head) has none."""
+        return self._took_part
 
     def accumulate(self, batch: Tuple[torch.Tensor, ...], weight: float):
         """Backprop ``weight * loss`` of one micro-batch into the flat buffer; returns weighted (loss, metrics)."""
@@ -198,15 +211,15 @@ class Engine:
         if on_ready is not None and self._bucket_of is None:
             starts = np.cumsum([0] + [p.numel() for p in self.params.values()])[:-1].tolist()
             self._bucket_of = [next(k for k, (lo, hi) in enumerate(ranges) if lo <= at < hi) for at in starts]
-            for i, p in enumerate(self.params.values()):
-                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, self._bucket_of[i]))
         self._on_ready = on_ready
         if on_ready is not None:
             self._waiting = Counter(self._bucket_of)
 
-    def _accumulated(self, bucket: int, _param: torch.Tensor) -> None:
+    def _accumulated(self, index: int, _param: torch.Tensor) -> None:
+        self._took_part[index] = True
         if self._on_ready is None:
             return
+        bucket = self._bucket_of[index]
         self._waiting[bucket] -= 1
         if self._waiting[bucket] == 0:
             self._on_ready(bucket)
@@ -219,7 +232,8 @@ class Engine:
         """Slots after the gradient: the step's scalars and flags (a loss, metrics, three votes) and one
         value per element of the buffers that are state (what ``buffers.Reconciler`` contributes)."""
         persistent = set(self.module.state_dict()) if self.module is not None else set(self.buffers)
-        return FOLD_SCALARS + int(np.sum([b.numel() for n, b in self.buffers.items() if n in persistent]))
+        return (FOLD_SCALARS + len(self.params)  # and a flag per parameter: whether it took part (took_part)
+                + int(np.sum([b.numel() for n, b in self.buffers.items() if n in persistent])))
 
     def fold_buffer(self, extra: int) -> Optional[torch.Tensor]:
         """The flat gradient followed by ``extra`` free float32 slots, as one contiguous tensor whose head
@@ -238,10 +252,16 @@ class Engine:
     def scale_grad(self, factor: float) -> None:
         self.flat_grad.mul_(factor)
 
-    def apply(self, lr: float) -> None:
+    def apply(self, lr: float, took_part: Optional[np.ndarray] = None, sat_out: Optional[np.ndarray] = None) -> None:
+        """One optimizer step from the flat gradient. ``took_part``/``sat_out`` (per parameter, flat order):
+        whether it had a gradient anywhere in the global batch, and the steps it sat out before; a parameter
+        that took no part is left alone and counts no step (``optim.stretches``). None: every one took part."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        if took_part is None and sat_out is None:
+            self.optimizer.step()
+            return
+        self.optimizer.step(optim.stretches(self._runs, self._sizes, self.optimizer.steps + 1, took_part, sat_out))
 
     @torch.no_grad()
     def evaluate(self, batch: Tuple[torch.Tensor, ...]) -> Dict[str, float]:

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...errors import ElasticFlowError
-from ...optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec
+from ...optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec, Stretch
 
 Run = Tuple[int, int, Hyper]  # a stretch [lo, hi) of the flat buffers and its group's hyperparameters
 
@@ -90,14 +90,24 @@ class FlatSGD(_Flat):
         self._stretches = self._views_by_run(flat_param, flat_grad, self.momentum_buffer, self._scratch)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, plan: Optional[Sequence[Stretch]] = None) -> None:
+        """One update of every parameter, or of ``plan``'s stretches only (``optim.stretches``: parameters
+        with no gradient sit the step out, as torch.optim's skip of a None ``.grad``)."""
         first = not self.state  # no momentum yet: neither a step taken nor slots loaded
         if first and self.momentum:
             self.state.update(self._views)
         lr = self.param_groups[0]["lr"]
-        for h, (param, grad, buf, scratch) in self._stretches:
-            sgd_update(param, grad, buf, lr * h.lr_scale, self.momentum, self.nesterov, h.weight_decay,
-                       first=first, scratch=scratch)
+        if plan is None:
+            for h, (param, grad, buf, scratch) in self._stretches:
+                sgd_update(param, grad, buf, lr * h.lr_scale, self.momentum, self.nesterov, h.weight_decay,
+                           first=first, scratch=scratch)
+        else:
+            for lo, hi, h, own in plan:
+                # A parameter's first own step: its buffer was never written, and takes the gradient itself.
+                sgd_update(self.flat_param[lo:hi], self.flat_grad[lo:hi],
+                           None if self.momentum_buffer is None else self.momentum_buffer[lo:hi], lr * h.lr_scale,
+                           self.momentum, self.nesterov, h.weight_decay, first=own == 1,
+                           scratch=None if self._scratch is None else self._scratch[lo:hi])
         self.steps += 1
 
 
@@ -130,14 +140,22 @@ class FlatAdam(_Flat):
                                              self._l2)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, plan: Optional[Sequence[Stretch]] = None) -> None:
+        """One update of every parameter, or of ``plan``'s stretches only, each with its own step count
+        (``optim.stretches``: torch.optim counts steps per parameter, and skips one whose ``.grad`` is None)."""
         if not self.state:
             self.state.update(self._views)
         self.steps += 1
         lr = self.param_groups[0]["lr"]
-        for h, (param, grad, exp_avg, exp_avg_sq, denom, l2) in self._stretches:
-            adam_update(param, grad, exp_avg, exp_avg_sq, denom, lr * h.lr_scale, (self.beta1, self.beta2),
-                        self.eps, h.weight_decay, self.decoupled, self.steps, l2)
+        if plan is None:
+            for h, (param, grad, exp_avg, exp_avg_sq, denom, l2) in self._stretches:
+                adam_update(param, grad, exp_avg, exp_avg_sq, denom, lr * h.lr_scale, (self.beta1, self.beta2),
+                            self.eps, h.weight_decay, self.decoupled, self.steps, l2)
+            return
+        for lo, hi, h, own in plan:
+            adam_update(self.flat_param[lo:hi], self.flat_grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
+                        self._denom[lo:hi], lr * h.lr_scale, (self.beta1, self.beta2), self.eps, h.weight_decay,
+                        self.decoupled, own, None if self._l2 is None else self._l2[lo:hi])
 
 
 @torch.no_grad()
@@ -237,6 +255,9 @@ def _differs(a: Any, b: Any) -> bool:
 def make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor], flat_param: torch.Tensor,
                    flat_grad: torch.Tensor, runs: Sequence[Run]):
     """The flat update of ``spec`` over the Engine's buffers (``params[i]`` are views of ``flat_param``)."""
+    if spec.formulas != "torch":
+        raise ElasticFlowError(f"the torch backend computes torch.optim's formulas, not {spec.formulas}'s "
+                               f"({spec.name})", "use elasticflow.optim.SGD, Adam or AdamW, or backend=tensorflow")
     if isinstance(spec, SGD):
         return FlatSGD(spec, flat_param, flat_grad, params, runs)
     if isinstance(spec, Adam):
@@ -252,7 +273,7 @@ class Released:
         self.state: Dict[Any, Any] = {}
         self.param_groups: List[Dict[str, Any]] = [{}]
 
-    def step(self) -> None:
+    def step(self, plan: Any = None) -> None:
         raise RuntimeError("this engine's optimizer was released for a sharded update (trainer.shard)")
 
     def load_slots(self, p: Any, slots: Dict[str, Any], steps: int) -> None:
