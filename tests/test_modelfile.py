@@ -167,3 +167,13 @@ def test_forward_may_return_a_hugging_face_output_whose_loss_trains(write_model,
         prepare(write_model(HF_OUTPUT.format(labels="None"), "nolabels.py"), tmp_path / "nolabels")
     assert info.value.message.startswith("forward() returned a CausalLMOutputWithCrossAttentions without a loss")
     assert "labels" in info.value.hint
+
+
+def test_a_dict_that_mixes_a_module_with_arrays_is_one_line(write_model, tmp_path):
+    """{"net": module, "scale": array} was a numpy conversion error from inside the Engine."""
+    source = TWO_FIELDS.format(signature="x, y, net", loss="((net['net'](x) * net['scale'] - y) ** 2).mean()").replace(
+        "return torch.nn.Linear(4, 1)", "return {'net': torch.nn.Linear(4, 1), 'scale': np.ones(1, np.float32)}")
+    with pytest.raises(ElasticFlowError) as info:
+        prepare(write_model(source), tmp_path)
+    assert info.value.message == "model() returned a dict that mixes a torch model ('net') with other entries"
+    assert "modules only" in info.value.hint

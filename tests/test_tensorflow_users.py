@@ -522,3 +522,15 @@ def test_keras_adam_on_an_embedding_says_where_it_departs_from_fit(tmp_path, wri
         _fit(path, tmp_path / "run", "trainer.max_steps=2")
     said = [r.getMessage() for r in caplog.records if "once per occurrence" in r.getMessage()]
     assert len(said) == 1 and "emb/embeddings" in said[0], said
+
+
+def test_a_dict_holding_a_keras_model_is_one_line(tmp_path, write_model, restore_ops):
+    """The torch habit {"net": model} was a numpy conversion error from inside the TensorFlow Engine."""
+    from elasticflow.errors import ElasticFlowError
+
+    path = write_model(KERAS_DENSE.replace("    return net\n", "    return {'net': net}\n"))
+    with pytest.raises(ElasticFlowError) as info:
+        _fit(path, tmp_path / "run", "trainer.max_steps=1")
+    assert info.value.message == ("model() returned a dict holding a tensorflow model under 'net', which "
+                                  "backend=tensorflow cannot train inside a dict")
+    assert "model.compile(optimizer=...)" in info.value.hint

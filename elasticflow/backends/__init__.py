@@ -2,7 +2,7 @@
 
 A backend package (Keras 3's ``backend/{torch,tensorflow}/``) provides the ops listed in
 ``elasticflow.ops``, plus ``NAME``, ``setup(threads, seed, placement)``, ``gpus()``/``bf16_supported()``,
-``is_native(obj)``/``native_kind(obj)``/``unwrapped(model)``/``spec_from_native(opt)``,
+``is_native(obj)``/``modules_only(obj)``/``native_kind(obj)``/``unwrapped(model)``/``spec_from_native(opt)``,
 ``training()``/``set_training(flag)``, the data helpers ``to_tensor``, ``resident``, ``to_device``, ``index``,
 ``gather`` and ``to_numpy``, and an ``Engine`` class (parameters, autodiff, the flat gradient buffer,
 optimizer, state by name) that keeps the contract written once in ``engine.py`` (a ``typing.Protocol``;

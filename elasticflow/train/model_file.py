@@ -178,6 +178,17 @@ def build(model_file: ModelFile, cfg: Any, backend: Any) -> Built:
         raise ElasticFlowError(f"model() returned {foreign}, which backend={backend.NAME} cannot train",
                                "run it with the backend it was written for, or return a dict of arrays "
                                "to run on every backend")
+    if isinstance(built, dict) and not backend.modules_only(built):
+        held = [k for k, v in built.items() if backend.is_native(v)]
+        if held and backend.modules_only({held[0]: built[held[0]]}):  # torch: a dict of modules only
+            raise ElasticFlowError(f"model() returned a dict that mixes a {backend.NAME} model ({held[0]!r}) with "
+                                   "other entries", "return modules only (arrays as their parameters or buffers), "
+                                   "or a dict of arrays")
+        if held:  # the torch habit ({"net": module}); TensorFlow trains one keras model or a dict of arrays
+            raise ElasticFlowError(f"model() returned a dict holding a {backend.NAME} model under {held[0]!r}, "
+                                   f"which backend={backend.NAME} cannot train inside a dict",
+                                   "return the model itself (forward() then receives it) and its optimizer with "
+                                   "model.compile(optimizer=...), or a dict of arrays")
     if not isinstance(built, dict) and not backend.is_native(built):
         raise ElasticFlowError(f"model() returned a {type(built).__name__}; expected a dict of named parameters "
                                f"or a native {backend.NAME} model", "return e.g. {'W': np.zeros((4, 2))}")

@@ -29,7 +29,7 @@ from ..common import set_training, training  # noqa: E402,F401 - the process's t
 from .data import Rows, gather, index, resident, to_device, to_numpy, to_tensor  # noqa: E402,F401
 from .devices import bf16_supported, gpus, setup  # noqa: E402,F401
 from .engine import Engine  # noqa: E402,F401
-from .native import is_native, native_kind, unwrapped  # noqa: E402,F401
+from .native import is_native, modules_only, native_kind, unwrapped  # noqa: E402,F401
 from .optim import spec_from_native  # noqa: E402,F401 - modelfile.build asks every backend
 # The ops, under the names elasticflow.ops calls (this package is the backend it dispatches to).
 from .ops import (  # noqa: E402,F401

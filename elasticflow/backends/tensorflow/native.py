@@ -170,6 +170,12 @@ def buffer_rules(model: Any, buffers: Dict[str, Any]) -> Dict[str, Rule]:
     return rules
 
 
+def modules_only(model: Any) -> bool:
+    """Whether ``model`` is a dict of native models this backend trains as one: never here (a keras model is
+    returned as itself; torch takes ``{"net": module}``)."""
+    return False
+
+
 def arrays_by_name(variables: List[Any], names: List[str], shapes: List[Tuple[int, ...]], copy: bool,
                    flat: bool) -> Dict[str, np.ndarray]:
     """An Engine's per-parameter variables (or one optimizer slot's) as {parameter name: array}; ``flat``: one

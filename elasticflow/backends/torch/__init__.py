@@ -18,7 +18,7 @@ from ..common import set_training, training  # noqa: F401 - the process's traini
 from .data import gather, index, resident, to_device, to_numpy, to_tensor  # noqa: F401
 from .devices import bf16_supported, gpus, setup  # noqa: F401
 from .engine import Engine  # noqa: F401
-from .native import is_native, native_kind, unwrapped  # noqa: F401
+from .native import is_native, modules_only, native_kind, unwrapped  # noqa: F401
 from .optim import spec_from_native  # noqa: F401 - modelfile.build asks every backend
 # The ops, under the names elasticflow.ops calls (this package is the backend it dispatches to).
 from .ops import (  # noqa: F401
