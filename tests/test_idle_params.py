@@ -50,6 +50,12 @@ def _cfg(kind: str):
     return OmegaConf.create({"seed": 0, "model_args": {"optimizer": kind}, "data": {"prefetch": 0}})
 
 
+def _indices(step: int, n: int) -> np.ndarray:
+    """The samples of global batch STEP (0-based) of N samples: the trainer's order, an epoch's last batch short."""
+    epoch, k = divmod(step, -(-n // BATCH))
+    return data.permutation(n, 0, epoch)[k * BATCH:(k + 1) * BATCH]
+
+
 def hand_loop(kind: str, steps: int, micro: int = BATCH):
     """The model file's own torch.optim optimizer over the global order, micro-batch by micro-batch, as a user
     writes the loop. Returns ({name: parameter}, {name: steps it had no gradient}, the optimizer's state)."""
@@ -57,12 +63,9 @@ def hand_loop(kind: str, steps: int, micro: int = BATCH):
     net, opt = built["net"], built["optimizer"]
     _flat(net)
     x, y = (torch.from_numpy(a) for a in moe_probe.data(_cfg(kind)))
-    n = len(x)
-    per_epoch = -(-n // BATCH)  # the last batch of an epoch is short
     sat_out = {name: 0 for name, _ in net.named_parameters()}
     for step in range(steps):
-        epoch, k = divmod(step, per_epoch)
-        idx = data.permutation(n, 0, epoch)[k * BATCH:(k + 1) * BATCH]
+        idx = _indices(step, len(x))
         opt.zero_grad()
         for a in range(0, len(idx), micro):
             part = idx[a:a + micro]
@@ -89,10 +92,8 @@ def test_the_engine_skips_what_torch_optim_skips_to_the_bit(kind):
     names = list(engine.params)
     x, y = (torch.from_numpy(a) for a in moe_probe.data(_cfg(kind)))
     counted = np.zeros(len(names), dtype=int)
-    per_epoch = -(-len(x) // BATCH)
     for step in range(steps):
-        epoch, k = divmod(step, per_epoch)
-        idx = data.permutation(len(x), 0, epoch)[k * BATCH:(k + 1) * BATCH]
+        idx = _indices(step, len(x))
         engine.zero_grad()
         engine.accumulate((x[idx], y[idx]), 1.0)
         took = engine.took_part().copy()

@@ -107,9 +107,10 @@ class ShardedState:
                                    "parameters yet", f"pass {instead} on GPUs")
         self.n = int(self.params.numel())
         layout = engine.flat_layout()
-        self.update_fn = FlatUpdate(spec, engine.flat_runs(), [int(np.prod(s, dtype=np.int64)) for _, s in layout])
+        sizes = [int(np.prod(s, dtype=np.int64)) for _, s in layout]
+        self.update_fn = FlatUpdate(spec, engine.flat_runs(), sizes)
         self.slot_names = self.update_fn.slots
-        offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for _, s in layout]).tolist()
+        offsets = np.cumsum([0] + sizes).tolist()
         self.param_at = {name: (offsets[i], tuple(shape)) for i, (name, shape) in enumerate(layout)}
         self.world, self.rank = 1, 0       # the layout the held ranges follow
         self.at = 0                        # progress at which the held ranges are valid

@@ -117,7 +117,7 @@ class Engine:
         # are rebuilt by the module, not state), frozen parameters included.
         self._stateful = set(self.module.state_dict()) if self.module is not None else None
         plist = list(self.params.values())
-        self.num_params = int(np.sum([p.numel() for p in plist]))
+        self.num_params = int(np.sum(self._sizes))
         # The flat gradient is the head of a longer buffer: the replica writes the step's scalars and
         # buffer contributions after it and reduces both in one in-place allreduce (fold_buffer), instead
         # of copying the gradient into a concatenation and back every step.
@@ -209,7 +209,7 @@ class Engine:
         caller's to start after backward.
         """
         if on_ready is not None and self._bucket_of is None:
-            starts = np.cumsum([0] + [p.numel() for p in self.params.values()])[:-1].tolist()
+            starts = np.cumsum([0] + self._sizes)[:-1].tolist()
             self._bucket_of = [next(k for k, (lo, hi) in enumerate(ranges) if lo <= at < hi) for at in starts]
         self._on_ready = on_ready
         if on_ready is not None:
