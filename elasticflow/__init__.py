@@ -1,12 +1,15 @@
 """ElasticFlow: write model(), forward() and data(); the framework trains it.
 
-Public names: ``ElasticTrainer``, ``CheckpointInterval``, ``context``, ``export`` (a checkpoint's weights in
-the model's own framework form), and the modules ``ops``,
+Public names: ``fit`` (train functions or a module of them, as ``elasticflow train`` does), ``ElasticTrainer``, ``CheckpointInterval``, ``context``, ``export`` (a checkpoint's weights in
+the model's own framework form), ``Callback`` and the built-in ``EarlyStopping``, ``BestCheckpoints`` and
+``LearningRateMonitor`` (train/callbacks.py), and the modules ``ops``,
 ``optim``, ``checkpoint`` and ``data`` (dataset forms, per-sample seeds). Heavy imports (torch, TensorFlow) happen only when a backend is used.
 """
 __version__ = "0.1.0"
 
-__all__ = ["ElasticTrainer", "CheckpointInterval", "context", "export", "ops", "optim", "checkpoint", "data"]
+__all__ = ["fit", "ElasticTrainer", "CheckpointInterval", "context", "export", "Callback", "EarlyStopping", "BestCheckpoints",
+           "LearningRateMonitor", "ops", "optim", "checkpoint", "data"]
+CALLBACKS = ("Callback", "EarlyStopping", "BestCheckpoints", "LearningRateMonitor")
 
 
 def __getattr__(name):
@@ -27,6 +30,14 @@ def __getattr__(name):
         from .exporting import export
 
         return export
+    if name == "fit":
+        from .fitting import fit
+
+        return fit
+    if name in CALLBACKS:
+        from .train import callbacks
+
+        return getattr(callbacks, name)
     if name in ("ops", "optim", "checkpoint", "data"):
         import importlib
 

@@ -6,6 +6,7 @@ results and never calls back into the loop. Counters, never mixed: ``step`` coun
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from ._util import affinity
-from .train import builder, evaluation, model_file
+from .train import builder, callbacks, evaluation, model_file
 from .config import devices
 from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config.schema import TrainerConfig, compose
@@ -98,6 +99,7 @@ class ElasticTrainer:
         self.shards, self.outer = p.shards, p.outer  # trainer.shard's state; topology=local_sgd|diloco's
         self.source, self.prefetch, self.schedule, self.eval_dataset = p.source, p.prefetch, p.schedule, p.eval_dataset
         self.step_log.total_steps = self.schedule.total_steps
+        self.callbacks = callbacks.from_config(cfg, self.model_file)  # before resuming: checkpoints hold their state
         self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict,
                                cfg.comm.bucket_mb, self.shards)
         if self.membership is not None and self.placement.comm == "nccl":
@@ -121,11 +123,12 @@ class ElasticTrainer:
         self.checkpoints.reserve(self.rank, self.world, self.replica.sharding())
         if cfg.backend.pin_cores and self.placement.kind == "cpu":  # last: what started above keeps every core
             affinity.pin_training_thread(devices.local_slot(), self.local_workers)
-        self._prepared = True
+        self._prepared, self._generation_seen = True, self.generation
         self.meter.start()  # from here every second is productive or a measured cost (goodput.py)
         if self.rank == 0:
             self.run_log.event("ready", step=self.state.step, world_size=self.world, resumed_from=self.resumed_from)
             builder.announce(p, cfg, t, self.world, self.run_dir, self.resumed_from, probe.drew)
+        self.callbacks.call("on_train_start", self)
         return self
 
     # ------------------------------------------------------------------ the state, for checkpoints and replicas
@@ -135,22 +138,18 @@ class ElasticTrainer:
         With trainer.shard the optimizer's tensors are this worker's own ranges (``Partial``)."""
         arrays = self.engine.state(copy=False)
         arrays.update(self.shards.partials() if self.shards else self.outer.arrays() if self.outer else {})
+        self.state.callbacks = self.callbacks.state_dict()
         return arrays, self.state.state_dict()
 
     def load_state_dict(self, arrays: Dict[str, np.ndarray], progress: Dict[str, Any]) -> None:
         self.state.load_state_dict(progress)
+        self.callbacks.load_state_dict(self.state.callbacks)
         if self.outer is not None:  # DiLoCo's momentum (train/local_sgd.py)
             self.outer.load(arrays)
         if self.shards is None:
             self.engine.load_state(arrays, self.state.step)
-            return
-        slots = {k: v for k, v in arrays.items() if k.startswith("optimizer/")}
-        rest = {k: v for k, v in arrays.items() if k not in slots}
-        if all(n in rest for n in self.shards.param_at):  # a checkpoint: whole tensors
-            self.engine.load_state(rest, self.state.step)
-            self.shards.load_full(slots, self.state.cursor.samples_seen)
-        else:  # a peer's buffers in a recovery: the parameters came with the ranges and their allgather
-            self.engine.set_buffers(rest)
+        else:  # a checkpoint's whole tensors, or a peer's buffers in a recovery (the ranges came before)
+            self.shards.load(self.engine, arrays, self.state.step, self.state.cursor.samples_seen)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
@@ -185,8 +184,8 @@ class ElasticTrainer:
         return self.finish()
 
     def epoch_range(self) -> Iterator[int]:
-        """Epochs still to train, starting at the data cursor's epoch."""
-        return self.schedule.epochs(self.state)
+        """Epochs still to train, starting at the data cursor's epoch (none once a callback's stop is agreed)."""
+        return itertools.takewhile(lambda _: not self.callbacks.stopping, self.schedule.epochs(self.state))
 
     def begin_epoch(self, epoch: int) -> None:
         """Fix the epoch's global sample order."""
@@ -204,8 +203,9 @@ class ElasticTrainer:
                 self.save_checkpoint(f"epoch_{cursor.epoch}", wait=False)
 
     def batches(self) -> Iterator[GlobalBatch]:
-        """The epoch's remaining global batches, from the data cursor; stops at max_steps."""
-        return self.schedule.batches(self.state)
+        """The epoch's remaining global batches, from the data cursor; stops at max_steps, or when a
+        callback's stop is agreed (``request_stop``)."""
+        return itertools.takewhile(lambda _: not self.callbacks.stopping, self.schedule.batches(self.state))
 
     def record_step(self, elapsed: float) -> None:
         """The step's record (metrics.jsonl, the console, the progress bar; when: ``reporting.StepLog``)."""
@@ -213,6 +213,10 @@ class ElasticTrainer:
         m["step_time_s"] = elapsed / m.pop("round_steps", 1)  # a round of steps (train/local_sgd.py): their mean
         if self.step_log.due(m):  # on every rank: a worker that becomes rank 0 goes on from the same logged step
             m["train_s"] = self.meter.flush()  # productive seconds since the previous logged step
+        if self.generation != self._generation_seen:  # the first boundary in a new membership
+            self._generation_seen = self.generation
+            self.callbacks.call("on_membership_change", self, self.world, self.generation)
+        self.callbacks.call("on_step_end", self, m)  # before the record is written: keys they add are logged
         self.step_log.ended(m, self.rank, self.world)
 
     def evaluation_due(self) -> bool:
@@ -238,6 +242,15 @@ class ElasticTrainer:
                 exit_code=protocol.EXIT_AGENT_LOST))
         if agreed.membership:
             self.regrouper.regroup(None)
+        if agreed.finish:  # a rank-0 callback's request, voted in this step
+            self.callbacks.stopping = self.callbacks.stopping or self.callbacks.vote or "a callback on rank 0 asked"
+
+    def request_stop(self, reason: str) -> None:
+        """End the run at a step boundary every member agrees on (a callback's early stop): at this one when
+        the calling callback runs on every rank, else after the next step (train/callbacks.py). The run then
+        finishes as at its end: evaluation, final checkpoint, ``fit()``'s result."""
+        self.callbacks.request_stop(reason)
+        self.replica.finish_asked = self.callbacks.vote is not None
 
     @contextmanager
     def epoch(self, epoch: int):
@@ -272,19 +285,9 @@ class ElasticTrainer:
             record, failure = collective(lambda: self.stepper.attempt(batch))
             if failure is None:
                 return record
-            failed = time.perf_counter()
-            # The attempt's compute, then the time blocked in the collective that failed (detection).
-            began = self.stepper.reduce_started
-            reduced = began if began >= attempt_started else failed
-            c = self.state.cursor
-            committed = c.epoch > batch.epoch or c.samples_in_epoch >= batch.end  # failed in the allgather
-            start = self.reconciler and self.reconciler.start_values()
-            if start and not committed:  # the failed step's forwards moved the buffers: redo from the start
-                self.engine.set_buffers(start)
-            self.regrouper.regroup(failure, (reduced - attempt_started, failed - reduced))
-            c = self.state.cursor
             # Done (a member had committed it), or a fall back to a checkpoint moved the cursor back.
-            if c.epoch != batch.epoch or c.samples_in_epoch != batch.start:
+            if self.regrouper.after_failed_step(batch, failure, attempt_started, self.stepper.reduce_started,
+                                                self.reconciler):
                 return self.state.last_metrics
 
     # ------------------------------------------------------------------ evaluation, checkpoints, end
@@ -303,10 +306,8 @@ class ElasticTrainer:
         seconds = time.perf_counter() - started - recovering
         self.meter.lose(seconds)
         if self.rank == 0:
-            self.run_log.eval({"step": self.state.step, "epoch": self.state.cursor.epoch, **self.last_eval,
-                               "evaluation_s": round(seconds, 4), "time": time.time()})
-            log.info("eval at step %d: %s", self.state.step,
-                     " ".join(f"{k}={v:.4g}" for k, v in self.last_eval.items()))
+            evaluation.report(self.run_log, self.state, self.last_eval, seconds)
+        self.callbacks.call("on_eval_end", self, self.last_eval)
         return self.last_eval
 
     def save_checkpoint(self, name: str, wait: bool = True) -> Optional[Path]:
@@ -316,6 +317,7 @@ class ElasticTrainer:
         self.state.last_saved_step = self.state.step
         path = self.checkpoints.save(name, self.replica, wait=wait)
         self._stalled(name, time.perf_counter() - started, wait)
+        self.callbacks.call("on_save", self, name, str(path) if path else None)
         return path
 
     def _stalled(self, name: str, seconds: float, wait: bool) -> None:
@@ -333,6 +335,9 @@ class ElasticTrainer:
         """Evaluate (if eval_data exists and the last step was not just evaluated) and write the final checkpoint."""
         s, ev = self.state, self.tcfg.eval_every
         self.step_log.flush()
+        if self.callbacks.stopping and self.rank == 0:
+            self.run_log.event("stopped_early", step=s.step, reason=self.callbacks.stopping)
+            log.info("stopping at step %d: %s", s.step, self.callbacks.stopping)
         self.prefetch.close()  # your own loop (docs/own-loop.md) ends here, not in fit(): no readers left behind
         if self.evaluation is not None and not (self.last_eval and ev and s.step % ev == 0):
             self.evaluate()
@@ -344,7 +349,11 @@ class ElasticTrainer:
         final = self.checkpoints.close() or final
         self._stalled(f"step_{s.step}" if final else "in flight", time.perf_counter() - started, True)
         self._trained("finished")
+        result = {"step": s.step, "epochs_completed": s.epochs_completed, "samples_seen": s.cursor.samples_seen,
+                  "loss": s.last_metrics.get("loss"), **self.last_eval,
+                  "checkpoint": str(final or self.checkpoints.latest() or "")}
+        if self.callbacks.stopping:
+            result["stopped_early"] = self.callbacks.stopping
+        self.callbacks.call("on_train_end", self, result)
         self.run_log.close()
-        return {"step": s.step, "epochs_completed": s.epochs_completed, "samples_seen": s.cursor.samples_seen,
-                "loss": s.last_metrics.get("loss"), **self.last_eval,
-                "checkpoint": str(final or self.checkpoints.latest() or "")}
+        return result

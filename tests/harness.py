@@ -220,6 +220,35 @@ class Hold:
         self.path.unlink(missing_ok=True)
 
 
+class Limit:
+    """How far training may go (tests/models/digits_probe.py's EF_PROBE_LIMIT): the job waits at that step, so a
+    fixed-length job cannot end before the test has acted, however loaded the machine."""
+
+    def __init__(self, path: Path, step: int, last: int = STEPS - 5):
+        self.path, self.step, self.last = path, step, last
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")  # written whole: the workers read it at every step
+        tmp.write_text(str(self.step))
+        os.replace(tmp, self.path)
+
+    def advance_until(self, run: Path, predicate, timeout: float, what: str):
+        """Let training go a step at a time (a membership change happens at a step boundary) until PREDICATE."""
+        def done():
+            if predicate():
+                return True
+            if logged_step(run) >= self.step - 1:  # at the limit: step N's record comes as step N + 1 reduces
+                assert self.step < self.last, f"the job's steps nearly spent, still waiting for {what}"
+                self.step += 1
+                self._write()
+            return False
+        wait_for(done, timeout, what, every=0.25)
+
+    def lift(self) -> None:
+        self.path.unlink()
+
+
 # ---------------------------------------------------------------- waiting
 def wait_for(predicate: Callable, timeout: float, what: str, every: float = 0.02,
              proc: Optional[subprocess.Popen] = None):

@@ -4,14 +4,17 @@ The cases that train run `python -m elasticflow.cli` in a subprocess (bounded by
 do one case of each exit code, --debug and a closed pipe; the errors that come before a job starts run the
 same entry point in this process (harness.cli).
 """
+import json
+
 import numpy as np
 import pytest
+import yaml
 
 import elasticflow.checkpoint as ckpt
 from elasticflow.config.schema import compose
 from elasticflow.trainer import ElasticTrainer
 
-from harness import cli, losses, metrics, run_cli, train, train_in_process
+from harness import MODELS, cli, losses, metrics, run_cli, train, train_in_process
 
 TINY = '''
 import numpy as np
@@ -113,6 +116,34 @@ def test_multirun_sweeps_two_learning_rates(tiny, tmp_path):
     assert {r["lr"] for r in metrics(sweep / "0") if "loss" in r} == {0.1}
     assert {r["lr"] for r in metrics(sweep / "1") if "loss" in r} == {0.01}
     assert ckpt.latest(sweep / "0" / "checkpoints").name == ckpt.latest(sweep / "1" / "checkpoints").name == "step_3"
+
+
+def test_an_optuna_sweep_of_four_trials_minimizes_the_final_eval_loss(tmp_path):
+    """Hydra's Optuna sweeper: each trial's objective is the run's final eval_loss (the ``objective`` key), and
+    the best trial it reports is the one whose run ended lowest."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["train", MODELS / "digits_mlp.py", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",
+                    "hydra.sweeper.direction=minimize", "hydra.sweeper.sampler.seed=0",
+                    "optimizer.lr=interval(0.01,0.5)", f"hydra.sweep.dir={sweep}", "trainer.max_steps=8",
+                    "trainer.progress=false", "trainer.loggers=[]"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finals = {}
+    for job in range(4):
+        result = json.loads((sweep / str(job) / "result.json").read_text())
+        lr = {r["lr"] for r in metrics(sweep / str(job)) if "loss" in r}
+        assert len(lr) == 1 and 0.01 <= lr.pop() <= 0.5
+        finals[job] = result["eval_loss"]
+    assert len(set(finals.values())) == 4  # four different learning rates drawn
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_value"] == pytest.approx(min(finals.values()), rel=1e-6)
+
+
+def test_an_objective_the_run_does_not_produce_is_one_line(tmp_path):
+    proc = cli(["train", MODELS / "digits_mlp.py", "objective=eval_acc", "trainer.max_steps=2",
+                f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress=false"])
+    assert proc.returncode != 0
+    assert "error: objective=eval_acc is not in the run's result (it has: " in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("sweep, message, hint", [

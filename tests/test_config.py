@@ -267,9 +267,9 @@ def _documented_commands() -> typing.Iterator[typing.Tuple[str, typing.List[str]
             words = shlex.split(line[line.index("elasticflow train "):], comments=True)
             if len(words) < 3 or words[2].startswith("-") or "=" in words[2] or "[key=value" in line:
                 continue  # `elasticflow train --help`, `train MODEL.py [key=value ...]`: no command to check
-            overrides = [w for w in words[3:] if "=" in w and not w.startswith(("-", "hydra."))]
-            if "-m" in words:  # a sweep: each value on its own
-                overrides = [w.split(",")[0] for w in overrides]
+            overrides = [w for w in words[3:] if "=" in w and not w.startswith(("-", "hydra.", "hydra/"))]
+            if "-m" in words:  # a sweep: each value on its own; a sweeper's search space (interval(a,b)) is its own
+                overrides = [w.split(",")[0] for w in overrides if "(" not in w.partition("=")[2]]
             yield f"{page.name}: {line.strip()}", overrides
 
 

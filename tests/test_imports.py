@@ -235,12 +235,12 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
      ("observability.*",)),
     ("train", "the trainer's parts: build, step, round, regroup, state, evaluation, checks, the model file; ops",
      ("train.*", "ops")),
-    ("trainer", "the loop, export, and the package's public names",
-     ("trainer", "exporting", "__init__")),
+    ("trainer", "the loop and export",
+     ("trainer", "exporting")),
     ("launchers", "how processes start and end: the launchers, the worker's main, the exit line",
      ("launchers.*",)),
-    ("cli", "the commands: parse, hand over, render",
-     ("cli",)),
+    ("cli", "the commands (parse, hand over, render), fit() from Python, and the package's public names",
+     ("cli", "fitting", "__init__")),
 ]
 
 

@@ -88,8 +88,8 @@ def test_buckets_start_while_backward_runs_in_order_and_the_last_carries_the_vot
     engine.accumulate((x, y), 0.5)              # the last: the first two buckets start inside backward
     assert group.events == [("start", sizes[0]), ("start", sizes[1])]
     scalars, agreed, _ = replica.reduce_step([1.5], False)
-    assert group.events[2:] == [("start", sizes[2] + 4), ("wait", sizes[0]), ("wait", sizes[1]),
-                                ("wait", sizes[2] + 4)]
+    assert group.events[2:] == [("start", sizes[2] + 5), ("wait", sizes[0]), ("wait", sizes[1]),
+                                ("wait", sizes[2] + 5)]  # the scalar and four votes
     assert scalars == [1.5] and not agreed.interrupt  # the votes rode in the last bucket (peer: zeros here)
 
     group.events.clear()                        # an empty share: no backward, every bucket at reduce time
@@ -139,7 +139,7 @@ def test_the_step_reduces_the_gradient_where_it_lies_with_the_votes_and_buffers_
     scalars, agreed, summed = replica.reduce_step([1.25, 0.5], False, buffers)
 
     (reduced,) = group.reduced  # one allreduce, on the gradient's own memory: nothing copied in or out
-    assert reduced.data_ptr() == grad.data_ptr() and reduced.numel() == engine.num_params + 2 + 3 + 9
+    assert reduced.data_ptr() == grad.data_ptr() and reduced.numel() == engine.num_params + 2 + 4 + 9
     assert torch.equal(grad, before * 2)
     assert scalars == [2.5, 1.0] and agreed == Agreed()  # generation 3 on both members: no change
     np.testing.assert_array_equal(summed, buffers * 2)
@@ -180,8 +180,8 @@ def test_on_tensorflow_every_bucket_starts_once_the_gradient_is_complete_and_is_
         assert group.events == []
         before = engine.grad_view().clone()
         scalars, agreed, _ = replica.reduce_step([0.75], False)
-        assert group.events == [("start", sizes[0]), ("start", sizes[1]), ("start", sizes[2] + 4),
-                                ("wait", sizes[0]), ("wait", sizes[1]), ("wait", sizes[2] + 4)]
+        assert group.events == [("start", sizes[0]), ("start", sizes[1]), ("start", sizes[2] + 5),
+                                ("wait", sizes[0]), ("wait", sizes[1]), ("wait", sizes[2] + 5)]
         assert scalars == [1.5] and agreed.membership is False  # generation 1 on both members
         # What the next update reads: TensorFlow's own gradient variable, every bucket doubled.
         np.testing.assert_array_equal(engine.flat_grad.numpy(), before.numpy() * 2)

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from harness import (ELASTICFLOW, PROBE, Hold, assert_each_sample_once, assert_equivalent, cli, events, finish,
+from harness import (ELASTICFLOW, PROBE, Hold, Limit, assert_each_sample_once, assert_equivalent, cli, events, finish,
                      logged_step, members, run_cli, scale, start, wait_for, world_sizes)
 
 from elasticflow.observability import status as run_status
@@ -63,6 +63,22 @@ def test_grow_kill_shrink_matches_single_worker_and_uses_every_sample_once(tmp_p
     assert kinds.count("joined") == 2 and kinds.count("retired") == 1 and kinds.count("left") == 1
     joined = [e for e in events(run) if e["event"] == "joined"]
     assert all(e["state_received"] for e in joined)  # joiners got the full state by broadcast
+
+
+def test_a_one_worker_run_started_growable_grows_to_three_and_ends_on_the_one_worker_model(tmp_path, reference):
+    """launcher.max_workers makes a 1-worker run an agent's job (not trained in-process), so `elasticflow scale`
+    can grow it; the grown run ends on the 1-worker model."""
+    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
+    proc = start(run, "launcher.max_workers=3", env={"EF_PROBE_LIMIT": str(limit.path)})
+    wait_for(lambda: logged_step(run) >= 5, 120, "step 5", proc=proc)
+    scale(run, 3, wait=0)
+    limit.advance_until(run, lambda: 3 in world_sizes(run), 120, "a step with 3 workers")
+    limit.lift()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    sizes = world_sizes(run)
+    assert sizes[0] == 1 and sizes[-1] == 3, sizes
+    assert_equivalent(run, reference)
 
 
 def test_sigstopped_worker_is_cut_out_by_its_silent_heartbeat(tmp_path, reference):

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from harness import (COMMON, ELASTICFLOW, PROBE, REPO, assert_each_sample_once, assert_equivalent, cli, events,
-                     job_done, job_log, logged_step, wait_for, world_sizes)
+                     Limit, job_done, job_log, logged_step, wait_for, world_sizes)
 from slurm_cluster import slurm_hosts, slurm_hosts_cluster  # noqa: F401 - fixtures
 
 GROW = ["launcher.nodes=1", "launcher.max_nodes=2", "launcher.tasks_per_node=1"]
@@ -45,35 +45,6 @@ def queued(cluster) -> list:
 
 def logged_steps(run: Path) -> int:
     return len(world_sizes(run))
-
-
-class Limit:
-    """How far training may go (tests/models/digits_probe.py's EF_PROBE_LIMIT): the job waits at that step, so a
-    fixed-length job cannot end before the test has acted, however loaded the machine."""
-
-    def __init__(self, path: Path, step: int):
-        self.path, self.step = path, step
-        self._write()
-
-    def _write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")  # written whole: the workers read it at every step
-        tmp.write_text(str(self.step))
-        os.replace(tmp, self.path)
-
-    def advance_until(self, run: Path, predicate, timeout: float, what: str):
-        """Let training go a step at a time (a membership change happens at a step boundary) until PREDICATE."""
-        def done():
-            if predicate():
-                return True
-            if logged_step(run) >= self.step - 1:  # at the limit: step N's record comes as step N + 1 reduces
-                assert self.step < 55, f"the job's 60 steps nearly spent, still waiting for {what}"
-                self.step += 1
-                self._write()
-            return False
-        wait_for(done, timeout, what, every=0.25)
-
-    def lift(self) -> None:
-        self.path.unlink()
 
 
 def poll(predicate, timeout: float, what: str, every: float = 0.25):

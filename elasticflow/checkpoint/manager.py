@@ -197,6 +197,10 @@ class CheckpointManager:
                 log.warning("skipping checkpoint %s: %s", path, getattr(exc, "message", exc))
         return out
 
+    def protect(self, names: Any) -> None:
+        """Keep the checkpoints ``names`` (the best-k: train/callbacks.py) beside the newest ``checkpoint.keep``."""
+        self.checkpointer.protected = frozenset(names)
+
     def close(self) -> Optional[Path]:
         """Wait for a save in flight (a failed background write is raised here); its path on rank 0."""
         return self.checkpointer.close()

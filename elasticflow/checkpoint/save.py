@@ -137,6 +137,7 @@ class Checkpointer:
                  timeout_s: float = 30.0, coordinator: Optional[Coordinator] = None, token: Optional[str] = None):
         self.job_dir = Path(job_dir)
         self.keep, self.asynchronous, self.timeout_s = keep, asynchronous, timeout_s
+        self.protected: frozenset = frozenset()  # names pruning spares (the best-k checkpoints), set by their owner
         self.coordinator = coordinator
         self.local = LocalCoordinator()
         self.token = token or secrets.token_hex(4)
@@ -416,11 +417,11 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
         for old in self.job_dir.glob(".*.old-*"):  # a replaced checkpoint whose removal was interrupted
             shutil.rmtree(old, ignore_errors=True)
-        if self.keep:
+        if self.keep:  # the newest `keep`, and the protected ones beside them
             for old in _checkpoints_in(self.job_dir)[:-self.keep]:
                 # Never the save just committed, even if older steps sort after it (a resume=PATH from an
                 # earlier step of this folder): pruning it would lose the run's newest state at once.
-                if old != job.final:
+                if old != job.final and old.name not in self.protected:
                     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -147,6 +147,12 @@ RANGES: Dict[str, Span] = {
     "checkpoint.interval.steps": _steps("checkpoint.interval.steps", 100, ", or null not to save by steps"),
     "checkpoint.interval.epochs": _steps("checkpoint.interval.epochs", 1, ", or null not to save by epochs"),
     "checkpoint.keep": _int(1, MAX_COUNT, "set checkpoint.keep to keep the newest K, or null for all"),
+    "checkpoint.save_top_k": _int(1, MAX_COUNT, "set checkpoint.save_top_k to keep the best K, or "
+                                  "checkpoint.monitor=null for none"),
+    "callbacks.early_stopping.patience": _int(1, MAX_COUNT, "pass the checks without improvement before "
+                                              "stopping, e.g. callbacks.early_stopping.patience=3"),
+    "callbacks.early_stopping.min_delta": _real(0, "pass e.g. callbacks.early_stopping.min_delta=0.001 (0: any "
+                                                "improvement counts)"),
     "elastic.heartbeat_timeout_s": _real(0, "pass e.g. elastic.heartbeat_timeout_s=10 (seconds)", high=MAX_SECONDS,
                                          open_low=True),
     "elastic.timeout_s": _real(0, "pass e.g. elastic.timeout_s=30 (never leave collectives without a timeout)",

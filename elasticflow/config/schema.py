@@ -15,6 +15,7 @@ from omegaconf import MISSING
 from .ranges import check_ranges
 from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from ..errors import ElasticFlowError
+from .launchers import check_kubernetes, check_nodes
 from .topology import TopologyConfig, check_run, validate as validate_topology
 
 
@@ -145,6 +146,10 @@ class CheckpointConfig:
     # Write checkpoints in a background thread; training stalls only for an in-memory snapshot of this
     # worker's slice (false: each save returns once written and committed).
     async_save: bool = True
+    # Best-k (Lightning's ModelCheckpoint): judged at each evaluation, kept beside the newest `keep`
+    monitor: Optional[str] = None  # e.g. eval_loss, eval_accuracy, loss; null = no best-k checkpoints
+    mode: str = "min"              # min | max: which way the monitored value is better
+    save_top_k: int = 1            # checkpoints with the best monitored values kept
 
 
 @dataclass
@@ -176,6 +181,22 @@ class CommConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    monitor: Optional[str] = None  # null = off; eval_* checked at each evaluation, a step metric (loss) at each step
+    mode: str = "min"              # min | max: which way the monitored value is better
+    patience: int = 3              # checks in a row without improvement before the run stops
+    min_delta: float = 0.0         # a smaller change does not count as an improvement
+
+
+@dataclass
+class CallbacksConfig:
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)  # stop when a metric stalls
+    lr_monitor: bool = False       # add each parameter group's learning rate (lr_group<i>) to the step records
+    # your own: [{_target_: mypackage.callbacks.MyCallback, arg: 1}], built on every worker (docs/callbacks.md)
+    extra: List[Any] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     model: str = MISSING           # path to the model file (set by `elasticflow train PATH`)
     backend: BackendConfig = field(default_factory=BackendConfig)  # the framework (a group: backend=tensorflow)
@@ -186,10 +207,13 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)  # failure detection and recovery
     comm: CommConfig = field(default_factory=CommConfig)  # the gradient reduction
     data: DataConfig = field(default_factory=DataConfig)  # reading data() ahead of training
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)  # early stopping, your own hooks
     # how the workers are connected: the graph of roles and channels (a group: topology=hierarchical)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     seed: int = 0                  # parameters (via cfg.seed), sample order, dropout
     resume: str = "auto"           # auto | none | PATH to a checkpoint directory
+    # the run's result a sweeper optimizes (-m hydra/sweeper=optuna): null = eval_loss, or loss without eval_data()
+    objective: Optional[str] = None
     # Free-form section for the model file's own settings (model(cfg) / data(cfg) read cfg.model_args).
     model_args: Any = field(default_factory=dict)
 
@@ -232,69 +256,10 @@ def _choice(value: Any, choices: tuple, key: str, hint: str) -> None:
         raise ElasticFlowError(f"{key} must be one of {', '.join(choices)}, got {value!r}", hint)
 
 
-def _positive_int(value: Any, key: str, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ElasticFlowError(f"{key} must be a positive integer, got {value!r}", hint)
-
-
-def _check_nodes(lc: Any) -> None:
-    """launcher=nodes: an endpoint every host names the same way, and how many workers per host."""
-    hint = "pass launcher.endpoint=HOST:PORT, the address and a free port of the host that runs the agent"
-    if not lc.endpoint:
-        raise ElasticFlowError("launcher=nodes needs launcher.endpoint, the job's meeting point", hint)
-    host, _, port = str(lc.endpoint).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ElasticFlowError(f"launcher.endpoint={lc.endpoint!r} is not HOST:PORT", hint)
-    _positive_int(lc.procs_per_node, "launcher.procs_per_node", "pass e.g. launcher.procs_per_node=2")
-    _positive_int(lc.nodes, "launcher.nodes", "pass the number of hosts to wait for at the start, e.g. launcher.nodes=2")
-    lc.workers = lc.procs_per_node
-
-
-DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # a Kubernetes memory or storage size
-JOB_NAME_MAX = 40  # the objects' names add suffixes (-elastic, and a pod's index and random tail) within 63
-
-
-def _check_kubernetes(cfg: Any) -> None:
-    """launcher=kubernetes: what the manifests need, refused here so that nothing is written for a bad value."""
-    lc = cfg.launcher
-    if lc.max_workers is None:
-        raise ElasticFlowError("launcher=kubernetes needs launcher.max_workers, the most worker pods the job grows to",
-                               "pass e.g. launcher.max_workers=8 launcher.min_workers=2 (the pods it starts with)")
-    if lc.max_workers < lc.min_workers:
-        raise ElasticFlowError(f"launcher.max_workers={lc.max_workers} is less than launcher.min_workers="
-                               f"{lc.min_workers}", f"pass launcher.max_workers >= {lc.min_workers}, or lower "
-                                                    "launcher.min_workers")
-    if not lc.image or not lc.image.strip() or any(c.isspace() for c in lc.image):
-        raise ElasticFlowError(f"launcher=kubernetes needs launcher.image, the pods' container image, got {lc.image!r}",
-                               "pass an image with elasticflow and your model's packages installed, e.g. "
-                               "launcher.image=registry.example.com/team/elasticflow:0.1")
-    for key, value, limit in (("job_name", lc.job_name, JOB_NAME_MAX), ("namespace", lc.namespace, 63)):
-        if value is not None and not (DNS_LABEL.fullmatch(value) and len(value) <= limit):
-            raise ElasticFlowError(f"launcher.{key}={value!r} is not a valid Kubernetes name: lowercase letters, "
-                                   f"digits and '-', starting and ending with a letter or digit, at most {limit} "
-                                   "characters (a DNS-1123 label)", f"pass e.g. launcher.{key}=resnet-run2")
-    if lc.storage_class is not None and not all(DNS_LABEL.fullmatch(p) for p in lc.storage_class.split(".")):
-        raise ElasticFlowError(f"launcher.storage_class={lc.storage_class!r} is not a valid Kubernetes name",
-                               "pass a class `kubectl get storageclass` lists, or null for the cluster's default")
-    for key, value in (("volume_size", lc.volume_size), ("memory", lc.memory)):
-        if value is not None and not QUANTITY.fullmatch(str(value)):
-            raise ElasticFlowError(f"launcher.{key}={value!r} is not a Kubernetes quantity",
-                                   f"pass e.g. launcher.{key}=16Gi")
-    if lc.gpus_per_node not in (None, 1):
-        raise ElasticFlowError(f"launcher.gpus_per_node={lc.gpus_per_node} with launcher=kubernetes: each worker pod "
-                               "runs one worker, on one GPU", "pass launcher.gpus_per_node=1, or null for no GPU")
-    if lc.gpus_per_node is None and cfg.trainer.device == "cuda":
-        raise ElasticFlowError("trainer.device=cuda with launcher=kubernetes but launcher.gpus_per_node is not set, so "
-                               "the worker pods would be given no GPU", "pass launcher.gpus_per_node=1")
-    if lc.elastic_priority >= lc.core_priority:
-        raise ElasticFlowError(f"launcher.elastic_priority={lc.elastic_priority} is not below launcher.core_priority="
-                               f"{lc.core_priority}: the pods beyond min_workers must be the first preempted",
-                               "pass e.g. launcher.core_priority=1000 launcher.elastic_priority=100")
-    if cfg.checkpoint.dir is not None:
-        raise ElasticFlowError(f"checkpoint.dir={cfg.checkpoint.dir!r} with launcher=kubernetes: the pods share only "
-                               "the job's volume, where the checkpoints go (RUN_DIR/checkpoints)",
-                               "leave checkpoint.dir null")
+def _select(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def validate(cfg: Any) -> None:
@@ -318,6 +283,8 @@ def validate(cfg: Any) -> None:
     _choice(precision_name(t.precision), PRECISIONS, "trainer.precision",
             "pass trainer.precision=bf16 for mixed precision (16: float16 with loss scaling, 32: none)")
     _choice(cfg.comm.backend, COMM_BACKENDS, "comm.backend", "pass comm.backend=auto")
+    for key in ("checkpoint.mode", "callbacks.early_stopping.mode"):
+        _choice(_select(cfg, key), ("min", "max"), key, f"pass {key}=min (lower is better, as a loss) or max")
     if cfg.backend.name not in BACKENDS:
         raise ElasticFlowError(f"unknown backend {cfg.backend.name!r}; expected one of {', '.join(BACKENDS)}",
                                "pass backend=torch or backend=tensorflow")
@@ -333,9 +300,9 @@ def validate(cfg: Any) -> None:
         raise ElasticFlowError(f"unknown launcher {lc.name!r}",
                                "pass launcher=local, launcher=nodes, launcher=slurm or launcher=kubernetes")
     if lc.name == "nodes":
-        _check_nodes(lc)
+        check_nodes(lc)
     if lc.name == "kubernetes":
-        _check_kubernetes(cfg)
+        check_kubernetes(cfg)
     if lc.name == "slurm":
         if not re.fullmatch(r"[A-Z0-9]+@\d+", lc.signal):
             raise ElasticFlowError(f"launcher.signal={lc.signal!r} is not SIGNAL@SECONDS",

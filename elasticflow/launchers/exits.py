@@ -2,11 +2,12 @@
 
 Shared by the CLI and the SLURM batch entry (``python -m elasticflow.launchers.slurm``). It lives
 apart from cli.py so that a launcher can end its process the same way without importing the CLI
-(which imports the launchers): it depends on errors.py, envnames.py and goodput.py only.
+(which imports the launchers): it depends on errors.py, envnames.py, fileio.py and goodput.py only.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -16,7 +17,10 @@ from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional
 
 from .._util.envnames import ENV_DEBUG
+from .._util.fileio import write_atomic
 from ..errors import ElasticFlowError, TrainingInterrupted
+
+log = logging.getLogger("elasticflow")
 
 
 def debug_requested() -> bool:
@@ -95,10 +99,16 @@ def user_frame(exc: BaseException) -> str:
 
 
 def print_done(summary: Dict[str, Any], run_dir: Optional[Path] = None) -> None:
-    """The last line of a finished run on stdout: ``done: k=v ...``, floats to 4 significant digits.
+    """The last line of a finished run on stdout: ``done: k=v ...``, floats to 4 significant digits; the same
+    fields go to RUN_DIR/result.json.
 
     With ``run_dir``: the goodput ledger the job wrote (RUN_DIR/goodput.json) comes first, as a block.
     """
+    if run_dir is not None:  # for scripts and elasticflow.fit(): the same fields, as JSON (Hugging Face's all_results.json)
+        try:
+            write_atomic(Path(run_dir) / "result.json", json.dumps(summary, default=str, indent=1) + "\n")
+        except OSError as exc:
+            log.warning("could not write %s: %s", Path(run_dir) / "result.json", exc)
     ledger = Path(run_dir) / "goodput.json" if run_dir is not None else None
     lines = []
     if ledger is not None and ledger.is_file():

@@ -52,11 +52,12 @@ class Agreed(NamedTuple):
     membership: bool = False   # a newer generation is published: regroup now
     interrupt: bool = False    # some member was asked to stop (Ctrl-C, SIGUSR1): checkpoint and exit
     agent_lost: bool = False   # some member lost the agent: checkpoint and exit
+    finish: bool = False       # some member's rank-0 callback asked to stop (train/callbacks.py): finish the run
 
 
 def agreed(summed: Any, generation: int, world: int) -> Agreed:
     """What the ``world`` members of ``generation`` agreed, from the sums of their ``Replica.votes``."""
-    return Agreed(summed[0] != generation * world, summed[1] > 0, summed[2] > 0)
+    return Agreed(summed[0] != generation * world, summed[1] > 0, summed[2] > 0, summed[3] > 0)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Reduction:
     result: Optional[Tuple[List[float], Agreed, Optional[np.ndarray]]] = None  # known at once (world 1)
     generation: int = 0
     world: int = 1
-    n: int = 0                       # votes: the scalars, then three flags
+    n: int = 0                       # votes: the scalars, then four flags
     k: int = 0                       # scalars
     buffers: bool = False            # the buffers' contributions follow the votes in ``tail``
     tail: Any = None                 # reduced votes (and buffers) once finished
@@ -120,6 +121,7 @@ class Replica:
         self.shards = shards                 # a shard.ShardedState with trainer.shard, else None
         self.lost: List[Tuple[int, int]] = []  # ranges the last redistribution found no holder for
         self.shard_moved = 0                   # elements of sharded state the last redistribution sent
+        self.finish_asked = False              # a rank-0 callback's stop, voted in the next step's reduction
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.buckets = Buckets(engine, int(bucket_mb * (1 << 20)) if bucket_mb else 0)
 
@@ -211,7 +213,7 @@ class Replica:
         threads, without the GIL). Host gradients only; a GPU's reduce here, at once."""
         m = self.membership
         if m is None:
-            return Reduction(result=(scalars, Agreed(interrupt=interrupt), buffers))
+            return Reduction(result=(scalars, Agreed(interrupt=interrupt, finish=self.finish_asked), buffers))
         generation = self.generation
         if self.world == 1:
             return Reduction(result=(scalars, agreed(self.votes(interrupt), generation, 1), buffers))
@@ -275,10 +277,12 @@ class Replica:
 
     def votes(self, interrupt: bool) -> List[float]:
         """This member's votes at a step boundary, for the members to sum (``agreed`` reads the sums): the newest
-        generation it has seen, whether it was asked to stop (``interrupt``), whether it lost the agent."""
+        generation it has seen, whether it was asked to stop (``interrupt``), whether it lost the agent, whether a
+        callback asked to finish (``finish_asked``, set by the trainer)."""
         m = self.membership
         # The poller may lag behind a generation this worker already entered through a recovery.
-        return [float(max(m.latest_generation, self.generation)), float(interrupt), float(m.agent_lost)]
+        return [float(max(m.latest_generation, self.generation)), float(interrupt), float(m.agent_lost),
+                float(self.finish_asked)]
 
     def _start(self, r: "Reduction", tensor) -> None:
         group = self.membership.group

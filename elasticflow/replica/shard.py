@@ -162,6 +162,17 @@ class ShardedState:
                 out[f"optimizer/{p}/{s}"] = Partial(data, start - at if end > start else 0, shape)
         return out
 
+    def load(self, engine: Any, arrays: Dict[str, np.ndarray], step: int, at: int) -> None:
+        """Load the training state's arrays: a checkpoint's whole tensors (the engine takes the parameters, this
+        the slots), or a peer's buffers in a recovery (the parameters came with the ranges and their allgather)."""
+        slots = {k: v for k, v in arrays.items() if k.startswith("optimizer/")}
+        rest = {k: v for k, v in arrays.items() if k not in slots}
+        if all(n in rest for n in self.param_at):
+            engine.load_state(rest, step)
+            self.load_full(slots, at)
+        else:
+            engine.set_buffers(rest)
+
     def load_full(self, slots: Dict[str, np.ndarray], at: int) -> None:
         """Hold [0, n) at progress ``at`` from whole slot tensors by name (a checkpoint's; missing: zeros).
         The parameters were loaded by the engine. The next redistribution keeps only this worker's ranges."""

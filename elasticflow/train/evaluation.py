@@ -4,6 +4,8 @@ Also the one-time probe of forward()'s metric names, which fixes the order every
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -15,6 +17,7 @@ from ..errors import ElasticFlowError
 
 # The backends name the evaluation in their loss checks (common.check_loss's ``where``); the probe is
 # evaluation mode too, but a user without eval_data() must read where it really ran.
+log = logging.getLogger("elasticflow")
 _PROBE = "in the start-up probe (forward() on data()'s first samples, before the first step)"
 
 
@@ -81,3 +84,10 @@ class Evaluation:
             engine.train_mode(True)
         totals = replica.reduce_sum(totals)
         return {f"eval_{k}": v / len(source) for k, v in zip(self.names, totals)}
+
+
+def report(run_log: Any, state: Any, result: Dict[str, float], seconds: float) -> None:
+    """Rank 0's record of an evaluation: a line in metrics.jsonl (and the trackers) and one on the console."""
+    run_log.eval({"step": state.step, "epoch": state.cursor.epoch, **result, "evaluation_s": round(seconds, 4),
+                  "time": time.time()})
+    log.info("eval at step %d: %s", state.step, " ".join(f"{k}={v:.4g}" for k, v in result.items()))

@@ -271,7 +271,7 @@ class RoundStepper:
         replica, m = self.replica, self.replica.membership
         interrupt = bool(self.stop_requested())
         if m is None:
-            return scalars, skipped, trained_in, Agreed(interrupt=interrupt)
+            return scalars, skipped, trained_in, Agreed(interrupt=interrupt, finish=replica.finish_asked)
         generation, votes = replica.generation, replica.votes(interrupt)
         if replica.world == 1:
             return scalars, skipped, trained_in, agreed(votes, generation, 1)

@@ -26,9 +26,10 @@ class ModelFile:
     forward: Callable[..., Any]
     data: Callable[..., Any]
     eval_data: Optional[Callable[..., Any]]
+    callbacks: Optional[Callable[..., Any]] = None  # callbacks(cfg): a list of elasticflow.Callback (optional)
 
     def call(self, name: str, cfg: Any) -> Any:
-        """Call model/data/eval_data with cfg when the function takes an argument, else without."""
+        """Call model/data/eval_data/callbacks with cfg when the function takes an argument, else without."""
         fn = getattr(self, name)
         try:
             takes_cfg = len(inspect.signature(fn).parameters) > 0
@@ -105,11 +106,13 @@ def load(path: str) -> ModelFile:
             raise ElasticFlowError(f"'{name}' in model file '{path}' is a {type(fn).__name__}, not a function",
                                    CONTRACT_HINT)
         functions[name] = fn
-    eval_fn = getattr(module, "eval_data", None)
-    if eval_fn is not None and not callable(eval_fn):
-        raise ElasticFlowError(f"'eval_data' in model file '{path}' is not a function", CONTRACT_HINT)
+    optional = {}
+    for name in ("eval_data", "callbacks"):
+        fn = optional[name] = getattr(module, name, None)
+        if fn is not None and not callable(fn):
+            raise ElasticFlowError(f"'{name}' in model file '{path}' is not a function", CONTRACT_HINT)
     functions["forward"] = _model_argument(functions["forward"], path)
-    return ModelFile(path=file, eval_data=eval_fn, **functions)
+    return ModelFile(path=file, **optional, **functions)
 
 
 # What users call the model's parameter (Lightning's and HF's habits): a forward() that takes one of these

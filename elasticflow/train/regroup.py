@@ -64,6 +64,23 @@ class Regrouper:
                      self.shards.slot_bytes(), len(self.shards.held),
                      4 * self.shards.n * len(self.shards.slot_names), r.world)
 
+    def after_failed_step(self, batch: Any, failure: str, attempt_started: float, reduce_started: float,
+                          reconciler: Any) -> bool:
+        """Regroup after ``failure`` ended an attempt at ``batch`` (begun at ``attempt_started``, its reduction
+        at ``reduce_started``). True when the step needs no new attempt: a member had committed it (adopted),
+        or a fall back to a checkpoint moved the cursor away from it."""
+        failed = time.perf_counter()
+        # The attempt's compute, then the time blocked in the collective that failed (detection).
+        reduced = reduce_started if reduce_started >= attempt_started else failed
+        c = self.state.cursor
+        committed = c.epoch > batch.epoch or c.samples_in_epoch >= batch.end  # failed in the allgather
+        start = reconciler and reconciler.start_values()
+        if start and not committed:  # the failed step's forwards moved the buffers: redo from the start
+            self.replica.engine.set_buffers(start)
+        self.regroup(failure, (reduced - attempt_started, failed - reduced))
+        c = self.state.cursor
+        return c.epoch != batch.epoch or c.samples_in_epoch != batch.start
+
     def regroup(self, failure: Optional[str], attempt: Tuple[float, float] = (0.0, 0.0)) -> float:
         """Regroup after a failed collective (``failure``: what failed) or an agreed membership change.
 

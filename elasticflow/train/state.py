@@ -40,6 +40,8 @@ class TrainState:
     # token reached), so, as torch.optim skips a None .grad, it was not updated and counts fewer steps of its own
     # (Adam's bias correction: ``optim.stretches``). Only parameters that sat out some step are listed.
     sat_out: Dict[str, int] = field(default_factory=dict)
+    # The callbacks' own state by "<position>:<class>" (train/callbacks.py): early stopping's patience, the best-k list
+    callbacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     @property
     def epochs_completed(self) -> int:
@@ -51,6 +53,7 @@ class TrainState:
         out["cursor"] = self.cursor.as_dict()
         out["last_metrics"] = dict(self.last_metrics)
         out["sat_out"] = dict(self.sat_out)
+        out["callbacks"] = {k: dict(v) for k, v in self.callbacks.items()}
         return out
 
     def load_state_dict(self, values: Dict[str, Any]) -> None:
@@ -65,6 +68,10 @@ class TrainState:
                 value = dict(value or {})
             elif f.name == "sat_out":
                 value = {str(k): _count(v) for k, v in dict(value or {}).items()}
+            elif f.name == "callbacks":  # a crafted record (not a dict of dicts): ValueError, a corrupt checkpoint
+                if not isinstance(value or {}, dict) or not all(isinstance(v, dict) for v in (value or {}).values()):
+                    raise ValueError(f"the callbacks' state must map names to dicts, got {value!r:.80}")
+                value = {str(k): dict(v) for k, v in (value or {}).items()}
             elif isinstance(default, int) and value is not None:
                 value = int(value)
             setattr(self, f.name, value)

@@ -229,7 +229,7 @@ class Engine:
         return self.flat_grad
 
     def _fold_room(self) -> int:
-        """Slots after the gradient: the step's scalars and flags (a loss, metrics, three votes) and one
+        """Slots after the gradient: the step's scalars and flags (a loss, metrics, four votes) and one
         value per element of the buffers that are state (what ``buffers.Reconciler`` contributes)."""
         persistent = set(self.module.state_dict()) if self.module is not None else set(self.buffers)
         return (FOLD_SCALARS + len(self.params)  # and a flag per parameter: whether it took part (took_part)

@@ -1,0 +1,67 @@
+"""What making a 1-worker run growable costs: the same short job trained in-process (launcher.workers=1, the
+default) and as an agent's job of one worker that `elasticflow scale` can grow (launcher.max_workers=3), run in
+alternating order.
+
+    .venv/bin/python scripts/bench_growable.py                 # ~1 min on 2 idle cores
+    .venv/bin/python scripts/bench_growable.py --rounds 7 --steps 200
+
+Prints each run's wall time and CPU seconds (the command and every process under it), then the medians and the
+ratio growable / in-process. On a shared machine single runs are noisy: the medians of the same run are the figure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "models" / "digits_mlp.py"
+
+
+def run_once(run: Path, growable: bool, steps: int) -> tuple:
+    """(wall seconds, CPU seconds of the command and its descendants) of one job."""
+    args = [sys.executable, "-m", "elasticflow.cli", "train", str(MODEL), f"hydra.run.dir={run}",
+            f"trainer.max_steps={steps}", "trainer.progress=false", "trainer.loggers=[]"]
+    if growable:
+        args.append("launcher.max_workers=3")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the job exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        ap.error("--rounds and --steps must be 1 or more")
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.steps} steps, {args.rounds} rounds")
+    got = {True: [], False: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for growable in ((False, True) if r % 2 == 0 else (True, False)):
+                wall, cpu = run_once(Path(tmp) / f"r{r}-g{growable}", growable, args.steps)
+                got[growable].append((wall, cpu))
+                print(f"  round {r} {'growable  ' if growable else 'in-process'} wall {wall:6.2f} s  cpu {cpu:6.2f} s",
+                      flush=True)
+    med = {g: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for g, v in got.items()}
+    print(f"in-process: wall {med[False][0]:.2f} s, cpu {med[False][1]:.2f} s; growable: wall {med[True][0]:.2f} s, "
+          f"cpu {med[True][1]:.2f} s; ratio growable/in-process: wall {med[True][0] / med[False][0]:.2f}x, "
+          f"cpu {med[True][1] / med[False][1]:.2f}x")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
