@@ -132,6 +132,8 @@ def test_the_learning_rate_monitor_from_config_and_a_callback_by_target(tmp_path
      "eval_accuracy)"),
     (["checkpoint.monitor=eval_loss"], "checkpoint.monitor=eval_loss is judged at each evaluation, and this run "
                                        "evaluates only at its end"),
+    (["callbacks.early_stopping.monitor=eval_loss"], "early stopping on eval_loss is checked at each evaluation, "
+                                                     "and this run evaluates only at its end"),
     (["checkpoint.mode=median"], "checkpoint.mode must be one of min, max, got 'median'"),
     (["callbacks.early_stopping.monitor=loss", "callbacks.early_stopping.patience=0"],
      "callbacks.early_stopping.patience"),

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import train
+
 REPO = Path(__file__).resolve().parents[1]
 README_MAX_WORDS = 1600  # issue #28: ~1,500; the rest of what a user needs lives in docs/
 
@@ -99,3 +101,20 @@ def test_readme_links_point_at_pages_and_headings_that_exist():
               if not (REPO / path).exists()
               or (anchor and anchor not in _anchors((REPO / path).read_text()))]
     assert broken == []
+
+
+def test_the_model_file_page_opens_with_a_complete_module_example_that_trains(tmp_path):
+    """The first example users copy is models/digits_torch.py, whole (not a sketch with `...` bodies), and it
+    trains."""
+    page = (REPO / "docs" / "model-file.md").read_text()
+    first = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert first == (REPO / "models" / "digits_torch.py").read_text()
+    done = train(REPO / "models" / "digits_torch.py", tmp_path / "run", "trainer.max_steps=30")
+    assert "eval_accuracy=" in done.stdout
+
+
+def test_the_lora_tutorial_shows_its_own_file():
+    """docs/tutorial-lora.md shows models/gpt2_lora.py whole; that the file trains, exports an adapter and peft
+    loads it is tests/test_export.py's peft test, which trains this very file."""
+    page = (REPO / "docs" / "tutorial-lora.md").read_text()
+    assert page.split("```python\n", 1)[1].split("```", 1)[0] == (REPO / "models" / "gpt2_lora.py").read_text()

@@ -149,32 +149,9 @@ def test_bert_export_loads_strict_and_with_from_pretrained(tmp_path):
     assert not torch.equal(logits[0], initial.eval()(input_ids=ids).logits)
 
 
-# GPT-2 with LoRA adapters on its attention (peft): the base frozen, only the adapters train.
-PEFT = '''
-import numpy as np
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import GPT2Config, GPT2LMHeadModel
-
-
-def base(seed):
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
-                                      bos_token_id=0, eos_token_id=0))
-
-
-def model(cfg):
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
-    return get_peft_model(base(cfg.seed), lora)
-
-
-def forward(ids, net):
-    return net(input_ids=ids, labels=ids).loss
-
-
-def data(cfg):
-    return (np.random.default_rng(0).integers(0, 32, (64, 8)),)
-'''
+# GPT-2 with LoRA adapters on its attention (peft): the base frozen, only the adapters train. The LoRA
+# tutorial's own file (docs/tutorial-lora.md), so this test also proves the tutorial's steps.
+LORA = MODELS / "gpt2_lora.py"
 
 
 def test_a_peft_adapter_exports_as_peft_loads_it_and_merged(tmp_path):
@@ -186,24 +163,24 @@ def test_a_peft_adapter_exports_as_peft_loads_it_and_merged(tmp_path):
     peft = pytest.importorskip("peft")
     from transformers import GPT2LMHeadModel
 
-    path = tmp_path / "lora.py"
-    path.write_text(PEFT)
+    path = LORA
     run = tmp_path / "run"
-    train(path, run, *STEPS, "optimizer=adam", "optimizer.lr=0.01", timeout=180)
+    train(path, run, *STEPS, timeout=180)
     proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=180, check=True)
     assert "peft adapter (save_pretrained), and the merged model in merged/" in proc.stdout
     written = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "merged"} <= written
 
     code = runpy.run_path(str(path))
-    trained = code["model"](compose(str(path)))  # the trained weights, from the checkpoint by name
+    trained = code["model"](compose(str(path)))["net"]  # the trained weights, from the checkpoint by name
     _, state = _checkpoint_of(run)
+    state = {k[len("net."):]: v for k, v in state.items() if k.startswith("net.")}  # model() returned {"net": ...}
     own = trained.state_dict()
     trained.load_state_dict({k: torch.from_numpy(state[k]) for k in own if k in state}, strict=False)
     lora = [k for k in own if "lora_B" in k]
     assert lora and all(np.abs(state[k]).max() > 0 for k in lora)  # trained: B starts at zero
 
-    ids = torch.from_numpy(np.random.default_rng(1).integers(0, 32, (4, 8)))
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, 128, (4, 32)))
     adapted = peft.PeftModel.from_pretrained(code["base"](0), tmp_path / "out")
     merged = GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "merged")
     with torch.no_grad():

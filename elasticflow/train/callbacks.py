@@ -136,6 +136,9 @@ class EarlyStopping(Callback):
 
     def on_train_start(self, trainer: Any) -> None:
         self.monitor.check(trainer)
+        if self.monitor.at_eval and not trainer.tcfg.eval_every:
+            raise ElasticFlowError(f"early stopping on {self.monitor.name} is checked at each evaluation, and this "
+                                   "run evaluates only at its end", "set trainer.eval_every=N (steps)")
         if self.stopped_step is not None and self.wait >= self.patience:
             trainer.request_stop(f"early stopping had stopped this run at step {self.stopped_step}: "
                                  f"{self.monitor.name} did not improve for {self.wait} checks (pass a larger "
