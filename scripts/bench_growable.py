@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench_startup import alternating, timed  # scripts/ is the script's own directory, first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "digits_mlp.py"
@@ -30,14 +28,7 @@ def run_once(run: Path, growable: bool, steps: int) -> tuple:
             f"trainer.max_steps={steps}", "trainer.progress=false", "trainer.loggers=[]"]
     if growable:
         args.append("launcher.max_workers=3")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: the job exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return timed(args, dict(os.environ))
 
 
 def main() -> None:
@@ -48,15 +39,10 @@ def main() -> None:
     if args.rounds < 1 or args.steps < 1:
         ap.error("--rounds and --steps must be 1 or more")
     print(f"load average {os.getloadavg()[0]:.2f}; {args.steps} steps, {args.rounds} rounds")
-    got = {True: [], False: []}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for growable in ((False, True) if r % 2 == 0 else (True, False)):
-                wall, cpu = run_once(Path(tmp) / f"r{r}-g{growable}", growable, args.steps)
-                got[growable].append((wall, cpu))
-                print(f"  round {r} {'growable  ' if growable else 'in-process'} wall {wall:6.2f} s  cpu {cpu:6.2f} s",
-                      flush=True)
-    med = {g: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for g, v in got.items()}
+        med = alternating(args.rounds, lambda r, growable: run_once(Path(tmp) / f"r{r}-g{growable}", growable,
+                                                                   args.steps),
+                          lambda r, growable: f"round {r} {'growable  ' if growable else 'in-process'}")
     print(f"in-process: wall {med[False][0]:.2f} s, cpu {med[False][1]:.2f} s; growable: wall {med[True][0]:.2f} s, "
           f"cpu {med[True][1]:.2f} s; ratio growable/in-process: wall {med[True][0] / med[False][0]:.2f}x, "
           f"cpu {med[True][1] / med[False][1]:.2f}x")

@@ -36,6 +36,23 @@ def run_once(run: Path, fork: bool, workers: int, steps: int, kill: bool) -> tup
     if kill:  # worker 1 kills itself at step 10; restart_failed forks (or starts) a replacement
         args += ["launcher.restart_failed=true"]
         env["EF_PROBE_KILL"] = "1:10:forward"
+    return timed(args, env)
+
+
+def alternating(rounds: int, run, label) -> dict:
+    """Each round runs both arms (True, then False, or the reverse in odd rounds) once: ``run(round, arm)`` ->
+    (wall, cpu), each printed after ``label(round, arm)``. Returns {arm: (median wall, median cpu)}."""
+    got = {True: [], False: []}
+    for r in range(rounds):
+        for arm in ((True, False) if r % 2 == 0 else (False, True)):
+            wall, cpu = run(r, arm)
+            got[arm].append((wall, cpu))
+            print(f"  {label(r, arm)} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
+    return {a: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for a, v in got.items()}
+
+
+def timed(args: list, env: dict) -> tuple:
+    """(wall seconds, CPU seconds of the command and every process under it) of one command, run to its end."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -57,14 +74,10 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}; {args.workers} workers, {args.steps} steps, {args.rounds} rounds")
     with tempfile.TemporaryDirectory() as tmp:
         for kill in (False, True):
-            got = {True: [], False: []}
-            for r in range(args.rounds):
-                for fork in ((True, False) if r % 2 == 0 else (False, True)):
-                    wall, cpu = run_once(Path(tmp) / f"k{kill}-r{r}-f{fork}", fork, args.workers, args.steps, kill)
-                    got[fork].append((wall, cpu))
-                    print(f"  {'kill+restart' if kill else 'plain':12} round {r} fork={str(fork).lower():5} "
-                          f"wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
-            med = {f: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for f, v in got.items()}
+            med = alternating(args.rounds, lambda r, fork: run_once(Path(tmp) / f"k{kill}-r{r}-f{fork}", fork,
+                                                                       args.workers, args.steps, kill),
+                              lambda r, fork: f"{'kill+restart' if kill else 'plain':12} round {r} "
+                                              f"fork={str(fork).lower():5}")
             print(f"{'kill+restart' if kill else 'plain'}: fork wall {med[True][0]:.2f} s, cpu {med[True][1]:.2f} s; "
                   f"fresh wall {med[False][0]:.2f} s, cpu {med[False][1]:.2f} s; ratio fork/fresh: wall "
                   f"{med[True][0] / med[False][0]:.2f}x, cpu {med[True][1] / med[False][1]:.2f}x")
