@@ -17,13 +17,11 @@ is rank 0's: a callback whose state must survive losing rank 0 runs on every ran
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Dict, List, Optional
 
 from ..errors import ElasticFlowError
 
-log = logging.getLogger("elasticflow")
 RANKS = ("zero", "all")
 MODES = ("min", "max")
 
