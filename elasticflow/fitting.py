@@ -90,9 +90,7 @@ def model_file_text(functions: Dict[str, Callable]) -> str:
              "    return importlib.import_module(module)", "", ""]
     for name, fn in functions.items():
         module, root, file = _where(name, fn)
-        lines.append(f"{name} = _imported({module!r}, {root!r}, {file!r})")
-        for part in fn.__qualname__.split("."):
-            lines[-1] += f".{part}"
+        lines.append(f"{name} = _imported({module!r}, {root!r}, {file!r}).{fn.__qualname__}")
     return "\n".join(lines) + "\n"
 
 

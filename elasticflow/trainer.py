@@ -123,12 +123,12 @@ class ElasticTrainer:
         self.checkpoints.reserve(self.rank, self.world, self.replica.sharding())
         if cfg.backend.pin_cores and self.placement.kind == "cpu":  # last: what started above keeps every core
             affinity.pin_training_thread(devices.local_slot(), self.local_workers)
-        self._prepared, self._generation_seen = True, self.generation
+        self._prepared = True
         self.meter.start()  # from here every second is productive or a measured cost (goodput.py)
         if self.rank == 0:
             self.run_log.event("ready", step=self.state.step, world_size=self.world, resumed_from=self.resumed_from)
             builder.announce(p, cfg, t, self.world, self.run_dir, self.resumed_from, probe.drew)
-        self.callbacks.call("on_train_start", self)
+        self.callbacks.train_start(self)
         return self
 
     # ------------------------------------------------------------------ the state, for checkpoints and replicas
@@ -213,10 +213,7 @@ class ElasticTrainer:
         m["step_time_s"] = elapsed / m.pop("round_steps", 1)  # a round of steps (train/local_sgd.py): their mean
         if self.step_log.due(m):  # on every rank: a worker that becomes rank 0 goes on from the same logged step
             m["train_s"] = self.meter.flush()  # productive seconds since the previous logged step
-        if self.generation != self._generation_seen:  # the first boundary in a new membership
-            self._generation_seen = self.generation
-            self.callbacks.call("on_membership_change", self, self.world, self.generation)
-        self.callbacks.call("on_step_end", self, m)  # before the record is written: keys they add are logged
+        self.callbacks.step_end(self, m)  # before the record is written: keys they add are logged
         self.step_log.ended(m, self.rank, self.world)
 
     def evaluation_due(self) -> bool:
@@ -249,8 +246,7 @@ class ElasticTrainer:
         """End the run at a step boundary every member agrees on (a callback's early stop): at this one when
         the calling callback runs on every rank, else after the next step (train/callbacks.py). The run then
         finishes as at its end: evaluation, final checkpoint, ``fit()``'s result."""
-        self.callbacks.request_stop(reason)
-        self.replica.finish_asked = self.callbacks.vote is not None
+        self.replica.finish_asked = self.callbacks.request_stop(reason)
 
     @contextmanager
     def epoch(self, epoch: int):
@@ -296,13 +292,8 @@ class ElasticTrainer:
         if self.evaluation is None:
             return {}
         self.step_log.flush()  # the step's record before the evaluation's, as the steps were run
-        started, recovering = time.perf_counter(), 0.0
-        while True:
-            result, failure = collective(lambda: self.evaluation.run(self.engine, self.replica))
-            if failure is None:
-                self.last_eval = result
-                break
-            recovering += self.regrouper.regroup(failure)  # its own cost
+        started = time.perf_counter()
+        self.last_eval, recovering = self.regrouper.until_done(lambda: self.evaluation.run(self.engine, self.replica))
         seconds = time.perf_counter() - started - recovering
         self.meter.lose(seconds)
         if self.rank == 0:
@@ -352,8 +343,6 @@ class ElasticTrainer:
         result = {"step": s.step, "epochs_completed": s.epochs_completed, "samples_seen": s.cursor.samples_seen,
                   "loss": s.last_metrics.get("loss"), **self.last_eval,
                   "checkpoint": str(final or self.checkpoints.latest() or "")}
-        if self.callbacks.stopping:
-            result["stopped_early"] = self.callbacks.stopping
-        self.callbacks.call("on_train_end", self, result)
+        self.callbacks.train_end(self, result)
         self.run_log.close()
         return result

@@ -256,12 +256,6 @@ def _choice(value: Any, choices: tuple, key: str, hint: str) -> None:
         raise ElasticFlowError(f"{key} must be one of {', '.join(choices)}, got {value!r}", hint)
 
 
-def _select(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def validate(cfg: Any) -> None:
     """Check the values Hydra's types cannot: ranges (config/ranges.py), string choices, and keys against
     each other. Raises ElasticFlowError."""
@@ -283,8 +277,9 @@ def validate(cfg: Any) -> None:
     _choice(precision_name(t.precision), PRECISIONS, "trainer.precision",
             "pass trainer.precision=bf16 for mixed precision (16: float16 with loss scaling, 32: none)")
     _choice(cfg.comm.backend, COMM_BACKENDS, "comm.backend", "pass comm.backend=auto")
-    for key in ("checkpoint.mode", "callbacks.early_stopping.mode"):
-        _choice(_select(cfg, key), ("min", "max"), key, f"pass {key}=min (lower is better, as a loss) or max")
+    for key, value in (("checkpoint.mode", cfg.checkpoint.mode),
+                       ("callbacks.early_stopping.mode", cfg.callbacks.early_stopping.mode)):
+        _choice(value, ("min", "max"), key, f"pass {key}=min (lower is better, as a loss) or max")
     if cfg.backend.name not in BACKENDS:
         raise ElasticFlowError(f"unknown backend {cfg.backend.name!r}; expected one of {', '.join(BACKENDS)}",
                                "pass backend=torch or backend=tensorflow")

@@ -21,6 +21,7 @@ import math
 from typing import Any, Dict, List, Optional
 
 from ..errors import ElasticFlowError
+from .state import count
 
 RANKS = ("zero", "all")
 MODES = ("min", "max")
@@ -170,8 +171,8 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         best, stopped = state.get("best"), state.get("stopped_step")
         self.best = None if best is None else float(best)
-        self.wait = _count(state.get("wait", 0))
-        self.stopped_step = None if stopped is None else _count(stopped)
+        self.wait = count(state.get("wait", 0))
+        self.stopped_step = None if stopped is None else count(stopped)
 
 
 class BestCheckpoints(Callback):
@@ -227,7 +228,7 @@ class BestCheckpoints(Callback):
         best = state.get("best", [])
         if not isinstance(best, list) or not all(isinstance(e, list) and len(e) == 2 for e in best):
             raise ValueError(f"best-k checkpoints: expected a list of [value, step], got {best!r:.80}")
-        self.best = [[float(v), _count(s)] for v, s in best][:self.k]
+        self.best = [[float(v), count(s)] for v, s in best][:self.k]
 
 
 class LearningRateMonitor(Callback):
@@ -242,12 +243,6 @@ class LearningRateMonitor(Callback):
             return
         for i, group in enumerate(spec.groups):
             metrics[f"lr_group{i}"] = lr * (group.lr / spec.lr if group.lr is not None else 1.0)
-
-
-def _count(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"a count must be a non-negative integer, got {value!r}")
-    return value
 
 
 class Callbacks:
@@ -267,9 +262,25 @@ class Callbacks:
         self.stopping: Optional[str] = None  # agreed: stop at this boundary, why
         self.vote: Optional[str] = None      # rank 0's request, voted in the next step
         self._current: Optional[Callback] = None
+        self._generation: Optional[int] = None  # the membership the last step ended in
 
-    def __bool__(self) -> bool:
-        return bool(self.callbacks)
+    def train_start(self, trainer: Any) -> None:
+        """``on_train_start``, in the membership the worker joined (not a change)."""
+        self._generation = trainer.generation
+        self.call("on_train_start", trainer)
+
+    def step_end(self, trainer: Any, metrics: Dict[str, Any]) -> None:
+        """``on_membership_change`` at the first boundary in a new membership, then ``on_step_end``."""
+        if trainer.generation != self._generation:
+            self._generation = trainer.generation
+            self.call("on_membership_change", trainer, trainer.world, trainer.generation)
+        self.call("on_step_end", trainer, metrics)
+
+    def train_end(self, trainer: Any, result: Dict[str, Any]) -> None:
+        """``on_train_end``, with why the run stopped early in ``result`` (``stopped_early``) when it did."""
+        if self.stopping:
+            result["stopped_early"] = self.stopping
+        self.call("on_train_end", trainer, result)
 
     def call(self, hook: str, trainer: Any, *args: Any) -> None:
         """Run ``hook`` of every callback that runs on this rank."""
@@ -281,12 +292,14 @@ class Callbacks:
                 finally:
                     self._current = None
 
-    def request_stop(self, reason: str) -> None:
-        """A callback asks to stop (``ElasticTrainer.request_stop``); outside a hook, as rank 0's vote."""
+    def request_stop(self, reason: str) -> bool:
+        """A callback asks to stop (``ElasticTrainer.request_stop``); outside a hook, as rank 0's vote. Returns
+        whether a vote is pending (the replica carries it in the next step's reduction)."""
         if self._current is not None and self._current.ranks == "all":
             self.stopping = self.stopping or reason
         else:
             self.vote = self.vote or reason
+        return self.vote is not None
 
     def state_dict(self) -> Dict[str, Any]:
         return {self._key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)}

@@ -15,9 +15,9 @@ from ..data import order as data
 from . import randomness
 from ..errors import ElasticFlowError
 
+log = logging.getLogger("elasticflow")
 # The backends name the evaluation in their loss checks (common.check_loss's ``where``); the probe is
 # evaluation mode too, but a user without eval_data() must read where it really ran.
-log = logging.getLogger("elasticflow")
 _PROBE = "in the start-up probe (forward() on data()'s first samples, before the first step)"
 
 

@@ -81,6 +81,16 @@ class Regrouper:
         c = self.state.cursor
         return c.epoch != batch.epoch or c.samples_in_epoch != batch.start
 
+    def until_done(self, call: Callable[[], Any]) -> Tuple[Any, float]:
+        """``call()``, a collective every member makes (an evaluation), made again after a regroup each time a
+        member fails in it: (its result, the seconds the regroups took, each its own cost)."""
+        recovering = 0.0
+        while True:
+            result, failure = collective(call)
+            if failure is None:
+                return result, recovering
+            recovering += self.regroup(failure)
+
     def regroup(self, failure: Optional[str], attempt: Tuple[float, float] = (0.0, 0.0)) -> float:
         """Regroup after a failed collective (``failure``: what failed) or an agreed membership change.
 

@@ -67,7 +67,7 @@ class TrainState:
             elif f.name == "last_metrics":
                 value = dict(value or {})
             elif f.name == "sat_out":
-                value = {str(k): _count(v) for k, v in dict(value or {}).items()}
+                value = {str(k): count(v) for k, v in dict(value or {}).items()}
             elif f.name == "callbacks":  # a crafted record (not a dict of dicts): ValueError, a corrupt checkpoint
                 if not isinstance(value or {}, dict) or not all(isinstance(v, dict) for v in (value or {}).values()):
                     raise ValueError(f"the callbacks' state must map names to dicts, got {value!r:.80}")
@@ -77,8 +77,9 @@ class TrainState:
             setattr(self, f.name, value)
 
 
-def _count(value: Any) -> int:
-    """A count read from a checkpoint's progress: a non-negative integer, else ValueError (a crafted record)."""
+def count(value: Any) -> int:
+    """A count read from a checkpoint's progress (a step count, a callback's): a non-negative integer, else
+    ValueError (a crafted record)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"a step count must be a non-negative integer, got {value!r}")
+        raise ValueError(f"a count must be a non-negative integer, got {value!r}")
     return value
