@@ -197,3 +197,21 @@ def test_best_k_ranks_and_keeps_the_k_best():
     again = cb.BestCheckpoints("eval_accuracy", "max", 2)
     again.load_state_dict(json.loads(json.dumps(best.state_dict())))
     assert again.names() == ["step_25", "step_10"]
+
+
+def test_a_stop_asked_after_a_nested_hook_is_still_the_every_rank_callbacks():
+    """A ranks="all" callback whose hook saves (on_save runs inside it) and then asks to stop: the stop is at
+    this boundary, not a rank-0 vote (the nested call once forgot whose hook was running)."""
+    class Trainer:
+        rank = 1
+
+    class SavesThenStops(cb.Callback):
+        ranks = "all"
+
+        def on_eval_end(self, trainer, metrics):
+            callbacks.call("on_save", trainer, "step_5", None)
+            callbacks.request_stop("enough")
+
+    callbacks = cb.Callbacks([SavesThenStops(), cb.Callback()])
+    callbacks.call("on_eval_end", Trainer(), {})
+    assert (callbacks.stopping, callbacks.vote) == ("enough", None)

@@ -284,13 +284,14 @@ class Callbacks:
 
     def call(self, hook: str, trainer: Any, *args: Any) -> None:
         """Run ``hook`` of every callback that runs on this rank."""
+        outer = self._current  # a hook may cause another (best-k's save runs on_save inside on_eval_end)
         for cb in self.callbacks:
             if cb.ranks == "all" or trainer.rank == 0:
                 self._current = cb
                 try:
                     getattr(cb, hook)(trainer, *args)
                 finally:
-                    self._current = None
+                    self._current = outer
 
     def request_stop(self, reason: str) -> bool:
         """A callback asks to stop (``ElasticTrainer.request_stop``); outside a hook, as rank 0's vote. Returns
