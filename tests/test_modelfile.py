@@ -131,8 +131,10 @@ def test_data_as_a_list_of_samples_is_one_line_naming_the_fix(write_model, tmp_p
     assert "np.stack(field) for field in zip(*samples)" in info.value.hint
     ragged = TWO_FIELDS.format(signature="x, y, net", loss="((net(x) - y) ** 2).mean()").replace(
         "return x, x[:, :1] * 2", "return [[1.0, 2.0], [3.0]], [0.0, 1.0]")
-    with pytest.raises(ElasticFlowError, match="returned a field numpy cannot make one array of"):
+    with pytest.raises(ElasticFlowError) as info:
         prepare(write_model(ragged, "ragged.py"), tmp_path)
+    assert info.value.message == "data() returned field #0 with rows of different lengths (ragged)"
+    assert info.value.hint.startswith("define collate(samples) in the model file to pad each micro-batch")
 
 
 HF_OUTPUT = '''

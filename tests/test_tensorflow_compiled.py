@@ -74,3 +74,19 @@ def test_without_the_private_entry_point_the_public_call_is_used(monkeypatch):
     np.testing.assert_array_equal(compiled(idx).numpy(), [3.5, 14.0])
     np.testing.assert_array_equal(compiled(idx).numpy(), [3.5, 28.0])
     assert float(total.numpy()) == 28.0
+
+
+def test_shapes_that_keep_changing_are_traced_a_bounded_number_of_times():
+    """A collate that pads each micro-batch to its own length: past EXACT_SHAPES signatures the varying
+    dimension is traced as unknown, and every length after that reuses the one trace (right results)."""
+    from elasticflow.backends.tensorflow.compiled import EXACT_SHAPES
+
+    compiled = Compiled(lambda batch: tf.reduce_sum(batch[0] * 2.0) + tf.cast(tf.shape(batch[1])[1], tf.float32))
+    for length in range(1, 41):
+        x = np.ones((4, length, 3), np.float32)
+        mask = np.ones((4, length), np.int64)
+        got = compiled((tf.constant(x), tf.constant(mask)))
+        assert float(got.numpy()) == 2.0 * x.sum() + length
+    assert compiled.experimental_get_tracing_count() == EXACT_SHAPES + 1
+    compiled((tf.constant(np.ones((3, 7, 3), np.float32)), tf.constant(np.ones((3, 7), np.int64))))
+    assert compiled.experimental_get_tracing_count() == EXACT_SHAPES + 2  # the batch dimension now varies too

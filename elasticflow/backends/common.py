@@ -52,6 +52,11 @@ def set_training(training: bool) -> None:
 
 
 # ---------------------------------------------------------------- forward()'s output
+# forward()'s key for how much a micro-batch counts (a language model's target tokens): not a metric. The
+# step's loss, metrics and gradient are then sums weighted by it, divided by the global batch's total.
+WEIGHT = "weight"
+
+
 def split_output(out: Any) -> Tuple[Any, Dict[str, Any]]:
     """forward()'s output as (loss, {metric: value}); ``check_loss`` then checks they are scalars."""
     if not isinstance(out, dict):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,7 +57,9 @@ class Columns:
 
     ``columns`` picks and orders the columns that become ``forward()``'s arguments; without them
     every column is used in the dataset's own order. Returning the dataset itself from ``data()``
-    means ``Columns(dataset)``.
+    means ``Columns(dataset)``. ``collate_fn`` (the model file's ``collate(samples)`` is passed for
+    you): each micro-batch's rows, as a list of ``{column: value}`` samples, become the batch it
+    returns (``transformers.DataCollatorWithPadding`` pads ragged token ids per micro-batch).
 
     Example::
 
@@ -66,22 +68,48 @@ class Columns:
             return elasticflow.data.Columns(ds, "pixels", "label")
     """
 
-    def __init__(self, dataset: Any, *columns: str):
+    def __init__(self, dataset: Any, *columns: str, collate_fn: Optional[Callable[[List[Any]], Any]] = None):
         names = list(getattr(dataset, "column_names", None) or [])
         missing = [c for c in columns if c not in names]
         if missing:
             raise ElasticFlowError(f"Columns(): the dataset has no column {', '.join(map(repr, missing))}",
                                    f"its columns are {', '.join(map(repr, names))}")
         self.columns = list(columns) or names
-        # numpy format: a batch read returns arrays, not lists of Python objects
-        self.dataset = dataset.with_format("numpy", columns=self.columns)
+        self.collate_fn = collate_fn
+        # numpy format: a batch read returns arrays, not lists of Python objects (a collate takes the lists)
+        self.dataset = dataset.with_format(None if collate_fn else "numpy", columns=self.columns)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def read(self, indices: np.ndarray) -> Rows:
+    def read(self, indices: np.ndarray) -> Any:
         batch = self.dataset[indices.tolist()]
-        return tuple(np.asarray(batch[c]) for c in self.columns)
+        if self.collate_fn is not None:
+            return self.collate_fn([dict(zip(self.columns, row)) for row in zip(*(batch[c] for c in self.columns))])
+        fields = tuple(np.asarray(batch[c]) for c in self.columns)
+        for c, f in zip(self.columns, fields):
+            if f.dtype == object:
+                raise ElasticFlowError(f"column {c!r} holds rows of different lengths (samples {_shown(indices)})",
+                                       RAGGED_HINT)
+        return fields
+
+
+RAGGED_HINT = ("define collate(samples) in the model file to pad each micro-batch (e.g. transformers."
+               "DataCollatorWithPadding(tokenizer)), or pad every row to one length")
+
+
+class Samples:
+    """A tuple of fields held in memory whose rows may differ in length (ragged token ids), made into
+    micro-batches by ``collate_fn``: it receives the micro-batch's samples, each a tuple of its fields."""
+
+    def __init__(self, fields: Sequence[Any], collate_fn: Callable[[List[Any]], Any]):
+        self.fields, self.collate_fn = fields, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.fields[0])
+
+    def read(self, indices: np.ndarray) -> Any:
+        return self.collate_fn([tuple(f[int(i)] for f in self.fields) for i in indices])
 
 
 class NpyShards:
@@ -231,8 +259,8 @@ def _stack_field(values: List[Any], field: int, indices: np.ndarray) -> np.ndarr
             raise ElasticFlowError(
                 f"sample {int(i)}'s field #{field} is {a.dtype} of shape {a.shape}, but sample {int(indices[0])}'s "
                 f"is {arrays[0].dtype} of shape {arrays[0].shape}",
-                "every sample's field must have one shape and dtype; pad or resize in __getitem__, or pass "
-                "collate_fn= to Mapped()")
+                "every sample's field must have one shape and dtype; pad or resize in __getitem__, or define "
+                "collate(samples) in the model file to pad each micro-batch")
     return np.stack(arrays)
 
 
@@ -271,7 +299,8 @@ def refuse_iterable(raw: Any, what: str) -> None:
         kind, fix = "a tf.data.Dataset", ("return the arrays it reads (e.g. tuple(np.stack(c) for c in zip(*ds."
                                           "as_numpy_iterator()))) or a Columns/NpyShards source")
     elif _is_instance(raw, "datasets", ("IterableDataset",)):
-        kind, fix = "a streaming Hugging Face IterableDataset", "load it without streaming=True (a datasets.Dataset)"
+        kind, fix = ("a Hugging Face IterableDataset", "return the datasets.Dataset itself: load it without "
+                     "streaming=True, or drop .to_iterable_dataset()")
     elif _is_instance(raw, "torch.utils.data", ("DataLoader",)):
         kind, fix = "a torch DataLoader", "return its dataset (loader.dataset): ElasticFlow batches and shuffles"
     elif hasattr(raw, "__next__") or (hasattr(raw, "__iter__") and not hasattr(raw, "__getitem__")):
@@ -280,13 +309,35 @@ def refuse_iterable(raw: Any, what: str) -> None:
         raise ElasticFlowError(f"{what} returned {kind}, which can only be read in order; {_RANDOM_ACCESS}", fix)
 
 
-def adapt(raw: Any, what: str) -> Any:
-    """``raw`` as a reader (``len`` and ``read(indices)``), or None for arrays held in memory."""
+def adapt(raw: Any, what: str, collate: Optional[Callable[[List[Any]], Any]] = None) -> Any:
+    """``raw`` as a reader (``len`` and ``read(indices)``), or None for arrays held in memory.
+
+    ``collate``: the model file's ``collate(samples)``, for a map-style source that has none of its own.
+    """
+    if collate is not None:
+        if isinstance(raw, Mapped) and raw.collate_fn is None:
+            return Mapped(raw.dataset, collate)
+        if isinstance(raw, Columns) and raw.collate_fn is None:
+            return Columns(raw.dataset, *raw.columns, collate_fn=collate)
     if isinstance(raw, (Mapped, Columns, NpyShards, Mmapped)):
         return raw
     refuse_iterable(raw, what)
     if _is_instance(raw, "datasets", ("Dataset",)):
-        return Columns(raw)
-    if _is_instance(raw, "torch.utils.data", ("Dataset",)):
-        return Mapped(raw)
+        return Columns(raw, collate_fn=collate)
+    if _is_instance(raw, "torch.utils.data", ("Dataset",)) or (collate and hasattr(raw, "__getitem__")):
+        return Mapped(raw, collate)
     return None
+
+
+def fields_of(batch: Any) -> Tuple[Any, ...]:
+    """A read batch as its fields: a dict's values in its keys' order (a collate's ``BatchEncoding``)."""
+    if isinstance(batch, Mapping):
+        return tuple(batch.values())
+    if isinstance(batch, np.ndarray) or not isinstance(batch, (tuple, list)):
+        return (batch,)
+    return tuple(batch)
+
+
+def _shown(indices: np.ndarray) -> str:
+    head = ", ".join(str(int(i)) for i in indices[:5])
+    return f"[{head}{', ...' if len(indices) > 5 else ''}]"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -17,25 +17,39 @@ from ..errors import ElasticFlowError
 from .forms import Columns, Mapped, NpyShards  # noqa: F401 - public: elasticflow.data.Mapped, ...
 
 
-def _fields(raw: Any, what: str) -> Tuple[np.ndarray, ...]:
-    """data()'s tuple of fields as arrays; a list of samples ([(x, y), ...]) is one line naming the fix."""
+def _fields(raw: Any, what: str, collate: Any) -> Tuple[np.ndarray, ...]:
+    """data()'s tuple of fields as arrays; a list of samples ([(x, y), ...]) is one line naming the fix.
+    With a ``collate`` a field's rows may differ in length: they are kept one object per row."""
     if isinstance(raw, list) and raw and isinstance(raw[0], tuple):
         raise ElasticFlowError(f"{what} returned a list of {len(raw)} samples of {len(raw[0])} fields each; it "
                                "returns the fields, each an array with one row per sample",
                                "stack them: return tuple(np.stack(field) for field in zip(*samples))")
-    try:
-        return tuple(a if isinstance(a, np.ndarray) else np.asarray(a) for a in raw)
-    except ValueError as exc:  # numpy's "inhomogeneous shape": rows of unequal length in one field
-        raise ElasticFlowError(f"{what} returned a field numpy cannot make one array of ({exc})",
-                               "return a tuple of arrays with one row per sample, each field's rows of one "
-                               "shape (pad variable-length rows)") from None
+    fields = []
+    for i, a in enumerate(raw):
+        try:
+            fields.append(a if isinstance(a, np.ndarray) else np.asarray(a))
+        except ValueError:  # numpy's "inhomogeneous shape": rows of unequal length in one field
+            if collate is None:
+                raise ElasticFlowError(f"{what} returned field #{i} with rows of different lengths (ragged)",
+                                       forms.RAGGED_HINT) from None
+            fields.append(_objects(a))
+        if fields[-1].dtype == object and collate is None:
+            raise ElasticFlowError(f"{what} returned field #{i} as Python objects (rows of different lengths?)",
+                                   forms.RAGGED_HINT)
+    return tuple(fields)
+
+
+def _objects(rows: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(rows), dtype=object)
+    out[:] = [np.asarray(r) for r in rows]
+    return out
 
 
 class Dataset:
     """A checked view of what ``data(cfg)`` returned: ``arrays`` (a tuple of equal-length arrays held
     in memory) or a reader fetched batch by batch (see :mod:`elasticflow.data.forms` for every form)."""
 
-    def __init__(self, raw: Any, what: str = "data()"):
+    def __init__(self, raw: Any, what: str = "data()", collate: Optional[Callable[[List[Any]], Any]] = None):
         self.what = what
         self.arrays: Tuple[np.ndarray, ...] | None = None
         self.reader: Any = None
@@ -47,7 +61,7 @@ class Dataset:
             raise ElasticFlowError(f"{what} returned a dict (keys: {', '.join(map(str, raw))})",
                                    "return a tuple of arrays in forward()'s argument order, e.g. (x, y)")
         if isinstance(raw, (tuple, list)):
-            arrays = _fields(raw, what)
+            arrays = _fields(raw, what, collate)
             if not arrays:
                 raise ElasticFlowError(f"{what} returned an empty tuple", "return a tuple of arrays, e.g. (x, y)")
             lengths = [len(a) if a.ndim else -1 for a in arrays]
@@ -56,12 +70,14 @@ class Dataset:
                 raise ElasticFlowError(f"{what} returned arrays of unequal length ({shown} rows)",
                                        "every array must have one row per sample (same first dimension)")
             self.length = lengths[0]
-            if any(isinstance(a, np.memmap) for a in arrays):  # on disk: read per batch, never all at once
+            if collate is not None:  # per micro-batch: its samples' fields in, one batch out
+                self.reader = forms.Samples(arrays, collate)
+            elif any(isinstance(a, np.memmap) for a in arrays):  # on disk: read per batch, never all at once
                 self.reader = forms.Mmapped(arrays)
             else:
                 self.arrays = arrays
             return
-        self.reader = forms.adapt(raw, what)
+        self.reader = forms.adapt(raw, what, collate)
         if self.reader is None and hasattr(raw, "__len__") and hasattr(raw, "__getitem__"):
             self.reader = forms.Indexed(raw)
         if self.reader is None:
@@ -86,14 +102,18 @@ class Dataset:
             raise
         except Exception as exc:
             raise self._read_error(indices, exc) from exc
-        if isinstance(rows, np.ndarray) or not isinstance(rows, (tuple, list)):
-            rows = (rows,)
-        rows = tuple(forms._as_array(r) for r in rows)
+        rows = tuple(forms._as_array(r) for r in forms.fields_of(rows))
         if any(r.ndim == 0 or len(r) != len(indices) for r in rows):
             raise ElasticFlowError(
                 f"{self.what} returned a batch whose arrays do not have len(indices)={len(indices)} rows "
                 f"({', '.join(str(r.shape) for r in rows)}) for samples {_shown(indices)}",
                 "reading a batch must return one row per requested index in every array")
+        if any(r.dtype == object for r in rows):
+            field = next(i for i, r in enumerate(rows) if r.dtype == object)
+            raise ElasticFlowError(f"{self.what}'s batch of samples {_shown(indices)} has field #{field} as Python "
+                                   "objects (rows of different lengths?)", forms.RAGGED_HINT)
+        if getattr(self.reader, "collate_fn", None) is not None:
+            return rows  # collated per micro-batch: shapes may differ from one micro-batch to the next
         layout = [(r.dtype, r.shape[1:]) for r in rows]
         if self._layout is None:
             self._layout = layout
@@ -118,9 +138,7 @@ class Dataset:
                                 "fix the dataset's __getitem__ for that index (run with --debug for the traceback)")
 
 
-def _shown(indices: np.ndarray) -> str:
-    head = ", ".join(str(int(i)) for i in indices[:5])
-    return f"[{head}{', ...' if len(indices) > 5 else ''}]"
+_shown = forms._shown
 
 
 def _describe(layout: List[Tuple[np.dtype, tuple]]) -> str:

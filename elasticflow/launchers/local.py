@@ -50,13 +50,17 @@ class LocalLaunch:
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     # cfg arrives validated (cli._train_task): nothing here checks it again.
+    from ..checkpoint import jobdir
     from ..observability.goodput import job
 
     with job(run_dir):  # the job's start and end, for the goodput ledger
         if cfg.launcher.workers == 1 and not cfg.launcher.max_workers:
             from ..trainer import ElasticTrainer
 
-            return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
+            try:
+                return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
+            finally:  # a failed run frees its folder too: the next in this process (elasticflow.fit()) takes it
+                jobdir.release_all()
         from ..distributed.agent import Agent
 
         launch = LocalLaunch(cfg.launcher.fork_workers)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from ..backends.common import WEIGHT
 from ..data import order as data
 from . import randomness
 from ..errors import ElasticFlowError
@@ -23,7 +24,7 @@ _PROBE = "in the start-up probe (forward() on data()'s first samples, before the
 
 @dataclass
 class Probe:
-    metric_names: List[str]  # forward()'s metrics, sorted: the order every worker reduces them in
+    metric_names: List[str]  # forward()'s metrics, sorted (its weight last): the order every worker reduces them in
     drew: bool               # forward() called elasticflow.ops.dropout with a rate above 0
 
 
@@ -39,11 +40,13 @@ def probe(engine: Any, source: data.Source, check_fields: Optional[Callable[[int
     drawn = randomness.ops_draws
     engine.train_mode(False)
     try:
-        names = sorted(k for k in engine.evaluate(batch) if k != "loss")
+        out = engine.evaluate(batch)
     except ElasticFlowError as exc:
         raise ElasticFlowError(exc.message.replace("in evaluation", _PROBE), exc.hint, exc.exit_code) from exc
     finally:
         engine.train_mode(True)
+    # forward()'s weight is reduced last, as a sum: the step divides the others' weighted sums by it.
+    names = sorted(k for k in out if k not in ("loss", WEIGHT)) + ([WEIGHT] if WEIGHT in out else [])
     return Probe(names, randomness.ops_draws > drawn)
 
 
@@ -78,12 +81,17 @@ class Evaluation:
             for a in range(lo, hi, self.chunk):
                 positions = np.arange(a, min(a + self.chunk, hi))
                 values = engine.evaluate(source.rows(positions))
+                weight = values.get(WEIGHT, len(positions))  # forward()'s (target tokens), else the samples
                 for i, k in enumerate(self.names):
-                    totals[i] += values.get(k, 0.0) * len(positions)
+                    totals[i] += weight if k == WEIGHT else values.get(k, 0.0) * weight
         finally:
             engine.train_mode(True)
-        totals = replica.reduce_sum(totals)
-        return {f"eval_{k}": v / len(source) for k, v in zip(self.names, totals)}
+        totals = dict(zip(self.names, replica.reduce_sum(totals)))
+        total = totals.pop(WEIGHT, len(source))
+        result = {f"eval_{k}": v / total if total else 0.0 for k, v in totals.items()}
+        if WEIGHT in self.names:
+            result[f"eval_{WEIGHT}"] = total
+        return result
 
 
 def report(run_log: Any, state: Any, result: Dict[str, float], seconds: float) -> None:

@@ -54,6 +54,28 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     return Verdict(grad_norm, overflow, finite)
 
 
+def per_weight(total: float) -> float:
+    """The factor that turns sums weighted by forward()'s ``weight`` into the global batch's weighted mean
+    (1 where the batch weighs nothing: its weighted sums are zero already)."""
+    return 1.0 / total if total > 0 else 1.0
+
+
+def scale_summed(engine: Any, shards: Any, factor: float) -> None:
+    """Scale the summed gradient by ``factor`` in place, wherever this member holds it: the engine's flat
+    gradient, or (trainer.shard=gradients, parameter servers) the ranges it received the sums of.
+
+    Note: one pass over the gradient a step, where forward() returns a weight; its total is known only
+    once the step's reduction is done, after backward, so the division cannot ride in the loss.
+    """
+    if factor == 1.0:
+        return
+    if shards is not None and shards.scatters():
+        for summed in shards.reduced.values():
+            summed.mul_(factor)
+    else:
+        engine.scale_grad(factor)
+
+
 def scattered_finite(ranges: Iterable[Any], reduce_sum: Callable[[list], list]) -> bool:
     """Whether the summed gradient is finite when each member holds the sums of its own ranges only
     (trainer.shard=gradients: ``ranges``, torch tensors): each checks its ranges and ``reduce_sum`` (a

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..backends.common import WEIGHT
 from ..data import order as data
 from . import grad_check
 from .. import optim
@@ -244,7 +245,12 @@ class RoundStepper:
                     metric_sums[name] = metric_sums.get(name, 0.0) + v
             loss = float(loss_sum)  # a sync point on accelerators; the non-finite check needs it anyway
             weight = (hi - lo) / batch.size
-            scalars[j] = [loss * weight] + [float(metric_sums.get(m, 0.0)) * weight for m in self.metric_names]
+            if WEIGHT in metric_sums:  # forward()'s weights: the replica's own weighted mean (its inner step)
+                factor = grad_check.per_weight(float(metric_sums[WEIGHT]))
+                loss, metric_sums = loss * factor, {m: v if m == WEIGHT else v * factor for m, v in metric_sums.items()}
+                engine.scale_grad(factor)
+            scalars[j] = [loss * weight] + [float(metric_sums.get(m, 0.0)) * (1.0 if m == WEIGHT else weight)
+                                            for m in self.metric_names]
             update = grad_check.decide(grad_check.check(engine, loss, t.grad_clip, None), loss, t.on_nonfinite)
             if update.action == "stop":
                 self._restore(theta, buffers)

@@ -27,6 +27,7 @@ class ModelFile:
     data: Callable[..., Any]
     eval_data: Optional[Callable[..., Any]]
     callbacks: Optional[Callable[..., Any]] = None  # callbacks(cfg): a list of elasticflow.Callback (optional)
+    collate: Optional[Callable[..., Any]] = None    # collate(samples): one micro-batch from its samples (optional)
 
     def call(self, name: str, cfg: Any) -> Any:
         """Call model/data/eval_data/callbacks with cfg when the function takes an argument, else without."""
@@ -107,7 +108,7 @@ def load(path: str) -> ModelFile:
                                    CONTRACT_HINT)
         functions[name] = fn
     optional = {}
-    for name in ("eval_data", "callbacks"):
+    for name in ("eval_data", "callbacks", "collate"):
         fn = optional[name] = getattr(module, name, None)
         if fn is not None and not callable(fn):
             raise ElasticFlowError(f"'{name}' in model file '{path}' is not a function", CONTRACT_HINT)

@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
+from ..backends.common import WEIGHT
 from ..data import order as data
 from . import grad_check, loss_scale
 from .. import optim
@@ -92,6 +93,10 @@ class Stepper:
         if buffers is not None:
             engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
+        if WEIGHT in metric_values:  # forward() weighted its micro-batches: per unit of the global batch's weight
+            factor = grad_check.per_weight(metric_values[WEIGHT])
+            loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
+            grad_check.scale_summed(engine, p.shards, factor)
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
         scattered = None  # stage 2: this member holds the sums of its own ranges only

@@ -67,7 +67,7 @@ class Batches:
         return x, self.y[indices], self.ids[indices]
 
 
-def collate(items):
+def collate_items(items):
     return tuple(torch.stack([item[k] for item in items]) for k in ("x", "y", "id"))
 
 
@@ -98,7 +98,7 @@ def data(cfg):
     if form == "torch":
         return Items(x, y, ids, augment)
     if form == "torch_dict_collate":
-        return elasticflow.data.Mapped(Items(x, y, ids, augment, as_dict=True), collate_fn=collate)
+        return elasticflow.data.Mapped(Items(x, y, ids, augment, as_dict=True), collate_fn=collate_items)
     if form in ("hf", "hf_columns"):
         import datasets
 

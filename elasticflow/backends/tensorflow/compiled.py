@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import tensorflow as tf
 
 _log = logging.getLogger("elasticflow")
+EXACT_SHAPES = 8  # input signatures of one structure traced exactly, before varying dimensions become None
 
 
 def _flat(inputs: Any) -> Tuple[Any, ...]:
@@ -31,7 +32,11 @@ class Compiled:
         fn: a step taking one argument: a tensor, or a tuple of tensors.
 
     Exact shapes (no input signature): a model file may read ``x.shape[0]``; the cost is one trace
-    per distinct input signature (typically two: the full micro-batch and the epoch's last).
+    per distinct input signature (typically two: the full micro-batch and the epoch's last). Where a
+    collate pads each micro-batch to its own length, shapes keep changing: after ``EXACT_SHAPES``
+    signatures of one structure, the dimensions that varied are traced as unknown (``None``), as
+    ``tf.function(reduce_retracing=True)`` and Keras's ``fit`` do, so a run traces at most a few more
+    times whatever its lengths (a model that needs such a dimension reads ``tf.shape(x)``).
     Autograph is off: forward() keeps plain Python semantics and errors keep their type.
 
     Note: the flat entry point, ``AtomicFunction.call_flat``, is TensorFlow's private API (present
@@ -44,6 +49,7 @@ class Compiled:
         # traces, not those of every Engine that compiled the same code (a sweep's jobs in one process).
         self.function = tf.function(functools.partial(fn), autograph=False)
         self._calls: Dict[tuple, Callable[[Tuple[Any, ...]], Any]] = {}
+        self._traced: Dict[tuple, List[tuple]] = {}  # per structure (ranks, dtypes): the signatures traced exactly
 
     def __call__(self, inputs: Any) -> Any:
         flat = _flat(inputs)
@@ -51,8 +57,25 @@ class Compiled:
         signature = (flat is inputs,) + tuple((t.shape, t.dtype) for t in flat)
         call = self._calls.get(signature)
         if call is None:
-            call = self._calls[signature] = self._entry(inputs)
+            call = self._calls[signature] = self._entry(self._relaxed(inputs, flat, signature))
         return call(flat)
+
+    def _relaxed(self, inputs: Any, flat: Tuple[Any, ...], signature: tuple) -> Any:
+        """``inputs`` to trace exactly, or, past ``EXACT_SHAPES`` signatures of their structure, ``TensorSpec``s
+        with every dimension that has varied as ``None`` (the same spec again reuses its trace)."""
+        if not all(isinstance(t, tf.Tensor) for t in flat):
+            return inputs
+        structure = (signature[0],) + tuple((len(shape), dtype) for shape, dtype in signature[1:])
+        traced = self._traced.setdefault(structure, [])
+        if len(traced) < EXACT_SHAPES:
+            traced.append(signature)
+            return inputs
+        specs = []
+        for i, t in enumerate(flat):
+            seen = [sig[i + 1][0] for sig in traced] + [t.shape]
+            dims = [d[0] if len(set(d)) == 1 else None for d in zip(*seen)]
+            specs.append(tf.TensorSpec(dims, t.dtype))
+        return tuple(specs) if signature[0] else specs[0]
 
     def _entry(self, inputs: Any) -> Callable[[Tuple[Any, ...]], Any]:
         """How to call with ``inputs``' signature: ``entry(flat tensors) -> fn's output``."""

@@ -23,14 +23,14 @@ from ..buffers import Rule
 from ...config.devices import Placement
 from ...errors import ElasticFlowError
 from ...optim import Hyper, OptimizerSpec
-from ..common import (activate, buckets, check_loss, check_trainable, flatten, rebuild, set_training, state_names,
-                      training)
+from ..common import (WEIGHT, activate, buckets, check_loss, check_trainable, flatten, rebuild, set_training,
+                      state_names, training)
 from . import ops as tf_ops
 from . import optim as tf_optim
 from .compiled import Compiled
 from .data import _on_rows, _split, _view, np_dtype, to_numpy
 from .native import (arrays_by_name, assign_by_name, buffer_rules, is_native, mixed_native, native_variables, owners,
-                     seed_generators, with_model_losses)
+                     reseed, seed_generators, with_model_losses)
 from .ops import _generator
 
 # What an Engine activates for elasticflow.ops: the backend package, which is importing this module now
@@ -258,13 +258,7 @@ class Engine:
 
     def _seeded(self, step, rows: bool, packed):
         """Reseed every generator forward() draws from with ``packed[0]``, then ``step`` on the batch."""
-        seed = packed[0]
-        # Philox's state is a 128-bit counter and a 64-bit key: the seed is the key, the counter starts at 0.
-        zero = tf.zeros([], tf.int64)
-        _generator().state.assign(tf.stack([zero, zero, seed]))
-        for i, generator in enumerate(self._seed_generators):  # keras layers' own (Dropout ...): one seed each
-            salted = tf.bitwise.bitwise_xor(seed, tf.constant((i + 1) * 0x9E3779B97F4A7C1 % (1 << 62), tf.int64))
-            generator.state.assign(tf.cast(tf.stack([salted, zero]), generator.state.dtype))
+        reseed(packed[0], self._seed_generators)
         return step(packed[1] if rows else tuple(packed[1:]))
 
     def _grad_step(self, batch, fresh: bool, update: bool):
@@ -277,6 +271,8 @@ class Engine:
         weight = tf.convert_to_tensor(self._weight)
         with tf.GradientTape() as tape:
             loss, metrics = self._forward(batch, "for a micro-batch")
+            own = metrics.pop(WEIGHT, None)  # forward()'s weight (target tokens) replaces the sample share
+            weight = weight if own is None else tf.stop_gradient(tf.cast(own, tf.float32))
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
             scaled = weighted * tf.convert_to_tensor(self._scale) if self._scaling else weighted
         # Which parameters the loss reaches (Keras skips a None gradient), known at trace time: a dict model's
@@ -291,8 +287,10 @@ class Engine:
             self.flat_grad.assign(flat)
         else:
             self.flat_grad.assign_add(flat)
-        self._metric_names = sorted(metrics)  # at trace time: the order of the values returned
-        return tf.stack([weighted] + [tf.cast(metrics[k], tf.float32) * weight for k in self._metric_names])
+        # At trace time: the order of the values returned; forward()'s weight last, as it is (the trainer divides).
+        self._metric_names = names = sorted(metrics) + ([WEIGHT] if own is not None else [])
+        return tf.stack([weighted] + [weight if k == WEIGHT else tf.cast(metrics[k], tf.float32) * weight
+                                      for k in names])
 
     def grad_norm(self) -> float:
         self._settle()

@@ -18,6 +18,7 @@ import tensorflow as tf
 from ..buffers import Rule, default_rule
 from ...errors import ElasticFlowError
 from .data import _view, np_dtype
+from .ops import _generator
 
 POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}  # keras's mixed policies by trainer.precision
 
@@ -195,3 +196,14 @@ def assign_by_name(variables: List[Any], names: List[str], shapes: List[Tuple[in
             v.assign(np.asarray(named[n]).astype(np_dtype(v)).reshape(shape))
     else:
         variables[0].assign(np.concatenate([np.asarray(named[n], np.float32).reshape(-1) for n in names]))
+
+
+def reseed(seed: Any, generators: List[Any]) -> None:
+    """Inside a compiled step: reseed the generator ``elasticflow.ops`` draws from, and each keras layer's own
+    (``generators``: Dropout's, GaussianNoise's ...), from one int64 ``seed``."""
+    # Philox's state is a 128-bit counter and a 64-bit key: the seed is the key, the counter starts at 0.
+    zero = tf.zeros([], tf.int64)
+    _generator().state.assign(tf.stack([zero, zero, seed]))
+    for i, generator in enumerate(generators):  # one seed each
+        salted = tf.bitwise.bitwise_xor(seed, tf.constant((i + 1) * 0x9E3779B97F4A7C1 % (1 << 62), tf.int64))
+        generator.state.assign(tf.cast(tf.stack([salted, zero]), generator.state.dtype))

@@ -20,7 +20,7 @@ from ...config.devices import Placement
 from ...errors import ElasticFlowError
 from ...optim import OptimizerSpec
 from .. import common
-from ..common import activate, check_loss, flatten, rebuild, set_training, split_output, state_names
+from ..common import WEIGHT, activate, check_loss, flatten, rebuild, set_training, split_output, state_names
 from . import native
 from .data import to_numpy, to_tensor
 from .optim import Released, make_optimizer
@@ -165,13 +165,23 @@ class Engine:
         return self._took_part
 
     def accumulate(self, batch: Tuple[torch.Tensor, ...], weight: float):
-        """Backprop ``weight * loss`` of one micro-batch into the flat buffer; returns weighted (loss, metrics)."""
+        """Backprop ``weight * loss`` of one micro-batch into the flat buffer; returns weighted (loss, metrics).
+
+        Where forward() returned a ``weight`` (a language model's target tokens), it replaces ``weight`` and
+        is returned among the metrics, as it is: the trainer divides the sums by the global batch's total.
+        """
         # forward()'s elasticflow.ops calls come here, whichever backend another trainer chose since.
         # Set, not set-and-restored around forward(): one assignment per micro-batch instead of two
         # and a try/finally, and ops stays on this backend after the step, as ops.use(NAME) left it.
         activate(_SELF)
         loss, metrics = _check_loss(self._forward(batch), "for a micro-batch")
-        if weight != 1.0:  # one micro-batch per step (weight 1) is the common case: skip three tensor ops
+        own = metrics.pop(WEIGHT, None)
+        if own is not None:
+            weight = own.detach().float() if isinstance(own, torch.Tensor) else float(own)
+            metrics = {k: v * weight for k, v in metrics.items()}
+            metrics[WEIGHT] = weight
+            loss = loss * weight
+        elif weight != 1.0:  # one micro-batch per step (weight 1) is the common case: skip three tensor ops
             loss = loss * weight
             metrics = {k: v * weight for k, v in metrics.items()}
         (loss * self.grad_scale if self.grad_scale != 1.0 else loss).backward()
