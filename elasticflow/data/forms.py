@@ -13,13 +13,13 @@ from __future__ import annotations
 import glob
 import os
 import sys
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ElasticFlowError
+from .samples import RAGGED_HINT, Rows, shown, stack
 
-Rows = Tuple[np.ndarray, ...]
 
 
 class Mapped:
@@ -49,7 +49,7 @@ class Mapped:
         items = [self.dataset[int(i)] for i in indices]
         if self.collate_fn is not None:
             return self.collate_fn(items)
-        return _stack(items, indices)
+        return stack(items, indices)
 
 
 class Columns:
@@ -89,13 +89,11 @@ class Columns:
         fields = tuple(np.asarray(batch[c]) for c in self.columns)
         for c, f in zip(self.columns, fields):
             if f.dtype == object:
-                raise ElasticFlowError(f"column {c!r} holds rows of different lengths (samples {_shown(indices)})",
+                raise ElasticFlowError(f"column {c!r} holds rows of different lengths (samples {shown(indices)})",
                                        RAGGED_HINT)
         return fields
 
 
-RAGGED_HINT = ("define collate(samples) in the model file to pad each micro-batch (e.g. transformers."
-               "DataCollatorWithPadding(tokenizer)), or pad every row to one length")
 
 
 class Samples:
@@ -231,46 +229,6 @@ class Indexed:
         return self.source[indices]
 
 
-def _stack(items: List[Any], indices: np.ndarray) -> Rows:
-    """Items (arrays, tensors, tuples of them, or dicts) stacked field by field into a batch."""
-    first = items[0]
-    if isinstance(first, dict):
-        keys = list(first)
-        items = [tuple(item[k] for k in keys) for item in items]
-    elif not isinstance(first, (tuple, list)):
-        items = [(item,) for item in items]
-    return tuple(_stack_field([item[f] for item in items], f, indices) for f in range(len(items[0])))
-
-
-def _stack_field(values: List[Any], field: int, indices: np.ndarray) -> np.ndarray:
-    # One C call when the items agree (torch.stack for tensors, as default_collate does; np.stack
-    # else); the item-by-item look for the odd one out only when they do not.
-    torch = sys.modules.get("torch")
-    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
-        if len({(v.dtype, v.shape) for v in values}) == 1:
-            return torch.stack(values).numpy()
-    else:
-        arrays = [np.asarray(v) for v in values]
-        if len({(a.dtype, a.shape) for a in arrays}) == 1:
-            return np.stack(arrays)
-    arrays = [_as_array(v) for v in values]
-    for i, a in zip(indices, arrays):
-        if a.shape != arrays[0].shape or a.dtype != arrays[0].dtype:
-            raise ElasticFlowError(
-                f"sample {int(i)}'s field #{field} is {a.dtype} of shape {a.shape}, but sample {int(indices[0])}'s "
-                f"is {arrays[0].dtype} of shape {arrays[0].shape}",
-                "every sample's field must have one shape and dtype; pad or resize in __getitem__, or define "
-                "collate(samples) in the model file to pad each micro-batch")
-    return np.stack(arrays)
-
-
-def _as_array(value: Any) -> np.ndarray:
-    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # a torch or TF tensor
-        value = value.detach().cpu() if hasattr(value, "detach") else value
-        return np.asarray(value.numpy())
-    return np.asarray(value)
-
-
 def _is_instance(raw: Any, module: str, names: Tuple[str, ...]) -> bool:
     """isinstance against a class of a package, without importing the package (it is loaded if
     the object came from it)."""
@@ -294,17 +252,17 @@ def refuse_iterable(raw: Any, what: str) -> None:
     """Iterable-only sources cannot be read at a given index: say why, and what to return instead."""
     kind = None
     if _is_instance(raw, "torch.utils.data", ("IterableDataset",)):
-        kind, fix = "a torch IterableDataset", "return a map-style torch Dataset (__len__ and __getitem__(i))"
+        kind, fix = "a torch IterableDataset", ("return its files as elasticflow.data.Shards(paths) (jsonl, parquet, "
+                                                ".npy, .bin, .tar), or a map-style torch Dataset")
     elif _is_instance(raw, "tensorflow", ("data.Dataset",)):
         kind, fix = "a tf.data.Dataset", ("return the arrays it reads (e.g. tuple(np.stack(c) for c in zip(*ds."
                                           "as_numpy_iterator()))) or a Columns/NpyShards source")
-    elif _is_instance(raw, "datasets", ("IterableDataset",)):
-        kind, fix = ("a Hugging Face IterableDataset", "return the datasets.Dataset itself: load it without "
-                     "streaming=True, or drop .to_iterable_dataset()")
     elif _is_instance(raw, "torch.utils.data", ("DataLoader",)):
         kind, fix = "a torch DataLoader", "return its dataset (loader.dataset): ElasticFlow batches and shuffles"
     elif hasattr(raw, "__next__") or (hasattr(raw, "__iter__") and not hasattr(raw, "__getitem__")):
-        kind, fix = f"an iterable ({type(raw).__name__})", "return arrays, or an object with __len__ and __getitem__"
+        kind, fix = f"an iterable ({type(raw).__name__})", ("write the samples to shard files and return "
+                                                            "elasticflow.data.Shards(paths), or return arrays or an "
+                                                            "object with __len__ and __getitem__")
     if kind:
         raise ElasticFlowError(f"{what} returned {kind}, which can only be read in order; {_RANDOM_ACCESS}", fix)
 
@@ -314,6 +272,16 @@ def adapt(raw: Any, what: str, collate: Optional[Callable[[List[Any]], Any]] = N
 
     ``collate``: the model file's ``collate(samples)``, for a map-style source that has none of its own.
     """
+    from .shards import Shards, from_hugging_face
+
+    if _is_instance(raw, "datasets", ("IterableDataset",)):  # streaming=True over data files: their shards
+        raw = from_hugging_face(raw, what)
+    elif getattr(raw, "shard_files", None) is not None and hasattr(raw, "__iter__"):
+        raw = Shards(raw.shard_files)  # the stream protocol: an iterable that names the files it reads
+    if isinstance(raw, Shards):
+        if raw.collate_fn is None:
+            raw.collate_fn = collate
+        return raw
     if collate is not None:
         if isinstance(raw, Mapped) and raw.collate_fn is None:
             return Mapped(raw.dataset, collate)
@@ -327,17 +295,3 @@ def adapt(raw: Any, what: str, collate: Optional[Callable[[List[Any]], Any]] = N
     if _is_instance(raw, "torch.utils.data", ("Dataset",)) or (collate and hasattr(raw, "__getitem__")):
         return Mapped(raw, collate)
     return None
-
-
-def fields_of(batch: Any) -> Tuple[Any, ...]:
-    """A read batch as its fields: a dict's values in its keys' order (a collate's ``BatchEncoding``)."""
-    if isinstance(batch, Mapping):
-        return tuple(batch.values())
-    if isinstance(batch, np.ndarray) or not isinstance(batch, (tuple, list)):
-        return (batch,)
-    return tuple(batch)
-
-
-def _shown(indices: np.ndarray) -> str:
-    head = ", ".join(str(int(i)) for i in indices[:5])
-    return f"[{head}{', ...' if len(indices) > 5 else ''}]"

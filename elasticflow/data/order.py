@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import forms
+from . import forms, samples
 from .._util.context import _context
 from ..errors import ElasticFlowError
 from .forms import Columns, Mapped, NpyShards  # noqa: F401 - public: elasticflow.data.Mapped, ...
@@ -31,11 +31,11 @@ def _fields(raw: Any, what: str, collate: Any) -> Tuple[np.ndarray, ...]:
         except ValueError:  # numpy's "inhomogeneous shape": rows of unequal length in one field
             if collate is None:
                 raise ElasticFlowError(f"{what} returned field #{i} with rows of different lengths (ragged)",
-                                       forms.RAGGED_HINT) from None
+                                       samples.RAGGED_HINT) from None
             fields.append(_objects(a))
         if fields[-1].dtype == object and collate is None:
             raise ElasticFlowError(f"{what} returned field #{i} as Python objects (rows of different lengths?)",
-                                   forms.RAGGED_HINT)
+                                   samples.RAGGED_HINT)
     return tuple(fields)
 
 
@@ -102,7 +102,7 @@ class Dataset:
             raise
         except Exception as exc:
             raise self._read_error(indices, exc) from exc
-        rows = tuple(forms._as_array(r) for r in forms.fields_of(rows))
+        rows = tuple(samples.as_array(r) for r in samples.fields_of(rows))
         if any(r.ndim == 0 or len(r) != len(indices) for r in rows):
             raise ElasticFlowError(
                 f"{self.what} returned a batch whose arrays do not have len(indices)={len(indices)} rows "
@@ -111,7 +111,7 @@ class Dataset:
         if any(r.dtype == object for r in rows):
             field = next(i for i, r in enumerate(rows) if r.dtype == object)
             raise ElasticFlowError(f"{self.what}'s batch of samples {_shown(indices)} has field #{field} as Python "
-                                   "objects (rows of different lengths?)", forms.RAGGED_HINT)
+                                   "objects (rows of different lengths?)", samples.RAGGED_HINT)
         if getattr(self.reader, "collate_fn", None) is not None:
             return rows  # collated per micro-batch: shapes may differ from one micro-batch to the next
         layout = [(r.dtype, r.shape[1:]) for r in rows]
@@ -138,7 +138,7 @@ class Dataset:
                                 "fix the dataset's __getitem__ for that index (run with --debug for the traceback)")
 
 
-_shown = forms._shown
+_shown = samples.shown
 
 
 def _describe(layout: List[Tuple[np.dtype, tuple]]) -> str:
@@ -390,6 +390,12 @@ class Source:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def order(self, seed: int, epoch: int, shuffle: bool) -> Any:
+        """The epoch's sample order: ``permutation``, or the reader's own (``Shards``: shuffled within windows of
+        shards, computed a window at a time); either is sliced ``order[a:b]``."""
+        own = getattr(self.dataset.reader, "order", None)
+        return own(seed, epoch, shuffle) if own is not None else permutation(len(self), seed, epoch, shuffle)
 
     def rows(self, positions: np.ndarray, epoch: Optional[int] = None):
         if self.resident is not None:

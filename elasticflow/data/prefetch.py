@@ -57,12 +57,12 @@ class Prefetcher:
         self._processes: Any = None
 
     def order(self, epoch: int) -> np.ndarray:
-        """The epoch's permutation (two kept: the current epoch and the next, read ahead into)."""
+        """The epoch's order (``Source.order``; two kept: the current epoch and the next, read ahead into)."""
         with self._orders_lock:
             if epoch not in self._orders:
                 if len(self._orders) >= 2:
                     self._orders.pop(min(self._orders))
-                self._orders[epoch] = data.permutation(len(self.source), self.seed, epoch, self.shuffle)
+                self._orders[epoch] = self.source.order(self.seed, epoch, self.shuffle)
             return self._orders[epoch]
 
     def take(self, key: Key, ahead: List[Key] = ()):

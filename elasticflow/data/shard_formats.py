@@ -1,0 +1,210 @@
+"""One shard file of a sharded corpus, read at any row: jsonl, parquet, ``.npy`` rows or tokens, raw ``.bin`` tokens,
+WebDataset ``.tar``. Each format builds a small index once (``index(path)``: arrays, cached by ``shards.py``) and
+reads the rows asked for with ``pread`` or the format's own random access, never the whole file.
+
+Samples: a jsonl line is its parsed object; a parquet row is ``{column: value}``; a ``.npy`` row or a token window
+is an array; a WebDataset sample is ``{extension: bytes}`` with its ``__key__``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+import threading
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..errors import ElasticFlowError
+
+CHUNK = 8 << 20  # bytes scanned at a time while indexing a jsonl file
+
+
+class Shard:
+    """Base: ``len()`` rows, ``read(rows)`` for sorted row numbers (a list of samples in that order)."""
+
+    def __init__(self, path: str, index: Dict[str, np.ndarray]):
+        self.path, self.index = path, index
+
+    def __len__(self) -> int:
+        return int(self.index["rows"][0])
+
+    def read(self, rows: np.ndarray) -> List[Any]:
+        raise NotImplementedError
+
+
+def _pread_runs(fd: int, starts: np.ndarray, ends: np.ndarray) -> List[bytes]:
+    """The byte ranges [starts[i], ends[i]) of a file, sorted by start; a run of adjacent ranges is one pread."""
+    out: List[bytes] = []
+    i = 0
+    while i < len(starts):
+        j = i
+        while j + 1 < len(starts) and starts[j + 1] == ends[j]:
+            j += 1
+        blob = os.pread(fd, int(ends[j] - starts[i]), int(starts[i]))
+        base = int(starts[i])
+        out += [blob[int(a) - base:int(b) - base] for a, b in zip(starts[i:j + 1], ends[i:j + 1])]
+        i = j + 1
+    return out
+
+
+class Jsonl(Shard):
+    """One JSON object per line; the index holds each line's start offset (and the end)."""
+
+    @staticmethod
+    def index(path: str, **_: Any) -> Dict[str, np.ndarray]:
+        newlines, size = [], 0
+        with open(path, "rb") as f:
+            while True:
+                block = f.read(CHUNK)
+                if not block:
+                    break
+                newlines.append(np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + size)
+                size += len(block)
+        ends = np.concatenate(newlines + [np.asarray([size], np.int64)]).astype(np.int64)  # a last line may lack "\n"
+        starts = np.r_[0, ends[:-1] + 1]
+        spans = np.stack([starts, ends], axis=1)[ends > starts]  # empty lines are no samples
+        return {"rows": np.asarray([len(spans)]), "spans": spans}
+
+    def read(self, rows: np.ndarray) -> List[Any]:
+        spans = self.index["spans"][rows]
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            lines = _pread_runs(fd, spans[:, 0], spans[:, 1] + 1)
+        finally:
+            os.close(fd)
+        samples = []
+        for row, line in zip(rows, lines):
+            try:
+                samples.append(json.loads(line))
+            except ValueError as exc:
+                raise ElasticFlowError(f"{self.path}: line {int(row) + 1} (counting non-empty lines) is not JSON "
+                                       f"({exc})", "fix the line, or remove the file's index to rebuild it") from None
+        return samples
+
+
+class Tokens(Shard):
+    """A flat array of token ids (``.npy`` 1-D, or raw ``.bin`` as nanoGPT writes them) cut into windows of
+    ``seq_len`` tokens, or a 2-D ``.npy`` whose rows are the samples. Read with ``pread`` into the batch."""
+
+    @staticmethod
+    def index(path: str, seq_len: Optional[int] = None, dtype: Optional[str] = None, **_: Any) -> Dict[str, np.ndarray]:
+        offset, shape, kind = _layout(path, dtype)
+        if len(shape) == 1:
+            if not seq_len:
+                raise ElasticFlowError(f"{path} holds a flat array of {shape[0]} tokens",
+                                       "pass seq_len= to Shards() to cut it into samples of that many tokens")
+            shape = (shape[0] // seq_len, seq_len)
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(kind).itemsize
+        return {"rows": np.asarray([shape[0]]), "layout": np.asarray([offset, row_bytes]),
+                "shape": np.asarray(shape[1:], dtype=np.int64), "dtype": np.asarray(np.dtype(kind).str)}
+
+    def read(self, rows: np.ndarray) -> List[Any]:
+        offset, row_bytes = (int(v) for v in self.index["layout"])
+        dtype, shape = np.dtype(str(self.index["dtype"])), tuple(int(d) for d in self.index["shape"])
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            blobs = _pread_runs(fd, offset + rows * row_bytes, offset + (rows + 1) * row_bytes)
+        finally:
+            os.close(fd)
+        return [np.frombuffer(b, dtype).reshape(shape) for b in blobs]
+
+
+def _layout(path: str, dtype: Optional[str]):
+    """(data offset, shape, dtype) of a ``.npy`` file from its header, or of a raw ``.bin`` (dtype given)."""
+    if path.endswith(".npy"):
+        mapped = np.load(path, mmap_mode="r")  # reads the header only
+        if not mapped.flags.c_contiguous:
+            raise ElasticFlowError(f"{path} is stored in Fortran order", "save it with np.save (C order)")
+        return int(mapped.offset), mapped.shape, mapped.dtype
+    kind = np.dtype(dtype or "uint16")  # nanoGPT's .bin: uint16 token ids
+    return 0, (os.path.getsize(path) // kind.itemsize,), kind
+
+
+class Parquet(Shard):
+    """Rows of a parquet file, read by row group (the file's unit of compression); the decoded groups this
+    process reads are kept in a small LRU, so a window's rows cost one decode per group."""
+
+    _cache: "OrderedDict[tuple, Any]" = OrderedDict()
+    _lock = threading.Lock()
+    CACHED_GROUPS = 16
+
+    @staticmethod
+    def index(path: str, **_: Any) -> Dict[str, np.ndarray]:
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        groups = np.asarray([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], dtype=np.int64)
+        return {"rows": np.asarray([int(groups.sum())]), "groups": np.cumsum(np.r_[0, groups])}
+
+    def read(self, rows: np.ndarray) -> List[Any]:
+        starts = self.index["groups"]
+        which = np.searchsorted(starts, rows, side="right") - 1
+        samples: List[Any] = []
+        for g in np.unique(which):
+            table = self._group(int(g))
+            samples += table.take(rows[which == g] - starts[g]).to_pylist()
+        return samples
+
+    def _group(self, g: int) -> Any:
+        key = (self.path, g)
+        with Parquet._lock:
+            if key in Parquet._cache:
+                Parquet._cache.move_to_end(key)
+                return Parquet._cache[key]
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(self.path).read_row_group(g)
+        with Parquet._lock:
+            Parquet._cache[key] = table
+            while len(Parquet._cache) > Parquet.CACHED_GROUPS:
+                Parquet._cache.popitem(last=False)
+        return table
+
+
+class WebDataset(Shard):
+    """A WebDataset ``.tar``: consecutive members sharing a key (``0001.jpg``, ``0001.cls``) are one sample,
+    ``{"__key__": key, "jpg": bytes, "cls": bytes}``. The index holds each member's data offset and size."""
+
+    @staticmethod
+    def index(path: str, **_: Any) -> Dict[str, np.ndarray]:
+        keys, members = [], []  # members: (sample, offset, size, extension)
+        with tarfile.open(path, "r:") as tar:
+            for info in tar:  # reads the headers only: data is skipped by seeking
+                if not info.isfile():
+                    continue
+                base = os.path.basename(info.name)
+                key, _, ext = base.partition(".")
+                key = os.path.join(os.path.dirname(info.name), key)
+                if not keys or keys[-1] != key:
+                    keys.append(key)
+                members.append((len(keys) - 1, info.offset_data, info.size, ext))
+        exts = sorted({m[3] for m in members})
+        table = np.asarray([(s, o, n, exts.index(e)) for s, o, n, e in members], dtype=np.int64).reshape(-1, 4)
+        return {"rows": np.asarray([len(keys)]), "members": table, "keys": np.asarray(keys, dtype=str),
+                "exts": np.asarray(exts, dtype=str)}
+
+    def read(self, rows: np.ndarray) -> List[Any]:
+        members, exts, keys = self.index["members"], self.index["exts"], self.index["keys"]
+        picked = members[np.isin(members[:, 0], rows)]
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            blobs = _pread_runs(fd, picked[:, 1], picked[:, 1] + picked[:, 2])
+        finally:
+            os.close(fd)
+        by_row: Dict[int, Dict[str, Any]] = {int(r): {"__key__": str(keys[r])} for r in rows}
+        for (row, _, _, ext), blob in zip(picked, blobs):
+            by_row[int(row)][str(exts[ext])] = blob
+        return [by_row[int(r)] for r in rows]
+
+
+FORMATS = {".jsonl": Jsonl, ".json": Jsonl, ".parquet": Parquet, ".npy": Tokens, ".bin": Tokens, ".tar": WebDataset}
+
+
+def format_of(path: str) -> type:
+    for suffix, kind in FORMATS.items():
+        if path.endswith(suffix):
+            return kind
+    raise ElasticFlowError(f"{path}: no shard format for this file name",
+                           f"shards are {', '.join(FORMATS)} files (by their suffix)")

@@ -1,0 +1,232 @@
+"""A corpus kept as shard files, read exactly once per epoch by any number of workers: ``Shards``.
+
+Each shard is indexed once (its rows, and where each row lies: ``shard_formats``) and the index is cached beside
+the data, or under ``~/.cache/elasticflow`` where the data's folder is read-only; a file that changes (size or
+modification time) is indexed again. The corpus is then readable at any index, so the exactly-once machinery of
+map-style data applies unchanged: global batches are positions in an epoch's order, dealt by position.
+
+The order keeps reads local: the shards in a shuffled order, then the samples of each window of ``window``
+consecutive shards shuffled together (``WindowOrder``). A global batch draws from one window (two at a window's
+edge), so each worker reads from a few files at a time, and the order is a function of the seed, the epoch and the
+shards' row counts only: the same for any number of workers.
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+from ..errors import ElasticFlowError
+from . import shard_formats
+from .samples import stack
+
+INDEX_DIR = ".elasticflow-index"  # beside the shards
+
+
+class Shards:
+    """Samples stored in shard files: jsonl, parquet, ``.npy``, raw ``.bin`` tokens, WebDataset ``.tar``
+    (by suffix; one corpus may mix them).
+
+    Args:
+        files: a glob pattern, a path, or a list of them; shards are taken in sorted path order.
+        window: shards whose samples are shuffled together (default 4); more mixes wider and reads from more
+            files at once.
+        seq_len: for flat token files (``.bin``, 1-D ``.npy``): tokens per sample.
+        dtype: for ``.bin``: the token dtype (default ``uint16``, as nanoGPT writes them).
+        collate_fn: makes a micro-batch from its samples (default: the model file's ``collate``, else samples
+            stacked field by field, a dict's values in its keys' order).
+
+    Example::
+
+        def data(cfg):
+            return elasticflow.data.Shards("corpus/train-*.jsonl")
+
+        def collate(samples):          # [{"text": ...}, ...] -> forward()'s arguments
+            return tokenize_and_pad([s["text"] for s in samples])
+
+    Note: each epoch visits every sample once in an order shuffled within windows of shards, not a full
+    permutation: two samples share a global batch only if their shards share a window (see docs/data.md).
+    """
+
+    def __init__(self, files: Union[str, Sequence[str]], *, window: int = 4, seq_len: Optional[int] = None,
+                 dtype: Optional[str] = None, collate_fn: Optional[Callable[[List[Any]], Any]] = None):
+        if int(window) < 1:
+            raise ElasticFlowError(f"Shards(): window={window}", "pass window >= 1 (shards shuffled together)")
+        self.paths = _resolve(files)
+        self.window, self.collate_fn = int(window), collate_fn
+        options = {"seq_len": seq_len, "dtype": dtype}
+        self.shards = [shard_formats.format_of(p)(p, cached_index(p, options)) for p in self.paths]
+        empty = [p for p, s in zip(self.paths, self.shards) if len(s) == 0]
+        self.shards = [s for s in self.shards if len(s)]
+        if not self.shards:
+            raise ElasticFlowError(f"Shards(): the {len(self.paths)} file(s) hold no sample ({empty[0]} ...)",
+                                   "check the files' contents and format")
+        self.counts = np.asarray([len(s) for s in self.shards], dtype=np.int64)
+        self.offsets = np.r_[0, np.cumsum(self.counts)]
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def order(self, seed: int, epoch: int, shuffle: bool = True) -> "WindowOrder":
+        """The epoch's order of sample ids (see ``WindowOrder``)."""
+        return WindowOrder(self.counts, self.window, seed, epoch, shuffle)
+
+    def read(self, indices: np.ndarray) -> Any:
+        samples = self.samples(indices)
+        if self.collate_fn is not None:
+            return self.collate_fn(samples)
+        return stack(samples, indices)
+
+    def samples(self, indices: np.ndarray) -> List[Any]:
+        """The samples at global ``indices``, in that order: each shard read once, its rows in file order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        out: List[Any] = [None] * len(indices)
+        for s in np.unique(which):
+            at = np.flatnonzero(which == s)
+            rows = indices[at] - self.offsets[s]
+            order = np.argsort(rows, kind="stable")
+            for i, sample in zip(at[order], self.shards[s].read(rows[order])):
+                out[i] = sample
+        return out
+
+
+def _resolve(files: Union[str, Sequence[str]]) -> List[str]:
+    patterns = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    if not patterns:
+        raise ElasticFlowError("Shards() got no file", 'pass a glob pattern, e.g. "corpus/*.jsonl", or a list of paths')
+    paths: List[str] = []
+    for pattern in map(str, patterns):
+        found = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not found:
+            raise ElasticFlowError(f"Shards(): no file matches {pattern!r}",
+                                   "check the path (relative paths start where elasticflow train was run)")
+        paths += found
+    for p in paths:
+        shard_formats.format_of(p)  # refuses an unknown suffix before any file is indexed
+    return sorted(dict.fromkeys(os.path.abspath(p) for p in paths))
+
+
+# ---------------------------------------------------------------- the index, built once per shard
+def cached_index(path: str, options: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    """The shard's index, from its cache file when the shard is unchanged since; else built and cached.
+    Workers that start together share the work: one lock per index folder, and whoever takes it indexes the
+    next shard not yet cached while the others wait and then read its result."""
+    kind = shard_formats.format_of(path)
+    stat = os.stat(path)
+    key = f"{stat.st_size}-{stat.st_mtime_ns}-{kind.__name__}-{options.get('seq_len')}-{options.get('dtype')}"
+    cache = _cache_file(path, hashlib.sha1(key.encode()).hexdigest()[:12])
+    loaded = _load(cache)
+    if loaded is not None:
+        return loaded
+    with open(cache.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        loaded = _load(cache)
+        if loaded is not None:
+            return loaded
+        index = kind.index(path, **options)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **index)
+        os.replace(tmp, cache)
+        for stale in cache.parent.glob(f"{Path(path).name}.*.npz"):  # the index of an earlier version
+            if stale != cache:
+                stale.unlink(missing_ok=True)
+    return index
+
+
+def _load(cache: Path) -> Optional[Dict[str, np.ndarray]]:
+    try:
+        with np.load(cache, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError):
+        return None
+
+
+def _cache_file(path: str, key: str) -> Path:
+    """Beside the shard (``.elasticflow-index/``), or under ``~/.cache/elasticflow/index`` where that folder
+    cannot be written (read-only data)."""
+    here = Path(path).parent / INDEX_DIR
+    try:
+        here.mkdir(exist_ok=True)
+        if os.access(here, os.W_OK):
+            return here / f"{Path(path).name}.{key}.npz"
+    except OSError:
+        pass
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "elasticflow" / "index"
+    folder = home / hashlib.sha1(str(Path(path).parent).encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{Path(path).name}.{key}.npz"
+
+
+# ---------------------------------------------------------------- the order
+class WindowOrder:
+    """An epoch's sample ids, computed a window at a time (memory: one or two windows, never the corpus).
+
+    The shards in an order shuffled by (seed, epoch); each run of ``window`` consecutive shards in that order
+    is a window, whose samples are shuffled together by (seed, epoch, window). ``shuffle`` False: the shards
+    and their rows in storage order. ``order[a:b]`` is the ids at positions a..b-1.
+    """
+
+    def __init__(self, counts: np.ndarray, window: int, seed: int, epoch: int, shuffle: bool):
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        offsets = np.r_[0, np.cumsum(counts)]
+        shards = np.random.default_rng([seed, epoch, 0]).permutation(len(counts)) if shuffle else np.arange(len(counts))
+        self.windows = [shards[i:i + window] for i in range(0, len(shards), window)]
+        self.starts = np.r_[0, np.cumsum([counts[w].sum() for w in self.windows])]
+        self.offsets, self.counts = offsets, counts
+        self._kept: Dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()  # prefetch threads slice the order too
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        if not isinstance(where, slice) or where.step not in (None, 1):
+            raise TypeError("a WindowOrder is read by contiguous slices (order[a:b])")
+        a, b, _ = where.indices(len(self))
+        if b <= a:
+            return np.empty(0, dtype=np.int64)
+        first, last = (int(np.searchsorted(self.starts, p, side="right")) - 1 for p in (a, b - 1))
+        parts = [self._window(w) for w in range(first, last + 1)]
+        ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return ids[a - int(self.starts[first]):b - int(self.starts[first])]
+
+    def _window(self, w: int) -> np.ndarray:
+        with self._lock:
+            ids = self._kept.get(w)
+            if ids is None:
+                ids = np.concatenate([np.arange(self.offsets[s], self.offsets[s] + self.counts[s]) for s in self.windows[w]])
+                if self.shuffle:
+                    ids = np.random.default_rng([self.seed, self.epoch, 1 + w]).permutation(ids)
+                self._kept[w] = ids
+                for old in [k for k in self._kept if k < w - 1 or k > w + 1]:  # keep this window's neighbours only
+                    del self._kept[old]
+            return ids
+
+
+# ---------------------------------------------------------------- streams given in other forms
+def from_hugging_face(stream: Any, what: str) -> Shards:
+    """A Hugging Face ``IterableDataset`` loaded from data files (``load_dataset("json", data_files=...,
+    streaming=True)``) as the ``Shards`` of those files. One with transforms applied (``.map``, ``.filter``,
+    ``.shuffle``) cannot be read at an index: refused, saying where the transform goes instead."""
+    source = getattr(stream, "_ex_iterable", None)
+    files = getattr(source, "kwargs", {}).get("original_files") if type(source).__name__ in (
+        "ArrowExamplesIterable", "ExamplesIterable") else None
+    if not files:
+        raise ElasticFlowError(f"{what} returned a Hugging Face IterableDataset with transforms applied "
+                               f"({type(source).__name__}), which can only be read in order",
+                               "return the IterableDataset straight from load_dataset(..., data_files=..., "
+                               "streaming=True) and do the .map() work in collate(samples), or return a "
+                               "datasets.Dataset (without streaming=True)")
+    try:
+        return Shards(list(files))
+    except ElasticFlowError as exc:
+        raise ElasticFlowError(f"{what} returned a Hugging Face IterableDataset over files ElasticFlow cannot "
+                               f"index: {exc.message}", exc.hint) from None
