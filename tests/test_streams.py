@@ -33,7 +33,7 @@ def corpus(tmp_path_factory):
 
 def test_three_workers_a_kill_a_join_and_a_resume_at_two_use_every_sample_once(tmp_path, corpus):
     """Epochs 1-2 on 3 workers (one SIGKILLed at step 4 and replaced: a join), then epoch 3 resumed on 2:
-    per epoch each of the 240 samples trains in exactly one committed step, and the model is one worker's."""
+    per epoch each of the 270 samples (7 shards of 5 formats) trains in exactly one committed step, and the model is one worker's."""
     run, record, alone = tmp_path / "run", tmp_path / "record", tmp_path / "alone"
     record.mkdir()
     env = {"EF_STREAM_CORPUS": str(corpus), "EF_STREAM_RECORD": str(record)}
@@ -55,13 +55,14 @@ def test_three_workers_a_kill_a_join_and_a_resume_at_two_use_every_sample_once(t
 
 
 def test_the_order_is_each_sample_once_per_epoch_local_to_a_window_and_alike_everywhere(corpus):
-    shards = Shards(str(corpus / "*"), window=2)
+    shards = Shards(str(corpus / "*"), window=2, seq_len=stream_probe.TOKENS)
     assert len(shards) == stream_probe.SAMPLES
     order = shards.order(seed=3, epoch=0)
     ids = np.concatenate([order[a:a + 20] for a in range(0, len(order), 20)])  # read as global batches are
     assert sorted(ids) == list(range(len(shards)))
     assert not np.array_equal(ids, shards.order(seed=3, epoch=1)[0:len(order)])  # another order each epoch
-    np.testing.assert_array_equal(ids, Shards(str(corpus / "*"), window=2).order(3, 0)[0:len(order)])
+    again = Shards(str(corpus / "*"), window=2, seq_len=stream_probe.TOKENS)
+    np.testing.assert_array_equal(ids, again.order(3, 0)[0:len(order)])
     # Locality: the first window's positions hold the samples of two shards only, and that window is all
     # the order keeps of the epoch.
     first = order.windows[0]
@@ -73,8 +74,8 @@ def test_the_order_is_each_sample_once_per_epoch_local_to_a_window_and_alike_eve
 
 
 def test_every_format_reads_the_samples_written(corpus):
-    shards = Shards(str(corpus / "*"))
-    picked = np.asarray([239, 0, 40, 100, 37, 150, 1, 199])  # across every shard, unsorted
+    shards = Shards(str(corpus / "*"), seq_len=stream_probe.TOKENS)
+    picked = np.asarray([239, 0, 40, 100, 37, 150, 1, 199, 269, 245])  # across every shard, unsorted
     got = stream_probe.collate(shards.samples(picked))
     np.testing.assert_array_equal(got[0], picked)
     np.testing.assert_allclose(got[1], np.stack([stream_probe.sample(i)[0] for i in picked]))
@@ -153,5 +154,6 @@ def test_streams_that_cannot_be_indexed_are_one_line_saying_what_to_return(tmp_p
 
 
 def test_counts_by_format(corpus):
-    per_file = {Path(p).name: n for p, n in zip(Shards(str(corpus / "*")).paths, Shards(str(corpus / "*")).counts)}
+    shards = Shards(str(corpus / "*"), seq_len=stream_probe.TOKENS)
+    per_file = {Path(p).name: n for p, n in zip(shards.paths, shards.counts)}
     assert Counter(per_file) == Counter(stream_probe.SIZES)

@@ -1,5 +1,5 @@
-"""A regression read from a sharded corpus (``elasticflow.data.Shards``) that mixes jsonl, parquet, ``.npy`` and
-WebDataset ``.tar`` shards; ``collate`` turns each format's samples into (ids, x, y), and ``forward`` records the
+"""A regression read from a sharded corpus (``elasticflow.data.Shards``) that mixes jsonl, parquet, ``.npy`` rows,
+nanoGPT ``.bin`` tokens and WebDataset ``.tar`` shards; ``collate`` turns each format's samples into (ids, x, y), and ``forward`` records the
 sample ids each step trains on, so a test can count every sample's uses.
 
 Environment:
@@ -23,7 +23,8 @@ import torch
 import elasticflow
 from elasticflow.distributed.protocol import ENV_WORKER_ID
 
-SIZES = {"a.jsonl": 37, "b.parquet": 50, "c.npy": 41, "d.tar": 29, "e.jsonl": 45, "f.parquet": 38}
+SIZES = {"a.jsonl": 37, "b.parquet": 50, "c.npy": 41, "d.tar": 29, "e.jsonl": 45, "f.parquet": 38, "g.bin": 30}
+TOKENS = 4  # a .bin sample: TOKENS uint16 token ids, the first its sample id
 SAMPLES = sum(SIZES.values())
 FEATURES = 4
 WORKER = int(os.environ.get(ENV_WORKER_ID, "0"))
@@ -51,6 +52,8 @@ def write_corpus(folder):
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         elif name.endswith(".parquet"):
             pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=16)
+        elif name.endswith(".bin"):  # token windows: the id, then padding tokens (x and y follow from the id)
+            np.asarray([[i] + [0] * (TOKENS - 1) for i in ids], np.uint16).tofile(path)
         elif name.endswith(".npy"):
             np.save(path, np.asarray([[r["id"], *r["x"], r["y"]] for r in rows], np.float32))
         else:
@@ -69,12 +72,16 @@ def model(cfg):
 
 
 def data(cfg):
-    return elasticflow.data.Shards(os.path.join(os.environ["EF_STREAM_CORPUS"], "*"), window=2)
+    return elasticflow.data.Shards(os.path.join(os.environ["EF_STREAM_CORPUS"], "*"), window=2, seq_len=TOKENS)
 
 
 def collate(samples):
     rows = []
     for s in samples:
+        if isinstance(s, np.ndarray) and s.dtype == np.uint16:  # a token window: its id first
+            x, y = sample(int(s[0]))
+            rows.append((int(s[0]), x, float(y)))
+            continue
         if isinstance(s, np.ndarray):  # a .npy row: id, x..., y
             rows.append((int(s[0]), s[1:1 + FEATURES], float(s[-1])))
             continue
