@@ -33,7 +33,8 @@ def corpus(tmp_path_factory):
 
 def test_three_workers_a_kill_a_join_and_a_resume_at_two_use_every_sample_once(tmp_path, corpus):
     """Epochs 1-2 on 3 workers (one SIGKILLed at step 4 and replaced: a join), then epoch 3 resumed on 2:
-    per epoch each of the 270 samples (7 shards of 5 formats) trains in exactly one committed step, and the model is one worker's."""
+    per epoch each of the 270 samples (7 shards, 5 formats) trains in exactly one committed step, and the model
+    is one worker's."""
     run, record, alone = tmp_path / "run", tmp_path / "record", tmp_path / "alone"
     record.mkdir()
     env = {"EF_STREAM_CORPUS": str(corpus), "EF_STREAM_RECORD": str(record)}
