@@ -1,7 +1,7 @@
 """Data at scale, each figure a ratio against a baseline measured in the same run (1 worker, CPU).
 
     .venv/bin/python scripts/bench_data.py                 # all three
-    .venv/bin/python scripts/bench_data.py --only slow     # slow | decode | mmap
+    .venv/bin/python scripts/bench_data.py --only slow     # slow | decode | mmap | shards
 
 slow    A source that sleeps 10 ms per batch read, under a model whose step computes ~10 ms:
         median step time with data.prefetch=2 (and =0) over the same model on arrays held in memory
@@ -17,6 +17,15 @@ decode  A map-style dataset whose __getitem__ decodes an image-like record in Py
         the loop has none, and the sidecar's start-up fell in the timed span, 2-9% of the loaders' CPU).
 mmap    A 2 GiB float32 .npy on disk, opened with np.load(mmap_mode="r") and trained on for 40 steps
         in a fresh process: its peak resident set over the file's size.
+shards  elasticflow.data.Shards over a jsonl corpus written to disk (--corpus-gb, default 2: 64 shards of ~1 KB
+        token-id lines; not run by default, being minutes of disk writes). Bytes read: 3 worker processes each read
+        their micro-batches (order.deal, by position) of 50 global batches of 256 in Shards.order(0, 0), rchar
+        from /proc/self/io over the bytes of their samples' lines; target <= 1.2x that share + one window's bytes.
+        Peak RSS (VmHWM) of a fresh process reading 50 global batches over 1/10 of the corpus and over all of
+        it: target within +-10%. Read throughput of an epoch in window order over a sequential pass (each file's
+        lines read and json.loads'ed), page cache dropped (where root may) and warm: target >= 0.9x; with
+        mosaicml-streaming's StreamingDataset on an MDS copy of the same samples beside it, where
+        BENCH_MDS_PYTHON (default /tmp/msvenv/bin/python) has it (its own venv: it pins another torch).
 """
 from __future__ import annotations
 
@@ -251,8 +260,9 @@ def bench_mmap(model: Path, tmp: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=("slow", "decode", "mmap"))
+    parser.add_argument("--only", choices=("slow", "decode", "mmap", "shards"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--corpus-gb", type=float, default=2.0, help="--only shards: the corpus's size on disk")
     args = parser.parse_args()
     import logging
 
@@ -267,6 +277,10 @@ def main() -> None:
             bench_decode(model, tmp, args.rounds)
         if args.only in (None, "mmap"):
             bench_mmap(model, tmp)
+        if args.only == "shards":
+            from bench_shards import bench_shards
+
+            bench_shards(tmp, args.corpus_gb, args.rounds)
 
 
 if __name__ == "__main__":

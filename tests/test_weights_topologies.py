@@ -1,5 +1,5 @@
-"""forward()'s ``weight`` under every way a step is cut and reduced: micro-batches over workers, stage 2's
-reduce-scatter, parameter servers, TensorFlow. tests/models/masked_tokens.py's reference is one worker with the
+"""forward()'s ``weight`` under every way a step is cut and reduced: micro-batches over workers (padded per
+micro-batch by a collate, on both backends), stage 2's reduce-scatter, parameter servers. tests/models/masked_tokens.py's reference is one worker with the
 whole global batch as one micro-batch, where the weighted mean is the plain mean over the batch's tokens.
 """
 from pathlib import Path
@@ -18,12 +18,11 @@ def whole_batch(one_worker):
     return one_worker(model=MODEL, common=COMMON)
 
 
+# Micro-batches over workers on each backend: test_ragged_samples_padded_per_micro_batch_train_the_padded_model.
 @pytest.mark.parametrize("how", [
-    ["launcher.workers=3"],
     ["launcher.workers=3", "trainer.shard=gradients"],
     ["launcher.workers=3", "topology=parameter_server"],
-    ["launcher.workers=2", "backend=tensorflow"],
-], ids=["three-workers", "shard-gradients", "parameter-server", "tensorflow"])
+], ids=["shard-gradients", "parameter-server"])
 def test_a_weighted_step_is_the_token_mean_over_the_global_batch(tmp_path, whole_batch, how):
     train_ok(tmp_path, "trainer.micro_batch_size=5", *how, model=MODEL, common=COMMON)
     assert_equivalent(tmp_path, whole_batch)
@@ -48,6 +47,8 @@ def test_ragged_samples_padded_per_micro_batch_train_the_padded_model(tmp_path, 
     train_ok(tmp_path, "trainer.micro_batch_size=5", "launcher.workers=2", f"backend={backend}", model=RAGGED,
              common=COMMON)
     assert_equivalent(tmp_path, whole_batch)
+    assert [r["weight"] for r in metrics(tmp_path) if "loss" in r] == \
+        [r["weight"] for r in metrics(whole_batch) if "loss" in r]
 
 
 RAGGED_HF = '''
