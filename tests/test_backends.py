@@ -248,7 +248,7 @@ def test_bad_forward_outputs_give_the_same_messages_on_every_backend(name):
         "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
     assert _messages(name, lambda m: {"loss": m.to_tensor(np.ones(1)), "acc": m.to_tensor(np.ones(2))}) == (
         "forward() metric 'acc' is not a scalar", "every value in forward()'s dict must be a single number")
-    assert _messages(name, lambda m: {"loss": m.to_tensor(np.ones(1)), "acc": np.float32(1)})[0] == \
+    assert _messages(name, lambda m: {"loss": m.to_tensor(np.ones(1)), "acc": np.ones(2, np.float32)})[0] == \
         "forward() metric 'acc' is not a scalar"
     assert _messages(name, lambda m: {"lost": 1.0}) == (
         "forward() returned a dict without a 'loss' key (keys: ['lost'])",
@@ -256,6 +256,10 @@ def test_bad_forward_outputs_give_the_same_messages_on_every_backend(name):
     module = backends.load(name)
     loss, metrics = module.engine._check_loss({"loss": module.to_tensor(np.full((1, 1), 2.0)), "n": 3}, "in evaluation")
     assert tuple(loss.shape) == () and float(loss) == 2.0 and float(metrics["n"]) == 3.0
+    # numpy scalars are numbers too (a token count from np.count_nonzero, an np.float32 metric)
+    _, metrics = module.engine._check_loss({"loss": module.to_tensor(np.ones(1)), "weight": np.int64(7),
+                                            "acc": np.float32(0.5)}, "in evaluation")
+    assert float(metrics["weight"]) == 7.0 and float(metrics["acc"]) == 0.5
 
 
 def test_state_names_order():

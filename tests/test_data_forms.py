@@ -265,3 +265,37 @@ def test_tensorflow_reads_ahead_the_same_rows(tmp_path):
     got = fit(tmp_path / "b", "backend=tensorflow", "+model_args.form=torch", "data.prefetch=3", "data.workers=2")
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+# ---------------------------------------------------------------- collate(samples)
+def test_a_collate_dict_reaches_forward_by_name_and_a_list_of_samples_is_collated():
+    from elasticflow.data.order import Dataset
+
+    def collate(samples):  # keys in another order than forward(x, y)'s parameters, as a BatchEncoding may be
+        return {"y": np.asarray([s["y"] for s in samples]), "x": np.stack([s["x"] for s in samples])}
+
+    samples = [{"x": np.full(2, i, np.float32), "y": i} for i in range(6)]
+    batch = Dataset(samples, collate=collate, names=["x", "y"]).fetch(np.asarray([4, 1]))
+    np.testing.assert_array_equal(batch[0], [[4, 4], [1, 1]])
+    np.testing.assert_array_equal(batch[1], [4, 1])
+    # forward(*batch): no names to go by, so the dict's own order
+    assert Dataset(samples, collate=collate).fetch(np.asarray([4]))[0].tolist() == [4]
+
+
+def test_a_collate_that_fails_is_named_with_its_samples():
+    from elasticflow.data.order import Dataset
+
+    def pad(samples):
+        raise ValueError("no pad token")
+
+    with pytest.raises(ElasticFlowError) as info:
+        Dataset([(np.zeros(2),)] * 4, collate=pad).fetch(np.asarray([2, 0]))
+    assert info.value.message == "pad() raised ValueError: no pad token (on samples [2, 0])"
+    assert info.value.hint.startswith("fix pad(samples)")
+
+    def unpadded(samples):
+        return ([[1, 2], [3]],)
+
+    with pytest.raises(ElasticFlowError) as info:
+        Dataset([(np.zeros(2),)] * 4, collate=unpadded).fetch(np.asarray([0, 1]))
+    assert info.value.message.startswith("unpadded() returned a field numpy cannot make one array of")

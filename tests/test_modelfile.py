@@ -126,8 +126,9 @@ def test_data_as_a_list_of_samples_is_one_line_naming_the_fix(write_model, tmp_p
         "return x, x[:, :1] * 2", "return [(row, row[:1] * 2) for row in x]")
     with pytest.raises(ElasticFlowError) as info:
         prepare(write_model(source), tmp_path)
-    assert info.value.message == ("data() returned a list of 64 samples of 2 fields each; it returns the fields, "
-                                  "each an array with one row per sample")
+    assert info.value.message == ("data() returned a list of 64 samples; it returns the fields, each an array "
+                                  "with one row per sample (or a list of samples with collate(samples) in the model "
+                                  "file)")
     assert "np.stack(field) for field in zip(*samples)" in info.value.hint
     ragged = TWO_FIELDS.format(signature="x, y, net", loss="((net(x) - y) ** 2).mean()").replace(
         "return x, x[:, :1] * 2", "return [[1.0, 2.0], [3.0]], [0.0, 1.0]")

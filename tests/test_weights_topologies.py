@@ -84,3 +84,38 @@ def collate(samples):
 ''')
     out = train_in_process(path, tmp_path / "run", "trainer.global_batch_size=8", "trainer.max_steps=2")
     assert out.returncode == 0, out.stderr
+
+
+# ---------------------------------------------------------------- mistakes, each one line
+LINEAR = '''
+import numpy as np, torch
+from elasticflow import ops
+
+def model(cfg):
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+def data(cfg):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 3)).astype(np.float32), rng.normal(size=(64, 1)).astype(np.float32)
+
+def forward(x, y, net):
+    loss = ((net(x) - y) ** 2).mean()
+    return {WEIGHTED}
+'''
+
+
+@pytest.mark.parametrize("weighted,message", [
+    ('{"loss": loss, "weight": 4} if ops.training() else loss',
+     "forward() returned a 'weight' in a training micro-batch but not in the start-up probe"),
+    ('{"loss": loss, "weight": -float(len(x))}', "forward()'s weights sum to -32 over the global batch of step 1"),
+], ids=["only-in-training", "negative"])
+def test_a_weight_that_cannot_be_divided_by_is_one_line(tmp_path, weighted, message):
+    """A weight only in training would go unreduced (the probe runs in evaluation mode) and a negative total
+    would reverse the update: both trained silently wrong before."""
+    path = tmp_path / "weights.py"
+    path.write_text(LINEAR.replace("{WEIGHTED}", weighted))
+    out = train_in_process(path, tmp_path / "run", "trainer.global_batch_size=32", "trainer.max_steps=2")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), out.stderr
+    assert out.returncode != 0 and "Traceback" not in out.stderr

@@ -102,7 +102,7 @@ def check_loss(out: Any, where: str, size: Callable[[Any], Optional[int]], frame
         raise ElasticFlowError(f"forward() returned a non-scalar loss of shape {tuple(loss.shape)} {where}",
                                "reduce it to one number, e.g. ops.mean(...) or ops.cross_entropy(logits, y)")
     for k, v in metrics.items():
-        if not isinstance(v, (float, int)) and size(v) != 1:
+        if not isinstance(v, (float, int, np.generic)) and size(v) != 1:
             raise ElasticFlowError(f"forward() metric {k!r} is not a scalar",
                                    "every value in forward()'s dict must be a single number")
     return loss, metrics

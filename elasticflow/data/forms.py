@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
-from .samples import RAGGED_HINT, Rows, shown, stack
+from .samples import RAGGED_HINT, Rows, collated, shown, stack
 
 
 
@@ -48,7 +48,7 @@ class Mapped:
     def read(self, indices: np.ndarray) -> Any:
         items = [self.dataset[int(i)] for i in indices]
         if self.collate_fn is not None:
-            return self.collate_fn(items)
+            return collated(self.collate_fn, items, indices)
         return stack(items, indices)
 
 
@@ -85,7 +85,8 @@ class Columns:
     def read(self, indices: np.ndarray) -> Any:
         batch = self.dataset[indices.tolist()]
         if self.collate_fn is not None:
-            return self.collate_fn([dict(zip(self.columns, row)) for row in zip(*(batch[c] for c in self.columns))])
+            rows = [dict(zip(self.columns, row)) for row in zip(*(batch[c] for c in self.columns))]
+            return collated(self.collate_fn, rows, indices)
         fields = tuple(np.asarray(batch[c]) for c in self.columns)
         for c, f in zip(self.columns, fields):
             if f.dtype == object:
@@ -107,7 +108,7 @@ class Samples:
         return len(self.fields[0])
 
     def read(self, indices: np.ndarray) -> Any:
-        return self.collate_fn([tuple(f[int(i)] for f in self.fields) for i in indices])
+        return collated(self.collate_fn, [tuple(f[int(i)] for f in self.fields) for i in indices], indices)
 
 
 class NpyShards:

@@ -20,10 +20,11 @@ from .forms import Columns, Mapped, NpyShards  # noqa: F401 - public: elasticflo
 def _fields(raw: Any, what: str, collate: Any) -> Tuple[np.ndarray, ...]:
     """data()'s tuple of fields as arrays; a list of samples ([(x, y), ...]) is one line naming the fix.
     With a ``collate`` a field's rows may differ in length: they are kept one object per row."""
-    if isinstance(raw, list) and raw and isinstance(raw[0], tuple):
-        raise ElasticFlowError(f"{what} returned a list of {len(raw)} samples of {len(raw[0])} fields each; it "
-                               "returns the fields, each an array with one row per sample",
-                               "stack them: return tuple(np.stack(field) for field in zip(*samples))")
+    if isinstance(raw, list) and raw and isinstance(raw[0], (tuple, dict)):
+        raise ElasticFlowError(f"{what} returned a list of {len(raw)} samples; it returns the fields, each an array "
+                               "with one row per sample (or a list of samples with collate(samples) in the model file)",
+                               "stack them: return tuple(np.stack(field) for field in zip(*samples)), or define "
+                               "collate(samples) to make each micro-batch from its samples")
     fields = []
     for i, a in enumerate(raw):
         try:
@@ -49,8 +50,9 @@ class Dataset:
     """A checked view of what ``data(cfg)`` returned: ``arrays`` (a tuple of equal-length arrays held
     in memory) or a reader fetched batch by batch (see :mod:`elasticflow.data.forms` for every form)."""
 
-    def __init__(self, raw: Any, what: str = "data()", collate: Optional[Callable[[List[Any]], Any]] = None):
-        self.what = what
+    def __init__(self, raw: Any, what: str = "data()", collate: Optional[Callable[[List[Any]], Any]] = None,
+                 names: Optional[Sequence[str]] = None):
+        self.what, self.names = what, names  # names: forward()'s data parameters (a collate's dict goes by them)
         self.arrays: Tuple[np.ndarray, ...] | None = None
         self.reader: Any = None
         self._layout: Optional[List[Tuple[np.dtype, tuple]]] = None  # the first batch's dtypes and row shapes
@@ -60,6 +62,8 @@ class Dataset:
             # A dict has __len__ and __getitem__, but its length counts keys, not samples.
             raise ElasticFlowError(f"{what} returned a dict (keys: {', '.join(map(str, raw))})",
                                    "return a tuple of arrays in forward()'s argument order, e.g. (x, y)")
+        if isinstance(raw, list) and collate is not None and raw and isinstance(raw[0], (tuple, dict)):
+            raw = forms.Mapped(raw, collate)  # a list of samples, made into micro-batches by the collate
         if isinstance(raw, (tuple, list)):
             arrays = _fields(raw, what, collate)
             if not arrays:
@@ -102,17 +106,23 @@ class Dataset:
             raise
         except Exception as exc:
             raise self._read_error(indices, exc) from exc
-        rows = tuple(samples.as_array(r) for r in samples.fields_of(rows))
+        collate = getattr(self.reader, "collate_fn", None)
+        who = f"{getattr(collate, '__name__', 'collate')}()" if collate is not None else self.what
+        try:
+            rows = tuple(samples.as_array(r) for r in samples.fields_of(rows, self.names))
+        except ValueError as exc:  # numpy's "inhomogeneous shape": a field of unpadded rows
+            raise ElasticFlowError(f"{who} returned a field numpy cannot make one array of, for samples "
+                                   f"{_shown(indices)} ({exc})", samples.RAGGED_HINT) from None
         if any(r.ndim == 0 or len(r) != len(indices) for r in rows):
             raise ElasticFlowError(
-                f"{self.what} returned a batch whose arrays do not have len(indices)={len(indices)} rows "
+                f"{who} returned a batch whose arrays do not have len(indices)={len(indices)} rows "
                 f"({', '.join(str(r.shape) for r in rows)}) for samples {_shown(indices)}",
                 "reading a batch must return one row per requested index in every array")
         if any(r.dtype == object for r in rows):
             field = next(i for i, r in enumerate(rows) if r.dtype == object)
-            raise ElasticFlowError(f"{self.what}'s batch of samples {_shown(indices)} has field #{field} as Python "
+            raise ElasticFlowError(f"{who}'s batch of samples {_shown(indices)} has field #{field} as Python "
                                    "objects (rows of different lengths?)", samples.RAGGED_HINT)
-        if getattr(self.reader, "collate_fn", None) is not None:
+        if collate is not None:
             return rows  # collated per micro-batch: shapes may differ from one micro-batch to the next
         layout = [(r.dtype, r.shape[1:]) for r in rows]
         if self._layout is None:
@@ -121,6 +131,7 @@ class Dataset:
             raise ElasticFlowError(
                 f"{self.what}'s batch of samples {_shown(indices)} has fields {_describe(layout)}, but earlier "
                 f"batches had {_describe(self._layout)}",
+                samples.RAGGED_HINT if [d for d, _ in layout] == [d for d, _ in self._layout] else
                 "every sample must have the same dtype and row shape in each field (pad or cast in data())")
         return rows
 

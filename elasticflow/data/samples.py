@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,9 +57,12 @@ def as_array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def fields_of(batch: Any) -> Tuple[Any, ...]:
-    """A read batch as its fields: a dict's values in its keys' order (a collate's ``BatchEncoding``)."""
+def fields_of(batch: Any, names: Optional[Sequence[str]] = None) -> Tuple[Any, ...]:
+    """A read batch as its fields. A dict (a collate's ``BatchEncoding``): its values by ``names`` (forward()'s
+    data parameters) where it holds every one of them, else in its keys' order."""
     if isinstance(batch, Mapping):
+        if names and all(n in batch for n in names):
+            return tuple(batch[n] for n in names)
         return tuple(batch.values())
     if isinstance(batch, np.ndarray) or not isinstance(batch, (tuple, list)):
         return (batch,)
@@ -69,3 +72,15 @@ def fields_of(batch: Any) -> Tuple[Any, ...]:
 def shown(indices: np.ndarray) -> str:
     head = ", ".join(str(int(i)) for i in indices[:5])
     return f"[{head}{', ...' if len(indices) > 5 else ''}]"
+
+
+def collated(fn: Any, items: List[Any], indices: np.ndarray) -> Any:
+    """``fn(items)``: a collate's batch; what it raises is one error naming it and the samples."""
+    try:
+        return fn(items)
+    except ElasticFlowError:
+        raise
+    except Exception as exc:
+        name = getattr(fn, "__name__", "collate")
+        raise ElasticFlowError(f"{name}() raised {type(exc).__name__}: {exc} (on samples {shown(indices)})",
+                               f"fix {name}(samples) (run with --debug for the traceback)") from exc

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ElasticFlowError
 from . import shard_formats
-from .samples import stack
+from .samples import collated, stack
 
 INDEX_DIR = ".elasticflow-index"  # beside the shards
 
@@ -80,7 +80,7 @@ class Shards:
     def read(self, indices: np.ndarray) -> Any:
         samples = self.samples(indices)
         if self.collate_fn is not None:
-            return self.collate_fn(samples)
+            return collated(self.collate_fn, samples, indices)
         return stack(samples, indices)
 
     def samples(self, indices: np.ndarray) -> List[Any]:
@@ -202,7 +202,8 @@ class WindowOrder:
         with self._lock:
             ids = self._kept.get(w)
             if ids is None:
-                ids = np.concatenate([np.arange(self.offsets[s], self.offsets[s] + self.counts[s]) for s in self.windows[w]])
+                ids = np.concatenate([np.arange(self.offsets[s], self.offsets[s] + self.counts[s])
+                                      for s in self.windows[w]])
                 if self.shuffle:
                     ids = np.random.default_rng([self.seed, self.epoch, 1 + w]).permutation(ids)
                 self._kept[w] = ids

@@ -83,7 +83,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
         topo, rules = cfg.topology, {}
         outer = local_sgd.Outer(kind, topo.replicas, topo.sync_every, topo.outer_lr, topo.outer_momentum,
                              engine.flat_layout())
-    train = data.Dataset(mf.call("data", cfg), "data()", mf.collate)
+    train = data.Dataset(mf.call("data", cfg), "data()", mf.collate, mf.field_names())
     source = data.Source(train, backend, placement, t.data_on_device)
     data.check_size(len(source), t.global_batch_size)
     d = cfg.data
@@ -92,7 +92,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
                  shards=shards, outer=outer, source=source,
                  prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type, d.shuffle),
                  schedule=data.Schedule(len(source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs),
-                 eval_dataset=data.Dataset(mf.call("eval_data", cfg), "eval_data()", mf.collate)
+                 eval_dataset=data.Dataset(mf.call("eval_data", cfg), "eval_data()", mf.collate, mf.field_names())
                  if mf.eval_data else None)
 
 

@@ -88,7 +88,7 @@ class Evaluation:
             engine.train_mode(True)
         totals = dict(zip(self.names, replica.reduce_sum(totals)))
         total = totals.pop(WEIGHT, len(source))
-        result = {f"eval_{k}": v / total if total else 0.0 for k, v in totals.items()}
+        result = {f"eval_{k}": v / total if total else float("nan") for k, v in totals.items()}  # weighs nothing
         if WEIGHT in self.names:
             result[f"eval_{WEIGHT}"] = total
         return result

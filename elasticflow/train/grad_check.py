@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
+from ..errors import ElasticFlowError
+
 
 class Verdict(NamedTuple):
     grad_norm: Optional[float]  # unscaled, before clipping; None when neither clipping nor loss scaling needs it
@@ -54,10 +56,23 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     return Verdict(grad_norm, overflow, finite)
 
 
-def per_weight(total: float) -> float:
+def per_weight(total: float, step: int) -> float:
     """The factor that turns sums weighted by forward()'s ``weight`` into the global batch's weighted mean
-    (1 where the batch weighs nothing: its weighted sums are zero already)."""
+    (1 where the batch weighs nothing: its weighted sums are zero already). A negative total is refused: a
+    weight counts (target tokens), and dividing by a negative sum would reverse the update."""
+    if total < 0:
+        raise ElasticFlowError(f"forward()'s weights sum to {total:g} over the global batch of step {step}",
+                               "return a weight >= 0 (the number of target tokens, e.g. (labels != -100).sum())")
     return 1.0 / total if total > 0 else 1.0
+
+
+def weight_unlike_probe(weighted: bool) -> ElasticFlowError:
+    """forward() returned a ``weight`` in training but not in the start-up probe (evaluation mode), or the
+    other way round: the members reduce the metrics the probe found, so the weight would be lost."""
+    has, lacks = ("the start-up probe", "a training micro-batch") if weighted else \
+        ("a training micro-batch", "the start-up probe")
+    return ElasticFlowError(f"forward() returned a 'weight' in {has} but not in {lacks} (evaluation mode runs "
+                            "the probe)", "return the weight in training and evaluation alike, or never")
 
 
 def scale_summed(engine: Any, shards: Any, factor: float) -> None:

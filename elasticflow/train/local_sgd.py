@@ -243,14 +243,17 @@ class RoundStepper:
                 loss_sum = loss_sum + loss_w
                 for name, v in metrics_w.items():
                     metric_sums[name] = metric_sums.get(name, 0.0) + v
+            if (WEIGHT in metric_sums) != (WEIGHT in self.metric_names):
+                raise grad_check.weight_unlike_probe(WEIGHT in self.metric_names)
             loss = float(loss_sum)  # a sync point on accelerators; the non-finite check needs it anyway
-            weight = (hi - lo) / batch.size
-            if WEIGHT in metric_sums:  # forward()'s weights: the replica's own weighted mean (its inner step)
-                factor = grad_check.per_weight(float(metric_sums[WEIGHT]))
-                loss, metric_sums = loss * factor, {m: v if m == WEIGHT else v * factor for m, v in metric_sums.items()}
+            # The record's sums: by the replica's share of the samples, or by forward()'s weights (their sums
+            # over the replicas then divide by the total in _commit: the global batch's weighted mean).
+            weight = 1.0 if WEIGHT in metric_sums else (hi - lo) / batch.size
+            scalars[j] = [loss * weight] + [float(metric_sums.get(m, 0.0)) * weight for m in self.metric_names]
+            if WEIGHT in metric_sums:  # the replica's inner step: its own weighted mean
+                factor = grad_check.per_weight(float(metric_sums[WEIGHT]), s.step + j + 1)
+                loss = loss * factor
                 engine.scale_grad(factor)
-            scalars[j] = [loss * weight] + [float(metric_sums.get(m, 0.0)) * (1.0 if m == WEIGHT else weight)
-                                            for m in self.metric_names]
             update = grad_check.decide(grad_check.check(engine, loss, t.grad_clip, None), loss, t.on_nonfinite)
             if update.action == "stop":
                 self._restore(theta, buffers)
@@ -312,6 +315,11 @@ class RoundStepper:
         self.agreed = agreed
         self._start, self._done = None, {}
         now, record = time.time(), {}
+        if WEIGHT in self.metric_names:  # weighted sums over the replicas: per unit of the global batch's weight
+            total = scalars[:, 1 + self.metric_names.index(WEIGHT)]
+            per = np.where(total > 0, 1.0 / np.where(total > 0, total, 1.0), 1.0)
+            scalars = np.concatenate([scalars[:, :1] * per[:, None], np.where(
+                np.asarray(self.metric_names) == WEIGHT, scalars[:, 1:], scalars[:, 1:] * per[:, None])], axis=1)
         for j, batch in enumerate(batches):
             # A round may cross an epoch's end: the trainer's loop goes on in the cursor's epoch.
             s.cursor.epoch, s.cursor.samples_in_epoch = batch.epoch, batch.end

@@ -10,7 +10,7 @@ import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from .. import optim
 from ..errors import ElasticFlowError
@@ -45,6 +45,19 @@ class ModelFile:
                                    "no eval_data() to evaluate on",
                                    "define eval_data(cfg), returning held-out data in data()'s form, or drop "
                                    "trainer.eval_every")
+
+    def field_names(self) -> Optional[List[str]]:
+        """forward()'s data parameters by name (the model's left out), or None where it takes ``*batch``: a
+        collate's dict then reaches forward() by name, whatever its keys' order."""
+        try:
+            parameters = list(inspect.signature(self.forward).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            return None
+        by_name = any(p.name == "params" and p.kind == p.KEYWORD_ONLY for p in parameters)
+        names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return names if by_name else names[:-1]
 
     def check_fields(self, fields: int, what: str = "data()") -> None:
         """Raise when forward() cannot take a batch of ``fields`` arrays (what ``what`` yields per sample)

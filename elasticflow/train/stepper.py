@@ -42,6 +42,7 @@ class Stepper:
         self.agreed = Agreed()      # what the members agreed on in the last committed step's reduction
         self.reduce_started = 0.0   # perf_counter() when this attempt's reduction began
         self.names = [n for n, _ in parts.engine.flat_layout()]  # the parameters, in the flat order
+        self.weighted = WEIGHT in metric_names  # forward() returned a weight in the start-up probe
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record."""
@@ -70,6 +71,8 @@ class Stepper:
             if i == len(share.micro) - 1:
                 replica.begin_backward()  # the gradient is final as backward finishes each bucket
             loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
+            if (WEIGHT in metrics_w) != self.weighted:
+                raise grad_check.weight_unlike_probe(self.weighted)
             if loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)
             else:
@@ -93,8 +96,8 @@ class Stepper:
         if buffers is not None:
             engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
-        if WEIGHT in metric_values:  # forward() weighted its micro-batches: per unit of the global batch's weight
-            factor = grad_check.per_weight(metric_values[WEIGHT])
+        if self.weighted:  # forward() weighted its micro-batches: per unit of the global batch's weight
+            factor = grad_check.per_weight(metric_values[WEIGHT], s.step + 1)
             loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
             grad_check.scale_summed(engine, p.shards, factor)
 
