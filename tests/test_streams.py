@@ -91,7 +91,7 @@ def test_a_changed_shard_is_indexed_again_and_read_only_data_indexes_under_the_c
         f.write("\n" + json.dumps({"i": 5}))  # an empty line (no sample) and a last line without "\n"
     shards = Shards(str(folder / "a.jsonl"))
     assert len(shards) == 6 and shards.samples(np.asarray([5, 0])) == [{"i": 5}, {"i": 0}]
-    assert len(list((folder / ".elasticflow-index").glob("*.npz"))) == 1  # the old index is gone
+    assert len(list((folder / ".elasticflow-index").glob("a.jsonl.*"))) == 1  # the old index is gone
 
     # Where the index folder cannot be made beside the data (read-only data; here, as root, a file in its way):
     # under the user's cache.
@@ -102,7 +102,7 @@ def test_a_changed_shard_is_indexed_again_and_read_only_data_indexes_under_the_c
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tokens = Shards(str(readonly / "t.npy"), seq_len=16)
     assert len(tokens) == 6 and list(tokens.samples(np.asarray([1]))[0]) == list(range(16, 32))
-    assert list((tmp_path / "cache" / "elasticflow" / "index").rglob("t.npy.*.npz"))
+    assert list((tmp_path / "cache" / "elasticflow" / "index").rglob("t.npy.*"))
 
 
 def test_token_files_are_cut_into_windows_and_flat_ones_need_a_length(tmp_path):
@@ -158,3 +158,15 @@ def test_counts_by_format(corpus):
     shards = Shards(str(corpus / "*"), seq_len=stream_probe.TOKENS)
     per_file = {Path(p).name: n for p, n in zip(shards.paths, shards.counts)}
     assert Counter(per_file) == Counter(stream_probe.SIZES)
+
+
+def test_a_large_index_stays_on_disk_and_reads_the_right_rows(tmp_path):
+    """Past 64 KiB an index array is read by pread as needed (memory flat in the corpus's size)."""
+    from elasticflow.data.rows import DiskRows
+
+    with open(tmp_path / "big.jsonl", "w") as f:
+        f.writelines(json.dumps({"i": i, "pad": "x" * (i % 7)}) + "\n" for i in range(6000))
+    shards = Shards(str(tmp_path / "big.jsonl"))
+    assert isinstance(shards.shards[0].index["spans"], DiskRows)
+    picked = np.asarray([5999, 3, 4, 5, 2500, 0])
+    assert [s["i"] for s in shards.samples(picked)] == picked.tolist()

@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ElasticFlowError
+from .rows import DiskRows
 from .samples import RAGGED_HINT, Rows, collated, shown, stack
 
 
@@ -152,47 +153,6 @@ class NpyShards:
 
     def read(self, indices: np.ndarray) -> Rows:
         return tuple(_read_sharded(shards, offsets, indices) for shards, offsets in zip(self.arrays, self.offsets))
-
-
-class DiskRows:
-    """Rows of a memory-mapped array read with ``pread`` into the batch's own buffer.
-
-    Not through the mapping: a fault maps at least a page and, where the page cache holds the file in
-    large folios (a file just written), a whole folio, so 40 random batches brought a 2 GiB file
-    into the resident set (measured, scripts/bench_data.py). pread leaves the file in the page
-    cache, which the kernel may drop, and maps nothing. Runs of consecutive rows are one call each.
-    """
-
-    def __init__(self, array: np.memmap):
-        self.array = array  # kept: the mapping stays valid as the fallback and for non-contiguous files
-        self.fd = None
-        if getattr(array, "filename", None) and array.flags.c_contiguous and array.ndim >= 1:
-            self.fd = os.open(array.filename, os.O_RDONLY)
-            self.offset, self.row_bytes = int(array.offset), int(array.strides[0]) if array.ndim > 1 else array.itemsize
-        self.shape, self.dtype = array.shape, array.dtype
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def read(self, indices: np.ndarray) -> np.ndarray:
-        order = np.argsort(indices, kind="stable")
-        rows = np.empty((len(indices),) + self.shape[1:], dtype=self.dtype)
-        wanted = indices[order]
-        if self.fd is None:
-            rows[order] = self.array[wanted]
-            return rows
-        sorted_rows = np.empty_like(rows)
-        flat = sorted_rows.reshape(len(indices), -1).view(np.uint8)
-        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1  # runs of consecutive rows
-        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, len(wanted)]):
-            view = memoryview(flat[lo:hi]).cast("B")
-            got = os.preadv(self.fd, [view], self.offset + int(wanted[lo]) * self.row_bytes)
-            if got != len(view):
-                raise ElasticFlowError(f"{self.array.filename} is shorter than its header says (rows {wanted[lo]}.."
-                                       f"{wanted[hi - 1]} read {got} of {len(view)} bytes)",
-                                       "the file was truncated or is being rewritten; write it again")
-        rows[order] = sorted_rows
-        return rows
 
 
 def _read_sharded(shards: List[DiskRows], offsets: np.ndarray, indices: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """One shard file of a sharded corpus, read at any row: jsonl, parquet, ``.npy`` rows or tokens, raw ``.bin`` tokens,
 WebDataset ``.tar``. Each format builds a small index once (``index(path)``: arrays, cached by ``shards.py``) and
-reads the rows asked for with ``pread`` or the format's own random access, never the whole file.
+reads the rows asked for with ``pread`` or the format's own random access, never the whole file. An index array
+with a row per sample comes back as ``rows.DiskRows`` (read by ``pread`` too): memory does not grow with the corpus.
 
 Samples: a jsonl line is its parsed object; a parquet row is ``{column: value}``; a ``.npy`` row or a token window
 is an array; a WebDataset sample is ``{extension: bytes}`` with its ``__key__``.
@@ -17,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..errors import ElasticFlowError
+from .rows import DiskRows, pread_ranges
 
 CHUNK = 8 << 20  # bytes scanned at a time while indexing a jsonl file
 
@@ -34,19 +36,34 @@ class Shard:
         raise NotImplementedError
 
 
-def _pread_runs(fd: int, starts: np.ndarray, ends: np.ndarray) -> List[bytes]:
-    """The byte ranges [starts[i], ends[i]) of a file, sorted by start; a run of adjacent ranges is one pread."""
-    out: List[bytes] = []
-    i = 0
-    while i < len(starts):
-        j = i
-        while j + 1 < len(starts) and starts[j + 1] == ends[j]:
-            j += 1
-        blob = os.pread(fd, int(ends[j] - starts[i]), int(starts[i]))
-        base = int(starts[i])
-        out += [blob[int(a) - base:int(b) - base] for a, b in zip(starts[i:j + 1], ends[i:j + 1])]
-        i = j + 1
-    return out
+class LoadedIndexes:
+    """The on-disk index arrays of the shards read last, read whole (``limit`` of them: a window's worth and
+    more): one pread per shard instead of one per sample, in memory bounded by the window, not the corpus."""
+
+    def __init__(self, limit: int = 16):
+        self.limit, self._arrays = limit, OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, array: DiskRows) -> np.ndarray:
+        key = (array.path, array.offset)
+        with self._lock:
+            if key in self._arrays:
+                self._arrays.move_to_end(key)
+                return self._arrays[key]
+        whole = array.read(np.arange(len(array)))
+        with self._lock:
+            self._arrays[key] = whole
+            while len(self._arrays) > self.limit:
+                self._arrays.popitem(last=False)
+        return whole
+
+
+LOADED = LoadedIndexes()
+
+
+def take(array: Any, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]`` of an index array held in memory or on disk (``DiskRows``, read whole while in use)."""
+    return LOADED.get(array)[rows] if isinstance(array, DiskRows) else array[rows]
 
 
 class Jsonl(Shard):
@@ -68,20 +85,19 @@ class Jsonl(Shard):
         return {"rows": np.asarray([len(spans)]), "spans": spans}
 
     def read(self, rows: np.ndarray) -> List[Any]:
-        spans = self.index["spans"][rows]
-        fd = os.open(self.path, os.O_RDONLY)
+        spans = take(self.index["spans"], rows)
+        lines = pread_ranges(self.path, spans[:, 0], spans[:, 1] + 1)  # with the "\n": adjacent lines join
         try:
-            lines = _pread_runs(fd, spans[:, 0], spans[:, 1] + 1)
-        finally:
-            os.close(fd)
-        samples = []
-        for row, line in zip(rows, lines):
-            try:
-                samples.append(json.loads(line))
-            except ValueError as exc:
-                raise ElasticFlowError(f"{self.path}: line {int(row) + 1} (counting non-empty lines) is not JSON "
-                                       f"({exc})", "fix the line, or remove the file's index to rebuild it") from None
-        return samples
+            return [json.loads(line) for line in lines]
+        except ValueError:
+            for row, line in zip(rows, lines):
+                try:
+                    json.loads(line)
+                except ValueError as exc:
+                    raise ElasticFlowError(f"{self.path}: line {int(row) + 1} (counting non-empty lines) is not "
+                                           f"JSON ({exc})", "fix the line (its index is rebuilt when the file "
+                                           "changes)") from None
+            raise
 
 
 class Tokens(Shard):
@@ -103,11 +119,7 @@ class Tokens(Shard):
     def read(self, rows: np.ndarray) -> List[Any]:
         offset, row_bytes = (int(v) for v in self.index["layout"])
         dtype, shape = np.dtype(str(self.index["dtype"])), tuple(int(d) for d in self.index["shape"])
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            blobs = _pread_runs(fd, offset + rows * row_bytes, offset + (rows + 1) * row_bytes)
-        finally:
-            os.close(fd)
+        blobs = pread_ranges(self.path, offset + rows * row_bytes, offset + (rows + 1) * row_bytes)
         return [np.frombuffer(b, dtype).reshape(shape) for b in blobs]
 
 
@@ -182,20 +194,19 @@ class WebDataset(Shard):
                 members.append((len(keys) - 1, info.offset_data, info.size, ext))
         exts = sorted({m[3] for m in members})
         table = np.asarray([(s, o, n, exts.index(e)) for s, o, n, e in members], dtype=np.int64).reshape(-1, 4)
-        return {"rows": np.asarray([len(keys)]), "members": table, "keys": np.asarray(keys, dtype=str),
-                "exts": np.asarray(exts, dtype=str)}
+        first = np.searchsorted(table[:, 0], np.arange(len(keys) + 1))  # each sample's first member
+        return {"rows": np.asarray([len(keys)]), "members": table, "first": first[:, None],
+                "keys": np.asarray(keys, dtype=str)[:, None], "exts": np.asarray(exts, dtype=str)}
 
     def read(self, rows: np.ndarray) -> List[Any]:
-        members, exts, keys = self.index["members"], self.index["exts"], self.index["keys"]
-        picked = members[np.isin(members[:, 0], rows)]
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            blobs = _pread_runs(fd, picked[:, 1], picked[:, 1] + picked[:, 2])
-        finally:
-            os.close(fd)
-        by_row: Dict[int, Dict[str, Any]] = {int(r): {"__key__": str(keys[r])} for r in rows}
-        for (row, _, _, ext), blob in zip(picked, blobs):
-            by_row[int(row)][str(exts[ext])] = blob
+        first = take(self.index["first"], np.r_[rows, rows + 1])[:, 0]
+        lo, hi = first[:len(rows)], first[len(rows):]
+        picked = take(self.index["members"], np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]))
+        blobs = pread_ranges(self.path, picked[:, 1], picked[:, 1] + picked[:, 2])
+        keys, exts = take(self.index["keys"], rows)[:, 0], self.index["exts"]
+        by_row: Dict[int, Dict[str, Any]] = {int(r): {"__key__": str(k)} for r, k in zip(rows, keys)}
+        for (row, _, _, ext), blob in zip(picked.tolist(), blobs):
+            by_row[row][str(exts[ext])] = blob
         return [by_row[int(r)] for r in rows]
 
 

@@ -2,7 +2,8 @@
 
 Each shard is indexed once (its rows, and where each row lies: ``shard_formats``) and the index is cached beside
 the data, or under ``~/.cache/elasticflow`` where the data's folder is read-only; a file that changes (size or
-modification time) is indexed again. The corpus is then readable at any index, so the exactly-once machinery of
+modification time) is indexed again. An index array with a row per sample is read from its file as needed, so
+memory does not grow with the corpus. The corpus is then readable at any index, so the exactly-once machinery of
 map-style data applies unchanged: global batches are positions in an epoch's order, dealt by position.
 
 The order keeps reads local: the shards in a shuffled order, then the samples of each window of ``window``
@@ -16,6 +17,7 @@ import fcntl
 import glob
 import hashlib
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -24,6 +26,7 @@ import numpy as np
 
 from ..errors import ElasticFlowError
 from . import shard_formats
+from .rows import DiskRows
 from .samples import collated, stack
 
 INDEX_DIR = ".elasticflow-index"  # beside the shards
@@ -114,8 +117,10 @@ def _resolve(files: Union[str, Sequence[str]]) -> List[str]:
 
 
 # ---------------------------------------------------------------- the index, built once per shard
-def cached_index(path: str, options: Dict[str, Any]) -> Dict[str, np.ndarray]:
-    """The shard's index, from its cache file when the shard is unchanged since; else built and cached.
+def cached_index(path: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    """The shard's index, from its cache when the shard is unchanged since; else built and cached. Arrays
+    with a row per sample come back as ``DiskRows`` (read by ``pread``), the rest in memory.
+
     Workers that start together share the work: one lock per index folder, and whoever takes it indexes the
     next shard not yet cached while the others wait and then read its result."""
     kind = shard_formats.format_of(path)
@@ -130,23 +135,31 @@ def cached_index(path: str, options: Dict[str, Any]) -> Dict[str, np.ndarray]:
         loaded = _load(cache)
         if loaded is not None:
             return loaded
-        index = kind.index(path, **options)
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, **index)
-        os.replace(tmp, cache)
-        for stale in cache.parent.glob(f"{Path(path).name}.*.npz"):  # the index of an earlier version
-            if stale != cache:
-                stale.unlink(missing_ok=True)
-    return index
+        tmp.mkdir()
+        for name, array in kind.index(path, **options).items():
+            np.save(tmp / f"{name}.npy", array)
+        os.rename(tmp, cache)  # whole or absent: a folder appears at once
+        for stale in cache.parent.glob(f"{Path(path).name}.*"):  # the index of an earlier version
+            if stale != cache and stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+    return _load(cache)
 
 
-def _load(cache: Path) -> Optional[Dict[str, np.ndarray]]:
-    try:
-        with np.load(cache, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError):
+MAPPED_BYTES = 1 << 16  # an index array larger than this stays on disk (DiskRows); smaller ones are read whole
+
+
+def _load(cache: Path) -> Optional[Dict[str, Any]]:
+    if not cache.is_dir():
         return None
+    index: Dict[str, Any] = {}
+    try:
+        for f in cache.glob("*.npy"):
+            array = np.load(f, mmap_mode="r", allow_pickle=False)
+            index[f.stem] = DiskRows(array) if array.nbytes > MAPPED_BYTES and array.ndim == 2 else np.array(array)
+    except (OSError, ValueError):
+        return None
+    return index if "rows" in index else None
 
 
 def _cache_file(path: str, key: str) -> Path:
@@ -156,13 +169,13 @@ def _cache_file(path: str, key: str) -> Path:
     try:
         here.mkdir(exist_ok=True)
         if os.access(here, os.W_OK):
-            return here / f"{Path(path).name}.{key}.npz"
+            return here / f"{Path(path).name}.{key}"
     except OSError:
         pass
     home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "elasticflow" / "index"
     folder = home / hashlib.sha1(str(Path(path).parent).encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"{Path(path).name}.{key}.npz"
+    return folder / f"{Path(path).name}.{key}"
 
 
 # ---------------------------------------------------------------- the order
