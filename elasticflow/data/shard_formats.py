@@ -37,33 +37,42 @@ class Shard:
 
 
 class LoadedIndexes:
-    """The on-disk index arrays of the shards read last, read whole (``limit`` of them: a window's worth and
-    more): one pread per shard instead of one per sample, in memory bounded by the window, not the corpus."""
+    """On-disk index arrays read whole once a shard is read from often: the ``limit`` used last (a window's
+    worth and more), so memory is bounded by the window, not the corpus. Until a shard's rows read reach
+    1/``WHOLE_AFTER`` of its rows they are read one by one (a shard a worker only glances at, as when few of
+    its batches fall in it, costs its rows' entries, not the whole array); after that, one read for the rest."""
+
+    WHOLE_AFTER = 16
 
     def __init__(self, limit: int = 16):
         self.limit, self._arrays = limit, OrderedDict()
+        self._rows_read: Dict[tuple, int] = {}
         self._lock = threading.Lock()
 
-    def get(self, array: DiskRows) -> np.ndarray:
+    def take(self, array: DiskRows, rows: np.ndarray) -> np.ndarray:
         key = (array.path, array.offset)
         with self._lock:
             if key in self._arrays:
                 self._arrays.move_to_end(key)
-                return self._arrays[key]
+                return self._arrays[key][rows]
+            self._rows_read[key] = seen = self._rows_read.get(key, 0) + len(rows)
+        if seen * self.WHOLE_AFTER < len(array):
+            return array.read(rows)
         whole = array.read(np.arange(len(array)))
         with self._lock:
             self._arrays[key] = whole
+            self._rows_read.pop(key, None)
             while len(self._arrays) > self.limit:
                 self._arrays.popitem(last=False)
-        return whole
+        return whole[rows]
 
 
 LOADED = LoadedIndexes()
 
 
 def take(array: Any, rows: np.ndarray) -> np.ndarray:
-    """``array[rows]`` of an index array held in memory or on disk (``DiskRows``, read whole while in use)."""
-    return LOADED.get(array)[rows] if isinstance(array, DiskRows) else array[rows]
+    """``array[rows]`` of an index array held in memory or on disk (``DiskRows``: see ``LoadedIndexes``)."""
+    return LOADED.take(array, rows) if isinstance(array, DiskRows) else array[rows]
 
 
 class Jsonl(Shard):
