@@ -2,7 +2,8 @@
 
 Environment (read by every worker):
     EF_PROBE_KILL    "worker:step:where[,worker:step:where...]": that worker SIGKILLs itself at that
-                     step, where = "forward" (inside forward) or "reduction" (a timer fires while it
+                     step, where = "forward" (inside forward; workers killed there at the same step wait for
+                     each other first, so they die in the same generation) or "reduction" (a timer fires while it
                      waits in the gradient allreduce; the other workers are slowed at that step so it
                      is the one waiting), or "logging" (as rank 0, when it writes step's record to
                      metrics.jsonl -- during the next step's reduction -- it waits 0.3 s, long enough for
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 import elasticflow
-from elasticflow.distributed.protocol import ENV_WORKER_ID
+from elasticflow.distributed.protocol import ENV_RUN_DIR, ENV_WORKER_ID
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "models"))
 import digits_mlp  # noqa: E402
@@ -78,6 +79,7 @@ def _inject(ctx):
             continue
         if int(worker) == WORKER:
             if where == "forward":
+                _meet_the_other_victims(step)
                 _kill_self()
             threading.Timer(0.15, _kill_self).start()  # fires while we wait in the allreduce
         elif where == "reduction":
@@ -90,6 +92,21 @@ def _inject(ctx):
     while HOLD and ctx.step > 0 and os.path.exists(HOLD) and time.monotonic() < deadline:
         time.sleep(0.01)
     while LIMIT and ctx.step > _allowed(LIMIT) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _meet_the_other_victims(step):
+    """Workers killed in forward at the same step die in the same generation: each waits, in forward, until
+    all have arrived (files in RUN_DIR/.probe), or a late one would regroup on the first death and die in the
+    next generation (a loaded machine did this: test_two_neighbours_killed_fall_back_to_the_checkpoint)."""
+    victims = [w for w, s, where in KILLS if s == step and where == "forward"]
+    if len(victims) < 2:
+        return
+    folder = Path(os.environ[ENV_RUN_DIR]) / ".probe"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{step}-{WORKER}").touch()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all((folder / f"{step}-{w}").exists() for w in victims):
         time.sleep(0.01)
 
 
