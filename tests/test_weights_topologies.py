@@ -30,6 +30,15 @@ def test_a_weighted_step_is_the_token_mean_over_the_global_batch(tmp_path, whole
     assert [r["weight"] for r in records] == [r["weight"] for r in metrics(whole_batch) if "loss" in r]
 
 
+def test_local_sgd_logs_the_global_batchs_token_mean(tmp_path, whole_batch):
+    """Each replica's inner step is its own token mean; the logged loss of step 1 (every replica starting from the
+    same parameters) is the global batch's, as one worker with the whole batch logs it, and so is its weight."""
+    train_ok(tmp_path, "trainer.micro_batch_size=5", "launcher.workers=2", "topology=local_sgd", "trainer.max_steps=2",
+             model=MODEL, common=COMMON)
+    got, want = [r for r in metrics(tmp_path) if "loss" in r][0], [r for r in metrics(whole_batch) if "loss" in r][0]
+    assert got["weight"] == want["weight"] and got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
 def test_weighted_by_samples_the_same_cut_is_another_model(tmp_path, whole_batch):
     train_ok(tmp_path, "trainer.micro_batch_size=5", "+model_args.weighted=0", model=MODEL, common=COMMON)
     with pytest.raises(AssertionError, match="relative difference"):

@@ -19,8 +19,7 @@ import numpy as np
 
 from ..errors import ElasticFlowError
 from .rows import DiskRows
-from .samples import RAGGED_HINT, Rows, collated, shown, stack
-
+from .samples import RAGGED_HINT, Rows, batch_of, collated, shown
 
 
 class Mapped:
@@ -47,10 +46,7 @@ class Mapped:
         return len(self.dataset)
 
     def read(self, indices: np.ndarray) -> Any:
-        items = [self.dataset[int(i)] for i in indices]
-        if self.collate_fn is not None:
-            return collated(self.collate_fn, items, indices)
-        return stack(items, indices)
+        return batch_of([self.dataset[int(i)] for i in indices], indices, self.collate_fn)
 
 
 class Columns:
@@ -94,8 +90,6 @@ class Columns:
                 raise ElasticFlowError(f"column {c!r} holds rows of different lengths (samples {shown(indices)})",
                                        RAGGED_HINT)
         return fields
-
-
 
 
 class Samples:

@@ -107,21 +107,20 @@ class Dataset:
         except Exception as exc:
             raise self._read_error(indices, exc) from exc
         collate = getattr(self.reader, "collate_fn", None)
-        who = f"{getattr(collate, '__name__', 'collate')}()" if collate is not None else self.what
         try:
             rows = tuple(samples.as_array(r) for r in samples.fields_of(rows, self.names))
         except ValueError as exc:  # numpy's "inhomogeneous shape": a field of unpadded rows
-            raise ElasticFlowError(f"{who} returned a field numpy cannot make one array of, for samples "
-                                   f"{_shown(indices)} ({exc})", samples.RAGGED_HINT) from None
+            raise ElasticFlowError(f"{self._maker(collate)} returned a field numpy cannot make one array of, for "
+                                   f"samples {_shown(indices)} ({exc})", samples.RAGGED_HINT) from None
         if any(r.ndim == 0 or len(r) != len(indices) for r in rows):
             raise ElasticFlowError(
-                f"{who} returned a batch whose arrays do not have len(indices)={len(indices)} rows "
-                f"({', '.join(str(r.shape) for r in rows)}) for samples {_shown(indices)}",
+                f"{self._maker(collate)} returned a batch whose arrays do not have len(indices)={len(indices)} "
+                f"rows ({', '.join(str(r.shape) for r in rows)}) for samples {_shown(indices)}",
                 "reading a batch must return one row per requested index in every array")
         if any(r.dtype == object for r in rows):
             field = next(i for i, r in enumerate(rows) if r.dtype == object)
-            raise ElasticFlowError(f"{who}'s batch of samples {_shown(indices)} has field #{field} as Python "
-                                   "objects (rows of different lengths?)", samples.RAGGED_HINT)
+            raise ElasticFlowError(f"{self._maker(collate)}'s batch of samples {_shown(indices)} has field #{field} "
+                                   "as Python objects (rows of different lengths?)", samples.RAGGED_HINT)
         if collate is not None:
             return rows  # collated per micro-batch: shapes may differ from one micro-batch to the next
         layout = [(r.dtype, r.shape[1:]) for r in rows]
@@ -134,6 +133,10 @@ class Dataset:
                 samples.RAGGED_HINT if [d for d, _ in layout] == [d for d, _ in self._layout] else
                 "every sample must have the same dtype and row shape in each field (pad or cast in data())")
         return rows
+
+    def _maker(self, collate: Any) -> str:
+        """Who made a bad batch, for its error: the collate (``pad()``), else the source (``data()``)."""
+        return self.what if collate is None else f"{getattr(collate, '__name__', 'collate')}()"
 
     def _read_error(self, indices: np.ndarray, exc: Exception) -> ElasticFlowError:
         """The error naming the first sample whose read fails alone (found by reading one at a time)."""

@@ -74,6 +74,11 @@ def shown(indices: np.ndarray) -> str:
     return f"[{head}{', ...' if len(indices) > 5 else ''}]"
 
 
+def batch_of(items: List[Any], indices: np.ndarray, collate_fn: Any = None) -> Any:
+    """The samples at ``indices`` as one batch: ``collate_fn``'s (``collated``), or stacked field by field."""
+    return stack(items, indices) if collate_fn is None else collated(collate_fn, items, indices)
+
+
 def collated(fn: Any, items: List[Any], indices: np.ndarray) -> Any:
     """``fn(items)``: a collate's batch; what it raises is one error naming it and the samples."""
     try:

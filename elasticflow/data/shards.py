@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import ElasticFlowError
 from . import shard_formats
 from .rows import DiskRows
-from .samples import collated, stack
+from .samples import batch_of
 
 INDEX_DIR = ".elasticflow-index"  # beside the shards
 
@@ -81,10 +81,7 @@ class Shards:
         return WindowOrder(self.counts, self.window, seed, epoch, shuffle)
 
     def read(self, indices: np.ndarray) -> Any:
-        samples = self.samples(indices)
-        if self.collate_fn is not None:
-            return collated(self.collate_fn, samples, indices)
-        return stack(samples, indices)
+        return batch_of(self.samples(indices), indices, self.collate_fn)
 
     def samples(self, indices: np.ndarray) -> List[Any]:
         """The samples at global ``indices``, in that order: each shard read once, its rows in file order."""

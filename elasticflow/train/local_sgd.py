@@ -316,10 +316,11 @@ class RoundStepper:
         self._start, self._done = None, {}
         now, record = time.time(), {}
         if WEIGHT in self.metric_names:  # weighted sums over the replicas: per unit of the global batch's weight
-            total = scalars[:, 1 + self.metric_names.index(WEIGHT)]
-            per = np.where(total > 0, 1.0 / np.where(total > 0, total, 1.0), 1.0)
-            scalars = np.concatenate([scalars[:, :1] * per[:, None], np.where(
-                np.asarray(self.metric_names) == WEIGHT, scalars[:, 1:], scalars[:, 1:] * per[:, None])], axis=1)
+            w = 1 + self.metric_names.index(WEIGHT)
+            totals = scalars[:, w].copy()
+            per = [grad_check.per_weight(float(total), s.step + j + 1) for j, total in enumerate(totals)]
+            scalars = scalars * np.asarray(per)[:, None]
+            scalars[:, w] = totals  # the weight itself is logged as its sum
         for j, batch in enumerate(batches):
             # A round may cross an epoch's end: the trainer's loop goes on in the cursor's epoch.
             s.cursor.epoch, s.cursor.samples_in_epoch = batch.epoch, batch.end
