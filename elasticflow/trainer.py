@@ -116,7 +116,7 @@ class ElasticTrainer:
         self.evaluation = None if self.eval_dataset is None else evaluation.Evaluation(
             self.eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size)
         self.stepper = builder.stepper(p, t, self.state, self.replica, self.step_log,
-                                       lambda: self.stop_signal.requested, self.metric_names)
+                                       lambda: self.stop_signal.requested, self.metric_names, probe.weight)
         self.regrouper.join()
         if self.membership is not None:  # once joined: a worker started by srun learns its id on joining
             self.membership.report_device(self.placement.describe())  # for `elasticflow status`

@@ -233,6 +233,11 @@ class Limit:
         tmp.write_text(str(self.step))
         os.replace(tmp, self.path)
 
+    def allow(self, step: int) -> None:
+        """Let training run up to STEP (and wait there)."""
+        self.step = step
+        self._write()
+
     def advance_until(self, run: Path, predicate, timeout: float, what: str):
         """Let training go a step at a time (a membership change happens at a step boundary) until PREDICATE."""
         def done():

@@ -122,6 +122,23 @@ def test_float16_overflow_is_skipped_by_every_member_alike(tmp_path):
     assert all(np.isfinite(a[name]).all() for name in ("weight", "bias"))
 
 
+def test_float16_with_token_weights_starts_without_overflow_and_equals_one_worker(tmp_path):
+    """forward()'s weight (tokens, ~500 a micro-batch) multiplies the loss before backward; float16 then
+    overflowed at the first loss scale and skipped steps until it had halved that far. Backward now runs on a
+    power of two near 1 / (a batch's weight) as well (loss_scale.weight_scale), divided out exactly after the
+    reduction: no step skipped, and 3 workers equal 1."""
+    common = ["trainer.precision=16", "trainer.global_batch_size=32", "trainer.micro_batch_size=8",
+              "trainer.max_steps=12", "trainer.log_every=1", "optimizer.lr=0.01", "backend.threads=1"]
+    one, three = tmp_path / "one", tmp_path / "three"
+    train(HERE / "float16_tokens.py", one, *common)
+    train(HERE / "float16_tokens.py", three, *common, "launcher.workers=3")
+    for run in (one, three):
+        steps = [r for r in metrics(run) if "loss" in r]
+        assert len(steps) == 12 and not any(r.get("skipped") or r.get("overflow") for r in steps), steps
+        assert {r["loss_scale"] for r in steps} == {65536.0}
+    assert_equivalent(three, one)
+
+
 # ---------------------------------------------------------------- bf16 reaches the documented accuracy
 @pytest.mark.parametrize("model, documented", [("digits_mlp.py", 0.944), ("digits_cnn.py", 0.928)])
 def test_bf16_reaches_the_documented_accuracy_within_a_point(tmp_path, model, documented):

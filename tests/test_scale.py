@@ -147,23 +147,26 @@ def test_a_joiner_that_died_halfway_does_not_block_later_joins(tmp_path, referen
 @pytest.mark.parametrize("max_restarts,replaced", [(3, 3), (2, 2)])
 def test_restart_failed_replaces_dead_workers_up_to_max_restarts(tmp_path, reference, max_restarts, replaced):
     run, hold = tmp_path / "run", Hold(tmp_path / "hold")
+    limit = Limit(tmp_path / "limit", 10)  # the job cannot end before the last replacement is in (CI: it did)
     proc = start(run, "launcher.workers=2", "launcher.restart_failed=true", f"launcher.max_restarts={max_restarts}",
                  *HOLD_TIMEOUT,
-                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_SLEEP": "0.01"})
+                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_LIMIT": str(limit.path), "EF_PROBE_SLEEP": "0.01"})
     for i, at_step in enumerate((10, 25, 40)):
-        wait_for(lambda: logged_step(run) >= at_step, 120, f"step {at_step}")
+        limit.allow(at_step)
+        wait_for(lambda: logged_step(run) >= at_step - 1, 120, f"step {at_step - 1}", proc=proc)
         with hold:
             victim = members(run)[-1]
             os.kill(victim["pid"], signal.SIGKILL)
             # The survivor is held, so the generation without the victim cannot form yet; the replacement
             # is admitted meanwhile and enters the generation after it, once the hold ends.
-            wait_for(lambda: len(members(run)) == 1, 30, "the generation without the victim")
+            wait_for(lambda: len(members(run)) == 1, 30, "the generation without the victim", proc=proc)
             if i < replaced:
                 wait_for(lambda: len(members(run)) == 2 or any(
                     w["state"] == "admitted" for w in json.loads((run / "workers.json").read_text())["joining"]), 120,
-                    "the replacement to be admitted")
+                    "the replacement to be admitted", proc=proc)
         if i < replaced:
-            wait_for(lambda: len(members(run)) == 2, 60, "the replacement to join")
+            limit.advance_until(run, lambda: len(members(run)) == 2, 120, "the replacement to join")
+    limit.lift()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     kinds = [e["event"] for e in events(run)]

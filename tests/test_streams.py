@@ -3,6 +3,7 @@ read at any index through a per-shard index cached beside the data; an order shu
 the same for any number of workers; every sample exactly once across a kill, a join and a resume at another size.
 """
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -74,12 +75,55 @@ def test_the_order_is_each_sample_once_per_epoch_local_to_a_window_and_alike_eve
     np.testing.assert_array_equal(shards.order(3, 0, shuffle=False)[0:len(shards)], np.arange(len(shards)))
 
 
+def test_the_next_windows_shards_are_read_ahead_as_a_window_is_first_sliced(corpus, monkeypatch):
+    """Cold, rows read at random came page by page from disk: each window's first slice asks the kernel for the
+    next window's files (posix_fadvise WILLNEED), once; the last window has none after it."""
+    from elasticflow.data import rows
+
+    told = []
+    monkeypatch.setattr(rows, "_advise", lambda fd: told.append(os.readlink(f"/proc/self/fd/{fd}")))
+    shards = Shards(str(corpus / "*"), window=2, seq_len=stream_probe.TOKENS)
+    order = shards.order(seed=3, epoch=0)
+    paths = lambda w: {shards.shards[s].path for s in order.windows[w]}  # noqa: E731
+    order[0:5]
+    assert set(told) == paths(1)
+    order[5:10]
+    assert len(told) == len(paths(1))  # once a window
+    told.clear()
+    order[int(order.starts[1]):int(order.starts[1]) + 5]
+    assert set(told) == paths(2)
+    told.clear()
+    order[len(order) - 5:len(order)]
+    assert told == []
+    rows.read_ahead(str(corpus / "no such shard"))  # a hint only: a missing file is reported when it is read
+
+
 def test_every_format_reads_the_samples_written(corpus):
     shards = Shards(str(corpus / "*"), seq_len=stream_probe.TOKENS)
     picked = np.asarray([239, 0, 40, 100, 37, 150, 1, 199, 269, 245])  # across every shard, unsorted
     got = stream_probe.collate(shards.samples(picked))
     np.testing.assert_array_equal(got[0], picked)
     np.testing.assert_allclose(got[1], np.stack([stream_probe.sample(i)[0] for i in picked]))
+
+
+def test_lines_parsed_together_are_what_json_loads_gives_each_and_a_bad_line_is_named(tmp_path):
+    """Jsonl parses a read's lines as one string (shard_formats.parse_lines): the same values as json.loads line
+    by line, and whatever a line holds that json.loads refuses (two values, half a value, a blank line, bytes that
+    are not UTF-8) is refused, naming its line, never joined with a neighbour into one value."""
+    from elasticflow.data.shard_formats import parse_lines
+
+    good = [b'{"a": [1, 2.5e3, null], "s": "\\u00e9t\xc3\xa9 \\n"}\n', b'  [true, {}] \r\n', b'"x"\t\n', b"-0.0\n", b"NaN"]
+    assert parse_lines(good)[:4] == [json.loads(line) for line in good][:4] and np.isnan(parse_lines(good)[4])
+    for bad in ([b"[1,\n", b"2]\n"], [b"1 2\n"], [b"   \n", b"3\n"], [b'"\xff"\n'], [b"{}\n", b"[\n", b"]\n"]):
+        with pytest.raises((ValueError, StopIteration)):
+            parse_lines(bad)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(b'{"i": 0}\n{"i": [1,\n2]}\n{"i": 3}\n')
+    shards = Shards(str(folder / "a.jsonl"))
+    assert shards.samples(np.asarray([0, 3])) == [{"i": 0}, {"i": 3}]
+    with pytest.raises(ElasticFlowError, match=r"a.jsonl: line 2 \(counting non-empty lines\) is not JSON"):
+        shards.samples(np.asarray([0, 1, 2, 3]))
 
 
 def test_a_changed_shard_is_indexed_again_and_read_only_data_indexes_under_the_cache(tmp_path, monkeypatch):

@@ -78,7 +78,11 @@ class Shards:
 
     def order(self, seed: int, epoch: int, shuffle: bool = True) -> "WindowOrder":
         """The epoch's order of sample ids (see ``WindowOrder``)."""
-        return WindowOrder(self.counts, self.window, seed, epoch, shuffle)
+        return WindowOrder(self.counts, self.window, seed, epoch, shuffle, ahead=self._read_ahead)
+
+    def _read_ahead(self, shards: np.ndarray) -> None:
+        for s in shards.tolist():
+            self.shards[s].read_ahead()
 
     def read(self, indices: np.ndarray) -> Any:
         return batch_of(self.samples(indices), indices, self.collate_fn)
@@ -181,10 +185,12 @@ class WindowOrder:
 
     The shards in an order shuffled by (seed, epoch); each run of ``window`` consecutive shards in that order
     is a window, whose samples are shuffled together by (seed, epoch, window). ``shuffle`` False: the shards
-    and their rows in storage order. ``order[a:b]`` is the ids at positions a..b-1.
+    and their rows in storage order. ``order[a:b]`` is the ids at positions a..b-1. ``ahead(shards)`` is told
+    the next window's shards as a window is first sliced, to start reading them while this one is read.
     """
 
-    def __init__(self, counts: np.ndarray, window: int, seed: int, epoch: int, shuffle: bool):
+    def __init__(self, counts: np.ndarray, window: int, seed: int, epoch: int, shuffle: bool,
+                 ahead: Optional[Callable[[np.ndarray], None]] = None):
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
         offsets = np.r_[0, np.cumsum(counts)]
         shards = np.random.default_rng([seed, epoch, 0]).permutation(len(counts)) if shuffle else np.arange(len(counts))
@@ -192,6 +198,7 @@ class WindowOrder:
         self.starts = np.r_[0, np.cumsum([counts[w].sum() for w in self.windows])]
         self.offsets, self.counts = offsets, counts
         self._kept: Dict[int, np.ndarray] = {}
+        self._ahead, self._told = ahead, set()
         self._lock = threading.Lock()  # prefetch threads slice the order too
 
     def __len__(self) -> int:
@@ -205,6 +212,9 @@ class WindowOrder:
             return np.empty(0, dtype=np.int64)
         first, last = (int(np.searchsorted(self.starts, p, side="right")) - 1 for p in (a, b - 1))
         parts = [self._window(w) for w in range(first, last + 1)]
+        if self._ahead is not None and last + 1 < len(self.windows) and last + 1 not in self._told:
+            self._told.add(last + 1)  # once (a thread racing here tells it twice: harmless)
+            self._ahead(self.windows[last + 1])
         ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
         return ids[a - int(self.starts[first]):b - int(self.starts[first])]
 

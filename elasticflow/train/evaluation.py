@@ -26,6 +26,7 @@ _PROBE = "in the start-up probe (forward() on data()'s first samples, before the
 class Probe:
     metric_names: List[str]  # forward()'s metrics, sorted (its weight last): the order every worker reduces them in
     drew: bool               # forward() called elasticflow.ops.dropout with a rate above 0
+    weight: Optional[float] = None  # forward()'s weight per sample in the probe (None: it returns none)
 
 
 def probe(engine: Any, source: data.Source, check_fields: Optional[Callable[[int], None]] = None) -> Probe:
@@ -47,7 +48,8 @@ def probe(engine: Any, source: data.Source, check_fields: Optional[Callable[[int
         engine.train_mode(True)
     # forward()'s weight is reduced last, as a sum: the step divides the others' weighted sums by it.
     names = sorted(k for k in out if k not in ("loss", WEIGHT)) + ([WEIGHT] if WEIGHT in out else [])
-    return Probe(names, randomness.ops_draws > drawn)
+    weight = float(out[WEIGHT]) / min(2, len(source)) if WEIGHT in out else None
+    return Probe(names, randomness.ops_draws > drawn, weight)
 
 
 class Evaluation:

@@ -8,7 +8,8 @@ non-finite everywhere), so every member skips the same steps and holds the same 
 """
 from __future__ import annotations
 
-from typing import Tuple
+import math
+from typing import Optional, Tuple
 
 INIT = 2.0 ** 16          # GradScaler's init_scale
 GROWTH = 2.0              # powers of two: scaling and unscaling are exact
@@ -24,3 +25,16 @@ def next_scale(scale: float, good_steps: int, overflow: bool) -> Tuple[float, in
     if good_steps >= GROWTH_INTERVAL:
         return scale * GROWTH, 0
     return scale, good_steps
+
+
+def weight_scale(per_sample: Optional[float], global_batch: int) -> float:
+    """A power of two near 1 / (a global batch's weight), from the start-up probe's weight per sample.
+
+    forward()'s ``weight`` (target tokens) multiplies a micro-batch's loss before backward, so the gradient
+    that float16 carries is hundreds of times larger than with a share of the batch (<= 1): the first steps
+    overflowed and were skipped while the loss scale halved down to it. Backward runs on the loss times this
+    factor as well and the summed gradient is divided by it after the reduction: a power of two, both are
+    exact, so the update is the one without it. Every member derives it from the same probe."""
+    if not per_sample or per_sample <= 0 or not math.isfinite(per_sample):
+        return 1.0
+    return 2.0 ** -round(math.log2(per_sample * global_batch))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -31,11 +31,12 @@ class Stepper:
     Args:
         parts: the run's parts; t: the trainer config (a plain dataclass); state: the ``TrainState``;
         replica: the ``Replica``; step_log: rank 0's ``StepLog``; stop_requested: whether this worker was
-        asked to stop (its vote); metric_names: forward()'s metrics, in the order they are reduced.
+        asked to stop (its vote); metric_names: forward()'s metrics, in the order they are reduced;
+        weight_per_sample: forward()'s weight per sample in the start-up probe (``loss_scale.weight_scale``).
     """
 
     def __init__(self, parts: Any, t: Any, state: Any, replica: Any, step_log: Any, stop_requested: Any,
-                 metric_names: List[str]):
+                 metric_names: List[str], weight_per_sample: Optional[float] = None):
         self.p, self.t, self.state, self.replica, self.step_log = parts, t, state, replica, step_log
         self.stop_requested, self.metric_names = stop_requested, metric_names
         self.order = None           # the epoch's global sample order (set by the trainer at each epoch)
@@ -43,6 +44,9 @@ class Stepper:
         self.reduce_started = 0.0   # perf_counter() when this attempt's reduction began
         self.names = [n for n, _ in parts.engine.flat_layout()]  # the parameters, in the flat order
         self.weighted = WEIGHT in metric_names  # forward() returned a weight in the start-up probe
+        # float16: backward on the weighted loss times a power of two that brings it near a share's size
+        self.weight_scale = loss_scale.weight_scale(weight_per_sample, t.global_batch_size) if (
+            self.weighted and parts.placement.loss_scaling) else 1.0
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record."""
@@ -60,7 +64,7 @@ class Stepper:
         engine.zero_grad()
         scaling = p.placement.loss_scaling
         if scaling:
-            engine.grad_scale = s.loss_scale
+            engine.grad_scale = s.loss_scale * self.weight_scale
         loss_sum, metric_sums = None, {}
         keys = p.schedule.ahead(batch, share, p.prefetch.depth if rank >= 0 else 0, s.step, rank, world,
                                 t.micro_batch_size)
@@ -99,7 +103,7 @@ class Stepper:
         if self.weighted:  # forward() weighted its micro-batches: per unit of the global batch's weight
             factor = grad_check.per_weight(metric_values[WEIGHT], s.step + 1)
             loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
-            grad_check.scale_summed(engine, p.shards, factor)
+            grad_check.scale_summed(engine, p.shards, factor / self.weight_scale)
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
         scattered = None  # stage 2: this member holds the sums of its own ranges only
