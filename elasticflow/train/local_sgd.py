@@ -128,7 +128,7 @@ class RoundStepper:
 
     def __init__(self, parts: Any, t: Any, state: Any, replica: Any, step_log: Any, stop_requested: Any,
                  metric_names: List[str], weight_per_sample: Optional[float] = None):
-        del weight_per_sample  # Stepper's float16 weight scale: rounds run without loss scaling
+        del weight_per_sample  # Stepper's float16 weight scale: local SGD refuses precision=16 (config)
         self.p, self.t, self.state, self.replica, self.step_log = parts, t, state, replica, step_log
         self.stop_requested, self.metric_names = stop_requested, metric_names
         self.outer: Outer = parts.outer
