@@ -219,6 +219,9 @@ class Hold:
     def __exit__(self, *exc):
         self.path.unlink(missing_ok=True)
 
+    def held(self) -> set:
+        return held(self.path)
+
 
 class Limit:
     """How far training may go (tests/models/digits_probe.py's EF_PROBE_LIMIT): the job waits at that step, so a
@@ -252,6 +255,14 @@ class Limit:
 
     def lift(self) -> None:
         self.path.unlink()
+
+    def held(self) -> set:
+        return held(self.path)
+
+
+def held(path: Path) -> set:
+    """The pids of the workers waiting at a Hold's or a Limit's PATH now (each marks itself while it waits)."""
+    return {int(p.name.rsplit("-", 1)[1]) for p in path.parent.glob(f"{path.name}.held-*")}
 
 
 # ---------------------------------------------------------------- waiting

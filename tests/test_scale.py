@@ -102,16 +102,18 @@ def test_a_stopped_retiring_worker_is_cut_out_not_waited_for(tmp_path, reference
     """A worker retired by a scale-down stays in the current group until the step boundary, and its peers'
     allreduce waits for it. Stopped there, the agent must cut it out after the heartbeat timeout, as it
     does members, not leave the peers waiting elastic.timeout_s (found by scripts/chaos.py)."""
-    run, hold = tmp_path / "run", Hold(tmp_path / "hold")
+    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
     proc = start(run, "launcher.workers=3", "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=2",
-                 env={"EF_PROBE_HOLD": str(hold.path), "EF_PROBE_SLEEP": "0.01"})
-    wait_for(lambda: logged_step(run) >= 10, 120, "step 10")
-    with hold:
-        scale(run, 2, wait=0)
-        retiring = json.loads((run / "workers.json").read_text())["retiring"]
-        assert len(retiring) == 1, retiring
-        victim = retiring[0]["pid"]
-        os.kill(victim, signal.SIGSTOP)  # in the hold: its peers will wait for it in the step's allreduce
+                 env={"EF_PROBE_LIMIT": str(limit.path), "EF_PROBE_SLEEP": "0.01"})
+    # All three waiting in step 11's forward (a worker past a forward would meet the new generation at that
+    # step's boundary, and the retiree would leave there before the stop: CI, no `hung` event).
+    wait_for(lambda: len(limit.held()) == 3, 120, "every worker at the limit", proc=proc)
+    scale(run, 2, wait=0)
+    retiring = json.loads((run / "workers.json").read_text())["retiring"]
+    assert len(retiring) == 1, retiring
+    victim = retiring[0]["pid"]
+    os.kill(victim, signal.SIGSTOP)  # at the limit: its peers will wait for it in the step's allreduce
+    limit.lift()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     hung = events(run, "hung")

@@ -18,6 +18,7 @@ Environment (read by every worker):
     EF_PROBE_LIMIT   a file path: while it exists, the forward of a step past the number it holds blocks (a
                      test lets training go exactly as far as it needs, so a fixed-length job cannot end
                      before the test has acted; it removes the file to let the job run to its end).
+                     A worker waiting at a hold or a limit marks itself with the file <path>.held-<pid>.
     EF_PROBE_STALL_BUILD "worker:seconds:file": that worker, about to build the gloo group of its first
                      generation with peers, writes its pid and that generation to file and waits first, until
                      the test removes the file (at most that many seconds): it arrived, heartbeats, and never
@@ -89,10 +90,22 @@ def _inject(ctx):
     if SLEEP and (not PACE or os.path.exists(PACE)):
         time.sleep(SLEEP)
     deadline = time.monotonic() + 120
-    while HOLD and ctx.step > 0 and os.path.exists(HOLD) and time.monotonic() < deadline:
+    if HOLD and ctx.step > 0:
+        _wait_marked(HOLD, lambda: os.path.exists(HOLD), deadline)
+    if LIMIT:
+        _wait_marked(LIMIT, lambda: ctx.step > _allowed(LIMIT), deadline)
+
+
+def _wait_marked(path, blocked, deadline):
+    """Wait in forward while ``blocked()``, marked meanwhile by the file PATH.held-<pid> (harness.held: who
+    waits there now; at a Limit every worker ends up waiting at the same step, none ahead in a collective)."""
+    if not blocked():
+        return
+    mark = Path(f"{path}.held-{os.getpid()}")
+    mark.touch()
+    while blocked() and time.monotonic() < deadline:
         time.sleep(0.01)
-    while LIMIT and ctx.step > _allowed(LIMIT) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    mark.unlink(missing_ok=True)
 
 
 def _meet_the_other_victims(step):
