@@ -54,6 +54,21 @@ SCALES: List[Tuple[str, int, float]] = [  # (label, GPUs, MTTF in hours)
     ("16k (Llama 3)", 16384, 54 * 24 / 466),
     ("100k (extrapolated)", 100_000, 1.8 * 16384 / 100_000),
 ]
+# The assumed inputs (flag, default, what it is): each policy's costs but ElasticFlow's measured ones.
+ASSUMED = [
+    ("--step-s", 10.0, "seconds per training step"),
+    ("--silent", 0.5, "fraction of failures that are silent"),
+    ("--loud-detect-s", 5.0, "a crash seen by the others, s"),
+    ("--nccl-timeout-s", 600.0, "torch's default NCCL process-group timeout, s"),
+    ("--torchft-timeout-s", 60.0, "torchft Manager's timeout, s"),
+    ("--restart-s", 600.0, "a whole job's relaunch, rendezvous and checkpoint load, s"),
+    ("--ckpt-s", 60.0, "a blocking checkpoint to storage, s"),
+    ("--flash-restart-s", 120.0, "DLRover's restart in place, s"),
+    ("--flash-ckpt-s", 1.0, "a flash checkpoint's blocking copy, s"),
+    ("--replace-s", 600.0, "a spare node ready to join, s"),
+    ("--ef-silent-s", 30.06, "ElasticFlow, a cut host to the survivors' next step (measured: bench_hosts.py "
+                             "--parts cut), s"),
+]
 POLICIES = ("restart (torchrun)", "restart, in-memory (DLRover flash)", "torchft", "ElasticFlow")
 
 
@@ -132,21 +147,9 @@ def table(a: Assumptions, measured: Measured) -> List[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--goodput", type=Path, required=True, help="an ElasticFlow run's goodput.json (its costs)")
-    ap.add_argument("--step-s", type=float, default=10.0, help="seconds per training step (default 10)")
     ap.add_argument("--group", type=int, default=8, help="GPUs lost with one failure: a node (default 8)")
-    ap.add_argument("--silent", type=float, default=0.5, help="fraction of failures that are silent (0.5)")
-    ap.add_argument("--loud-detect-s", type=float, default=5.0, help="a crash seen by the others (5 s)")
-    ap.add_argument("--nccl-timeout-s", type=float, default=600.0,
-                    help="torch's default NCCL process-group timeout (600 s)")
-    ap.add_argument("--torchft-timeout-s", type=float, default=60.0, help="torchft Manager's timeout (60 s)")
-    ap.add_argument("--restart-s", type=float, default=600.0,
-                    help="a whole job's relaunch, rendezvous and checkpoint load (600 s)")
-    ap.add_argument("--ckpt-s", type=float, default=60.0, help="a blocking checkpoint to storage (60 s)")
-    ap.add_argument("--flash-restart-s", type=float, default=120.0, help="DLRover's restart in place (120 s)")
-    ap.add_argument("--flash-ckpt-s", type=float, default=1.0, help="a flash checkpoint's blocking copy (1 s)")
-    ap.add_argument("--replace-s", type=float, default=600.0, help="a spare node ready to join (600 s)")
-    ap.add_argument("--ef-silent-s", type=float, default=30.06,
-                    help="ElasticFlow, a cut host to the survivors' next step (30.06 s, bench_hosts.py --parts cut)")
+    for flag, default, what in ASSUMED:
+        ap.add_argument(flag, type=float, default=default, help=f"{what} (default {default:g})")
     args = ap.parse_args(argv)
     numbers = {k: v for k, v in vars(args).items() if k != "goodput"}
     bad = [k for k, v in numbers.items() if not (math.isfinite(v) and v >= 0)] + \
