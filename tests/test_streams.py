@@ -112,7 +112,8 @@ def test_lines_parsed_together_are_what_json_loads_gives_each_and_a_bad_line_is_
     are not UTF-8) is refused, naming its line, never joined with a neighbour into one value."""
     from elasticflow.data.shard_formats import parse_lines
 
-    good = [b'{"a": [1, 2.5e3, null], "s": "\\u00e9t\xc3\xa9 \\n"}\n', b'  [true, {}] \r\n', b'"x"\t\n', b"-0.0\n", b"NaN"]
+    good = [b'{"a": [1, 2.5e3, null], "s": "\\u00e9t\xc3\xa9 \\n"}\n', b'  [true, {}] \r\n', b'"x"\t\n', b"-0.0\n",
+            b"NaN"]
     assert parse_lines(good)[:4] == [json.loads(line) for line in good][:4] and np.isnan(parse_lines(good)[4])
     for bad in ([b"[1,\n", b"2]\n"], [b"1 2\n"], [b"   \n", b"3\n"], [b'"\xff"\n'], [b"{}\n", b"[\n", b"]\n"]):
         with pytest.raises((ValueError, StopIteration)):
