@@ -219,9 +219,6 @@ class Hold:
     def __exit__(self, *exc):
         self.path.unlink(missing_ok=True)
 
-    def held(self) -> set:
-        return held(self.path)
-
 
 class Limit:
     """How far training may go (tests/models/digits_probe.py's EF_PROBE_LIMIT): the job waits at that step, so a

@@ -65,8 +65,10 @@ def _advise(fd: int) -> None:
     Rows are read at random across a window of shards, which the kernel fetches page by page on demand: a cold
     read ran at half the speed of a sequential one. Not a file so large that it would push the rest of the page
     cache out (an array on disk bigger than memory)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
     size = os.fstat(fd).st_size
-    if hasattr(os, "posix_fadvise") and size <= ADVISE_UP_TO:
+    if size <= ADVISE_UP_TO:
         for at in range(0, size, ADVISE_CHUNK):  # one call for the whole file brought in only its first 8 MB
             os.posix_fadvise(fd, at, ADVISE_CHUNK, os.POSIX_FADV_WILLNEED)
 

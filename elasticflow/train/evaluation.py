@@ -35,7 +35,8 @@ def probe(engine: Any, source: data.Source, check_fields: Optional[Callable[[int
 
     ``check_fields(n)``: raises when forward() cannot take the batch's ``n`` fields (``ModelFile.check_fields``).
     """
-    batch = source.rows(np.arange(min(2, len(source))))
+    n = min(2, len(source))
+    batch = source.rows(np.arange(n))
     if check_fields is not None:
         check_fields(len(batch))
     drawn = randomness.ops_draws
@@ -48,7 +49,7 @@ def probe(engine: Any, source: data.Source, check_fields: Optional[Callable[[int
         engine.train_mode(True)
     # forward()'s weight is reduced last, as a sum: the step divides the others' weighted sums by it.
     names = sorted(k for k in out if k not in ("loss", WEIGHT)) + ([WEIGHT] if WEIGHT in out else [])
-    weight = float(out[WEIGHT]) / min(2, len(source)) if WEIGHT in out else None
+    weight = float(out[WEIGHT]) / n if WEIGHT in out else None  # per sample
     return Probe(names, randomness.ops_draws > drawn, weight)
 
 
