@@ -109,7 +109,8 @@ def test_a_resumed_run_continues_the_ledger(tmp_path):
     assert gap > 0 and led["between_runs_s"] == pytest.approx(gap, abs=1e-3) and led["seconds"]["requeue"] == 0
     assert two["seconds"]["startup"] > 0  # a second interpreter, imports and the checkpoint loaded
     assert led["wall_s"] == pytest.approx(two["ended"] - one["started"] - gap, abs=1e-3)
-    assert f"between runs {gap:.3f} s with no job running: not counted" in goodput.render(led)
+    # the ledger's value (gap to 1e-3, above) as printed: the gap itself rounds twice (0.0834x -> 0.0835 -> "0.084")
+    assert f"between runs {led['between_runs_s']:.3f} s with no job running: not counted" in goodput.render(led)
     assert led["seconds"]["startup"] == pytest.approx(one["seconds"]["startup"] + two["seconds"]["startup"], abs=1e-3)
     # Each job's productive seconds are its own steps' (what each step's record booked, and the loop's tail
     # its "trained" record books): job 2 counts the steps after the checkpoint it resumed from, not job 1's.
