@@ -114,7 +114,8 @@ class ElasticTrainer:
         probe = evaluation.probe(self.engine, self.source, self.model_file.check_fields)
         self.metric_names = probe.metric_names
         self.evaluation = None if self.eval_dataset is None else evaluation.Evaluation(
-            self.eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size)
+            self.eval_dataset, self.backend, self.metric_names, t.micro_batch_size or t.global_batch_size,
+            t.reproducible)
         self.stepper = builder.stepper(p, t, self.state, self.replica, self.step_log,
                                        lambda: self.stop_signal.requested, self.metric_names, probe.weight)
         self.regrouper.join()

@@ -455,6 +455,33 @@ def assert_equivalent(run: Union[Run, Mapping], reference: Union[Run, Mapping], 
     assert not far, "not the reference's model:\n  " + "\n  ".join(far[:20])
 
 
+# What a checkpoint's TrainState and a step record say about when, how fast and by whom (micro_step: the
+# micro-batches rank 0 ran), not about the model: left out of assert_bitwise's comparison.
+CIRCUMSTANCES = {"time", "world_size", "generation", "evaluation_s", "step_time_s", "train_s", "micro_step"}
+
+
+def assert_bitwise(run: Run, reference: Run) -> None:
+    """trainer.reproducible's promise (docs/exactness.md): RUN ended on REFERENCE's bits. Every tensor of the
+    final checkpoint (parameters, buffers, optimizer slots) and every step's loss are ``==`` (assert_equivalent with
+    rtol=0), and so are the TrainState the checkpoint holds and every evaluation, but for CIRCUMSTANCES."""
+    assert_equivalent(run, reference, rtol=0.0)
+
+    def progress(run_dir: Run) -> dict:
+        _, meta = ckpt.load_with_metadata(ckpt.latest(Path(run_dir) / "checkpoints"))
+        state = {k: meta[k] for k in ("step", "skipped_steps", "loss_scale", "loss_scale_good_steps", "cursor",
+                                      "sat_out", "callbacks")}
+        state["last_metrics"] = {k: v for k, v in meta["last_metrics"].items() if k not in CIRCUMSTANCES}
+        return state
+
+    def evaluations(run_dir: Run) -> dict:  # by step (a run resumed twice also evaluated where each part ended)
+        return {r["step"]: {k: v for k, v in r.items() if k not in CIRCUMSTANCES} for r in metrics(Path(run_dir))
+                if "eval_loss" in r}
+
+    assert progress(run) == progress(reference)
+    want = evaluations(reference)
+    assert {step: evaluations(run).get(step) for step in want} == want
+
+
 def _differs(name: str, got, want, rtol: float, floor: float) -> str:
     """'' where GOT passes the rule against WANT (assert_equivalent's), else what is off."""
     a, b = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)

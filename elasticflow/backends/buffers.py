@@ -62,6 +62,11 @@ class Reconciler:
         self._layout: Optional[Tuple[List[int], List[tuple], List[np.dtype]]] = None
 
     @property
+    def size(self) -> int:
+        """Elements of every buffer together (after ``begin``): the length of a contribution."""
+        return 0 if self._flat0 is None else self._flat0.size
+
+    @property
     def has_batch_statistics(self) -> bool:
         """Whether some buffer is a running statistic of batches (BatchNorm's)."""
         return any(rule.kind in ("ema", "cma") for rule in self.rules.values())
@@ -95,11 +100,13 @@ class Reconciler:
             elif rule.kind == "first":
                 self._first[lo:hi] = True
 
-    def begin(self, buffers: Dict[str, np.ndarray]) -> None:
-        """Remember the buffers as the step starts (a copy: the step's forwards change them in place)."""
+    def begin(self, buffers: Dict[str, np.ndarray], total: int = 0) -> None:
+        """Remember the buffers as the step starts (a copy: the step's forwards change them in place); ``total``:
+        the step's micro-batches, for ``finish`` (``contribution`` also sets it)."""
         if self._layout is None:
             self._prepare(buffers)
         self._flat0 = self._flatten(buffers)
+        self._total = total
 
     def start_values(self) -> Optional[Dict[str, np.ndarray]]:
         """The buffers as the step started (to put back when a step fails); None before any step."""

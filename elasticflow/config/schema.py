@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from . import reproducible
 from .ranges import check_ranges
 from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from ..errors import ElasticFlowError
@@ -129,6 +130,9 @@ class TrainerConfig:
     # none | optimizer (ZeRO stage 1: each worker keeps 1/W of the optimizer state) | gradients (stage 2:
     # the gradient is reduce-scattered too). Elastic: see elastic.shard_replicas and elasticflow/replica/shard.py.
     shard: str = "none"
+    # the model a deterministic function of the config, the data and the seed, bit for bit, whatever the
+    # number of workers and whoever died: exact sums, fixed threads, deterministic kernels (docs/exactness.md)
+    reproducible: bool = False
 
 
 @dataclass
@@ -342,7 +346,9 @@ def validate(cfg: Any) -> None:
     if iv.steps is not None and iv.epochs is not None:
         raise ElasticFlowError("checkpoint.interval.steps and checkpoint.interval.epochs are both set",
                                "set only one of them (the other to null)")
-    check_run(cfg, validate_topology(cfg.topology).kind)
+    kind = validate_topology(cfg.topology).kind
+    check_run(cfg, kind)
+    reproducible.check(cfg, kind)
 
 
 def compose(model: str, overrides: Optional[List[str]] = None) -> Any:

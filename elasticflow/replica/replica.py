@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .bucketing import Buckets
+from .outcomes import Agreed, Joined, Recovery, Reduction, agreed
+from .exact_sum import ExactSum
 from ..distributed import protocol
 
 log = logging.getLogger("elasticflow")
@@ -45,64 +46,6 @@ FOLD_MAX = 1 << 20  # gradients up to 4 MiB (float32) carry the step's scalars i
 
 StateDict = Callable[[], Tuple[Dict[str, Any], Dict[str, Any]]]   # () -> (arrays by name, progress)
 LoadStateDict = Callable[[Dict[str, Any], Dict[str, Any]], None]  # (arrays, progress) -> None
-
-
-class Agreed(NamedTuple):
-    """What every member decided at a step boundary (the same everywhere: they summed the same votes)."""
-    membership: bool = False   # a newer generation is published: regroup now
-    interrupt: bool = False    # some member was asked to stop (Ctrl-C, SIGUSR1): checkpoint and exit
-    agent_lost: bool = False   # some member lost the agent: checkpoint and exit
-    finish: bool = False       # some member's rank-0 callback asked to stop (train/callbacks.py): finish the run
-
-
-def agreed(summed: Any, generation: int, world: int) -> Agreed:
-    """What the ``world`` members of ``generation`` agreed, from the sums of their ``Replica.votes``."""
-    return Agreed(summed[0] != generation * world, summed[1] > 0, summed[2] > 0, summed[3] > 0)
-
-
-@dataclass
-class Reduction:
-    """A step's reduction between ``Replica.start_reduce`` and ``finish_reduce``."""
-    result: Optional[Tuple[List[float], Agreed, Optional[np.ndarray]]] = None  # known at once (world 1)
-    generation: int = 0
-    world: int = 1
-    n: int = 0                       # votes: the scalars, then four flags
-    k: int = 0                       # scalars
-    buffers: bool = False            # the buffers' contributions follow the votes in ``tail``
-    tail: Any = None                 # reduced votes (and buffers) once finished
-    works: List[Any] = field(default_factory=list)  # collectives in flight, waited for in order
-    copy_back: Any = None            # (gradient, its reduced copy) when the fold could not reduce it in place
-    mine: Any = None                 # stage 2 (trainer.shard=gradients): the reduce-scatter's output
-    push: Any = None                 # parameter servers: the gradient, pushed before the votes' sum
-
-
-@dataclass
-class Joined:
-    """How a worker entered the job (the trainer logs it when the worker joined a running job)."""
-    generation: int
-    world: int
-    admit_s: float      # from asking to join until the agent admitted this worker
-    rebuild_s: float    # from admission until the group of the first generation was built
-    transfer_s: float   # receiving the state from the most advanced member
-    state_received: bool
-
-
-@dataclass
-class Recovery:
-    """What a recovery did; ``stop`` says why the worker must now stop (None: train on).
-
-    ``stop`` is one of ``"below_min"`` (the agent stopped the job: fewer than launcher.min_workers),
-    ``"agent_lost"`` (the store stopped answering), ``"removed"`` (the agent retired this worker) or
-    ``"cut_out"`` (the agent cut it out: silent past elastic.heartbeat_timeout_s, e.g. its host was cut off).
-    """
-    previous_generation: int
-    previous_world: int
-    rolled_forward: bool       # a member had committed the failed step; the rest adopted its state
-    recovery_s: float          # from the call until the state is in sync (every attempt) ...
-    transfer_s: float = 0.0    # ... of which comparing progress and sending the state (sync_state)
-    stop: Optional[str] = None
-    stop_reason: str = ""
-    committed: bool = False    # trainer.shard: the failed attempt had committed its step (its allgather failed)
 
 
 class Replica:
@@ -124,6 +67,7 @@ class Replica:
         self.finish_asked = False              # a rank-0 callback's stop, voted in the next step's reduction
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.buckets = Buckets(engine, int(bucket_mb * (1 << 20)) if bucket_mb else 0)
+        self._exact: Optional[ExactSum] = None  # trainer.reproducible: the step's sums, kept between steps
 
     @property
     def rank(self) -> int:
@@ -275,6 +219,36 @@ class Replica:
             r.tail = tail
         return r
 
+    def exact_sum(self, scalars: int, buffers: int) -> ExactSum:
+        """trainer.reproducible: the step's exact sums, cleared, laid out as ``start_exact`` reads them: the flat
+        gradient, ``scalars`` (loss, metrics, per-parameter flags), four votes, ``buffers`` contributions."""
+        grad = self.engine.grad_view()
+        n = grad.numel() + scalars + 4 + buffers
+        if self._exact is None or self._exact.n != n:
+            self._exact = ExactSum(n, grad.device)
+        else:
+            self._exact.clear()
+        return self._exact
+
+    def start_exact(self, sums: ExactSum, scalars: int, interrupt: bool, buffers: bool) -> "Reduction":
+        """trainer.reproducible: ``start_reduce`` over the exact sums the step filled (``exact_sum``): the votes
+        added, summed over the members, the gradient written back in float32. Done at once: its result is in
+        the returned Reduction, for ``finish_reduce``."""
+        m = self.membership
+        grad = self.engine.grad_view()
+        head = grad.numel()
+        if m is not None:
+            sums.add(np.asarray(self.votes(interrupt)), at=head + scalars)
+            if self.world > 1:
+                sums.allreduce(m.group)  # a CommError: recover() zeroes the gradient, the step is redone
+        values = sums.values()
+        grad.copy_(values[:head])  # rounded once, to float32
+        tail = values[head:].cpu()
+        said = tail[scalars:scalars + 4].tolist()
+        agreement = Agreed(interrupt=interrupt, finish=self.finish_asked) if m is None else \
+            agreed(said, self.generation, self.world)
+        return Reduction(result=(tail[:scalars].tolist(), agreement, tail[scalars + 4:].numpy() if buffers else None))
+
     def votes(self, interrupt: bool) -> List[float]:
         """This member's votes at a step boundary, for the members to sum (``agreed`` reads the sums): the newest
         generation it has seen, whether it was asked to stop (``interrupt``), whether it lost the agent, whether a
@@ -315,6 +289,16 @@ class Replica:
         # Every member summed the same numbers, so every member reaches the same verdict.
         buffers = tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
         return out[:k], agreed(out[k:], r.generation, r.world), buffers
+
+    def sum_exactly(self, rows: List[List[float]], width: int) -> List[float]:
+        """The exact sum over the members of every row of every member (``width`` values each): the same bits
+        however the rows are spread (trainer.reproducible's evaluation)."""
+        sums = ExactSum(width)
+        for row in rows:
+            sums.add(np.asarray(row, np.float64))
+        if self.membership is not None and self.world > 1:
+            sums.allreduce(self.membership.group)
+        return sums.values().tolist()
 
     def reduce_sum(self, values: List[float]) -> List[float]:
         """Sum ``values`` over the members (float64)."""

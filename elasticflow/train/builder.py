@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..data import order as data
-from ..config import devices, topology
+from ..config import devices, reproducible, topology
 from . import model_file, randomness, local_sgd
 from .. import ops, optim
 from ..backends.buffers import Reconciler
@@ -54,8 +54,9 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
     local_workers = int(os.environ.get(protocol.ENV_LOCAL_WORKERS, "1"))
     placement = devices.resolve(cfg, backend, local_workers)
     loaders = cfg.data.workers if cfg.data.worker_type == "process" else 0
-    threads = cfg.backend.threads or devices.intra_op_threads(os.cpu_count() or 1, local_workers, loaders)
-    backend.setup(threads, cfg.seed, placement)
+    threads = reproducible.threads(cfg) or cfg.backend.threads or devices.intra_op_threads(
+        os.cpu_count() or 1, local_workers, loaders)
+    backend.setup(threads, cfg.seed, placement, deterministic=bool(t.reproducible))
     np.random.seed(cfg.seed)
     mf = loaded or model_file.load(cfg.model)
     mf.check_eval(t.eval_every)
@@ -114,6 +115,9 @@ def announce(parts: Parts, cfg: Any, t: Any, world: int, run_dir: Any, resumed: 
                     + (" (from the model file)" if parts.built.optimizer_from_model else ""),
                     samples=len(parts.source), steps_per_epoch=parts.schedule.steps_per_epoch,
                     total_steps=parts.schedule.total_steps, run_dir=run_dir, resumed=resumed))
+    if t.reproducible:
+        log.info("  reproducible: exact sums, %d intra-op thread(s) per worker, deterministic kernels: the same bits "
+                 "for any number of workers (docs/exactness.md)", reproducible.threads(cfg))
     if parts.engine.compiling:
         log.info("  torch.compile: the first step compiles the model (tens of seconds on a CPU, longer for a "
                  "large model); the steps after it run the compiled code")

@@ -61,12 +61,15 @@ class Evaluation:
         backend: the backend module (the dataset is converted to its tensors at the first run).
         metric_names: the order in which the members reduce the metrics.
         chunk: samples per forward call (``trainer.micro_batch_size`` or the global batch).
+        exact: ``trainer.reproducible``: chunks cut in global order and dealt whole, their sums exact
+            (``Replica.sum_exactly``), so the result is the same for any number of workers.
     """
 
-    def __init__(self, dataset: data.Dataset, backend: Any, metric_names: List[str], chunk: int):
+    def __init__(self, dataset: data.Dataset, backend: Any, metric_names: List[str], chunk: int,
+                 exact: bool = False):
         self.dataset, self.backend = dataset, backend
         self.names = ["loss", *metric_names]
-        self.chunk = chunk
+        self.chunk, self.exact = chunk, exact
         self._source: Optional[data.Source] = None  # converted lazily: many runs evaluate only at the end
 
     def run(self, engine: Any, replica: Any) -> Dict[str, float]:
@@ -77,19 +80,23 @@ class Evaluation:
         if self._source is None:
             # The engine's device: eval batches go where the parameters are.
             self._source = data.Source(self.dataset, self.backend, engine.placement)
-        source, totals = self._source, [0.0] * len(self.names)
-        lo, hi = data.worker_share((0, len(source)), replica.rank, replica.world)
+        source, totals, rows = self._source, [0.0] * len(self.names), []
+        if self.exact:  # whole chunks of the global order: the same chunks for any number of workers
+            chunks = data.deal((0, len(source)), replica.rank, replica.world, self.chunk).micro
+        else:
+            lo, hi = data.worker_share((0, len(source)), replica.rank, replica.world)
+            chunks = [(a, min(a + self.chunk, hi)) for a in range(lo, hi, self.chunk)]
         engine.train_mode(False)
         try:
-            for a in range(lo, hi, self.chunk):
-                positions = np.arange(a, min(a + self.chunk, hi))
-                values = engine.evaluate(source.rows(positions))
-                weight = values.get(WEIGHT, len(positions))  # forward()'s (target tokens), else the samples
-                for i, k in enumerate(self.names):
-                    totals[i] += weight if k == WEIGHT else values.get(k, 0.0) * weight
+            for a, b in chunks:
+                values = engine.evaluate(source.rows(np.arange(a, b)))
+                weight = values.get(WEIGHT, b - a)  # forward()'s (target tokens), else the samples
+                rows.append([weight if k == WEIGHT else values.get(k, 0.0) * weight for k in self.names])
+                totals = [t + v for t, v in zip(totals, rows[-1])]
         finally:
             engine.train_mode(True)
-        totals = dict(zip(self.names, replica.reduce_sum(totals)))
+        summed = replica.sum_exactly(rows, len(self.names)) if self.exact else replica.reduce_sum(totals)
+        totals = dict(zip(self.names, summed))
         total = totals.pop(WEIGHT, len(source))
         result = {f"eval_{k}": v / total if total else float("nan") for k, v in totals.items()}  # weighs nothing
         if WEIGHT in self.names:

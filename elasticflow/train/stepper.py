@@ -57,9 +57,13 @@ class Stepper:
         share = data.deal((batch.start, batch.end), rank or 0, world, t.micro_batch_size)
         if rank is None:  # an aggregator consumes no data: no micro-batch, and its buffers contribute nothing
             share, rank = data.Share([], share.total, share.total), -1
-        reconciler = p.reconciler if replica.world > 1 else None  # one worker's buffers are already sequential
+        # One worker's buffers are already sequential, but for exact sums: the same arithmetic on any number
+        reconciler = p.reconciler if replica.world > 1 or t.reproducible else None
         if reconciler is not None:
-            reconciler.begin(engine.buffer_arrays())
+            reconciler.begin(engine.buffer_arrays(), share.total)  # a worker without micro-batches finishes too
+        exact = replica.exact_sum(1 + len(self.metric_names) + len(self.names),
+                                  reconciler.size if reconciler else 0) if t.reproducible else None
+        took = np.zeros(len(self.names), bool)  # exact: who took part in any micro-batch (zero_grad clears it)
         engine.train_mode(True)
         engine.zero_grad()
         scaling = p.placement.loss_scaling
@@ -77,23 +81,31 @@ class Stepper:
             loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
             if (WEIGHT in metrics_w) != self.weighted:
                 raise grad_check.weight_unlike_probe(self.weighted)
-            if loss_sum is None:  # the first (often only) micro-batch: no tensor additions
+            if exact is not None:
+                took |= engine.took_part()
+                self._deposit(exact, loss_w, metrics_w, reconciler, share.first + i, share.total)
+            elif loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)
             else:
                 loss_sum = loss_sum + loss_w
                 for k, v in metrics_w.items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + v
             s.micro_step += 1
-        loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
-        # float(): a sync point on accelerators; the non-finite check needs it anyway.
-        scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
-        k = len(scalars)
-        # Summed: > 0 where some member's backward reached the parameter (none from a member without micro-batches).
-        scalars += engine.took_part().astype(float).tolist() if share.micro else [0.0] * len(self.names)
-        contribution = None if reconciler is None else reconciler.contribution(
-            engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
+        k = 1 + len(self.metric_names)
         self.reduce_started = time.perf_counter()
-        reduction = replica.start_reduce(scalars, self.stop_requested(), contribution)
+        if exact is not None:
+            exact.add(took.astype(float), at=engine.num_params + k)
+            reduction = replica.start_exact(exact, k + len(self.names), self.stop_requested(), reconciler is not None)
+        else:
+            loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
+            # float(): a sync point on accelerators; the non-finite check needs it anyway.
+            scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
+            # Summed: > 0 where some member's backward reached the parameter (none from a member without
+            # micro-batches).
+            scalars += engine.took_part().astype(float).tolist() if share.micro else [0.0] * len(self.names)
+            contribution = None if reconciler is None else reconciler.contribution(
+                engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
+            reduction = replica.start_reduce(scalars, self.stop_requested(), contribution)
         self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
         scalars, agreed, buffers = replica.finish_reduce(reduction)
         scalars, took_part = scalars[:k], np.asarray(scalars[k:]) > 0
@@ -133,6 +145,21 @@ class Stepper:
             # the recovery rebuilds the parameters from them.
             replica.gather()
         return record
+
+    def _deposit(self, exact: Any, loss_w: Any, metrics_w: Dict[str, Any], reconciler: Any, index: int,
+                 total: int) -> None:
+        """trainer.reproducible: micro-batch ``index``'s (of ``total``) gradient, loss, metrics and buffer
+        contribution into the step's exact sums, then a clean slate for the next one (a zero gradient, the
+        buffers as the step began), so that each micro-batch adds the same terms whichever worker computes it."""
+        engine = self.p.engine
+        exact.add(engine.grad_view())
+        engine.zero_grad()
+        row = [float(loss_w)] + [float(metrics_w.get(k, 0.0)) for k in self.metric_names]  # float(): a sync point
+        exact.add(np.asarray(row), at=engine.num_params)
+        if reconciler is not None:  # one micro-batch from the step's buffers; "mean" and "first" over micro-batches
+            part = reconciler.contribution(engine.buffer_arrays(), index, 1, total, index, total)
+            exact.add(part, at=exact.n - reconciler.size)
+            engine.set_buffers(reconciler.start_values())
 
     def _update(self, update: grad_check.Update, lr: float, batch: GlobalBatch, record: Dict[str, Any],
                 took_part: np.ndarray) -> None:

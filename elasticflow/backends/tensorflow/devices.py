@@ -72,12 +72,14 @@ def _keras_policy(precision: str) -> None:
         keras.config.set_dtype_policy(wanted)
 
 
-def setup(threads: Optional[int], seed: int, placement: Placement = None) -> None:
+def setup(threads: Optional[int], seed: int, placement: Placement = None, deterministic: bool = False) -> None:
     """Threads, seeds and the placement, before anything starts TF's runtime or model() builds layers.
 
     ``placement`` None: the CPU in float32. On a GPU only ``placement.index`` is made visible, so
-    TF calls it "/GPU:0".
+    TF calls it "/GPU:0". ``deterministic`` (trainer.reproducible): TF's op determinism.
     """
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
     placement = placement or Placement()
     if placement.kind == "cuda":
         _bind_gpu(placement.index or 0)

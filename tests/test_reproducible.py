@@ -1,0 +1,179 @@
+"""trainer.reproducible: the bits one worker trains, whatever the membership (docs/exactness.md).
+
+Every sum across micro-batches and workers is exact (elasticflow/replica/exact_sum.py), each micro-batch runs
+on a fixed thread count with deterministic kernels, so a run ends on the 1-worker run's tensors with ``==``
+(harness.assert_bitwise: parameters, BatchNorm buffers, AdamW's slots, every step's loss, the TrainState and
+the evaluations). The model: tests/models/exact_probe.py's CNN with BatchNorm (an EMA and a cumulative
+average) and dropout, trained with AdamW. Without the mode, 2 workers already differ from 1 in the last bits
+(1e-7 after 40 steps).
+"""
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from harness import (EXACT, EXACT_COMMON, Limit, assert_bitwise, cli, events, exact_overrides, finish, logged_step,
+                     members, scale, start_exact, train_exact, wait_for, world_sizes)
+
+from elasticflow.replica.exact_sum import ExactSum
+
+MODE = ["trainer.reproducible=true", "optimizer=adamw", "optimizer.lr=0.01"]
+
+
+@pytest.fixture(scope="module")
+def torch_reference(one_worker):
+    return one_worker(*exact_overrides("torch_bn"), *MODE, model=EXACT, common=EXACT_COMMON)
+
+
+# ---------------------------------------------------------------- the sums
+def _terms(count: int, n: int, seed: int) -> list:
+    """COUNT float32 vectors of N elements spanning 60 binades, with cancellation (a gradient's worst case)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-45, 15, (count, n), generator=g).float())
+    return list((torch.randn(count, n, generator=g) * scale).float())
+
+
+def _grouped(terms: list, groups: list) -> torch.Tensor:
+    """Each group added into an accumulator of its own, then the accumulators combined as members combine them."""
+    parts = []
+    for group in groups:
+        part = ExactSum(terms[0].numel())
+        for i in group:
+            part.add(terms[i])
+        parts.append(part)
+    window = torch.stack([p.window for p in parts]).max(0).values
+    for p in parts:
+        p._move(window, 0, p.n)
+    parts[0].bins = sum(p.bins for p in parts)
+    return parts[0].values()
+
+
+def test_exact_sums_are_the_same_bits_in_any_order_and_grouping_and_closer_than_float32():
+    terms = _terms(12, 4000, seed=0)
+    one = _grouped(terms, [list(range(12))])
+    rng = random.Random(0)
+    for _ in range(25):
+        order = rng.sample(range(12), 12)
+        cuts = sorted(rng.sample(range(1, 12), rng.randint(1, 6)))
+        groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, 12])]
+        assert torch.equal(_grouped(terms, groups), one), groups
+    # Accuracy against float64's sum: each term loses at most one unit of 2^-31 of the largest term (bits below
+    # the window), where float32 accumulation in order rounds each partial sum to 2^-24 of itself.
+    stacked = torch.stack(terms).double()
+    truth = stacked.sum(0)
+    sequential = terms[0].clone()
+    for t in terms[1:]:
+        sequential += t
+    error, float32_error = (one - truth).abs(), (sequential.double() - truth).abs()
+    assert (error <= 12 * 2.0 ** -31 * stacked.abs().max(0).values).all()
+    assert error.max() < float32_error.max() / 50 and error.mean() < float32_error.mean() / 50
+
+
+def test_a_non_finite_term_makes_its_element_nan_and_no_other():
+    acc = ExactSum(3)
+    acc.add(torch.tensor([1.0, float("inf"), 2.0]))
+    acc.add(torch.tensor([1e30, 1.0, float("nan")]))
+    got = acc.values()
+    assert got[0] == float(torch.tensor(1e30)) and got[1].isnan() and got[2].isnan()  # 1.0: below 1e30's window
+
+
+def test_members_summing_over_a_real_group_get_one_accumulators_bits():
+    from torch.distributed import TCPStore
+
+    from elasticflow.distributed.comm import Group
+
+    terms, world = _terms(9, 3000, seed=1), 3
+    one = _grouped(terms, [list(range(9))])
+    store = TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+    got = {}
+
+    def member(rank: int) -> None:
+        peer = TCPStore("127.0.0.1", store.port, world + 1, False)
+        group = Group(peer, 0, rank, world, timeout_s=60)
+        acc = ExactSum(3000)
+        for t in terms[rank * 3:rank * 3 + 3][::-1]:  # another order within each member, too
+            acc.add(t)
+        acc.allreduce(group)
+        got[rank] = acc.values()
+        group.close()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(got) == [0, 1, 2]
+    for rank in range(world):
+        assert torch.equal(got[rank], one)
+
+
+# ---------------------------------------------------------------- what the mode cannot run with
+@pytest.mark.parametrize("setting, says", [
+    ("trainer.micro_batch_size=null", "needs trainer.micro_batch_size"),
+    ("comm.bucket_mb=4", "pass comm.bucket_mb=null"),
+    ("trainer.shard=gradients", "pass trainer.shard=optimizer"),
+    ("topology=local_sgd", "topology=local_sgd sums in float32"),
+])
+def test_what_the_mode_cannot_make_bitwise_is_refused_in_one_line(tmp_path, setting, says):
+    out = cli(["train", EXACT, *exact_overrides("torch_bn"), "trainer.reproducible=true",
+               "trainer.micro_batch_size=16", setting, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr and "hint:" in out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------- the bits of one worker, end to end
+@pytest.mark.parametrize("workers", [2, 4])
+def test_two_and_four_workers_end_on_the_one_workers_bits(tmp_path, torch_reference, workers):
+    run = tmp_path / "run"
+    train_exact(run, "torch_bn", *MODE, f"launcher.workers={workers}")
+    assert world_sizes(run) == [workers] * len(world_sizes(run))
+    assert_bitwise(run, torch_reference)
+
+
+def test_a_kill_a_join_and_a_scale_down_in_one_run_end_on_the_one_workers_bits(tmp_path, torch_reference):
+    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 12)
+    proc = start_exact(run, "torch_bn", *MODE, "launcher.workers=3", "launcher.max_workers=3",
+                       "elastic.timeout_s=90", "elastic.heartbeat_timeout_s=10",
+                       env={"EF_PROBE_LIMIT": str(limit.path), "EF_PROBE_KILL": "2:8:reduction"})
+    wait_for(lambda: any(e["event"] == "left" for e in events(run)), 120, "the killed worker gone", proc=proc)
+    limit.advance_until(run, lambda: 2 in world_sizes(run), 120, "a step with the two survivors")
+    scale(run, 3, wait=0)  # a new worker joins
+    limit.advance_until(run, lambda: world_sizes(run)[-1] == 3, 180, "a step with the joiner")
+    scale(run, 2, wait=0)  # and one retires
+    limit.advance_until(run, lambda: world_sizes(run)[-1] == 2 and len(members(run)) == 2, 120,
+                        "a step after the scale-down")
+    limit.lift()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    kinds = [e["event"] for e in events(run)]
+    assert kinds.count("left") == 1 and kinds.count("joined") == 1 and kinds.count("retired") == 1
+    assert_bitwise(run, torch_reference)
+
+
+def test_a_resume_at_another_world_size_ends_on_the_one_workers_bits(tmp_path, torch_reference):
+    run = tmp_path / "run"
+    train_exact(run, "torch_bn", *MODE, "launcher.workers=2", "trainer.max_steps=25")
+    out = train_exact(run, "torch_bn", *MODE, "launcher.workers=3")  # the same run folder: it resumes
+    assert "resumed" in out.lower()
+    assert world_sizes(run)[0] == 2 and world_sizes(run)[-1] == 3
+    assert_bitwise(run, torch_reference)
+
+
+def test_sharded_optimizer_state_with_a_kill_ends_on_the_one_workers_bits(tmp_path, torch_reference):
+    run = tmp_path / "run"
+    train_exact(run, "torch_bn", *MODE, "launcher.workers=3", "trainer.shard=optimizer",
+                env={"EF_PROBE_KILL": "1:20:reduction"})
+    assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
+    assert_bitwise(run, torch_reference)
+
+
+def test_keras_with_batchnorm_and_dropout_ends_on_the_one_workers_bits_across_a_kill(tmp_path, one_worker):
+    pytest.importorskip("tensorflow")
+    reference = one_worker(*exact_overrides("keras_bn"), *MODE, model=EXACT, common=EXACT_COMMON, record=True)
+    run = tmp_path / "run"
+    train_exact(run, "keras_bn", *MODE, "launcher.workers=3", env={"EF_PROBE_KILL": "1:20:reduction"})
+    assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
+    assert_bitwise(run, reference)
