@@ -71,6 +71,29 @@ def test_exact_sums_are_the_same_bits_in_any_order_and_grouping_and_closer_than_
     assert error.max() < float32_error.max() / 50 and error.mean() < float32_error.mean() / 50
 
 
+def test_the_compiled_deposit_gives_the_eager_bits(monkeypatch):
+    """A large gradient's terms go through deposit_float32 compiled (one loop), a small one's eager: the same
+    integer arithmetic, the same bits, also for zeros, subnormals, infinities and NaNs."""
+    from elasticflow.replica import exact_sum
+
+    g = torch.Generator().manual_seed(2)
+    terms = [(torch.randn(4096, generator=g) * torch.exp2(torch.randint(-140, 100, (4096,), generator=g).float()))
+             for _ in range(5)]
+    terms[0][:40] = 0.0
+    terms[1][40:50] = float("inf")
+    terms[2][50:60] = float("nan")
+    terms[3][60:70] = 1e-45
+    eager, compiled = ExactSum(4096), ExactSum(4096)
+    for t in terms:
+        eager.add(t.float())
+    monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1024)
+    for t in terms:
+        compiled.add(t.float())
+    assert exact_sum._compiled.get(exact_sum.deposit_float32), "the deposit did not compile"
+    assert torch.equal(compiled.bins, eager.bins) and torch.equal(compiled.window, eager.window)
+    assert torch.equal(compiled.values().nan_to_num(7.0), eager.values().nan_to_num(7.0))
+
+
 def test_a_non_finite_term_makes_its_element_nan_and_no_other():
     acc = ExactSum(3)
     acc.add(torch.tensor([1.0, float("inf"), 2.0]))
