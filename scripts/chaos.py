@@ -64,6 +64,8 @@ from elasticflow._util.fileio import read_jsonl as jsonl  # noqa: E402  (skips t
 PROBE = REPO / "tests" / "models" / "digits_probe.py"
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 RTOL = 1e-5
+# --reproducible: the job and its reference in trainer.reproducible (docs/exactness.md), held to the same bits
+REPRODUCIBLE = ["trainer.reproducible=true", "trainer.micro_batch_size=16"]
 MIN_W, START_W, MAX_W = 2, 3, 4
 TIMEOUT_S, HEARTBEAT_S, WAIT_S = 15.0, 5.0, 60.0
 FORM_SLACK_S = 2.5      # beyond 2 x timeout_s: rendezvous.REPORT_WINDOW_S (0.5 s), health ticks, a loaded machine
@@ -110,8 +112,10 @@ class Soak:
     """One soak: the job, the events fired at it, and the bookkeeping the checks need."""
 
     def __init__(self, run: Path, duration: float, step_sleep: float, seed: int, min_events: int = 0,
-                 topology: str = "ring"):
+                 topology: str = "ring", reproducible: bool = False):
         self.run, self.duration, self.rng = run, duration, random.Random(seed)
+        self.reproducible = reproducible
+        self.mode = REPRODUCIBLE if reproducible else []  # the job's and the reference's
         # hierarchical on one host: groups of 2 local slots (topology.group_size), so that the soak's 2-4
         # workers form 1-2 groups, and kills hit leaders and plain members alike
         # diloco: 4 replicas over the soak's 2-4 workers (a worker trains one or two, or waits), rounds of 4 steps
@@ -148,7 +152,7 @@ class Soak:
         self.output = self.run.parent / "job.log"
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={self.run}",
-                                                *common(self.steps), *elastic(), *self.topology],
+                                                *common(self.steps), *elastic(), *self.topology, *self.mode],
                                          env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
     def snapshot(self) -> dict:
@@ -417,6 +421,15 @@ def check(soak: Soak, reference: Path, out: Optional[str], rounding: float = 0.0
         return [f"the job did not end after the soak (pid {soak.proc.pid})"]
     if soak.proc.returncode != 0:
         return [f"the job exited {soak.proc.returncode}: {out.strip()[-1500:]}"]
+    if soak.reproducible:  # every tensor and every step's loss ==, not near
+        got, want = final_params(run), final_params(reference)
+        unequal = sorted(k for k in want if k not in got or not np.array_equal(got[k], want[k]))
+        losses = {r["step"]: r["loss"] for r in steps_logged(reference)}
+        off = [r["step"] for r in steps_logged(run) if losses.get(r["step"]) != r["loss"]]
+        print(f"tensors not bitwise the 1-worker run's: {len(unequal)} of {len(want)}; steps whose loss is not: "
+              f"{len(off)}")
+        if unequal or off:
+            problems.append(f"not the 1-worker run's bits: tensors {unequal[:5]}, losses of steps {off[:5]}")
     diff = relative_difference(final_params(run), final_params(reference))
     # ``rounding``: what float32 rounding alone does to the same 1-worker run (1 thread against 2); a run that
     # amplifies it (diloco's outer momentum, over hundreds of rounds) is held to 3 times that, not to RTOL.
@@ -545,6 +558,9 @@ def main() -> int:
     ap.add_argument("--topology", default="ring", choices=["ring", "hierarchical", "diloco", "parameter_server"],
                     help="the job's topology (hierarchical: groups of 2 workers, topology.group_size=2; diloco: 4 "
                          "replicas, rounds of 4 steps; parameter_server: one shard, topology.replica=2)")
+    ap.add_argument("--reproducible", action="store_true",
+                    help="train with trainer.reproducible=true (micro-batches of 16) and require the 1-worker run's "
+                         "bits: every tensor and every step's loss ==")
     ap.add_argument("--min-events", type=int, default=0,
                     help="go on past --duration until this many events fired (at most 2x the duration)")
     args = ap.parse_args()
@@ -556,12 +572,17 @@ def main() -> int:
         print(f"error: --min-events must be 0 or more, got {args.min_events}\nhint: e.g. --min-events 20 (0: "
               "the faults end with --duration)", file=sys.stderr)
         return 2
+    if args.reproducible and args.topology not in ("ring", "hierarchical"):
+        print(f"error: --reproducible with --topology {args.topology}: the mode runs on ring and hierarchical only\n"
+              "hint: drop --topology or pass --topology hierarchical", file=sys.stderr)
+        return 2
     if args.keep is not None and args.keep.exists():
         print(f"error: --keep {args.keep} already exists\nhint: name a new directory (the soak writes two runs "
               "there)", file=sys.stderr)
         return 2
     root = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
-    soak = Soak(root / "run", args.duration, args.step_sleep, args.seed, args.min_events, args.topology)
+    soak = Soak(root / "run", args.duration, args.step_sleep, args.seed, args.min_events, args.topology,
+                args.reproducible)
     print(f"chaos soak: {args.duration:g}s of faults, seed {args.seed}, {soak.steps} steps, topology {args.topology}, "
           f"run {soak.run}", flush=True)
     began = time.monotonic()
@@ -570,7 +591,8 @@ def main() -> int:
         plain = {k: v for k, v in soak.env.items() if not k.startswith("EF_PROBE_")}
         # The 1-worker run: one process (with diloco, training every replica in turn).
         same = soak.topology if args.topology == "diloco" else []
-        subprocess.run(CLI + ["train", str(PROBE), f"hydra.run.dir={ref}", *common(soak.steps), *same], env=plain,
+        subprocess.run(CLI + ["train", str(PROBE), f"hydra.run.dir={ref}", *common(soak.steps), *same, *soak.mode],
+                       env=plain,
                        check=True, capture_output=True, timeout=900)
         rounding = 0.0
         if same:  # diloco: what rounding alone does to the reference, the same run on 1 thread (threads=null: 2)

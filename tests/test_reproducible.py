@@ -9,13 +9,14 @@ average) and dropout, trained with AdamW. Without the mode, 2 workers already di
 """
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from harness import (EXACT, EXACT_COMMON, Limit, assert_bitwise, cli, events, exact_overrides, finish, logged_step,
-                     members, scale, start_exact, train_exact, wait_for, world_sizes)
+                     members, metrics, scale, start, start_exact, train_exact, wait_for, world_sizes)
 
 from elasticflow.replica.exact_sum import ExactSum
 
@@ -148,11 +149,11 @@ def test_what_the_mode_cannot_make_bitwise_is_refused_in_one_line(tmp_path, sett
 
 
 # ---------------------------------------------------------------- the bits of one worker, end to end
-@pytest.mark.parametrize("workers", [2, 4])
-def test_two_and_four_workers_end_on_the_one_workers_bits(tmp_path, torch_reference, workers):
+def test_four_workers_end_on_the_one_workers_bits(tmp_path, torch_reference):
+    """A micro-batch each (2 and 3 workers: the kill, join and scale-down run below, and the resume)."""
     run = tmp_path / "run"
-    train_exact(run, "torch_bn", *MODE, f"launcher.workers={workers}")
-    assert world_sizes(run) == [workers] * len(world_sizes(run))
+    train_exact(run, "torch_bn", *MODE, "launcher.workers=4")
+    assert world_sizes(run) == [4] * len(world_sizes(run))
     assert_bitwise(run, torch_reference)
 
 
@@ -193,6 +194,21 @@ def test_sharded_optimizer_state_with_a_kill_ends_on_the_one_workers_bits(tmp_pa
     assert_bitwise(run, torch_reference)
 
 
+def test_float16_loss_scaling_clipping_groups_and_frozen_weights_with_a_kill_end_on_the_one_workers_bits(
+        tmp_path, one_worker):
+    """What the mode composes with, at once: float16 with its loss scale, the gradient norm clipped, a parameter
+    group with its own learning rate, a frozen convolution; 3 workers, one SIGKILLed at step 12."""
+    extra = ["trainer.precision=16", "trainer.grad_clip=0.5", "optimizer.groups=[{params:[10],lr:0.003}]",
+             "+model_args.freeze=1"]
+    reference = one_worker(*exact_overrides("torch_bn"), *MODE, *extra, model=EXACT, common=EXACT_COMMON)
+    run = tmp_path / "run"
+    train_exact(run, "torch_bn", *MODE, *extra, "launcher.workers=3", env={"EF_PROBE_KILL": "2:12:reduction"})
+    assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
+    assert [r["loss_scale"] for r in metrics(run) if "loss" in r] == \
+        [r["loss_scale"] for r in metrics(reference) if "loss" in r]
+    assert_bitwise(run, reference)
+
+
 def test_keras_with_batchnorm_and_dropout_ends_on_the_one_workers_bits_across_a_kill(tmp_path, one_worker):
     pytest.importorskip("tensorflow")
     reference = one_worker(*exact_overrides("keras_bn"), *MODE, model=EXACT, common=EXACT_COMMON, record=True)
@@ -200,3 +216,37 @@ def test_keras_with_batchnorm_and_dropout_ends_on_the_one_workers_bits_across_a_
     train_exact(run, "keras_bn", *MODE, "launcher.workers=3", env={"EF_PROBE_KILL": "1:20:reduction"})
     assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
     assert_bitwise(run, reference)
+
+
+def test_a_transformers_gpt2_with_dropout_and_token_weights_ends_on_the_one_workers_bits_across_a_kill(tmp_path,
+                                                                                                        one_worker):
+    """A Hugging Face GPT-2 (dropout 0.1 in attention, residuals and embeddings) on ragged text, each micro-batch
+    weighted by its target tokens (tests/models/ragged_gpt2.py), AdamW: 3 workers with one SIGKILLed at step 6."""
+    pytest.importorskip("transformers")
+    gpt2 = Path(__file__).parent / "models" / "ragged_gpt2.py"
+    common = ["trainer.global_batch_size=24", "trainer.micro_batch_size=4", "trainer.max_steps=16",
+              "trainer.log_every=1", "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5",
+              "trainer.reproducible=true", "+model_args.dropout=0.1", "+model_args.optimizer=adamw"]
+    reference = one_worker(model=gpt2, common=common)
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=3", env={"EF_LM_KILL": "1:6"}, model=gpt2, common=common)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
+    assert_bitwise(run, reference)
+
+
+def test_a_transformers_resnet_with_batchnorm_ends_on_the_one_workers_bits(tmp_path, one_worker):
+    """A Hugging Face ResNet (7 BatchNorm2d, tests/models/hf_resnet.py) with AdamW: 3 workers against 1. Without the
+    mode the two differ (the workers' thread counts alone move BatchNorm's statistics)."""
+    pytest.importorskip("transformers")
+    resnet = Path(__file__).parent / "models" / "hf_resnet.py"
+    common = ["trainer.global_batch_size=32", "trainer.micro_batch_size=8", "trainer.max_steps=20",
+              "trainer.log_every=1", "trainer.reproducible=true", "optimizer=adamw", "optimizer.lr=0.01"]
+    reference = one_worker(model=resnet, common=common)
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=3", model=resnet, common=common)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert_bitwise(run, reference)
+

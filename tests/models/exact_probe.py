@@ -2,7 +2,8 @@
 
 ``model_args.kind`` picks the model:
     torch_bn     a torch CNN: BatchNorm2d (momentum 0.1), BatchNorm2d (momentum=None: a cumulative
-                 average), Dropout -- a native torch.nn.Module, forward(x, y, net)
+                 average), Dropout -- a native torch.nn.Module, forward(x, y, net); +model_args.freeze=1
+                 freezes its first convolution
     keras_bn     the same layers in keras (BatchNormalization, Dropout) -- backend=tensorflow
     dict_dropout a dict of arrays using ops.dropout -- either backend
 
@@ -32,11 +33,14 @@ def model(cfg):
         import torch
 
         torch.manual_seed(cfg.seed)
-        return torch.nn.Sequential(
+        net = torch.nn.Sequential(
             torch.nn.Unflatten(1, (1, 8, 8)),
             torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
             torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8, momentum=None), torch.nn.ReLU(),
             torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Dropout(0.3), torch.nn.Linear(128, 10))
+        if cfg.model_args.get("freeze"):  # the first convolution frozen, as a fine-tuner freezes a stem
+            net[1].requires_grad_(False)
+        return net
     if kind == "keras_bn":
         import keras
 

@@ -5,6 +5,7 @@
 model_args (all optional):
     weighted: 0 -> forward() returns the loss alone, so micro-batches count by samples (default 1: by tokens).
     optimizer: "sgd" (default) or "adamw".
+    dropout: GPT-2's three dropout rates (default 0.0).
 Environment:
     EF_LM_KILL "worker:step": that worker SIGKILLs itself inside forward() at that step (generation 0).
 """
@@ -39,12 +40,12 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[PAD]")), pad_token="[PAD]")
 
 
-def build():
+def build(dropout: float = 0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB + 1, n_positions=LONGEST, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD)
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, pad_token_id=PAD)
     return GPT2LMHeadModel(config)
 
 
@@ -55,7 +56,7 @@ def optimizer(net, name):
 
 
 def model(cfg):
-    net = build()
+    net = build(float(arg(cfg, "dropout", 0.0)))
     return {"net": net, "optimizer": optimizer(net, str(arg(cfg, "optimizer", "sgd")))}
 
 
