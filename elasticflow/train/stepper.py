@@ -16,6 +16,7 @@ import numpy as np
 from ..backends.common import WEIGHT
 from ..data import order as data
 from . import grad_check, loss_scale
+from .exact_step import ExactStep
 from .. import optim
 from .._util.context import _context
 from ..data.order import GlobalBatch
@@ -61,9 +62,7 @@ class Stepper:
         reconciler = p.reconciler if replica.world > 1 or t.reproducible else None
         if reconciler is not None:
             reconciler.begin(engine.buffer_arrays(), share.total)  # a worker without micro-batches finishes too
-        exact = replica.exact_sum(1 + len(self.metric_names) + len(self.names),
-                                  reconciler.size if reconciler else 0) if t.reproducible else None
-        took = np.zeros(len(self.names), bool)  # exact: who took part in any micro-batch (zero_grad clears it)
+        exact = ExactStep(replica, engine, self.metric_names, len(self.names), reconciler) if t.reproducible else None
         engine.train_mode(True)
         engine.zero_grad()
         scaling = p.placement.loss_scaling
@@ -81,9 +80,8 @@ class Stepper:
             loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
             if (WEIGHT in metrics_w) != self.weighted:
                 raise grad_check.weight_unlike_probe(self.weighted)
-            if exact is not None:
-                took |= engine.took_part()
-                self._deposit(exact, loss_w, metrics_w, reconciler, share.first + i, share.total)
+            if exact is not None:  # trainer.reproducible: into the step's exact sums, micro-batch by micro-batch
+                exact.add(loss_w, metrics_w, share.first + i, share.total)
             elif loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)
             else:
@@ -94,8 +92,7 @@ class Stepper:
         k = 1 + len(self.metric_names)
         self.reduce_started = time.perf_counter()
         if exact is not None:
-            exact.add(took.astype(float), at=engine.num_params + k)
-            reduction = replica.start_exact(exact, k + len(self.names), self.stop_requested(), reconciler is not None)
+            reduction = exact.start(self.stop_requested())
         else:
             loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
             # float(): a sync point on accelerators; the non-finite check needs it anyway.
@@ -145,21 +142,6 @@ class Stepper:
             # the recovery rebuilds the parameters from them.
             replica.gather()
         return record
-
-    def _deposit(self, exact: Any, loss_w: Any, metrics_w: Dict[str, Any], reconciler: Any, index: int,
-                 total: int) -> None:
-        """trainer.reproducible: micro-batch ``index``'s (of ``total``) gradient, loss, metrics and buffer
-        contribution into the step's exact sums, then a clean slate for the next one (a zero gradient, the
-        buffers as the step began), so that each micro-batch adds the same terms whichever worker computes it."""
-        engine = self.p.engine
-        exact.add(engine.grad_view())
-        engine.zero_grad()
-        row = [float(loss_w)] + [float(metrics_w.get(k, 0.0)) for k in self.metric_names]  # float(): a sync point
-        exact.add(np.asarray(row), at=engine.num_params)
-        if reconciler is not None:  # one micro-batch from the step's buffers; "mean" and "first" over micro-batches
-            part = reconciler.contribution(engine.buffer_arrays(), index, 1, total, index, total)
-            exact.add(part, at=exact.n - reconciler.size)
-            engine.set_buffers(reconciler.start_values())
 
     def _update(self, update: grad_check.Update, lr: float, batch: GlobalBatch, record: Dict[str, Any],
                 took_part: np.ndarray) -> None:

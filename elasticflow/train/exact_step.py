@@ -1,0 +1,50 @@
+"""One step's exact sums under ``trainer.reproducible`` (docs/exactness.md): what each micro-batch adds, and the
+reduction that reads them.
+
+Each micro-batch adds its gradient, weighted loss and metrics and its BatchNorm contribution to the step's exact
+sums (``replica/exact_sum.py``) as soon as it is computed, then leaves a clean slate for the next one: a zero
+gradient and the buffers as the step began. So a micro-batch adds the same terms whichever worker computes it,
+and the sums, exact, do not depend on who added what: the step is the same bits for any number of workers.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+
+
+class ExactStep:
+    """The exact sums of one step's attempt on this worker.
+
+    Args:
+        replica: the ``Replica`` (its ``exact_sum`` lays the sums out, its ``start_exact`` reduces them).
+        engine: the backend Engine. metric_names: forward()'s metrics, in the order they are reduced.
+        params: how many parameters (each sends a flag: whether a micro-batch's backward reached it).
+        reconciler: the buffers' ``Reconciler`` (begun for this step), or None.
+    """
+
+    def __init__(self, replica: Any, engine: Any, metric_names: List[str], params: int, reconciler: Any):
+        self.replica, self.engine, self.metric_names, self.reconciler = replica, engine, metric_names, reconciler
+        self.scalars = 1 + len(metric_names)  # the loss, then the metrics
+        self.sums = replica.exact_sum(self.scalars + params, reconciler.size if reconciler else 0)
+        self.took = np.zeros(params, bool)  # a parameter some micro-batch's backward reached (zero_grad clears it)
+
+    def add(self, loss: Any, metrics: Dict[str, Any], index: int, total: int) -> None:
+        """Micro-batch ``index`` (of the global batch's ``total``), just computed: its terms into the sums."""
+        engine, sums = self.engine, self.sums
+        self.took |= engine.took_part()
+        sums.add(engine.grad_view())
+        engine.zero_grad()
+        row = [float(loss)] + [float(metrics.get(k, 0.0)) for k in self.metric_names]  # float(): a sync point
+        sums.add(np.asarray(row), at=engine.num_params)
+        rec = self.reconciler
+        if rec is not None:  # from the step's buffers, one micro-batch: "mean" and "first" over the micro-batches
+            sums.add(rec.contribution(engine.buffer_arrays(), index, 1, total, index, total), at=sums.n - rec.size)
+            engine.set_buffers(rec.start_values())
+
+    def start(self, interrupt: bool) -> Any:
+        """The step's reduction (``Replica.start_exact``): the scalars and the parameters' flags, as
+        ``Replica.start_reduce`` returns them."""
+        self.sums.add(self.took.astype(float), at=self.engine.num_params + self.scalars)
+        return self.replica.start_exact(self.sums, self.scalars + len(self.took), interrupt,
+                                        self.reconciler is not None)
