@@ -58,6 +58,17 @@ def test_three_workers_share_the_gpu_one_killed_same_model(tmp_path, kind):
     assert diff <= 1e-5
 
 
+def test_reproducible_on_the_gpu_three_workers_one_killed_same_bits(tmp_path):
+    """trainer.reproducible on the GPU (exact sums on the device, torch's deterministic kernels and cuBLAS's fixed
+    workspace): three workers sharing it, one killed in the reduction of step 23, end on one worker's bits."""
+    ref, run, mode = tmp_path / "ref", tmp_path / "run", ["trainer.reproducible=true", "optimizer=adamw"]
+    train_ok(ref, "torch_bn", CUDA, *mode)
+    train_ok(run, "torch_bn", CUDA, *mode, "launcher.workers=3", env={"EF_PROBE_KILL": "1:23:reduction"})
+    got, want = final(run), final(ref)
+    unequal = [n for n in want if not np.array_equal(got[n], want[n])]
+    assert not unequal, f"not one worker's bits: {unequal} (largest relative {_max_relative_difference(got, want):.3g})"
+
+
 def test_kill_during_training_on_the_gpu_then_resume_on_the_cpu(tmp_path):
     """A worker SIGKILLed at a random point while two train on the GPU; the job finishes, every step
     once; its GPU checkpoint then resumes on the CPU for more steps."""
