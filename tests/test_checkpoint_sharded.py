@@ -98,7 +98,8 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, refer
 @pytest.mark.parametrize("rank,phase", [(1, "mid_write"), (0, "before_commit")])
 def test_member_killed_during_a_save_training_goes_on(tmp_path, reference, rank, phase):
     run = tmp_path / "run"
-    out = train_ok(run, "launcher.workers=3", *SAVE_EVERY,
+    # Rank 0 waits elastic.timeout_s for a dead member's report before it gives step_20 up: 4 s, not COMMON's 10.
+    out = train_ok(run, "launcher.workers=3", *SAVE_EVERY, "elastic.timeout_s=4", "elastic.heartbeat_timeout_s=2",
                    env={"ELASTICFLOW_TEST_CKPT_KILL": f"{phase}:20:{rank}"})
     if rank != 0:  # rank 0 waited for the dead member's report in vain (a dead rank 0 cannot say so)
         assert "step_20 not committed: rank(s) 1 did not report" in out

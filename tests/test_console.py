@@ -110,10 +110,11 @@ def test_a_stopped_worker_is_cut_out_while_nobody_reads_the_jobs_output(tmp_path
     """The job's stdout and stderr are a one-page pipe, unread until the end. Once rank 0's step lines have
     filled it, a member is SIGSTOPped: the agent must still cut it out (it logs a warning on the way), and
     the job must finish."""
-    run, steps = tmp_path / "run", 150
+    run, steps, pace = tmp_path / "run", 150, tmp_path / "pace"
+    pace.touch()  # steps take EF_PROBE_SLEEP until the stopped worker is cut out; then the job ends at full speed
     r, w = small_pipe()
     proc = start(run, f"trainer.max_steps={steps}", "launcher.workers=3", "launcher.min_workers=2",
-                 env={"EF_PROBE_SLEEP": "0.05"}, stdout=w)
+                 env={"EF_PROBE_SLEEP": "0.05", "EF_PROBE_PACE": str(pace)}, stdout=w)
     os.close(w)
     got, victim = bytearray(), None
     try:
@@ -123,6 +124,7 @@ def test_a_stopped_worker_is_cut_out_while_nobody_reads_the_jobs_output(tmp_path
         os.kill(victim["pid"], signal.SIGSTOP)
         hung = wait_for(lambda: [e for e in events(run) if e["event"] == "hung"], 30, "the stopped worker cut out")
         assert hung[0]["worker"] == victim["worker_id"]
+        pace.unlink()
         reader = drain(r, got)
         proc.wait(240)
         reader.join(10)

@@ -235,14 +235,14 @@ def committed_ids(run_dir: Path, record: Path) -> dict:
 
 def test_prefetch_exactly_once_and_equal_to_one_worker_across_a_kill_and_a_join(tmp_path):
     common = [*COMMON, "trainer.epochs=8", "+model_args.form=torch", "+model_args.augment=true",
-              "data.prefetch=3", "data.workers=2", "elastic.timeout_s=15", "elastic.heartbeat_timeout_s=5",
-              "+model_args.sleep=0.1"]
-    one = tmp_path / "one"
+              "data.prefetch=3", "data.workers=2", "elastic.timeout_s=15", "elastic.heartbeat_timeout_s=5"]
+    one = tmp_path / "one"  # at full speed: forward's sleep only delays, it changes no number
     run_cli(["train", PROBE, f"hydra.run.dir={one}", *common], timeout=240, check=True)
     run, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
     proc = start(run, "launcher.workers=3", "launcher.max_workers=3", f"+model_args.record={record}",
-                 "+model_args.kill=1:4", model=PROBE, common=["trainer.progress=false", *common])
+                 "+model_args.kill=1:4", "+model_args.sleep=0.1", model=PROBE,
+                 common=["trainer.progress=false", *common])
     try:
         wait_for(lambda: events(run, "left"), 120, "worker 1 to die at step 4 (3 -> 2 workers)", proc=proc)
         scale = run_cli(["scale", run, "--workers", "3"], timeout=150)

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from harness import (EXACT_KINDS, Hold, assert_equivalent, assert_replicas_hold_the_checkpoint, exact_reference,
+from harness import (EXACT_KINDS, Limit, assert_equivalent, assert_replicas_hold_the_checkpoint, exact_reference,
                      final_state, finish, logged_step, metrics, scale, start_exact, train_exact, wait_for, workers,
                      world_sizes)
 
@@ -36,20 +36,21 @@ def test_three_workers_one_killed_mid_step(tmp_path, reference):
 
 def test_two_workers_scaled_to_four(tmp_path, reference):
     kind, ref = reference
-    run, dumps, pace, hold = tmp_path / "run", tmp_path / "dumps", tmp_path / "pace", Hold(tmp_path / "hold")
+    run, dumps, pace, limit = tmp_path / "run", tmp_path / "dumps", tmp_path / "pace", Limit(tmp_path / "limit", 11)
     dumps.mkdir()
-    pace.touch()
-    # Training is held still from step 10 until both joiners are admitted (however long they take to start),
-    # then goes on in slowed steps (0.4 s each) while they enter, at whatever step boundaries they reach: the
-    # result must not depend on which. Once a step ran with all four, the pace is lifted.
+    # Training is held still after step 11 (step 10 is logged as step 11 reduces) until both joiners are admitted
+    # (however long they take to start), then goes on in slowed steps (0.4 s each) while they enter, at whatever
+    # step boundaries they reach: the result must not depend on which. Once a step ran with all four, the pace
+    # is lifted.
     proc = start_exact(run, kind, "launcher.workers=2", "launcher.max_workers=4", "elastic.timeout_s=90",
                        "elastic.heartbeat_timeout_s=10",
                        env={"EF_PROBE_SLEEP": "0.4", "EF_PROBE_PACE": str(pace), "EF_PROBE_DUMP": str(dumps),
-                            "EF_PROBE_HOLD": str(hold.path)})
+                            "EF_PROBE_LIMIT": str(limit.path)})
     wait_for(lambda: logged_step(run) >= 10, 120, "step 10", proc=proc)
-    with hold:
-        scale(run, 4, wait=0)
-        wait_for(lambda: len(workers(run)) == 4, 300, "both joiners admitted", proc=proc)
+    scale(run, 4, wait=0)
+    wait_for(lambda: len(workers(run)) == 4, 300, "both joiners admitted", proc=proc)
+    pace.touch()
+    limit.lift()
     wait_for(lambda: 4 in world_sizes(run), 120, "a step with four", proc=proc)
     pace.unlink()
     out = finish(proc)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import elasticflow.checkpoint as ckpt
-from harness import assert_equivalent, losses, metrics, train
+from harness import assert_equivalent, losses, metrics, train, train_in_process
 from elasticflow.data import order as efdata
 from elasticflow import optim
 from elasticflow.config.schema import compose
@@ -90,17 +90,26 @@ def test_frozen_parameters_stay_put_under_sgd_with_weight_decay(tmp_path):
     np.testing.assert_array_equal(got[FROZEN], fb.build().bert.embeddings.word_embeddings.weight.detach().numpy())
 
 
+KILLED = GROUPS + COMMON + ["trainer.micro_batch_size=8", "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5"]
+
+
+@pytest.fixture(scope="module")
+def one_worker_bert(tmp_path_factory):
+    """The 1-worker run of the killed runs' job. One worker holds the whole optimizer state with trainer.shard
+    =optimizer too: its run is the same, bit for bit, so both shardings are compared with this one."""
+    run = tmp_path_factory.mktemp("bert") / "one"
+    train(MODEL, run, *KILLED, "trainer.shard=none")
+    return run
+
+
 @pytest.mark.parametrize("shard", ["none", "optimizer"])
-def test_three_workers_one_killed_equal_one_worker(tmp_path, shard):
-    overrides = GROUPS + COMMON + ["trainer.micro_batch_size=8", f"trainer.shard={shard}",
-                                   "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5"]
-    train(MODEL, tmp_path / "one", *overrides)
-    train(MODEL, tmp_path / "three", *overrides, "launcher.workers=3", env={"EF_FT_KILL": "1:3"})
+def test_three_workers_one_killed_equal_one_worker(tmp_path, one_worker_bert, shard):
+    train(MODEL, tmp_path / "three", *KILLED, f"trainer.shard={shard}", "launcher.workers=3", env={"EF_FT_KILL": "1:3"})
     sizes = [r["world_size"] for r in metrics(tmp_path / "three") if "loss" in r]
     assert sizes[0] == 3 and sizes[-1] == 2, sizes
     # attention's key bias has no gradient but rounding's (~1e-9): a floor of 1e-7 where it stays near zero
-    assert_equivalent(tmp_path / "three", tmp_path / "one", floor=1e-7, rng=True)
-    one, three = final(tmp_path / "one"), final(tmp_path / "three")
+    assert_equivalent(tmp_path / "three", one_worker_bert, floor=1e-7, rng=True)
+    one, three = final(one_worker_bert), final(tmp_path / "three")
     np.testing.assert_array_equal(three[FROZEN], one[FROZEN])
     assert len(losses(tmp_path / "three")) == STEPS
 
@@ -113,7 +122,7 @@ def test_freezing_on_resume_goes_on_and_unfreezing_under_adam_is_refused(tmp_pat
     train(*run, "trainer.max_steps=4")  # frozen from here: its Adam state in the checkpoint is left unread
     np.testing.assert_array_equal(final(tmp_path)[FROZEN], trained_embedding)
     assert len(losses(tmp_path)) == 4
-    out = train(*run, "trainer.max_steps=6", "+model_args.frozen=0", check=False)
+    out = train_in_process(*run, "trainer.max_steps=6", "+model_args.frozen=0")  # refused before a step
     assert out.returncode != 0
     assert f"parameter '{FROZEN}' trains now but was frozen when the checkpoint was written" in out.stderr, out.stderr
     assert "hint: keep it frozen until this run ends" in out.stderr
@@ -121,8 +130,8 @@ def test_freezing_on_resume_goes_on_and_unfreezing_under_adam_is_refused(tmp_pat
 
 
 def test_a_group_pattern_that_matches_nothing_is_one_error_line(tmp_path):
-    out = train(MODEL, tmp_path, *COMMON, "optimizer=adamw", "optimizer.groups=[{params:[classifer],lr:0.01}]",
-                check=False)
+    out = train_in_process(MODEL, tmp_path, *COMMON, "optimizer=adamw",
+                           "optimizer.groups=[{params:[classifer],lr:0.01}]")
     assert out.returncode != 0
     assert "optimizer group 0 pattern 'classifer' matches no trainable parameter" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr

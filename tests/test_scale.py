@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from harness import (ELASTICFLOW, PROBE, Hold, Limit, assert_each_sample_once, assert_equivalent, cli, events, finish,
-                     logged_step, members, run_cli, scale, start, wait_for, world_sizes)
+                     logged_step, members, reap, run_cli, scale, start, wait_for, world_sizes)
 
 from elasticflow.observability import status as run_status
 from elasticflow.distributed import control, protocol, scaling
@@ -186,15 +186,23 @@ def test_strangers_without_the_token_are_refused(tmp_path, reference):
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     address = json.loads((run / ".elasticflow" / "agent.json").read_text())["address"]
     with hold:
+        strangers = []  # both at once: each is refused on its own
         for token in ("not-the-token", None):
             env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICFLOW_")}
             env.update({protocol.ENV_STORE: address, protocol.ENV_RUN_DIR: str(run)})
             if token:
                 env[protocol.ENV_TOKEN] = token
-            stranger = subprocess.run(ELASTICFLOW[:1] + ["-m", "elasticflow.launchers.worker"], env=env,
-                                      capture_output=True, text=True, timeout=120)
-            assert stranger.returncode == 6, stranger.stderr[-2000:]
-            assert "refused" in stranger.stderr and "token" in stranger.stderr
+            strangers.append(subprocess.Popen(ELASTICFLOW[:1] + ["-m", "elasticflow.launchers.worker"], env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        try:
+            errs = [stranger.communicate(timeout=120)[1] for stranger in strangers]
+        finally:
+            for stranger in strangers:
+                if stranger.poll() is None:
+                    reap(stranger)
+        for stranger, err in zip(strangers, errs):
+            assert stranger.returncode == 6, err[-2000:]
+            assert "refused" in err and "token" in err
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     refused = [e for e in events(run) if e["event"] == "refused"]
