@@ -93,7 +93,7 @@ def test_the_compiled_deposit_gives_the_eager_bits(monkeypatch):
     monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1024)
     for t in terms:
         compiled.add(t.float())
-    assert exact_sum._compiled.get(exact_sum.deposit_float32), "the deposit did not compile"
+    assert exact_sum._compiled.get(exact_sum.deposit_float32_), "the deposit did not compile"
     assert torch.equal(compiled.bins, eager.bins) and torch.equal(compiled.window, eager.window)
     assert torch.equal(compiled.values().nan_to_num(7.0), eager.values().nan_to_num(7.0))
 

@@ -73,23 +73,30 @@ class ExactSum:
         if t.dtype == torch.float32 and t.device == self.window.device:
             self._add_float32(t, at)
         else:
-            self._add_any(t.to(self.window.device, torch.float64), at)
+            self._add_any(t.to(self.window.device, torch.float64).reshape(1, -1), at)
 
     def _add_float32(self, t: torch.Tensor, at: int) -> None:
         """``add`` for float32 terms (a gradient): ``deposit_float32``, compiled into one loop for a large gradient."""
         end = at + t.numel()
-        self.window[at:end], self.bins[0, at:end], self.bins[1, at:end] = _run(
-            deposit_float32, (t, self.window[at:end], self.bins[0, at:end], self.bins[1, at:end]))
+        _run(deposit_float32_, (t, self.window[at:end], self.bins[0, at:end], self.bins[1, at:end]))
+
+    def add_rows(self, rows: Any, at: int = 0) -> None:
+        """Add each row of ``rows`` (an m x k array: m terms for each of elements ``at .. at + k``), as m calls of
+        ``add`` would, in one: the same bins (each is the sum of its terms' bits in the final window)."""
+        v = torch.as_tensor(rows).detach().to(self.window.device, torch.float64)
+        if v.numel():
+            self._add_any(v.reshape(v.shape[0], -1), at)
 
     def _add_any(self, v: torch.Tensor, at: int) -> None:
-        """``add`` for any other terms (float64 scalars, buffer contributions: short vectors), through float64."""
-        end = at + v.numel()
+        """``add`` for any other terms (float64 scalars, buffer contributions: short vectors), through float64;
+        ``v``: rows of terms (m x k), all at once at the largest window."""
+        end = at + v.shape[-1]
         finite = torch.isfinite(v)
         mag = torch.where(finite, v.abs(), 0.0)
         _, exponent = torch.frexp(mag)  # mag in [2^(e-1), 2^e)
         window = torch.div(exponent - 1, W, rounding_mode="floor").clamp_(MIN_WINDOW, MAX_WINDOW)
         window = torch.where(mag > 0, window, MIN_WINDOW)
-        window = torch.where(finite, window, NONFINITE)
+        window = torch.where(finite, window, NONFINITE).amax(0)
         window = torch.maximum(window, self.window[at:end].to(window.dtype))
         self._move(window, at, end)
         units = torch.trunc(mag * self._down[(window - MIN_WINDOW).clamp_(max=MAX_WINDOW - MIN_WINDOW).long()])
@@ -97,8 +104,8 @@ class ExactSum:
         # Sign and magnitude, both bins: a term's hi is then exactly its lo one window up (what _move relies on)
         hi, lo = units >> W, units & _MASK
         negative = v < 0
-        self.bins[0, at:end] += torch.where(negative, -hi, hi)
-        self.bins[1, at:end] += torch.where(negative, -lo, lo)
+        self.bins[0, at:end] += torch.where(negative, -hi, hi).sum(0)
+        self.bins[1, at:end] += torch.where(negative, -lo, lo).sum(0)
 
     def _move(self, window: torch.Tensor, at: int, end: int) -> None:
         """Raise elements ``at .. end``'s windows to ``window`` (``moved``)."""
@@ -153,6 +160,15 @@ def deposit_float32(t: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: t
     units = (mantissa << 39) >> shift.to(torch.int64)
     sign = (bits >> 31).to(torch.int64)  # 0 or -1: x ^ sign - sign is x or -x
     return window8, hi + (((units >> W) ^ sign) - sign), lo + (((units & _MASK) ^ sign) - sign)
+
+
+def deposit_float32_(t: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """``deposit_float32`` written back into ``held``, ``hi``, ``lo``: compiled, one loop that reads and writes
+    each element's 17 bytes once (returned and then copied, 3x the time on 2.2M elements)."""
+    window, new_hi, new_lo = deposit_float32(t, held, hi, lo)
+    held.copy_(window)
+    hi.copy_(new_hi)
+    lo.copy_(new_lo)
 
 
 def sums_float64(window: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ class ExactStep:
         self.scalars = 1 + len(metric_names)  # the loss, then the metrics
         self.sums = replica.exact_sum(self.scalars + params, reconciler.size if reconciler else 0)
         self.took = np.zeros(params, bool)  # a parameter some micro-batch's backward reached (zero_grad clears it)
+        self.rows: List[List[float]] = []    # each micro-batch's loss and metrics ...
+        self.parts: List[np.ndarray] = []    # ... and buffer contribution: added in one call each, at start()
 
     def add(self, loss: Any, metrics: Dict[str, Any], index: int, total: int) -> None:
         """Micro-batch ``index`` (of the global batch's ``total``), just computed: its terms into the sums."""
@@ -35,16 +37,19 @@ class ExactStep:
         self.took |= engine.took_part()
         sums.add(engine.grad_view())
         engine.zero_grad()
-        row = [float(loss)] + [float(metrics.get(k, 0.0)) for k in self.metric_names]  # float(): a sync point
-        sums.add(np.asarray(row), at=engine.num_params)
+        self.rows.append([float(loss)] + [float(metrics.get(k, 0.0)) for k in self.metric_names])  # a sync point
         rec = self.reconciler
         if rec is not None:  # from the step's buffers, one micro-batch: "mean" and "first" over the micro-batches
-            sums.add(rec.contribution(engine.buffer_arrays(), index, 1, total, index, total), at=sums.n - rec.size)
+            self.parts.append(rec.contribution(engine.buffer_arrays(), index, 1, total, index, total))
             engine.set_buffers(rec.start_values())
 
     def start(self, interrupt: bool) -> Any:
         """The step's reduction (``Replica.start_exact``): the scalars and the parameters' flags, as
         ``Replica.start_reduce`` returns them."""
-        self.sums.add(self.took.astype(float), at=self.engine.num_params + self.scalars)
+        sums, head = self.sums, self.engine.num_params
+        sums.add_rows(np.asarray(self.rows, np.float64).reshape(-1, self.scalars), at=head)
+        sums.add(self.took.astype(float), at=head + self.scalars)
+        if self.parts:
+            sums.add_rows(np.stack(self.parts), at=sums.n - self.reconciler.size)
         return self.replica.start_exact(self.sums, self.scalars + len(self.took), interrupt,
                                         self.reconciler is not None)
