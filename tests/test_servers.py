@@ -12,8 +12,8 @@ import elasticflow.checkpoint as ckpt
 from elasticflow.config.schema import compose, validate
 from elasticflow.errors import ElasticFlowError
 from elasticflow.replica.parameter_server import Layout, deal, handoff
-from harness import (REPO, assert_equivalent, assert_replicas_hold_the_checkpoint, events, exact_reference, finish,
-                     logged_step, members, metrics, scale, start, train_exact, train_ok, wait_for)
+from harness import (REPO, Limit, assert_equivalent, assert_replicas_hold_the_checkpoint, events, exact_reference,
+                     finish, logged_step, members, metrics, saved, scale, start, train_exact, train_ok, wait_for)
 
 PS = ["topology=parameter_server", "checkpoint.interval.steps=10"]
 T = (-1, -1)  # a trainer's (or a new member's) previous role
@@ -108,13 +108,17 @@ def test_a_killed_primary_costs_no_step_and_its_standby_takes_over(tmp_path, ref
 
 
 def test_without_a_standby_a_killed_aggregator_falls_back_to_the_last_checkpoint(tmp_path, reference):
-    run = tmp_path / "run"
+    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 25)
     proc = start(run, *PS, "launcher.workers=3", "optimizer=adam", "optimizer.lr=0.01",
-                 env={"EF_PROBE_PAUSE": "25:2.0"})
-    wait_for(lambda: logged_step(run) >= 23, 120, "step 23")  # logged as step 24 reduces
+                 env={"EF_PROBE_LIMIT": str(limit.path)})
+    wait_for(lambda: logged_step(run) >= 23, 120, "step 23", proc=proc)  # logged as step 24 reduces
+    # Step 20's save is written in the background: on a loaded machine it may commit after step 24. The trainers
+    # wait at the limit (step 25) until it has, so that it is the newest checkpoint when the shard is lost.
+    wait_for(lambda: "step_20" in saved(run), 120, "step 20's checkpoint committed", proc=proc)
     first = roles(run)[0]
     victim = next(m for m in members(run) if m["worker_id"] == first["primaries"][0])
     os.kill(victim["pid"], signal.SIGKILL)
+    limit.lift()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert_equivalent(run, reference, redone=True)  # steps 21-24 were logged twice: trained, lost, trained again
