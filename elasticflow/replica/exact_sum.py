@@ -15,16 +15,16 @@ manner of Demmel and Nguyen's reproducible summation (ReproBLAS), with two bins 
   bins (int64 SUM, exact: each bin adds terms below ``2^31``, so ``2^31`` terms fit).
 - The result keeps at least 31 bits below the largest term's leading bit, where a float32 sum keeps 24
   below the running sum's: never less accurate than float32 accumulation (``docs/exactness.md``).
-- A NaN or infinite term marks the element non-finite (a window from ``NONFINITE_FROM``, which the MAX spreads); its
+- A NaN or infinite term marks the element non-finite (window ``NONFINITE``, which the MAX spreads); its
   sum is NaN, so the non-finite check of the step still sees it.
 
-Costs: 17 bytes per element (two int64 bins, the int8 window) where a float32 sum has 4, and about twenty
-elementwise operations per term vector (``scripts/bench_exact.py``).
+Costs: 17 bytes per element (two int64 bins, the int8 window) where a float32 sum has 4, and a pass over them
+per term vector, compiled into one loop for a large gradient (``scripts/bench_exact.py``).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -33,14 +33,14 @@ log = logging.getLogger("elasticflow")
 W = 31                 # bits per bin: a term's two bins hold < 2^62, and 2^31 terms sum without overflow
 MIN_WINDOW = -30       # below 2^-930 terms lose their bits (float32's smallest is 2^-149)
 MAX_WINDOW = 33        # float64's largest finite values
-NONFINITE = 127        # an element some term of which was NaN or infinite (_add_any's mark) ...
-NONFINITE_FROM = 100   # ... and any window from here on (_add_float32's mark: 100)
+NONFINITE = 100        # the window of an element some term of which was NaN or infinite (above any real one)
 _MASK = (1 << W) - 1
 
 
-def _powers(shift: int, device: Any, sign: int = 1) -> torch.Tensor:
-    """``2^(sign (w + shift) W)`` for each window w from MIN_WINDOW to MAX_WINDOW, exactly (float64)."""
-    return torch.tensor([2.0 ** (sign * (w + shift) * W) for w in range(MIN_WINDOW, MAX_WINDOW + 1)],
+def _per_lo_unit(device: Any) -> torch.Tensor:
+    """``2^(-(w - 1) W)`` for each window w from MIN_WINDOW to MAX_WINDOW, exactly (float64): a term times it
+    counts units of its lo bin."""
+    return torch.tensor([2.0 ** (-(w - 1) * W) for w in range(MIN_WINDOW, MAX_WINDOW + 1)],
                         dtype=torch.float64, device=device)
 
 
@@ -57,7 +57,7 @@ class ExactSum:
     def __init__(self, n: int, device: Any = "cpu"):
         self.bins = torch.zeros(2, n, dtype=torch.int64, device=device)  # hi, lo: one tensor, one collective
         self.window = torch.full((n,), MIN_WINDOW, dtype=torch.int8, device=device)
-        self._down = _powers(-1, device, -1)  # a term times this counts units of its lo bin (_add_any)
+        self._down = _per_lo_unit(device)  # _add_any's scale
 
     @property
     def n(self) -> int:
@@ -120,13 +120,9 @@ class ExactSum:
         self._move(window, 0, self.n)
         group.allreduce_(self.bins)
 
-    def values(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The sums, float64 (or rounded once more into ``out``'s dtype). NaN where a term was not finite."""
-        result = _run(sums_float64, (self.window, self.bins[0], self.bins[1]))
-        if out is not None:
-            out.copy_(result.view(out.shape))
-            return out
-        return result
+    def values(self) -> torch.Tensor:
+        """The sums, float64. NaN where a term was not finite."""
+        return _run(sums_float64, (self.window, self.bins[0], self.bins[1]))
 
 
 def moved(window: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
@@ -147,8 +143,8 @@ def deposit_float32(t: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: t
     bits = t.view(torch.int32)
     biased = (bits >> 23) & 0xFF
     # The leading bit's position is biased - 127 (subnormals too: all in bin -5); floor((biased - 127) / 31) by a
-    # multiply and a shift, exact for 0 <= biased + 28 < 400. A NaN or infinity (biased 255) lands at NONFINITE_FROM.
-    own = (((biased + 28) * 2115) >> 16) - 5 + (biased == 0xFF).to(torch.int32) * (NONFINITE_FROM - 4)
+    # multiply and a shift, exact for 0 <= biased + 28 < 400. A NaN or infinity (biased 255, bin 4) lands at NONFINITE.
+    own = (((biased + 28) * 2115) >> 16) - 5 + (biased == 0xFF).to(torch.int32) * (NONFINITE - 4)
     window = torch.maximum(own, held.to(torch.int32))
     window8, hi, lo = moved(window, held, hi, lo)
     normal = (biased != 0).to(torch.int32)
@@ -176,7 +172,7 @@ def sums_float64(window: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> to
     unit 2^(31 (window - 1)), made from its exponent bits (exact: a power of two). NaN where not finite."""
     unit = ((W * (window.to(torch.int64).clamp(MIN_WINDOW, MAX_WINDOW) - 1) + 1023) << 52).view(torch.float64)
     value = (hi.to(torch.float64) * float(1 << W) + lo.to(torch.float64)) * unit
-    return torch.where(window >= NONFINITE_FROM, float("nan"), value)  # a mask seldom true: no mispredictions
+    return torch.where(window >= NONFINITE, float("nan"), value)  # a mask seldom true: no mispredictions
 
 
 # Elements from which deposit_float32 and sums_float64 run compiled by torch.compile (inductor: one C++ loop on a
