@@ -150,16 +150,17 @@ def write_json(path: Path, value) -> None:
 # ------------------------------------------------------------------ the agent process
 def agent_main(args) -> int:
     from elasticflow.config.schema import compose
-    from elasticflow.distributed import agent as agent_mod, health, process
+    from elasticflow.distributed import agent as agent_mod, health, process, stores as stores_mod
 
     n = args.n
     cfg = compose("models/linear.py", [
         f"launcher.workers={n}", f"launcher.max_workers={n + 1}", "launcher.restart_failed=false",
+        "launcher.store=tcp",  # the TCPStore: its server's threads, not the agent's Python, serve the members
         f"elastic.heartbeat_timeout_s={args.heartbeat_timeout}", f"elastic.timeout_s={args.timeout}",
         "elastic.wait_s=3600"])  # the first generation waits for all N, however long they take to join
     process.Worker.signal = _fake_signal
     stores: List[CountingStore] = []
-    real_listening = agent_mod.listening_store
+    real_listening = stores_mod.listening_store
 
     def listening(*a, **kw):
         store, sock = real_listening(*a, **kw)
@@ -170,7 +171,7 @@ def agent_main(args) -> int:
             stores.append(kept)
         stores.append(CountingStore(store, "agent", kept))
         return stores[-1], sock
-    agent_mod.listening_store = listening
+    stores_mod.listening_store = listening
 
     rounds = {"n": 0, "wall_s": 0.0, "cpu_s": 0.0, "max_wall_s": 0.0}
     real_check = health.check

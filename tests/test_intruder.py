@@ -4,14 +4,18 @@ running 3-worker job. The job finishes with the 1-worker parameters, and each fo
 The intruder is a separate process with the job's store address and nothing else (no ELASTICFLOW_* in its
 environment). It lists the store's keys, as anyone can, so it knows every record's name.
 """
+import functools
 import grp
 import json
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +23,8 @@ from harness import PROBE, assert_equivalent, cli, events, finish, logged_step, 
 
 INTRUDER = r"""
 import datetime, json, sys, time
-from torch.distributed import TCPStore
+from elasticflow.distributed.stores import connect
 
-host, port = sys.argv[1].rsplit(":", 1)
 events = sys.argv[2]  # the job's events.jsonl: where the job says what it refused
 
 
@@ -50,7 +53,7 @@ def until(pred, what, act=lambda: None):
         time.sleep(0.02)
 
 
-store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
+store = connect(sys.argv[1], 10.0)  # the job's private store: this intruder is its owner without the token
 keys = store.list_keys()
 done = []
 
@@ -165,13 +168,14 @@ def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
 def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
     from elasticflow.checkpoint.coordinator import StoreCoordinator
     from elasticflow.distributed.process import listening_store
+    from elasticflow.distributed.stores import connect
     from elasticflow._util.sealing import REFUSED, Sealer
 
     store, listener = listening_store("127.0.0.1", 5.0)
     try:
         sealer = Sealer("t" * 32, "job1")
-        rank1 = StoreCoordinator(f"127.0.0.1:{store.port}", 5.0, sealer)
-        rank0 = StoreCoordinator(f"127.0.0.1:{store.port}", 5.0, sealer)
+        rank1 = StoreCoordinator(functools.partial(connect, f"127.0.0.1:{store.port}", 5.0), sealer)
+        rank0 = StoreCoordinator(functools.partial(connect, f"127.0.0.1:{store.port}", 5.0), sealer)
         before = REFUSED.counts.get("checkpoint report", 0)
         key = "ckpt/x/step_1/g0.1/rank1"
         store.set(key, json.dumps({"ok": True, "file": "../../etc/passwd"}))  # no MAC
@@ -188,10 +192,10 @@ def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
 
 CRASHER = r"""
 import datetime, json, sys, time
-from torch.distributed import TCPStore
+from elasticflow.distributed.stores import connect
 
-host, port, phase = sys.argv[1].rsplit(":", 1) + [sys.argv[2]]
-store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
+phase = sys.argv[2]
+store = connect(sys.argv[1], 10.0)
 ESCAPES = "\x1b[2J\x1b[HFAKE LINE: job finished, all good"
 if phase == "bombs":
     # Parser bombs where the agent reads: a join request and a scale request of 100,000 nested brackets, one of
@@ -268,6 +272,87 @@ def test_an_intruder_cannot_crash_stall_or_deceive_the_agent(tmp_path, reference
     assert len(refused) >= 3 and all("token" in e["reason"] for e in refused), refused
     assert any(e["host"].startswith("\\x1b[2J\\x1b[HFAKE LINE") for e in refused), refused  # kept as text
     assert {"join/count", "control/count"} <= {e["record"] for e in log if e["event"] == "forged"}
+
+
+LOCAL_USER = r"""
+import json, os, socket, sys
+
+# A local user without the token: it finds the job's store where any local user can (every Unix socket's path
+# is in /proc/net/unix), then tries to open it and to read the job's private files.
+run = sys.argv[1]
+tried = {}
+found = [line.split()[-1] for line in open("/proc/net/unix") if line.rstrip().endswith("/store.sock")]
+tried["found"] = sorted({p for p in found if p.startswith(run)})  # one line per connection
+for path in tried["found"]:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        tried["connect"] = "connected"
+    except OSError as e:
+        tried["connect"] = type(e).__name__
+tried["run_dir"] = sorted(os.listdir(run))  # the run directory itself is readable: events, metrics
+for name in ("agent.json", "token"):
+    try:
+        open(os.path.join(run, ".elasticflow", name)).read()
+        tried[name] = "read"
+    except OSError as e:
+        tried[name] = type(e).__name__
+print(json.dumps(tried))
+"""
+
+
+def _tcp_listeners(pid: int) -> list:
+    """The TCP ports process PID listens on (its sockets' inodes, found in /proc/net/tcp{,6} as LISTEN)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            rows = [line.split() for line in open(table).read().splitlines()[1:]]
+            ports += [int(r[1].rsplit(":", 1)[1], 16) for r in rows if r[3] == "0A" and r[9] in inodes]
+    return ports
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="attacks as another user (nobody): needs root (as CI has)")
+def test_a_local_user_cannot_reach_the_job_store(reference):
+    """A 3-worker job in a run directory every local user may enter: its agent listens on no TCP port, and
+    ``nobody`` finds the store's socket but cannot open it, nor read the store's address or the token. The job
+    ends on the 1-worker parameters. (Gloo's own ports, between the workers, stay open: docs/security.md.)"""
+    world = Path(tempfile.mkdtemp(prefix="ef-intruder-"))  # pytest's tmp_path is root's 0700: nobody would
+    try:                                                    # stop there, whatever the job did
+        os.chmod(world, 0o755)
+        run, pace = world / "run", world / "pace"
+        pace.touch()
+        proc = start(run, "launcher.workers=3", "checkpoint.interval.steps=20",
+                     env={"EF_PROBE_SLEEP": "0.2", "EF_PROBE_PACE": str(pace)})
+        wait_for(lambda: logged_step(run) >= 3, 120, "step 3")
+        agent = json.loads((run / ".elasticflow" / "agent.json").read_text())
+        assert agent["address"].startswith("unix:") and _tcp_listeners(agent["pid"]) == []
+        script = world / "local_user.py"
+        script.write_text(LOCAL_USER)
+        script.chmod(0o644)
+        tried = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3",
+                                str(script), str(run)], capture_output=True, text=True, timeout=60)
+        assert tried.returncode == 0, tried.stderr
+        seen = json.loads(tried.stdout)
+        assert seen["found"] == [agent["address"][len("unix:"):]], seen  # finding it is not opening it
+        assert seen["connect"] == "PermissionError", seen
+        assert seen["agent.json"] == seen["token"] == "PermissionError", seen
+        assert ".elasticflow" in seen["run_dir"], seen
+        pace.unlink()
+        out = finish(proc)
+        assert proc.returncode == 0, out[-4000:]
+        assert_equivalent(run, reference)
+        assert list((run / "checkpoints").glob("*/step_*/metadata.json"))
+        assert not (run / ".elasticflow" / "store.sock").exists()  # gone with the job
+    finally:
+        shutil.rmtree(world, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user: needs root (as CI has)")

@@ -12,7 +12,6 @@ Store keys (the agent's TCPStore; every value sealed with the job token, _util/s
 """
 from __future__ import annotations
 
-import datetime
 import json
 import threading
 import time
@@ -73,27 +72,23 @@ class LocalCoordinator(Coordinator):
 
 
 class StoreCoordinator(Coordinator):
-    """Through the agent's TCPStore, on a client of its own.
+    """Through the agent's store, on a client of its own (``connect()`` makes one: Membership.new_client).
 
-    Note: TCPStore clients are not thread-safe, and the training thread uses the membership's; this
+    Note: store clients are not thread-safe, and the training thread uses the membership's; this
     one connects lazily in the thread that first uses it (the checkpoint writer thread) and is
     used from there only.
     """
 
     POLL_S = 0.02  # polling ``check`` rather than ``wait``: a timed-out wait logs C++ warnings
 
-    def __init__(self, address: str, timeout_s: float, sealer: Sealer):
-        self.address, self.timeout_s, self.sealer = address, timeout_s, sealer
+    def __init__(self, connect: Callable[[], Any], sealer: Sealer):
+        self.connect, self.sealer = connect, sealer
         self._store = None
         self._owner: Optional[int] = None
 
     def _client(self):
-        from torch.distributed import TCPStore
-
         if self._store is None:
-            host, port = self.address.rsplit(":", 1)
-            self._store = TCPStore(host, int(port), None, False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._store = self.connect()
             self._owner = threading.get_ident()
         assert self._owner == threading.get_ident(), "StoreCoordinator used from two threads"
         return self._store

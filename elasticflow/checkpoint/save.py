@@ -177,7 +177,7 @@ class Checkpointer:
         lease = jobdir.hold(job_dir, Path(run_dir).absolute(), token)
         jobdir.record(state_dir, Path(checkpoint_dir), name)
         timeout = float(cfg.elastic.timeout_s)
-        coordinator = StoreCoordinator(membership.address, timeout, sealer) if membership is not None else None
+        coordinator = StoreCoordinator(membership.new_client, sealer) if membership is not None else None
         ck = cls(job_dir, keep=c.keep, asynchronous=bool(c.async_save), timeout_s=timeout,
                  coordinator=coordinator, token=token)
         ck.lease = lease

@@ -16,7 +16,7 @@ from . import reproducible
 from .ranges import check_ranges
 from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from ..errors import ElasticFlowError
-from .launchers import check_kubernetes, check_nodes
+from .launchers import check_kubernetes, check_nodes, check_store
 from .topology import TopologyConfig, check_run, validate as validate_topology
 
 
@@ -47,6 +47,9 @@ class LauncherConfig:
     endpoint: Optional[str] = None  # HOST:PORT of the job's agent and store; the host owning HOST runs them
     procs_per_node: int = 1        # workers each host starts (and restarts)
     token_file: Optional[str] = None  # a file holding the job's shared secret (else $ELASTICFLOW_JOB_TOKEN)
+    # The job's store (docs/security.md): auto = private on one host (launcher=local: a Unix socket only your
+    # processes can open), tcp across hosts; tcp = a TCP port anyone who reaches it may connect to (trusted networks)
+    store: str = "auto"
     # Refused otherwise: whoever can write there can swap what the workers read back, and run code as you.
     trust_shared_dirs: bool = False  # accept a run directory or checkpoint folder others own or may write into
     # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end
@@ -298,6 +301,7 @@ def validate(cfg: Any) -> None:
     if lc.name not in ("local", "nodes", "slurm", "kubernetes"):
         raise ElasticFlowError(f"unknown launcher {lc.name!r}",
                                "pass launcher=local, launcher=nodes, launcher=slurm or launcher=kubernetes")
+    check_store(lc)
     if lc.name == "nodes":
         check_nodes(lc)
     if lc.name == "kubernetes":

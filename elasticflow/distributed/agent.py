@@ -32,8 +32,9 @@ from omegaconf import OmegaConf
 from .._util.console import DetachedConsole
 from ..errors import ElasticFlowError, TrainingInterrupted
 from .._util.fileio import append_event
-from . import admission, health, hosts, protocol, scaling, workers_json
-from .process import Worker, listening_store
+from . import admission, health, hosts, protocol, scaling, stores, workers_json
+from ..config.launchers import store_kind
+from .process import Worker
 from .rendezvous import Rendezvous
 from .roster import Roster
 
@@ -77,8 +78,13 @@ class Agent:
         self.join_rechecks: Dict[int, tuple] = {}  # admission: requests that failed their MAC, read again
         self.record: Dict[str, str] = {}      # the agent's own records as sealed, put back if a stranger replaces one
         protocol.REFUSED.on_first = lambda kind, detail: self.event("forged", record=kind, detail=detail)
-        self.store, self._listener = listening_store(host, cfg.elastic.timeout_s, port)
-        self.address = f"{host}:{self.store.port}"
+        kind = store_kind(cfg.launcher)
+        self.store, self.address, self._stop_serving = stores.serve(kind, host, port, self.state_dir,
+                                                                    cfg.elastic.timeout_s)
+        if kind == stores.TCP:
+            log.warning("the job's store is a TCPStore on %s, which anyone who reaches it may connect to (every "
+                        "record is sealed, the connection is not): keep the job on a network only your hosts "
+                        "reach (docs/security.md)", self.address)
         self.hosts = hosts.Hosts(self)        # the node agents of other hosts, and their workers' exits
         self.preempted = False
         self.generation = -1                  # nothing published yet
@@ -208,6 +214,8 @@ class Agent:
             self._reap_all(CRASH_REAP_S if crashed else REAP_S)
             workers_json.write_ended(self)
             protocol.agent_file(self.run_dir).unlink(missing_ok=True)
+            if not crashed:
+                self._stop_serving()  # the private store's socket goes with the job
             console.close(timeout_s=CONSOLE_DRAIN_S)
 
     def _on_sigint(self, signum, frame) -> None:
@@ -438,7 +446,7 @@ class Agent:
         members agree on a last checkpoint, write it and exit 4), as when the agent's host is lost. Without
         this, a crashed agent's cleanup SIGKILLed the workers while they still saw a store, and the steps since
         the last periodic checkpoint were lost."""
-        self._listener.close()
+        self._stop_serving()
         self.store = self.rdv.store = None
         gc.collect()  # the TCPStore's server (and with it every worker's connection) closes with its last reference
 

@@ -2,7 +2,6 @@
 directory and its agent's store. (The status page itself is rendered above, in ``elasticflow.observability.status``.)"""
 from __future__ import annotations
 
-import datetime
 import json
 import secrets
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 from typing import Dict, Iterable
 
 from ..errors import ElasticFlowError
-from . import protocol, scaling
+from . import protocol, scaling, stores
 
 ASK_AGAIN_S = 3.0  # a scale request unanswered this long is written again (the agent answers within ~50 ms)
 
@@ -29,17 +28,14 @@ def _running_agent(run_dir: Path) -> dict:
 def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
     """Ask the job's agent for ``workers`` workers; return when the membership shows them (or after
     ``wait_s``); raise when the agent refuses, or the job ends first."""
-    from torch.distributed import TCPStore
-
     agent = _running_agent(run_dir)
     try:
         token = protocol.read_token(run_dir)
     except OSError as exc:
         raise ElasticFlowError(f"cannot read the job token in {run_dir}/.elasticflow/token ({exc.strerror})",
                                "run `elasticflow scale` as the user who started the job") from exc
-    host, port = agent["address"].rsplit(":", 1)
     try:
-        store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
+        store = stores.connect(agent["address"], 10.0)
     except Exception as exc:
         raise ElasticFlowError(f"the agent at {agent['address']} does not answer ({exc})",
                                "the job may have just ended; see `elasticflow status RUN_DIR`") from exc
@@ -107,11 +103,8 @@ def devices(run_dir: Path, worker_ids: Iterable[int]) -> Dict[int, str]:
     Empty when the store does not answer (the job ended while we read): status then shows no devices.
     Costs a store connection and two round trips per worker.
     """
-    from torch.distributed import TCPStore
-
     try:
-        host, port = json.loads(protocol.agent_file(run_dir).read_text())["address"].rsplit(":", 1)
-        store = TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=2))
+        store = stores.connect(json.loads(protocol.agent_file(run_dir).read_text())["address"], 2.0)
         found = {}
         for wid in worker_ids:
             key = protocol.device_key(wid)

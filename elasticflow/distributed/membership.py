@@ -10,7 +10,6 @@ ignored -- a stranger who can reach the store cannot stop the job, or enter it, 
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -21,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore
 
 from .._util.fileio import append_event
 from .._util.memory import rss_mib
-from . import protocol
+from . import protocol, stores
 from .comm import Group
 from .protocol import CommError
 from .rendezvous import key
@@ -63,16 +62,15 @@ class Refused(Exception):
     """The agent refused to admit this worker (wrong or missing job token, or the job is full)."""
 
 
-def _connect(address: str, timeout_s: float) -> TCPStore:
-    host, port = address.rsplit(":", 1)
-    return TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=timeout_s))
+def _connect(address: str, timeout_s: float):
+    return stores.connect(address, timeout_s)
 
 
 class Membership:
     """This worker's view: generation, rank, world size and the generation's ``Group``.
 
     Args:
-        address: the agent's store, "host:port".
+        address: the agent's store, ``unix:<path>`` or ``host:port`` (stores.py).
         worker_id: this worker's id (stable for the life of the process).
         timeout_s: collective and rendezvous timeout (``elastic.timeout_s``).
         wait_s: ``elastic.wait_s`` (kept for the caller; the agent, not the worker, applies it).
@@ -97,6 +95,10 @@ class Membership:
         self.sealer = protocol.Sealer(token or "")  # for the run's job once the join verdict names it
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="elasticflow-membership", daemon=True)
+
+    def new_client(self):
+        """A client of the agent's store on a connection of its own (for a thread of its own)."""
+        return _connect(self.address, self.timeout_s)
 
     # -- background
     def _poll(self) -> None:

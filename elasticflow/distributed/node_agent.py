@@ -14,7 +14,6 @@ gives up with one line.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 from torch.distributed import TCPStore
 
 from ..errors import ElasticFlowError, TrainingInterrupted
-from . import protocol
+from . import protocol, stores
 from .hosts import node_message
 
 log = logging.getLogger("elasticflow")
@@ -43,9 +42,7 @@ CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_
 ERROR_EXITS = (1, 2, protocol.EXIT_REFUSED)  # the worker's own error line; the agent fails the job with it
 
 
-def connect(endpoint: str, timeout_s: float) -> TCPStore:
-    host, port = endpoint.rsplit(":", 1)
-    return TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=timeout_s))
+connect = stores.connect  # the endpoint is HOST:PORT: a TCPStore
 
 
 class NodeAgent:

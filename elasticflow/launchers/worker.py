@@ -93,7 +93,9 @@ def bind_address(interface) -> str:
         return "127.0.0.1"
     from ..distributed.netif import address_toward
 
-    return address_toward(os.environ[protocol.ENV_STORE].rsplit(":", 1)[0], interface)
+    from ..distributed.stores import host_of
+
+    return address_toward(host_of(os.environ[protocol.ENV_STORE]), interface)
 
 
 def _write_error(run_dir: Path, holder: dict, worker_id, message: str, hint: str) -> None:

@@ -1,0 +1,353 @@
+"""The job's store on one host: a Unix socket only the job's owner can open (``launcher=local``).
+
+Why not TCPStore: it listens on a TCP port, and every local user can reach a loopback port (and find its
+number in ``/proc/net/tcp``). A Unix socket in ``RUN_DIR/.elasticflow/`` (mode 0700) can be opened only by
+the owner; the server also reads each connection's peer credentials (``SO_PEERCRED``) and hangs up on any
+other user, so a loosened directory mode does not open the door either.
+
+The server runs in the agent's process (a thread per connection: one host holds a few dozen at most), so it
+dies with the agent, as TCPStore's would: the workers see the connection close and take the agent-lost path.
+The client is a ``torch.distributed.Store``, so gloo rendezvouses through it (``PrefixStore`` and all), and
+its semantics are TCPStore's: ``get`` and ``wait`` block until the key exists or the timeout passes
+(``DistStoreError``), ``add`` counts in decimal text, ``compare_set`` answers as TCPStore does, a lost or
+refused connection is ``DistNetworkError``.
+
+Wire format: a frame is a 4-byte length and a list of fields, each a 4-byte length and its bytes. A request
+is ``[op, args...]``; a reply ``[b"ok", values...]`` or ``[b"timeout" | b"error", message]``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import stat
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+MAX_FRAME = 64 << 20      # a bound against a bug, not a stranger (no stranger gets a connection)
+SCHEME = "unix:"
+_LEN = struct.Struct("!I")
+_MAX_PATH = 100           # sun_path holds 108 bytes; a deeper run directory gets a private one under /tmp
+
+
+def socket_path(state_dir: Path) -> Path:
+    """Where the store's socket goes: ``state_dir/store.sock``, or, if that path is too long for a Unix
+    socket, ``store.sock`` in a new 0700 directory under the temporary directory."""
+    path = Path(state_dir) / "store.sock"
+    if len(os.fsencode(str(path))) <= _MAX_PATH:
+        return path
+    return Path(tempfile.mkdtemp(prefix="elasticflow-")) / "store.sock"
+
+
+def _private_dir(path: Path) -> None:
+    """The socket's directory is made the owner's alone (0700); one of another user is refused."""
+    info = os.lstat(path.parent)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path.parent} is not a directory of this user: the job's store cannot be made "
+                              "private there (run the job from a run directory of your own)")
+    os.chmod(path.parent, 0o700)
+
+# ---------------------------------------------------------------------------------------------- framing
+def _send(sock: socket.socket, fields: List[bytes]) -> None:
+    body = b"".join(_LEN.pack(len(f)) + f for f in fields)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> List[bytes]:
+    (size,) = _LEN.unpack(_recv_exact(sock, 4))
+    if size > MAX_FRAME:
+        raise ConnectionError(f"a frame of {size} bytes")
+    body, fields, at = _recv_exact(sock, size), [], 0
+    while at < size:
+        (n,) = _LEN.unpack_from(body, at)
+        fields.append(body[at + 4:at + 4 + n])
+        at += 4 + n
+    return fields
+
+
+# ----------------------------------------------------------------------------------------------- server
+class StoreServer:
+    """The store's keys, served on a Unix socket to this user's processes only.
+
+    Args:
+        path: the socket's path (its directory must be this user's, mode 0700; see ``socket_path``).
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        _private_dir(self.path)
+        self.path.unlink(missing_ok=True)  # a stale socket of an earlier run of this directory
+        self._data: Dict[str, bytes] = {}
+        self._changed = threading.Condition()
+        self._conns: List[socket.socket] = []
+        self._closed = False
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file 0600 from the start, not after a chmod
+        try:
+            self._listener.bind(str(self.path))
+        finally:
+            os.umask(old)
+        self._listener.listen(256)
+        self.refused_peers = 0  # connections from other users, hung up on
+        threading.Thread(target=self._accept, name="elasticflow-store", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return SCHEME + str(self.path)
+
+    def close(self) -> None:
+        """Stop serving: every client's next call fails (the workers' agent-lost path)."""
+        self._closed = True
+        for s in [self._listener, *self._conns]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        self.path.unlink(missing_ok=True)
+        with self._changed:
+            self._changed.notify_all()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():
+                self.refused_peers += 1
+                conn.close()
+                continue
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="elasticflow-store-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed:
+                request = _recv(conn)
+                _send(conn, self.handle(request[0].decode(), request[1:]))
+        except (ConnectionError, OSError, struct.error):
+            pass
+        finally:
+            conn.close()
+            if conn in self._conns:
+                self._conns.remove(conn)
+
+    def handle(self, op: str, args: List[bytes]) -> List[bytes]:
+        """One request's reply (also the agent's own, in-process client)."""
+        try:
+            return [b"ok", *getattr(self, "_op_" + op)(*args)]
+        except _Timeout as exc:
+            return [b"timeout", str(exc).encode()]
+        except (AttributeError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            return [b"error", f"{op}: {type(exc).__name__}: {exc}".encode()]
+
+    def _await(self, keys: List[str], timeout_ms: bytes) -> None:
+        deadline = time.monotonic() + int(timeout_ms) / 1000
+        with self._changed:
+            while not all(k in self._data for k in keys):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    missing = [k for k in keys if k not in self._data]
+                    raise _Timeout(f"wait timeout after {int(timeout_ms)} ms, keys: {missing}")
+                self._changed.wait(left)
+
+    def _op_set(self, key: bytes, value: bytes) -> List[bytes]:
+        with self._changed:
+            self._data[key.decode()] = value
+            self._changed.notify_all()
+        return []
+
+    def _op_get(self, key: bytes, timeout_ms: bytes) -> List[bytes]:
+        self._await([key.decode()], timeout_ms)
+        with self._changed:
+            return [self._data[key.decode()]]
+
+    def _op_add(self, key: bytes, amount: bytes) -> List[bytes]:
+        with self._changed:
+            value = int(self._data.get(key.decode(), b"0")) + int(amount)
+            self._data[key.decode()] = str(value).encode()
+            self._changed.notify_all()
+        return [str(value).encode()]
+
+    def _op_compare_set(self, key: bytes, expected: bytes, desired: bytes) -> List[bytes]:
+        k = key.decode()
+        with self._changed:  # TCPStore's answers: the new value if it was set, else what is there
+            current = self._data.get(k)
+            if (current is None and expected == b"") or (current is not None and current == expected):
+                self._data[k] = desired
+                self._changed.notify_all()
+                return [desired]
+            return [expected if current is None else current]
+
+    def _op_check(self, *keys: bytes) -> List[bytes]:
+        with self._changed:
+            return [b"1" if all(k.decode() in self._data for k in keys) else b"0"]
+
+    def _op_wait(self, timeout_ms: bytes, *keys: bytes) -> List[bytes]:
+        self._await([k.decode() for k in keys], timeout_ms)
+        return []
+
+    def _op_delete_key(self, key: bytes) -> List[bytes]:
+        with self._changed:
+            return [b"1" if self._data.pop(key.decode(), None) is not None else b"0"]
+
+    def _op_num_keys(self) -> List[bytes]:
+        with self._changed:
+            return [str(len(self._data)).encode()]
+
+    def _op_list_keys(self) -> List[bytes]:
+        with self._changed:
+            return [k.encode() for k in self._data]
+
+
+class _Timeout(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------- client
+class PrivateStore(dist.Store):
+    """A client of ``StoreServer``: a ``torch.distributed.Store`` with TCPStore's semantics.
+
+    Args:
+        address: ``"unix:<path>"`` (the agent's ``StoreServer.address``).
+        timeout: how long ``get`` and ``wait`` wait for a key, and ``connect`` for the socket.
+
+    Note: one call at a time per client (a lock), as gloo and our threads share a client. Keep a reference
+    to it while a ``PrefixStore`` over it is in use: torch's trampoline finds the Python methods through the
+    Python object, and a ``PrefixStore`` alone does not keep that alive ("INTERNAL ASSERT FAILED ... Not
+    implemented" from gloo's rendezvous).
+    """
+
+    def __init__(self, address: str, timeout: datetime.timedelta):
+        super().__init__()
+        if not address.startswith(SCHEME):
+            raise ValueError(f"not a private store address: {address!r} (expected 'unix:<path>')")
+        self.address = address
+        self.set_timeout(timeout)
+        self._lock = threading.Lock()
+        self._sock = self._connect()
+
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.address[len(SCHEME):])
+                return sock
+            except FileNotFoundError as exc:  # not yet, or no longer, served: TCPStore too retries until timeout
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise dist.DistNetworkError(f"the job's store at {self.address} does not exist ({exc})") from None
+            except ConnectionRefusedError:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise dist.DistNetworkError(f"the job's store at {self.address} refused the connection "
+                                                "(its agent has ended)") from None
+            except PermissionError as exc:
+                sock.close()
+                raise dist.DistNetworkError(f"the job's store at {self.address} is another user's ({exc})") from None
+            time.sleep(0.05)
+
+    def _call(self, op: str, *args: bytes) -> List[bytes]:
+        with self._lock:
+            try:
+                _send(self._sock, [op.encode(), *args])
+                reply = _recv(self._sock)
+            except (ConnectionError, OSError, struct.error) as exc:
+                raise dist.DistNetworkError(f"the job's store at {self.address} closed the connection "
+                                            f"({type(exc).__name__})") from None
+        return self._answer(op, reply)
+
+    @staticmethod
+    def _answer(op: str, reply: List[bytes]) -> List[bytes]:
+        if reply[0] == b"ok":
+            return reply[1:]
+        if reply[0] == b"timeout":
+            raise dist.DistStoreError(reply[1].decode())
+        raise RuntimeError(f"the job's store refused {op}: {reply[1].decode()}")
+
+    def _ms(self, timeout: Optional[datetime.timedelta] = None) -> bytes:
+        seconds = self._timeout_s if timeout is None else timeout.total_seconds()
+        return str(int(seconds * 1000)).encode()
+
+    @staticmethod
+    def _bytes(value) -> bytes:
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def set(self, key: str, value) -> None:
+        self._call("set", key.encode(), self._bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key.encode(), self._ms())[0]
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key.encode(), str(int(amount)).encode())[0])
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._call("compare_set", key.encode(), self._bytes(expected), self._bytes(desired))[0]
+
+    def check(self, keys: List[str]) -> bool:
+        return self._call("check", *[k.encode() for k in keys])[0] == b"1"
+
+    def wait(self, keys: List[str], timeout: Optional[datetime.timedelta] = None) -> None:
+        self._call("wait", self._ms(timeout), *[k.encode() for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key.encode())[0] == b"1"
+
+    def num_keys(self) -> int:
+        return int(self._call("num_keys")[0])
+
+    def list_keys(self) -> List[str]:
+        return [k.decode() for k in self._call("list_keys")]
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        super().set_timeout(timeout)
+        self._timeout_s = timeout.total_seconds()
+
+    def clone(self) -> "PrivateStore":
+        """A client on a connection of its own (``protocol.draw`` draws counters on one)."""
+        return PrivateStore(self.address, self.timeout)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class InProcessStore(PrivateStore):
+    """The agent's own client of its server: the same calls, without a socket (the server is in this process).
+
+    Its ``get`` and ``wait`` would block the agent's loop; it uses neither (``untrusted.read`` never waits).
+    """
+
+    def __init__(self, server: StoreServer, timeout: datetime.timedelta):
+        dist.Store.__init__(self)
+        self.address, self._server = server.address, server
+        self.set_timeout(timeout)
+
+    def _call(self, op: str, *args: bytes) -> List[bytes]:
+        return self._answer(op, self._server.handle(op, list(args)))
+
+    def clone(self) -> "InProcessStore":
+        return self
+
+    def close(self) -> None:
+        self._server.close()

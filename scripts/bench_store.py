@@ -1,0 +1,139 @@
+"""What the private store costs against the TCPStore (issue #42): a round trip, a generation's formation, a join,
+and a training step, per store, at 2, 4 and 16 workers, measured in the same run, stores alternating.
+
+    .venv/bin/python scripts/bench_store.py                  # 2 rounds of 2, 4 and 16 workers
+    .venv/bin/python scripts/bench_store.py --sizes 2 4 --rounds 3
+
+Each job: ``elasticflow train tests/models/digits_probe.py launcher.workers=N launcher.max_workers=N+1
+launcher.store=S`` (EF_PROBE_SLEEP in every forward, so steps are paced alike), then ``elasticflow scale RUN_DIR
+--workers N+1`` once step 3 is logged, and SIGINT once the joiner's generation formed. From events.jsonl: the
+first generation's ``formed_s`` (published -> every member in one gloo group: the workers' arrival and gloo's
+rendezvous, both through the store) and the join's (the generation with N+1 members). From metrics.jsonl: the
+median step time after the join. Printed: medians per store and size, and private / tcp.
+
+The round trip: one process, 2,000 ``set`` + ``compare_set`` pairs on a client of each store.
+
+Note: on a shared 2-core machine 16 workers contend for the cores: read the ratios, not the seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "tests" / "models" / "digits_probe.py"
+CLI = [sys.executable, "-m", "elasticflow.cli"]
+STORES = ("tcp", "private")
+
+
+def round_trip_us(kind: str, state_dir: Path, n: int = 2000) -> float:
+    from elasticflow.distributed import stores
+
+    store, address, close = stores.serve(kind, "127.0.0.1", 0, state_dir, 10.0)
+    try:
+        client = stores.connect(address, 10.0)
+        t = time.perf_counter()
+        for i in range(n):
+            client.set("k", str(i))
+            client.compare_set("k", "x", "y")
+        return (time.perf_counter() - t) / (2 * n) * 1e6
+    finally:
+        close()
+
+
+def _events(run: Path) -> list:
+    path = run / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def _steps(run: Path) -> list:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if '"loss"' in x] if path.is_file() else []
+
+
+def _until(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def one_job(run: Path, n: int, kind: str, env: dict) -> dict:
+    log = run.parent / f"{run.name}.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(CLI + ["train", str(PROBE), f"hydra.run.dir={run}", "trainer.global_batch_size=64",
+                                       "trainer.max_steps=100000", "trainer.log_every=1", "trainer.progress=false",
+                                       f"launcher.workers={n}", f"launcher.max_workers={n + 1}",
+                                       f"launcher.store={kind}", "elastic.wait_s=60", "checkpoint.interval.steps=null"],
+                                env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        _until(lambda: len(_steps(run)) >= 3, 300, f"step 3 of {run}")
+        subprocess.run(CLI + ["scale", str(run), "--workers", str(n + 1), "--wait", "120"], env=env,
+                       capture_output=True, check=True, timeout=200)
+        joined = lambda: [e for e in _events(run) if e["event"] == "formed" and e.get("world") == n + 1]  # noqa
+        _until(joined, 120, f"the {n + 1}-worker generation of {run}")
+        _until(lambda: sum(s.get("world_size") == n + 1 for s in _steps(run)) >= 10, 120, "10 steps after the join")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    formed = [e for e in _events(run) if e["event"] == "formed"]
+    after = [s for s in _steps(run) if s.get("world_size") == n + 1][2:]
+    return {"formation_s": formed[0]["formed_s"], "join_s": [e for e in formed if e["world"] == n + 1][0]["formed_s"],
+            "step_ms": 1000 * statistics.median(s["step_time_s"] for s in after) if after else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 16])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sleep", type=float, default=0.05, help="seconds per forward (EF_PROBE_SLEEP)")
+    args = ap.parse_args()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_SLEEP": str(args.sleep),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    print(f"# {datetime.date.today()} {os.cpu_count()} cores; sizes {args.sizes}, {args.rounds} rounds", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        trips = {k: [] for k in STORES}
+        for r in range(5):
+            for kind in STORES:
+                state = root / f"rt-{kind}-{r}"
+                state.mkdir()
+                trips[kind].append(round_trip_us(kind, state))
+        rt = {k: statistics.median(v) for k, v in trips.items()}
+        print(f"round trip (set or compare_set): tcp {rt['tcp']:.1f} us, private {rt['private']:.1f} us, "
+              f"private/tcp {rt['private'] / rt['tcp']:.2f}x", flush=True)
+        results = {(n, k): [] for n in args.sizes for k in STORES}
+        for r in range(args.rounds):
+            for n in args.sizes:
+                for kind in (STORES if r % 2 == 0 else STORES[::-1]):
+                    got = one_job(root / f"r{r}-n{n}-{kind}", n, kind, env)
+                    results[n, kind].append(got)
+                    print(f"round {r} {n:>2} workers {kind:>7}: formation {got['formation_s']:.3f} s, "
+                          f"join {got['join_s']:.3f} s, step {got['step_ms']:.1f} ms", flush=True)
+    print("\n| workers | formation tcp | private | ratio | join tcp | private | ratio | step tcp | private | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in args.sizes:
+        m = {(k, f): statistics.median(x[f] for x in results[n, k]) for k in STORES
+             for f in ("formation_s", "join_s", "step_ms")}
+        cells = []
+        for f, unit in (("formation_s", "s"), ("join_s", "s"), ("step_ms", "ms")):
+            cells += [f"{m['tcp', f]:.3f} {unit}", f"{m['private', f]:.3f} {unit}",
+                      f"{m['private', f] / m['tcp', f]:.2f}x"]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
