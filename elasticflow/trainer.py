@@ -339,6 +339,7 @@ class ElasticTrainer:
             final = self.checkpoints.save(f"step_{s.step}", self.replica)
         # An interval save may still be in flight; a failed background write is raised here.
         final = self.checkpoints.close() or final
+        self.checkpoints.require_final(final, s.step, self.rank)  # the trained state on disk, or the run fails
         self._stalled(f"step_{s.step}" if final else "in flight", time.perf_counter() - started, True)
         self._trained("finished")
         result = {"step": s.step, "epochs_completed": s.epochs_completed, "samples_seen": s.cursor.samples_seen,

@@ -228,10 +228,10 @@ def members_main(args) -> int:
     pool = [real_connect(args.address, args.timeout) for _ in range(0 if args.fresh_connections else 2 * len(ids) + 4)]
     drawing = CountingStore(real_connect(args.address, args.timeout), "main")
 
-    def connect(address, timeout_s):
+    def connect(address, timeout_s, token=None):
         role = "poller" if threading.current_thread().name == "elasticflow-membership" else "main"
         with lock:
-            store = CountingStore(pool.pop() if pool else real_connect(address, timeout_s), role,
+            store = CountingStore(pool.pop() if pool else real_connect(address, timeout_s, token), role,
                                   None if args.fresh_connections else drawing)
             stores.append(store)
         return store

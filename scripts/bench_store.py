@@ -1,5 +1,6 @@
-"""What the private store costs against the TCPStore (issue #42): a round trip, a generation's formation, a join,
-and a training step, per store, at 2, 4 and 16 workers, measured in the same run, stores alternating.
+"""What the job's own stores cost against the TCPStore (issue #42): the private one (a Unix socket) and the token
+one (TCP behind a token handshake), each against ``launcher.store=tcp``: a round trip, a generation's formation,
+a join, and a training step, at 2, 4 and 16 workers on one host, measured in the same run, stores in turn.
 
     .venv/bin/python scripts/bench_store.py                  # 2 rounds of 2, 4 and 16 workers
     .venv/bin/python scripts/bench_store.py --sizes 2 4 --rounds 3
@@ -9,9 +10,10 @@ launcher.store=S`` (EF_PROBE_SLEEP in every forward, so steps are paced alike), 
 --workers N+1`` once step 3 is logged, and SIGINT once the joiner's generation formed. From events.jsonl: the
 first generation's ``formed_s`` (published -> every member in one gloo group: the workers' arrival and gloo's
 rendezvous, both through the store) and the join's (the generation with N+1 members). From metrics.jsonl: the
-median step time after the join. Printed: medians per store and size, and private / tcp.
+median step time after the join. Printed: medians per store and size, and each store / tcp.
 
-The round trip: one process, 2,000 ``set`` + ``compare_set`` pairs on a client of each store.
+The round trip: one process, 2,000 ``set`` + ``compare_set`` pairs on a client of each store; and a connection
+(with the token store's handshake), 200 of each.
 
 Note: on a shared 2-core machine 16 workers contend for the cores: read the ratios, not the seconds.
 """
@@ -32,20 +34,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "models" / "digits_probe.py"
 CLI = [sys.executable, "-m", "elasticflow.cli"]
-STORES = ("tcp", "private")
+STORES = ("tcp", "private", "token")
+TOKEN = "bench" * 8
 
 
-def round_trip_us(kind: str, state_dir: Path, n: int = 2000) -> float:
+def round_trip_us(kind: str, state_dir: Path, n: int = 2000, connections: int = 200) -> tuple:
+    """(us per call, us per new connection) on a store of ``kind``."""
     from elasticflow.distributed import stores
 
-    store, address, close = stores.serve(kind, "127.0.0.1", 0, state_dir, 10.0)
+    store, address, close = stores.serve(kind, "127.0.0.1", 0, state_dir, 10.0, TOKEN)
     try:
-        client = stores.connect(address, 10.0)
+        client = stores.connect(address, 10.0, TOKEN)
         t = time.perf_counter()
         for i in range(n):
             client.set("k", str(i))
             client.compare_set("k", "x", "y")
-        return (time.perf_counter() - t) / (2 * n) * 1e6
+        call = (time.perf_counter() - t) / (2 * n) * 1e6
+        t = time.perf_counter()
+        for _ in range(connections):
+            stores.connect(address, 10.0, TOKEN).check(["k"])
+        return call, (time.perf_counter() - t) / connections * 1e6
     finally:
         close()
 
@@ -112,27 +120,26 @@ def main() -> None:
                 state = root / f"rt-{kind}-{r}"
                 state.mkdir()
                 trips[kind].append(round_trip_us(kind, state))
-        rt = {k: statistics.median(v) for k, v in trips.items()}
-        print(f"round trip (set or compare_set): tcp {rt['tcp']:.1f} us, private {rt['private']:.1f} us, "
-              f"private/tcp {rt['private'] / rt['tcp']:.2f}x", flush=True)
+        for i, what in enumerate(("a call (set or compare_set)", "a new connection and one call")):
+            rt = {k: statistics.median(t[i] for t in v) for k, v in trips.items()}
+            print(f"{what}: " + ", ".join(f"{k} {rt[k]:.1f} us ({rt[k] / rt['tcp']:.2f}x)" for k in STORES),
+                  flush=True)
         results = {(n, k): [] for n in args.sizes for k in STORES}
         for r in range(args.rounds):
             for n in args.sizes:
-                for kind in (STORES if r % 2 == 0 else STORES[::-1]):
+                for kind in (STORES if r % 2 == 0 else STORES[::-1]):  # in turn, the order reversed each round
                     got = one_job(root / f"r{r}-n{n}-{kind}", n, kind, env)
                     results[n, kind].append(got)
                     print(f"round {r} {n:>2} workers {kind:>7}: formation {got['formation_s']:.3f} s, "
                           f"join {got['join_s']:.3f} s, step {got['step_ms']:.1f} ms", flush=True)
-    print("\n| workers | formation tcp | private | ratio | join tcp | private | ratio | step tcp | private | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| workers | what | " + " | ".join(STORES) + " |")
+    print("|---|---|" + "---|" * len(STORES))
     for n in args.sizes:
-        m = {(k, f): statistics.median(x[f] for x in results[n, k]) for k in STORES
-             for f in ("formation_s", "join_s", "step_ms")}
-        cells = []
-        for f, unit in (("formation_s", "s"), ("join_s", "s"), ("step_ms", "ms")):
-            cells += [f"{m['tcp', f]:.3f} {unit}", f"{m['private', f]:.3f} {unit}",
-                      f"{m['private', f] / m['tcp', f]:.2f}x"]
-        print(f"| {n} | " + " | ".join(cells) + " |")
+        for f, what, unit, scale in (("formation_s", "formation", "s", 1), ("join_s", "join", "s", 1),
+                                     ("step_ms", "step", "ms", 1)):
+            m = {k: statistics.median(x[f] for x in results[n, k]) * scale for k in STORES}
+            print(f"| {n} | {what} | " + " | ".join(f"{m[k]:.3f} {unit} ({m[k] / m['tcp']:.2f}x)" for k in STORES)
+                  + " |")
 
 
 if __name__ == "__main__":

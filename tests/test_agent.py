@@ -47,7 +47,7 @@ def test_a_replacement_takes_the_local_slot_of_the_worker_it_replaces(tmp_path):
         agent._reap()
         assert [e[protocol.ENV_LOCAL_SLOT] for e in envs[4:]] == ["0", "2"]
     finally:
-        agent._listener.close()
+        agent._stop_serving()
 
 
 @pytest.mark.timeout(60)

@@ -114,6 +114,23 @@ def test_member_killed_during_a_save_training_goes_on(tmp_path, reference, rank,
     assert leftovers(run) == []
 
 
+def test_a_final_save_that_did_not_commit_fails_the_run_and_a_rerun_resumes(tmp_path, reference):
+    """A member killed while writing the final checkpoint: rank 0 gives the save up, and the run fails in one
+    line naming the newest checkpoint (it used to end `done`, exit 0, with step_40, and steps 41-60 lost).
+    The same command again resumes from step_40 and ends on the 1-worker model."""
+    run = tmp_path / "run"
+    proc = start(run, "launcher.workers=2", "checkpoint.interval.steps=20", "elastic.timeout_s=4",
+                 "elastic.heartbeat_timeout_s=2", env={"ELASTICFLOW_TEST_CKPT_KILL": f"mid_write:{STEPS}:1"})
+    out = finish(proc)
+    assert proc.returncode not in (0, -9), out[-3000:]
+    assert (f"error: the final checkpoint (step {STEPS}) did not commit, so the trained state is not on disk (the "
+            "newest checkpoint is step_40") in out, out[-3000:]
+    assert sorted(saved(run)) == ["step_20", "step_40"]
+    out = train_ok(run, "launcher.workers=2", "checkpoint.interval.steps=20")
+    assert "resumed from" in out and "step_40" in out.split("resumed from")[1].splitlines()[0]
+    assert_equivalent(run, reference, redone=True)
+
+
 # ---------------------------------------------------------------- broken checkpoints
 def one_error_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -9,7 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from harness import (PROBE, TOKEN, assert_each_sample_once, assert_equivalent, events, finish, logged_step,
+from harness import (ENDPOINT, PROBE, TOKEN, assert_each_sample_once, assert_equivalent, events, finish, logged_step,
                      metrics, nodes_args, cli, start_on_hosts, wait_for, workers, world_sizes)
 from hosts import Hosts, hosts  # noqa: F401 - fixture
 
@@ -26,11 +26,39 @@ def worker_hosts(run: Path) -> Counter:
     return Counter(m["host"] for m in json.loads((run / "workers.json").read_text())["members"])
 
 
+STRANGER = r"""
+import datetime, sys
+from torch.distributed import TCPStore
+from elasticflow.distributed.stores import connect
+
+# A stranger on the job's network: it knows the endpoint (a port scan would find it), not the token.
+host, port = sys.argv[1].rsplit(":", 1)
+for name, attempt in (("tcpstore", lambda: TCPStore(host, int(port), None, False,
+                                                    timeout=datetime.timedelta(seconds=3)).set("gen/current", "99")),
+                      ("wrong token", lambda: connect("token:" + sys.argv[1], 3.0, "not the job's token" * 2))):
+    try:
+        attempt()
+        print(name, "served")
+    except Exception as exc:
+        print(name, "refused", type(exc).__name__)
+"""
+
+
 def test_two_hosts_of_two_workers_equal_one_worker(hosts, tmp_path, reference):
-    net = hosts(2)
-    run, record = tmp_path / "run", tmp_path / "record"
+    """Two hosts of two workers train as one; a stranger on a third host, without the token, is refused by the
+    store (a plain TCPStore client, and our client with a wrong token) and changes nothing."""
+    net = hosts(3)
+    run, record, pace = tmp_path / "run", tmp_path / "record", tmp_path / "pace"
     record.mkdir()
-    procs = start_on_hosts(net, run, ["h1", "h2"], "launcher.nodes=2", record=record)
+    pace.touch()  # steps held slow until the stranger has tried
+    procs = start_on_hosts(net, run, ["h1", "h2"], "launcher.nodes=2", record=record,
+                           env={"EF_PROBE_SLEEP": "0.2", "EF_PROBE_PACE": str(pace)})
+    wait_for(lambda: logged_step(run) >= 3, 180, "step 3")
+    script = tmp_path / "stranger.py"
+    script.write_text(STRANGER)
+    tried = net.run("h3", [sys.executable, str(script), ENDPOINT], timeout=120)
+    pace.unlink()
+    assert tried.stdout.count("refused") == 2 and "served" not in tried.stdout, tried.stdout + tried.stderr
     out = {h: finish(p) for h, p in procs.items()}
     assert procs["h1"].returncode == 0, out["h1"][-3000:]
     assert procs["h2"].returncode == 0, out["h2"][-3000:]

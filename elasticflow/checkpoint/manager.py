@@ -74,6 +74,7 @@ class CheckpointManager:
         self.recorded = {"backend": backend, "optimizer": optimizer, "seed": cfg.seed,
                          "global_batch_size": cfg.trainer.global_batch_size, "config_hash": config_hash(cfg),
                          "model_file_sha256": file_hash(cfg.model)}
+        self.attempted_step: Optional[int] = None  # the step of this run's newest save (committed or not)
 
     @property
     def job_dir(self) -> Path:
@@ -92,6 +93,8 @@ class CheckpointManager:
         written, since the process may exit next. Returns the checkpoint's path on rank 0.
         """
         rank, world = replica.rank, replica.world
+        arrays, progress = self.state_dict()  # views: the checkpointer copies only this rank's slice
+        self.attempted_step = int(progress["step"])
         sharded = getattr(replica, "sharding", lambda: None)()  # trainer.shard: each rank holds (and writes) only its slice of the optimizer
         if world > 1 and not replica.coordinated():
             if sharded is not None:
@@ -104,7 +107,6 @@ class CheckpointManager:
             if not self._claim(name, replica.generation):
                 return None
             rank, world = 0, 1
-        arrays, progress = self.state_dict()  # views: the checkpointer copies only this rank's slice
         info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": replica.world,
                 "generation": replica.generation, "saved_at": time.time(), **self.recorded}
         return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=replica.generation,
@@ -217,3 +219,24 @@ class CheckpointManager:
 
     def latest(self) -> Optional[Path]:
         return latest(self.job_dir)
+
+    def require_final(self, final: Optional[Path], step: int, rank: int) -> None:
+        """At the end of training, on rank 0 (which commits): if this run saved ``step`` (the final save, or an
+        interval save of the last step), the newest committed checkpoint must hold it, else the run fails. (A run
+        that saved nothing of it resumed at its last step: the state is on disk where it came from.)
+
+        A final save that did not commit (a member killed while writing it, its report lost) used to end the
+        run ``done`` with an older checkpoint, and the steps since it were lost without a word.
+        """
+        if rank != 0 or self.attempted_step != step:
+            return
+        newest = final or self.latest()
+        try:
+            saved = newest is not None and int(read_metadata(newest)["step"]) == step
+        except (ElasticFlowError, OSError, ValueError, KeyError, TypeError):
+            saved = False
+        if not saved:
+            raise ElasticFlowError(
+                f"the final checkpoint (step {step}) did not commit, so the trained state is not on disk "
+                f"(the newest checkpoint is {newest.name if newest else 'none'}; see the warning above)",
+                "run the same command again: it resumes from the newest checkpoint and trains the steps since")

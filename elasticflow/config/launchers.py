@@ -14,24 +14,24 @@ def _positive_int(value: Any, key: str, hint: str) -> None:
         raise ElasticFlowError(f"{key} must be a positive integer, got {value!r}", hint)
 
 
-STORES = ("auto", "private", "tcp")
+STORES = ("auto", "private", "token", "tcp")
 
 
 def check_store(lc: Any) -> None:
     """launcher.store: one of STORES; a private store serves one host only."""
     if lc.store not in STORES:
         raise ElasticFlowError(f"launcher.store must be one of {', '.join(STORES)}, got {lc.store!r}",
-                               "pass launcher.store=auto (private on one host, tcp across hosts)")
+                               "pass launcher.store=auto (private on one host, token across hosts)")
     if lc.store == "private" and lc.name != "local":
         raise ElasticFlowError(f"launcher.store=private serves one host, but launcher={lc.name} spans hosts",
-                               "pass launcher.store=tcp (or auto) and keep the job on a network only your hosts "
-                               "reach (docs/security.md)")
+                               "pass launcher.store=token (or auto): a TCP port that serves only the job's "
+                               "token holders (docs/security.md)")
 
 
 def store_kind(lc: Any) -> str:
-    """The store the agent serves: ``private`` or ``tcp`` (``auto``: private for launcher=local)."""
+    """The store the agent serves (distributed/stores.py): ``auto`` is private for launcher=local, else token."""
     if lc.store == "auto":
-        return "private" if lc.name == "local" else "tcp"
+        return "private" if lc.name == "local" else "token"
     return lc.store
 
 

@@ -47,8 +47,9 @@ class LauncherConfig:
     endpoint: Optional[str] = None  # HOST:PORT of the job's agent and store; the host owning HOST runs them
     procs_per_node: int = 1        # workers each host starts (and restarts)
     token_file: Optional[str] = None  # a file holding the job's shared secret (else $ELASTICFLOW_JOB_TOKEN)
-    # The job's store (docs/security.md): auto = private on one host (launcher=local: a Unix socket only your
-    # processes can open), tcp across hosts; tcp = a TCP port anyone who reaches it may connect to (trusted networks)
+    # The job's store (docs/security.md): auto = private on one host (a Unix socket only your processes can open),
+    # token across hosts (a TCP port serving only connections that prove the job token); tcp = a plain TCPStore,
+    # which anyone who reaches its port may connect to (trusted networks only)
     store: str = "auto"
     # Refused otherwise: whoever can write there can swap what the workers read back, and run code as you.
     trust_shared_dirs: bool = False  # accept a run directory or checkpoint folder others own or may write into

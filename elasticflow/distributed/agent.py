@@ -80,7 +80,7 @@ class Agent:
         protocol.REFUSED.on_first = lambda kind, detail: self.event("forged", record=kind, detail=detail)
         kind = store_kind(cfg.launcher)
         self.store, self.address, self._stop_serving = stores.serve(kind, host, port, self.state_dir,
-                                                                    cfg.elastic.timeout_s)
+                                                                    cfg.elastic.timeout_s, self.token)
         if kind == stores.TCP:
             log.warning("the job's store is a TCPStore on %s, which anyone who reaches it may connect to (every "
                         "record is sealed, the connection is not): keep the job on a network only your hosts "

@@ -62,8 +62,8 @@ class Refused(Exception):
     """The agent refused to admit this worker (wrong or missing job token, or the job is full)."""
 
 
-def _connect(address: str, timeout_s: float):
-    return stores.connect(address, timeout_s)
+def _connect(address: str, timeout_s: float, token: Optional[str] = None):
+    return stores.connect(address, timeout_s, token)
 
 
 class Membership:
@@ -80,7 +80,10 @@ class Membership:
                  token: Optional[str], host: str = "127.0.0.1", node: Optional[str] = None):
         self.address, self.worker_id, self.token, self.node = address, worker_id, token, node
         self.timeout_s, self.wait_s, self.host = timeout_s, wait_s, host
-        self.store = _connect(address, timeout_s)
+        try:
+            self.store = _connect(address, timeout_s, token)
+        except stores.WrongToken as exc:
+            raise Refused(f"wrong or missing job token ({exc})") from None
         self.generation = -1
         self.rank, self.world = 0, 1
         self.members: List[int] = []
@@ -98,12 +101,12 @@ class Membership:
 
     def new_client(self):
         """A client of the agent's store on a connection of its own (for a thread of its own)."""
-        return _connect(self.address, self.timeout_s)
+        return _connect(self.address, self.timeout_s, self.token)
 
     # -- background
     def _poll(self) -> None:
         try:
-            store = _connect(self.address, self.timeout_s)
+            store = _connect(self.address, self.timeout_s, self.token)
             beat = f"worker/{self.worker_id}/hb"
             polls, gathered_in = 0, None
             while not self._stop.wait(POLL_S):

@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from torch.distributed import TCPStore
-
 from ..errors import ElasticFlowError, TrainingInterrupted
+from ..config.launchers import store_kind
 from . import protocol, stores
 from .hosts import node_message
 
@@ -42,7 +41,7 @@ CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_
 ERROR_EXITS = (1, 2, protocol.EXIT_REFUSED)  # the worker's own error line; the agent fails the job with it
 
 
-connect = stores.connect  # the endpoint is HOST:PORT: a TCPStore
+connect = stores.connect
 
 
 class NodeAgent:
@@ -58,8 +57,9 @@ class NodeAgent:
     def __init__(self, cfg: Any, endpoint: str, token: str, launch: Callable[[Dict[str, str]], subprocess.Popen],
                  bind: str, name: Optional[str] = None):
         self.cfg, self.endpoint, self.token, self.launch, self.bind = cfg, endpoint, token, launch, bind
+        self.address = stores.address_of(store_kind(cfg.launcher), endpoint)  # the store's, with its kind
         self.name = name or socket.gethostname()
-        self.store: Optional[TCPStore] = None
+        self.store = None  # a client of the agent's store (stores.connect)
         self.lost_since: Optional[float] = None
         self.workers: Dict[int, subprocess.Popen] = {}  # worker id -> process
         self.slots: Dict[int, int] = {}
@@ -79,8 +79,13 @@ class NodeAgent:
         deadline = time.monotonic() + self.cfg.elastic.wait_s
         while True:
             try:
-                self.store = connect(self.endpoint, STORE_OP_S)
+                self.store = connect(self.address, STORE_OP_S, self.token)
                 break
+            except stores.WrongToken as exc:
+                raise ElasticFlowError(f"the job at {self.endpoint} refused host {self.name}: wrong or missing job "
+                                       f"token ({str(exc)[:160]})",
+                                       "use the same launcher.token_file (or $ELASTICFLOW_JOB_TOKEN) on every host",
+                                       exit_code=protocol.EXIT_REFUSED) from None
             except Exception as exc:  # noqa: BLE001 - TCPStore raises RuntimeError/TimeoutError/DistStoreError
                 if time.monotonic() > deadline:
                     raise ElasticFlowError(
@@ -126,7 +131,7 @@ class NodeAgent:
     def spawn(self) -> None:
         wid = protocol.draw(self.store, protocol.IDS_KEY, protocol.IDS_KEY) - 1
         slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots.values())
-        env = {**os.environ, protocol.ENV_STORE: self.endpoint, protocol.ENV_WORKER_ID: str(wid),
+        env = {**os.environ, protocol.ENV_STORE: self.address, protocol.ENV_WORKER_ID: str(wid),
                protocol.ENV_RUN_DIR: str(self.run_dir), protocol.ENV_TOKEN: self.token,
                protocol.ENV_NODE: self.name, protocol.ENV_BIND: self.bind, protocol.ENV_LOCAL_SLOT: str(slot),
                protocol.ENV_LOCAL_WORKERS: str(self.cfg.launcher.procs_per_node),
@@ -215,7 +220,7 @@ class NodeAgent:
             if now - (self.lost_since or now) < RECONNECT_S and self.lost_since is not None:
                 return
             try:
-                self.store = connect(self.endpoint, STORE_OP_S)
+                self.store = connect(self.address, STORE_OP_S, self.token)
             except Exception:  # noqa: BLE001 - still unreachable
                 self.lost_since = time.monotonic()
                 return

@@ -1,48 +1,63 @@
-"""The job's store: which kind serves it, and connecting to one by its address.
+"""The job's store: which kind serves it (``launcher.store``), and connecting to one by its address.
 
-- ``unix:<path>``: the private store of one host (private_store.py). Only the owner's processes can open
-  it. ``launcher=local``'s, unless ``launcher.store=tcp``.
-- ``HOST:PORT``: a TCPStore. Anyone who reaches the port may connect; every record is sealed, the connection is
-  not (docs/security.md). Across hosts (``launcher=nodes``, ``slurm``, ``kubernetes``), and ``launcher.store=tcp``.
+- ``unix:<path>`` (``private``): a Unix socket only the owner's processes can open (store_server.py).
+  ``launcher=local``'s by default.
+- ``token:<host>:<port>`` (``token``): a TCP port that serves only connections proving the job token
+  (store_server.py). Across hosts (``launcher=nodes``, ``slurm``, ``kubernetes``) by default.
+- ``<host>:<port>`` (``tcp``): a TCPStore. Anyone who reaches the port may connect; every record is sealed, the
+  connection is not (docs/security.md). Only where asked for: ``launcher.store=tcp``.
 """
 from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from . import private_store
+from . import store_server
 from .process import listening_store
 
-PRIVATE, TCP = "private", "tcp"
+PRIVATE, TOKEN, TCP = "private", "token", "tcp"
+WrongToken = store_server.WrongToken  # a token store refused our token (or could not prove its own)
 
 
-def connect(address: str, timeout_s: float) -> dist.Store:
-    """A client of the job's store at ``address`` (``unix:<path>`` or ``HOST:PORT``)."""
+def connect(address: str, timeout_s: float, token: Optional[str] = None) -> dist.Store:
+    """A client of the job's store at ``address``; ``token``: the job's, which a ``token:`` store needs."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if address.startswith(private_store.SCHEME):
-        return private_store.PrivateStore(address, timeout)
+    if address.startswith((store_server.SCHEME, store_server.TOKEN_SCHEME)):
+        return store_server.StoreClient(address, timeout, token)
     host, port = address.rsplit(":", 1)
     return TCPStore(host, int(port), None, False, timeout=timeout)
 
 
+def address_of(kind: str, endpoint: str) -> str:
+    """The address of the store of kind ``kind`` at ``endpoint`` (HOST:PORT, or already an address)."""
+    if kind == TOKEN and not endpoint.startswith(store_server.TOKEN_SCHEME):
+        return store_server.TOKEN_SCHEME + endpoint
+    return endpoint
+
+
 def host_of(address: str) -> str:
     """The host a store's address names: where gloo looks for the route toward the agent."""
-    return "127.0.0.1" if address.startswith(private_store.SCHEME) else address.rsplit(":", 1)[0]
+    if address.startswith(store_server.SCHEME):
+        return "127.0.0.1"
+    if address.startswith(store_server.TOKEN_SCHEME):
+        address = address[len(store_server.TOKEN_SCHEME):]
+    return address.rsplit(":", 1)[0]
 
 
-def serve(kind: str, host: str, port: int, state_dir: Path, timeout_s: float) \
+def serve(kind: str, host: str, port: int, state_dir: Path, timeout_s: float, token: str) \
         -> "Tuple[dist.Store, str, Callable[[], None]]":
     """Start the job's store in this (the agent's) process: its client here, its address, and how to close it.
 
     Closing ends every client's connection: each worker's next store call fails (the agent-lost path).
     """
-    if kind == PRIVATE:
-        server = private_store.StoreServer(private_store.socket_path(state_dir))
-        return private_store.InProcessStore(server, datetime.timedelta(seconds=timeout_s)), server.address, \
-            server.close
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if kind in (PRIVATE, TOKEN):
+        server = (store_server.StoreServer.private(store_server.socket_path(state_dir)) if kind == PRIVATE
+                  else store_server.StoreServer.token(host, port, token))
+        return store_server.InProcessStore(server, timeout), server.address, server.close
     store, listener = listening_store(host, timeout_s, port)
     return store, f"{host}:{store.port}", listener.close

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..distributed import protocol
+from ..distributed.stores import host_of
 from ..errors import ElasticFlowError
 from .slurm_jobs import resources, sbatch_lines, srun_launch
 
@@ -313,7 +314,7 @@ def join(run_dir: Path, run_job: str) -> Dict[str, Any]:
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
     cfg.launcher.procs_per_node = cfg.launcher.tasks_per_node  # the node agent starts this many
     token = (run_dir / ".elasticflow" / "token").read_text().strip()
-    host = agent["address"].rsplit(":", 1)[0]
+    host = host_of(agent["address"])
     name = node_name(socket.gethostname(), os.environ.get("SLURM_JOB_ID", str(os.getpid())))
     return NodeAgent(cfg, agent["address"], token, srun_launch(cfg),
                      bind=netif.address_toward(host, cfg.launcher.interface), name=name).run()

@@ -1,10 +1,11 @@
-"""The private store of one host (distributed/private_store.py): TCPStore's answers, on a socket only the owner
+"""The private store of one host (distributed/store_server.py): TCPStore's answers, on a socket only the owner
 opens. The end-to-end check (a local user against a running job) is in test_intruder.py."""
 from __future__ import annotations
 
 import datetime
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,19 +15,28 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticflow.distributed import private_store, stores
-from elasticflow.distributed.private_store import PrivateStore, StoreServer
+from elasticflow.distributed import store_server, stores
+from elasticflow.distributed.store_server import StoreClient, StoreServer
 
 SHORT = datetime.timedelta(seconds=0.3)
 
 
-@pytest.fixture
-def server(tmp_path):
+TOKEN = "t0ken" * 8
+
+
+@pytest.fixture(params=["private", "token"])
+def server(tmp_path, request):
+    """Each store the agent serves: a Unix socket, and TCP with the token handshake (clients: ``client``)."""
     state = tmp_path / "state"
     state.mkdir()
-    srv = StoreServer(private_store.socket_path(state))
+    srv = (StoreServer.private(store_server.socket_path(state)) if request.param == "private"
+           else StoreServer.token("127.0.0.1", 0, TOKEN))
     yield srv
     srv.close()
+
+
+def client(srv, timeout=SHORT):
+    return StoreClient(srv.address, timeout, TOKEN)
 
 
 def _script(store):
@@ -59,46 +69,46 @@ def test_the_private_store_answers_as_tcpstore_does(server):
         expected = _script(tcp_client)
     finally:
         listener.close()
-    client = stores.connect(server.address, 5.0)
-    assert isinstance(client, PrivateStore)
-    assert _script(client) == expected
-    assert sorted(client.list_keys()) == ["bin", "fresh", "none2"]
+    ours = stores.connect(server.address, 5.0, TOKEN)
+    assert isinstance(ours, StoreClient)
+    assert _script(ours) == expected
+    assert sorted(ours.list_keys()) == ["bin", "fresh", "none2"]
 
 
 def test_get_and_wait_block_until_the_key_is_set_and_time_out_otherwise(server):
-    waiter = PrivateStore(server.address, datetime.timedelta(seconds=30))
+    waiter = client(server, datetime.timedelta(seconds=30))
     got = []
     t = threading.Thread(target=lambda: got.append(waiter.get("late")))
     t.start()
-    PrivateStore(server.address, SHORT).set("late", b"here")
+    client(server).set("late", b"here")
     t.join(30)
     assert got == [b"here"]
-    client = PrivateStore(server.address, SHORT)
+    c = client(server)
     with pytest.raises(dist.DistStoreError, match="wait timeout"):
-        client.get("never")
+        c.get("never")
     with pytest.raises(dist.DistStoreError, match="never"):
-        client.wait(["late", "never"], SHORT)
-    client.wait(["late"])
-    assert client.get("late") == b"here"  # the connection is still good after a timeout
+        c.wait(["late", "never"], SHORT)
+    c.wait(["late"])
+    assert c.get("late") == b"here"  # the connection is still good after a timeout
 
 
 def test_add_on_text_is_an_error_that_keeps_the_connection(server):
-    client = PrivateStore(server.address, SHORT)
-    client.set("count", "not a count")
+    c = client(server)
+    c.set("count", "not a count")
     with pytest.raises(RuntimeError, match="refused add"):
-        client.add("count", 1)
-    client.set("count", "7")
-    assert client.add("count", 1) == 8
+        c.add("count", 1)
+    c.set("count", "7")
+    assert c.add("count", 1) == 8
 
 
 def test_a_closed_store_fails_every_client_call_as_a_lost_network(server):
-    client = PrivateStore(server.address, SHORT)
-    client.set("k", "v")
+    c = client(server)
+    c.set("k", "v")
     server.close()
     with pytest.raises(dist.DistNetworkError, match="closed the connection"):
-        client.get("k")
-    with pytest.raises(dist.DistNetworkError, match="does not exist"):
-        PrivateStore(server.address, SHORT)
+        c.get("k")
+    with pytest.raises(dist.DistNetworkError, match="does not answer"):
+        client(server)
 
 
 def test_gloo_rendezvouses_through_the_private_store(server):
@@ -109,24 +119,24 @@ def test_gloo_rendezvouses_through_the_private_store(server):
         "rank = int(sys.argv[2])\n"
         "opts = dist.ProcessGroupGloo._Options(); opts._timeout = datetime.timedelta(seconds=60)\n"
         "opts._devices = [dist.ProcessGroupGloo.create_device(hostname='127.0.0.1')]\n"
-        "store = connect(sys.argv[1], 60)  # held: a PrefixStore alone does not keep its Python methods\n"
+        "store = connect(sys.argv[1], 60, sys.argv[3])  # held: a PrefixStore alone keeps no Python methods\n"
         "pg = dist.ProcessGroupGloo(dist.PrefixStore('gen0/', store), rank, 2, opts)\n"
         "x = torch.tensor([rank + 1.0]); pg.allreduce([x]).wait(); print(x.item())\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, server.address, str(r)], stdout=subprocess.PIPE, text=True)
-             for r in range(2)]
-    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0] and outs == ["3.0", "3.0"], outs
+    procs = [subprocess.Popen([sys.executable, "-c", code, server.address, str(r), TOKEN], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and [o.strip() for o, _ in outs] == ["3.0", "3.0"], outs
 
 
 def test_a_run_directory_too_deep_for_a_socket_gets_a_private_one(tmp_path):
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
-    path = private_store.socket_path(deep)
+    path = store_server.socket_path(deep)
     assert len(str(path)) <= 108 and path.parent != deep
-    srv = StoreServer(path)
+    srv = StoreServer.private(path)
     try:
         assert (os.stat(path.parent).st_mode & 0o777) == 0o700
-        PrivateStore(srv.address, SHORT).set("k", "v")
+        client(srv).set("k", "v")
     finally:
         srv.close()
 
@@ -139,9 +149,9 @@ def test_another_user_can_neither_open_the_socket_nor_be_served_through_a_loosen
     os.chmod(world, 0o755)                                      # reach the state directory, and stop there
     state = world / "state"
     state.mkdir()
-    srv = StoreServer(private_store.socket_path(state))
+    srv = StoreServer.private(store_server.socket_path(state))
     try:
-        PrivateStore(srv.address, SHORT).set("secret", "v")
+        client(srv).set("secret", "v")
         probe = (
             "import socket, struct, sys\n"
             "s = socket.socket(socket.AF_UNIX)\n"
@@ -176,7 +186,7 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
     other.mkdir()
     os.chown(other, 65534, -1) if os.geteuid() == 0 else pytest.skip("needs root to give a directory away")
     with pytest.raises(PermissionError, match="not a directory of this user"):
-        StoreServer(other / "store.sock")
+        StoreServer.private(other / "store.sock")
 
 
 def test_a_store_kind_and_address_per_launcher():
@@ -186,8 +196,58 @@ def test_a_store_kind_and_address_per_launcher():
 
     assert store_kind(compose("models/linear.py", []).launcher) == "private"
     assert store_kind(compose("models/linear.py", ["launcher.store=tcp"]).launcher) == "tcp"
+    nodes = ["launcher=nodes", "launcher.endpoint=10.0.0.1:29400"]
+    assert store_kind(compose("models/linear.py", nodes).launcher) == "token"
     with pytest.raises(ElasticFlowError, match="launcher.store=private serves one host"):
-        compose("models/linear.py", ["launcher=nodes", "launcher.endpoint=10.0.0.1:29400", "launcher.store=private"])
-    with pytest.raises(ElasticFlowError, match="launcher.store must be one of auto, private, tcp"):
+        compose("models/linear.py", [*nodes, "launcher.store=private"])
+    with pytest.raises(ElasticFlowError, match="launcher.store must be one of auto, private, token, tcp"):
         compose("models/linear.py", ["launcher.store=etcd"])
     assert stores.host_of("unix:/x/store.sock") == "127.0.0.1" and stores.host_of("10.1.2.3:29400") == "10.1.2.3"
+    assert stores.host_of("token:10.1.2.3:29400") == "10.1.2.3"
+    assert stores.address_of("token", "10.1.2.3:29400") == "token:10.1.2.3:29400"
+    assert stores.address_of("token", "token:10.1.2.3:29400") == "token:10.1.2.3:29400"
+    assert stores.address_of("tcp", "10.1.2.3:29400") == "10.1.2.3:29400"
+
+
+def _rogue_store() -> str:
+    """A server that plays the handshake without the token: it greets, reads the client's proof, and answers
+    32 bytes of its own. Its address."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def play():
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(store_server._HELLO + bytes(16))
+            store_server._recv_exact(conn, 48)
+            conn.sendall(bytes(32))
+            conn.recv(1)
+        listener.close()
+    threading.Thread(target=play, daemon=True).start()
+    return f"token:127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_token_store_serves_no_one_without_the_token_and_a_client_trusts_no_impostor():
+    """A stranger on the network: without the token (a TCPStore client, a wrong token) it is hung up on before a
+    request is read, and nothing changes; a worker never talks to a store that cannot prove the token."""
+    from torch.distributed import TCPStore
+
+    srv = StoreServer.token("127.0.0.1", 0, TOKEN)
+    impostor = StoreServer.token("127.0.0.1", 0, "another job's token" * 2)
+    try:
+        client(srv).set("gen/current", "7")
+        port = int(srv.address.rsplit(":", 1)[1])
+        with pytest.raises(Exception):  # TCPStore's own protocol: the handshake's first bytes are not an answer
+            TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=2)).set("gen/current", "9")
+        with pytest.raises(dist.DistNetworkError, match="hung up during the handshake: the job token is wrong"):
+            StoreClient(srv.address, datetime.timedelta(seconds=60), "a wrong token" * 3)  # at once, no retries
+        with pytest.raises(ValueError, match="prove the job token: pass it"):
+            StoreClient(srv.address, SHORT)
+        with pytest.raises(dist.DistNetworkError, match="the job token is wrong"):
+            StoreClient(impostor.address, SHORT, TOKEN)  # another job's store hangs up on us
+        with pytest.raises(dist.DistNetworkError, match="it did not prove the job token: not this job's store"):
+            StoreClient(_rogue_store(), SHORT, TOKEN)  # one that answers anything is not believed
+        assert srv.refused_peers >= 2
+        assert client(srv).get("gen/current") == b"7" and client(srv).num_keys() == 1
+    finally:
+        srv.close()
+        impostor.close()

@@ -1,16 +1,21 @@
-"""The job's store on one host: a Unix socket only the job's owner can open (``launcher=local``).
+"""The job's store as the agent serves it: on one host a Unix socket only the owner opens (``private``), across
+hosts a TCP port that serves only connections proving the job token (``token``). stores.py picks one.
 
-Why not TCPStore: it listens on a TCP port, and every local user can reach a loopback port (and find its
-number in ``/proc/net/tcp``). A Unix socket in ``RUN_DIR/.elasticflow/`` (mode 0700) can be opened only by
-the owner; the server also reads each connection's peer credentials (``SO_PEERCRED``) and hangs up on any
-other user, so a loosened directory mode does not open the door either.
+Why not TCPStore: it serves whoever connects. On one host, every local user can reach a loopback port (and find
+its number in ``/proc/net/tcp``); across hosts, everyone on the network. So:
+- ``private``: a Unix socket in ``RUN_DIR/.elasticflow/`` (mode 0700) can be opened only by the owner; the server
+  also reads each connection's peer credentials (``SO_PEERCRED``) and hangs up on any other user, so a loosened
+  directory mode does not open the door either.
+- ``token``: before anything else on a connection, each side proves it holds the job token (``_handshake``: an
+  HMAC over two fresh nonces, one from each side). A stranger is hung up on before a byte of a request is read,
+  and a worker never talks to an impostor. Nothing is encrypted (docs/security.md says what that leaves).
 
-The server runs in the agent's process (a thread per connection: one host holds a few dozen at most), so it
-dies with the agent, as TCPStore's would: the workers see the connection close and take the agent-lost path.
-The client is a ``torch.distributed.Store``, so gloo rendezvouses through it (``PrefixStore`` and all), and
-its semantics are TCPStore's: ``get`` and ``wait`` block until the key exists or the timeout passes
-(``DistStoreError``), ``add`` counts in decimal text, ``compare_set`` answers as TCPStore does, a lost or
-refused connection is ``DistNetworkError``.
+The server runs in the agent's process (a thread per connection), so it dies with the agent, as TCPStore's
+would: the workers see the connection close and take the agent-lost path. The client is a
+``torch.distributed.Store``, so gloo rendezvouses through it (``PrefixStore`` and all), and its semantics are
+TCPStore's: ``get`` and ``wait`` block until the key exists or the timeout passes (``DistStoreError``), ``add``
+counts in decimal text, ``compare_set`` answers as TCPStore does, a lost or refused connection is
+``DistNetworkError``.
 
 Wire format: a frame is a 4-byte length and a list of fields, each a 4-byte length and its bytes. A request
 is ``[op, args...]``; a reply ``[b"ok", values...]`` or ``[b"timeout" | b"error", message]``.
@@ -18,7 +23,10 @@ is ``[op, args...]``; a reply ``[b"ok", values...]`` or ``[b"timeout" | b"error"
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -30,8 +38,12 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-MAX_FRAME = 64 << 20      # a bound against a bug, not a stranger (no stranger gets a connection)
-SCHEME = "unix:"
+MAX_FRAME = 64 << 20      # a bound against a bug, not a stranger (no stranger gets past the door)
+SCHEME = "unix:"          # a private store's address: unix:<path>
+TOKEN_SCHEME = "token:"   # a token store's: token:<host>:<port>
+HANDSHAKE_S = 5.0         # a connection that has not proved the token by then is hung up on
+MAX_UNPROVEN = 64         # connections still in their handshake; more are hung up on at once (a flood)
+_HELLO = b"EFSTORE1"
 _LEN = struct.Struct("!I")
 _MAX_PATH = 100           # sun_path holds 108 bytes; a deeper run directory gets a private one under /tmp
 
@@ -82,35 +94,82 @@ def _recv(sock: socket.socket) -> List[bytes]:
     return fields
 
 
+def _key(token: str) -> bytes:
+    """The handshake's key: derived from the token, apart from the records' sealing key (_util/sealing.py)."""
+    return hashlib.sha256(b"elasticflow store connection\0" + token.encode()).digest()
+
+
+def _mac(key: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(key, side + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def _handshake(sock: socket.socket, key: bytes, server: bool) -> bool:
+    """Both sides prove the token: the server sends a nonce, the client its nonce and a MAC over both, the
+    server its own MAC. Fresh nonces on each side: a recorded handshake replays into nothing."""
+    if server:
+        nonce = secrets.token_bytes(16)
+        sock.sendall(_HELLO + nonce)
+        answer = _recv_exact(sock, 48)
+        theirs, mac = answer[:16], answer[16:]
+        if not hmac.compare_digest(mac, _mac(key, b"client", nonce, theirs)):
+            return False
+        sock.sendall(_mac(key, b"server", nonce, theirs))
+        return True
+    hello = _recv_exact(sock, len(_HELLO) + 16)
+    if not hello.startswith(_HELLO):
+        return False
+    theirs, nonce = hello[len(_HELLO):], secrets.token_bytes(16)
+    sock.sendall(nonce + _mac(key, b"client", theirs, nonce))
+    return hmac.compare_digest(_recv_exact(sock, 32), _mac(key, b"server", theirs, nonce))
+
+
 # ----------------------------------------------------------------------------------------------- server
 class StoreServer:
-    """The store's keys, served on a Unix socket to this user's processes only.
+    """The store's keys, served to this user's processes on a Unix socket, or to the job's on a TCP port.
 
-    Args:
-        path: the socket's path (its directory must be this user's, mode 0700; see ``socket_path``).
+    Use ``StoreServer.private(path)`` or ``StoreServer.token(host, port, token)``.
     """
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        _private_dir(self.path)
-        self.path.unlink(missing_ok=True)  # a stale socket of an earlier run of this directory
+    def __init__(self, listener: socket.socket, address: str, token: Optional[str] = None,
+                 path: Optional[Path] = None):
+        self.path, self._address, self._key = path, address, (_key(token) if token is not None else None)
         self._data: Dict[str, bytes] = {}
         self._changed = threading.Condition()
         self._conns: List[socket.socket] = []
         self._closed = False
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener = listener
+        self._unproven = threading.Semaphore(MAX_UNPROVEN)
+        self.refused_peers = 0  # connections hung up on: another user's, or without the token
+        threading.Thread(target=self._accept, name="elasticflow-store", daemon=True).start()
+
+    @classmethod
+    def private(cls, path: Path) -> "StoreServer":
+        """On a Unix socket at ``path`` (its directory must be this user's; made 0700; see ``socket_path``)."""
+        path = Path(path)
+        _private_dir(path)
+        path.unlink(missing_ok=True)  # a stale socket of an earlier run of this directory
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket file 0600 from the start, not after a chmod
         try:
-            self._listener.bind(str(self.path))
+            listener.bind(str(path))
         finally:
             os.umask(old)
-        self._listener.listen(256)
-        self.refused_peers = 0  # connections from other users, hung up on
-        threading.Thread(target=self._accept, name="elasticflow-store", daemon=True).start()
+        listener.listen(256)
+        return cls(listener, SCHEME + str(path), path=path)
+
+    @classmethod
+    def token(cls, host: str, port: int, token: str) -> "StoreServer":
+        """On TCP ``host:port`` (0: any free port), serving only connections that prove ``token``."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(1024)
+        return cls(listener, f"{TOKEN_SCHEME}{host}:{listener.getsockname()[1]}", token=token)
 
     @property
     def address(self) -> str:
-        return SCHEME + str(self.path)
+        return self._address
 
     def close(self) -> None:
         """Stop serving: every client's next call fails (the workers' agent-lost path)."""
@@ -121,7 +180,8 @@ class StoreServer:
             except OSError:
                 pass
             s.close()
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
         with self._changed:
             self._changed.notify_all()
 
@@ -131,20 +191,41 @@ class StoreServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid():
-                self.refused_peers += 1
-                conn.close()
+            if self._key is None:
+                _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+                if uid != os.getuid():
+                    self._refuse(conn)
+                    continue
+            elif not self._unproven.acquire(blocking=False):
+                self._refuse(conn)
                 continue
-            self._conns.append(conn)
+            else:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="elasticflow-store-conn", daemon=True).start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        self.refused_peers += 1
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self._key is not None:
+                try:
+                    conn.settimeout(HANDSHAKE_S)
+                    proven = _handshake(conn, self._key, server=True)
+                except (ConnectionError, OSError):
+                    proven = False  # it hung up, or said too little in time
+                finally:
+                    self._unproven.release()
+                if not proven:
+                    self.refused_peers += 1
+                    return
+                conn.settimeout(None)
+            self._conns.append(conn)
             while not self._closed:
                 request = _recv(conn)
                 _send(conn, self.handle(request[0].decode(), request[1:]))
-        except (ConnectionError, OSError, struct.error):
+        except (ConnectionError, OSError, struct.error, UnicodeDecodeError):
             pass
         finally:
             conn.close()
@@ -223,13 +304,19 @@ class _Timeout(Exception):
     pass
 
 
+class WrongToken(dist.DistNetworkError):
+    """A token store hung up on our handshake, or could not prove the token itself: not the job's token, or not
+    the job's store. Not retried: it will not change."""
+
+
 # ----------------------------------------------------------------------------------------------- client
-class PrivateStore(dist.Store):
+class StoreClient(dist.Store):
     """A client of ``StoreServer``: a ``torch.distributed.Store`` with TCPStore's semantics.
 
     Args:
-        address: ``"unix:<path>"`` (the agent's ``StoreServer.address``).
-        timeout: how long ``get`` and ``wait`` wait for a key, and ``connect`` for the socket.
+        address: the agent's ``StoreServer.address``: ``unix:<path>`` or ``token:<host>:<port>``.
+        timeout: how long ``get`` and ``wait`` wait for a key, and the connection for the server.
+        token: the job token, which a ``token:`` store's connection must prove.
 
     Note: one call at a time per client (a lock), as gloo and our threads share a client. Keep a reference
     to it while a ``PrefixStore`` over it is in use: torch's trampoline finds the Python methods through the
@@ -237,34 +324,57 @@ class PrivateStore(dist.Store):
     implemented" from gloo's rendezvous).
     """
 
-    def __init__(self, address: str, timeout: datetime.timedelta):
+    def __init__(self, address: str, timeout: datetime.timedelta, token: Optional[str] = None):
         super().__init__()
-        if not address.startswith(SCHEME):
-            raise ValueError(f"not a private store address: {address!r} (expected 'unix:<path>')")
-        self.address = address
+        if not address.startswith((SCHEME, TOKEN_SCHEME)):
+            raise ValueError(f"not a store address: {address!r} (expected unix:<path> or token:<host>:<port>)")
+        if address.startswith(TOKEN_SCHEME) and not token:
+            raise ValueError(f"the store at {address} serves only connections that prove the job token: pass it")
+        self.address, self._token = address, token
         self.set_timeout(timeout)
         self._lock = threading.Lock()
         self._sock = self._connect()
 
-    def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self._timeout_s
-        while True:
+    def _open(self) -> socket.socket:
+        if self.address.startswith(SCHEME):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(self.address[len(SCHEME):])
-                return sock
-            except FileNotFoundError as exc:  # not yet, or no longer, served: TCPStore too retries until timeout
+            except OSError:
                 sock.close()
+                raise
+            return sock
+        host, port = self.address[len(TOKEN_SCHEME):].rsplit(":", 1)
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=HANDSHAKE_S)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            proven = _handshake(sock, _key(self._token), server=False)
+        except OSError:
+            sock.close()
+            raise PermissionError("it hung up during the handshake: the job token is wrong") from None
+        if not proven:
+            sock.close()
+            raise PermissionError("it did not prove the job token: not this job's store")
+        sock.settimeout(None)
+        return sock
+
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                return self._open()
+            except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as exc:
+                # Not yet, or no longer, served: TCPStore too retries until its timeout.
                 if time.monotonic() >= deadline:
-                    raise dist.DistNetworkError(f"the job's store at {self.address} does not exist ({exc})") from None
-            except ConnectionRefusedError:
-                sock.close()
-                if time.monotonic() >= deadline:
-                    raise dist.DistNetworkError(f"the job's store at {self.address} refused the connection "
-                                                "(its agent has ended)") from None
+                    raise dist.DistNetworkError(f"the job's store at {self.address} does not answer ({exc})") \
+                        from None
             except PermissionError as exc:
-                sock.close()
-                raise dist.DistNetworkError(f"the job's store at {self.address} is another user's ({exc})") from None
+                wrong = WrongToken if self.address.startswith(TOKEN_SCHEME) else dist.DistNetworkError
+                raise wrong(f"the job's store at {self.address} refused this process: {exc}") from None
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise dist.DistNetworkError(f"the job's store at {self.address} does not answer ({exc})") \
+                        from None
             time.sleep(0.05)
 
     def _call(self, op: str, *args: bytes) -> List[bytes]:
@@ -324,15 +434,15 @@ class PrivateStore(dist.Store):
         super().set_timeout(timeout)
         self._timeout_s = timeout.total_seconds()
 
-    def clone(self) -> "PrivateStore":
+    def clone(self) -> "StoreClient":
         """A client on a connection of its own (``protocol.draw`` draws counters on one)."""
-        return PrivateStore(self.address, self.timeout)
+        return StoreClient(self.address, self.timeout, self._token)
 
     def close(self) -> None:
         self._sock.close()
 
 
-class InProcessStore(PrivateStore):
+class InProcessStore(StoreClient):
     """The agent's own client of its server: the same calls, without a socket (the server is in this process).
 
     Its ``get`` and ``wait`` would block the agent's loop; it uses neither (``untrusted.read`` never waits).
