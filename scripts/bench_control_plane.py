@@ -221,6 +221,8 @@ def members_main(args) -> int:
     from elasticflow.distributed import membership as mem, protocol
 
     real_connect = mem._connect
+    if args.direct_arrivals is not None:
+        mem.DIRECT_ARRIVALS = args.direct_arrivals
     stores: List[CountingStore] = []
     lock = threading.Lock()
     ids = [int(i) for i in args.ids.split(",") if i]
@@ -312,6 +314,7 @@ class Members:
         cmd = [sys.executable, __file__, "--role", "members", "--run-dir", str(run_dir), "--address", address,
                "--ids", ",".join(map(str, ids)), "--step-s", str(args.step_s), "--timeout", str(args.timeout),
                "--stagger-s", str(args.stagger_s)] + (["--fresh-connections"] if args.fresh_connections else [])
+        cmd += ["--direct-arrivals", str(args.direct_arrivals)] if args.direct_arrivals is not None else []
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, cwd=REPO)
@@ -563,6 +566,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--stagger-s", type=float, default=0.002, help="between member starts in a process")
     ap.add_argument("--profile", help="cProfile the agent's main thread over the steady window: PATH.n<N>.prof")
     ap.add_argument("--json", help="write the rows to this file too")
+    ap.add_argument("--direct-arrivals", type=int,
+                    help="members read each other's arrivals up to this many (rendezvous.DIRECT_ARRIVALS; "
+                         "beyond, they wait for the agent's gen/<g>/go)")
     ap.add_argument("--fresh-connections", action="store_true",
                     help="connect as the real code does: each member's two connections as it starts, and a new "
                          "one for every join request (protocol.draw's clone); see \"Connections\"")

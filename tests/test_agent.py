@@ -64,3 +64,31 @@ def test_every_worker_dying_before_the_first_generation_ends_the_job(tmp_path):
         Agent(cfg, tmp_path, launch=launch).run()
     kinds = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert kinds.count("join_failed") == 2
+
+
+def test_a_join_asked_again_gets_the_same_id_not_a_second_worker(tmp_path):
+    """A worker whose verdict came late (a stalled store) asks again under a new number: the agent answers with
+    the id it already gave. It used to mint a second id, so the first stayed admitted and the first generation
+    waited for a worker that would never come (scripts/bench_control_plane.py, "Connections")."""
+    from elasticflow.distributed import admission
+
+    cfg = compose("models/linear.py", ["launcher.workers=1"])
+    agent = Agent(cfg, tmp_path, launch=lambda env: FakeProc(10_000))
+    try:
+        spawned = agent.spawn()
+
+        def request(n, nonce):
+            fields = (n, spawned.id, spawned.pid, None, "10.0.0.5", nonce)
+            return {"id": spawned.id, "pid": spawned.pid, "node": None, "host": "10.0.0.5", "nonce": nonce,
+                    "mac": protocol.sign(agent.token, protocol.join_message(*fields))}
+
+        first = admission.judge(agent, 1, request(1, "a"))
+        again = admission.judge(agent, 2, request(2, "b"))
+        assert first["ok"] and again == first
+        assert [w.id for w in agent.admitted] == [spawned.id] and not agent.joining
+        by_hand = {"id": -1, "pid": 4242, "node": None, "host": "10.0.0.6", "nonce": "c"}
+        by_hand["mac"] = protocol.sign(agent.token, protocol.join_message(3, -1, 4242, None, "10.0.0.6", "c"))
+        fresh = admission.judge(agent, 3, by_hand)
+        assert fresh["ok"] and fresh["id"] != spawned.id and len(agent.admitted) == 2  # another process: its own
+    finally:
+        agent._stop_serving()

@@ -90,6 +90,11 @@ def judge(agent: "Agent", n: int, request: dict) -> dict:
         return {"ok": False, "reason": "wrong or missing job token (a malformed request)"}
     if not protocol.verify(agent.token, protocol.join_message(n, wid, pid, node, host, nonce), request.get("mac")):
         return {"ok": False, "reason": "wrong or missing job token"}
+    # The same process asking again (its verdict was late: a stalled store): the same id, never a second one.
+    # By id too: a load script's members share a process; -1 is a worker started by hand, which has no id yet.
+    again = next((w for w in agent.admitted if w.pid == pid and w.host == host and wid in (w.id, -1)), None)
+    if again is not None:
+        return {"ok": True, "id": again.id, "job": agent.job}
     cap = agent.cfg.launcher.max_workers
     if cap and len(agent.members) + len(agent.admitted) >= cap:
         return {"ok": False, "reason": f"the job already has launcher.max_workers={cap} workers"}

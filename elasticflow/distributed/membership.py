@@ -27,7 +27,7 @@ from .._util.memory import rss_mib
 from . import protocol, stores
 from .comm import Group
 from .protocol import CommError
-from .rendezvous import key
+from .rendezvous import DIRECT_ARRIVALS, go_key, key, poll_s
 
 log = logging.getLogger("elasticflow")
 POLL_S = 0.05
@@ -327,18 +327,21 @@ class Membership:
 
         Gloo's rendezvous starts only then, so its timeout is not spent on a peer still busy in an
         older generation. Unbounded here on purpose: the agent supersedes g after elastic.timeout_s.
+        A small generation reads every member's arrival; a large one waits for the agent's ``gen/<g>/go``
+        (rendezvous.DIRECT_ARRIVALS says why).
         """
-        keys = [key(g, "arrived", i) for i in members]
+        direct = len(members) <= DIRECT_ARRIVALS
+        keys = [key(g, "arrived", i) for i in members] if direct else [go_key(g)]
         while True:
             try:
                 if self.store.check(keys) and all(
-                        protocol.fetch(self.store, self.sealer, k, "arrival") for k in keys):
+                        protocol.fetch(self.store, self.sealer, k, "arrival" if direct else "go") for k in keys):
                     return True
                 if self._current(self.store) > g:
                     return False
             except Exception as exc:
                 raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
-            time.sleep(0.005)
+            time.sleep(poll_s(len(members)))
 
     def upcoming(self, after: int):
         """(generation, its record) of the newest generation after ``after``, before entering it: who
@@ -358,7 +361,7 @@ class Membership:
                 raise AgentLost(f"the agent's store at {self.address} stopped answering ({exc})") from exc
             if self.agent_lost:  # the heartbeat thread's connection failed too
                 raise AgentLost(f"the agent's store at {self.address} stopped answering")
-            time.sleep(0.005)
+            time.sleep(poll_s(max(self.world, len(self.members))))  # scaled: every waiting member polls
 
     def _current(self, store) -> int:
         """The newest generation the agent published (a forged ``gen/current`` leaves what we knew)."""

@@ -6,6 +6,8 @@ Store keys (every record a worker or the agent acts on is sealed with the job to
                                 "reason", "waiting": [ids alive but left out: they re-enter a later generation]}
     gen/<g>/arrived/<id>        a worker is ready to build generation g's group (members build once all arrived;
                                 a waiting worker's arrival asks the agent to let it in again)
+    gen/<g>/go                  the agent saw every member of g arrive (sealed): what members of a large generation
+                                wait for, instead of reading every member's arrival (rendezvous.py)
     gen/<g>/formed/<id>         a member built generation g's group
     gen/<g>/failed/<id>         a member's report that building g's group, or a collective of g, failed
     join/count                  join requests so far (a counter); join/request/<n> is request n (JSON, its own MAC)

@@ -24,6 +24,9 @@ from . import protocol
 from typing import List, Optional, Set
 
 REPORT_WINDOW_S = 0.5  # after the first report of a failed build, how long the other members have to report
+# Up to this many members, each reads every member's arrival itself (the quickest); beyond, each waits for the
+# agent's one ``gen/<g>/go``: N members reading N arrivals each was N² reads a generation (256 members: 5 s).
+DIRECT_ARRIVALS = 32
 BACKOFF_FIRST_S = 0.25  # the second failure in a row waits this long before the next publish; doubles after
 
 
@@ -40,6 +43,17 @@ class Verdict:
 def key(g: int, what: str, worker_id: int) -> str:
     """gen/<g>/arrived|formed|failed/<id>: a member's progress through generation g (see protocol.py)."""
     return f"gen/{g}/{what}/{worker_id}"
+
+
+def go_key(g: int) -> str:
+    """gen/<g>/go: the agent saw every member of generation g arrive."""
+    return f"gen/{g}/go"
+
+
+def poll_s(members: int) -> float:
+    """How often a member polls the store while it waits on its generation: 5 ms, longer in a large one (every
+    member's poll lands on the one store), up to 0.1 s."""
+    return min(0.1, 0.005 * max(1.0, members / DIRECT_ARRIVALS))
 
 
 class Rendezvous:
@@ -103,6 +117,7 @@ class Rendezvous:
                                                       f"elastic.timeout_s={self.timeout_s:g}s")
                 return None
             self.phase, self.arrived_at = "building", now
+            protocol.put(self.store, self.sealer, go_key(self.generation), "1")
         if now - self.arrived_at > self.timeout_s + REPORT_WINDOW_S:
             return self._fail(after, formed, f"the group neither formed nor failed within "
                                              f"elastic.timeout_s={self.timeout_s:g}s of every member arriving")
