@@ -344,9 +344,17 @@ def final_state(run_dir: Path, rng: bool = True) -> Dict[str, np.ndarray]:
 
 def saved(run_dir: Path) -> Dict[str, Path]:
     """{name: path} of the complete checkpoints under RUN_DIR/checkpoints, whatever the layout below it (a save
-    still in its temporary directory, .step_N.tmp-*, is not one yet)."""
-    found = [p for p in (Path(run_dir) / "checkpoints").rglob("*")
-             if p.is_dir() and not p.name.startswith(".") and ckpt.is_complete(p)]
+    still in its temporary directory, .step_N.tmp-*, is not one yet). A walk that meets a temporary directory
+    just renamed by its commit (or pruned) walks again: a live run changes the tree under it."""
+    for _ in range(50):
+        try:
+            found = [p for p in (Path(run_dir) / "checkpoints").rglob("*")
+                     if p.is_dir() and not p.name.startswith(".") and ckpt.is_complete(p)]
+            break
+        except FileNotFoundError:
+            continue
+    else:
+        raise AssertionError(f"the checkpoints under {run_dir} kept changing under 50 walks")
     names = [p.name for p in found]
     assert len(names) == len(set(names)), names
     return {p.name: p for p in found}
