@@ -214,11 +214,14 @@ def test_float16_loss_scaling_clipping_groups_and_frozen_weights_with_a_kill_end
 
 
 def test_keras_with_batchnorm_and_dropout_ends_on_the_one_workers_bits_across_a_kill(tmp_path, one_worker):
+    """2 workers, one SIGKILLed at step 14: TensorFlow's micro-batches give the 1-worker run's bits on either
+    member, and after the kill on the survivor alone (sums over 3 and 4 members are the torch tests' above: the
+    exact sum is the same code on either backend; each TF worker spends seconds importing TensorFlow)."""
     pytest.importorskip("tensorflow")
     reference = one_worker(*exact_overrides("keras_bn"), *MODE, model=EXACT, common=EXACT_COMMON, record=True)
     run = tmp_path / "run"
-    train_exact(run, "keras_bn", *MODE, "launcher.workers=3", env={"EF_PROBE_KILL": "1:14:reduction"})
-    assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
+    train_exact(run, "keras_bn", *MODE, "launcher.workers=2", env={"EF_PROBE_KILL": "1:14:reduction"})
+    assert world_sizes(run)[0] == 2 and world_sizes(run)[-1] == 1
     assert_bitwise(run, reference)
 
 

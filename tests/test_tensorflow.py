@@ -5,10 +5,12 @@ The end-to-end runs are batched: one fresh interpreter per backend runs every tr
 through the public API (a TensorFlow import costs seconds), in three phases so that a checkpoint
 written by one backend exists before the other resumes it:
 
-    A (torch, subprocess):      parity runs, torch 20 steps (to resume on TF), torch 40 (reference)
-    B (tensorflow, subprocess): parity runs, resume A's 20 steps to 40, TF 40 (reference), TF 20,
-                                keras BatchNorm
-    C (torch, this process):    resume B's 20 steps to 40
+    A (torch, subprocess):      parity runs, torch 15 steps (to resume on TF)
+    B (tensorflow, subprocess): parity runs, resume A's 15 steps to 30, TF 15, keras BatchNorm
+    C (torch, this process):    resume B's 15 steps to 30
+
+A resumed run is compared with the parity run of its configuration on the backend it resumed on: the same
+job, uninterrupted (one run serves both tests; a reference of its own would only repeat it).
 
 Parity tolerances, relative, per step over 30 steps: 1e-4 with SGD, 1e-3 with Adam/AdamW. The
 two backends round differently (torch's matmuls are MKL/oneDNN, TF's Eigen/oneDNN with their own
@@ -52,8 +54,8 @@ PARITY = {
     "char_transformer-adam": ("char_transformer.py", ["trainer.global_batch_size=32"]),
 }
 PARITY = {k: v for k, v in PARITY.items() if (MODELS / v[0]).is_file()}  # example models still being written
-RESUME_ADAM = ("digits_mlp.py", ["optimizer=adam", "optimizer.lr=0.003", "optimizer.weight_decay=0.001"])
-RESUME_SGD = ("digits_mlp.py", ["optimizer=sgd", "optimizer.lr=0.05", "optimizer.momentum=0.9"])
+RESUME_ADAM, RESUME_SGD = "digits_mlp-adam", "digits_mlp-sgd"  # torch -> TF, TF -> torch: parity labels
+RESUME_AT = 15  # of STEPS
 
 RUNNER = textwrap.dedent("""
     import json, sys
@@ -94,20 +96,23 @@ def _fit_here(job: dict):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("backends")
-    d = {name: root / name for name in ("t20", "t40", "f20", "f40", "bn")}
     parity = {b: {label: root / f"{b}-{label}" for label in PARITY} for b in ("torch", "tensorflow")}
+    # t: torch's first RESUME_AT steps, resumed on TF; f: TF's, resumed on torch; each ends where its parity run
+    # on the other backend does, which is its reference
+    d = {"t": root / "t", "f": root / "f", "bn": root / "bn", "t_ref": parity["tensorflow"][RESUME_ADAM],
+         "f_ref": parity["torch"][RESUME_SGD]}
 
     phase_a = [_job(parity["torch"][k], m, o, "torch", STEPS) for k, (m, o) in PARITY.items()]
-    phase_a += [_job(d["t20"], *RESUME_ADAM, "torch", 20), _job(d["t40"], *RESUME_SGD, "torch", 40)]
+    phase_a += [_job(d["t"], *PARITY[RESUME_ADAM], "torch", RESUME_AT)]
     torch_modules = _run_jobs(phase_a)
 
     phase_b = [_job(parity["tensorflow"][k], m, o, "tensorflow", STEPS) for k, (m, o) in PARITY.items()]
-    phase_b += [_job(d["t20"], *RESUME_ADAM, "tensorflow", 40, resume=True),
-                _job(d["f40"], *RESUME_ADAM, "tensorflow", 40), _job(d["f20"], *RESUME_SGD, "tensorflow", 20),
+    phase_b += [_job(d["t"], *PARITY[RESUME_ADAM], "tensorflow", STEPS, resume=True),
+                _job(d["f"], *PARITY[RESUME_SGD], "tensorflow", RESUME_AT),
                 _job(d["bn"], "keras_bn.py", ["checkpoint.interval.steps=10"], "tensorflow", 20)]
     _run_jobs(phase_b)
 
-    _fit_here(_job(d["f20"], *RESUME_SGD, "torch", 40, resume=True))
+    _fit_here(_job(d["f"], *PARITY[RESUME_SGD], "torch", STEPS, resume=True))
     return {"dirs": d, "parity": parity, "torch_modules": torch_modules}
 
 
@@ -142,21 +147,21 @@ def test_same_losses_on_both_backends(runs, label):
 
 def test_torch_checkpoint_resumes_on_tensorflow(runs):
     d = runs["dirs"]
-    resumed, reference = _step_losses(d["t20"]), _step_losses(d["f40"])
-    assert sorted(resumed) == list(range(1, 41))
-    worst, step = _max_rel(resumed, reference, range(21, 41))
+    resumed, reference = _step_losses(d["t"]), _step_losses(d["t_ref"])
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    worst, step = _max_rel(resumed, reference, range(RESUME_AT + 1, STEPS + 1))
     assert worst <= ADAM_TOL, f"step {step}: resumed {resumed[step]} vs uninterrupted {reference[step]}"
-    meta = ckpt.read_metadata(ckpt.latest(d["t20"] / "checkpoints"))
-    assert meta["backend"] == "tensorflow" and meta["step"] == 40
+    meta = ckpt.read_metadata(ckpt.latest(d["t"] / "checkpoints"))
+    assert meta["backend"] == "tensorflow" and meta["step"] == STEPS
 
 
 def test_tensorflow_checkpoint_resumes_on_torch(runs):
     d = runs["dirs"]
-    resumed, reference = _step_losses(d["f20"]), _step_losses(d["t40"])
-    assert sorted(resumed) == list(range(1, 41))
-    worst, step = _max_rel(resumed, reference, range(21, 41))
+    resumed, reference = _step_losses(d["f"]), _step_losses(d["f_ref"])
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    worst, step = _max_rel(resumed, reference, range(RESUME_AT + 1, STEPS + 1))
     assert worst <= SGD_TOL, f"step {step}: resumed {resumed[step]} vs uninterrupted {reference[step]}"
-    state = ckpt.load(ckpt.latest(d["f20"] / "checkpoints"))
+    state = ckpt.load(ckpt.latest(d["f"] / "checkpoints"))
     assert "optimizer/hidden/W/momentum_buffer" in state and not any(n.startswith("rng/") for n in state)
 
 
