@@ -38,6 +38,8 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from .process import listening_socket
+
 MAX_FRAME = 64 << 20      # a bound against a bug, not a stranger (no stranger gets past the door)
 SCHEME = "unix:"          # a private store's address: unix:<path>
 TOKEN_SCHEME = "token:"   # a token store's: token:<host>:<port>
@@ -160,11 +162,7 @@ class StoreServer:
     @classmethod
     def token(cls, host: str, port: int, token: str) -> "StoreServer":
         """On TCP ``host:port`` (0: any free port), serving only connections that prove ``token``."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(1024)
+        listener = listening_socket(host, port)
         return cls(listener, f"{TOKEN_SCHEME}{host}:{listener.getsockname()[1]}", token=token)
 
     @property
@@ -363,15 +361,10 @@ class StoreClient(dist.Store):
         while True:
             try:
                 return self._open()
-            except (FileNotFoundError, ConnectionRefusedError, socket.timeout) as exc:
-                # Not yet, or no longer, served: TCPStore too retries until its timeout.
-                if time.monotonic() >= deadline:
-                    raise dist.DistNetworkError(f"the job's store at {self.address} does not answer ({exc})") \
-                        from None
-            except PermissionError as exc:
+            except PermissionError as exc:  # a refusal will not change: not retried
                 wrong = WrongToken if self.address.startswith(TOKEN_SCHEME) else dist.DistNetworkError
                 raise wrong(f"the job's store at {self.address} refused this process: {exc}") from None
-            except OSError as exc:
+            except OSError as exc:  # not yet, or no longer, served: TCPStore too retries until its timeout
                 if time.monotonic() >= deadline:
                     raise dist.DistNetworkError(f"the job's store at {self.address} does not answer ({exc})") \
                         from None
