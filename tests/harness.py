@@ -137,6 +137,27 @@ def train_in_process(model: Run, run_dir: Path, *overrides: str, env: Optional[d
     return cli(["train", model, f"hydra.run.dir={run_dir}", "trainer.progress=false", *overrides], env=env)
 
 
+def fit_here(model: Run, run_dir: Path, *overrides: str) -> None:
+    """One worker's training in this process: ``ElasticTrainer.fit``, the trainer a CLI job's worker runs, with
+    conf/'s defaults and OVERRIDES. For a test that imports the model's framework anyway (transformers, Keras):
+    a CLI job would import it again. Torch's thread count and the backend active before are put back after."""
+    import torch
+
+    from elasticflow import ops
+    from elasticflow.config.schema import compose
+    from elasticflow.trainer import ElasticTrainer
+
+    model = Path(model)
+    if not model.is_absolute() and not model.exists():
+        model = MODELS / model
+    threads = torch.get_num_threads()
+    try:
+        with ops.using():
+            ElasticTrainer(str(model), compose(str(model), list(overrides)), run_dir=str(run_dir)).fit()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def start(run_dir: Path, *overrides: str, env: Optional[dict] = None, model: Run = PROBE,
           common: List[str] = COMMON, new_session: bool = False, stdout=subprocess.PIPE) -> subprocess.Popen:
     """`elasticflow train MODEL hydra.run.dir=RUN_DIR COMMON OVERRIDES` in the background (the CLI process

@@ -105,14 +105,16 @@ def test_agent_death_makes_workers_exit(tmp_path):
 def test_tensorflow_kill_matches_single_worker(tmp_path, tf_reference, bucket_mb):
     """Gradients from TensorFlow enter the gloo allreduce zero-copy through DLPack. With comm.bucket_mb=0.001
     the gradient (19 KiB) goes in two buckets, both started once the tape's gradient is complete; the victim
-    dies waiting for them."""
+    dies waiting for them. Two workers, the survivor alone after the kill: each TF worker spends seconds importing
+    TensorFlow (the zygote forks torch workers only), and survivors regrouping among several are the torch tests'
+    above (the same membership code on either backend)."""
     run, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
-    train_ok(run, "backend=tensorflow", "launcher.workers=3", f"comm.bucket_mb={bucket_mb}",
+    train_ok(run, "backend=tensorflow", "launcher.workers=2", f"comm.bucket_mb={bucket_mb}",
              env={"EF_PROBE_KILL": "1:20:reduction", "EF_PROBE_RECORD": str(record)})
     assert_equivalent(run, tf_reference)
     world = [r["world_size"] for r in metrics(run) if "loss" in r]
-    assert world[0] == 3 and world[-1] == 2
+    assert world[0] == 2 and world[-1] == 1
 
 
 def test_the_survivors_regroup_at_once_not_at_the_group_timeout(tmp_path):

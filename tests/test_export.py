@@ -2,7 +2,9 @@
 
 Each model trains a few steps with the real CLI; the export is loaded the framework's own way
 (``load_state_dict(strict=True)``, ``from_pretrained``, ``load_weights``) and its outputs are compared
-with the checkpoint's tensors (equal, or a numpy forward pass of them within float32 rounding).
+with the checkpoint's tensors (equal, or a numpy forward pass of them within float32 rounding). The BERT, PEFT
+and Keras exports run `elasticflow export` in this process (harness.cli), which imports their framework to load
+the result anyway; a subprocess would only import it again. The plain modules' exports run in a subprocess.
 """
 import shutil
 
@@ -118,7 +120,8 @@ def test_bert_export_loads_strict_and_with_from_pretrained(tmp_path):
     (tmp_path / "bert.py").write_text(BERT)
     run = tmp_path / "run"
     train(tmp_path / "bert.py", run, *STEPS, "optimizer=adamw", timeout=120)
-    proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=120, check=True)
+    proc = cli(["export", run, "--to", tmp_path / "out"])  # in this process: transformers is imported here already
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exported step 3 of" in proc.stdout and "BertForMaskedLM (save_pretrained)" in proc.stdout
 
     cfg = compose(str(tmp_path / "bert.py"))
@@ -166,7 +169,8 @@ def test_a_peft_adapter_exports_as_peft_loads_it_and_merged(tmp_path):
     path = LORA
     run = tmp_path / "run"
     train(path, run, *STEPS, timeout=180)
-    proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=180, check=True)
+    proc = cli(["export", run, "--to", tmp_path / "out"])  # in this process, as the BERT export above
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "peft adapter (save_pretrained), and the merged model in merged/" in proc.stdout
     written = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "merged"} <= written
@@ -256,7 +260,8 @@ def test_keras_export_loads_with_load_weights(tmp_path, restore_ops):
     model = MODELS / "keras_bn.py"
     run = tmp_path / "run"
     train(model, run, "backend=tensorflow", *STEPS, timeout=180)
-    proc = run_cli(["export", run, "--to", tmp_path / "out"], timeout=180, check=True)
+    proc = cli(["export", run, "--to", tmp_path / "out"])  # in this process: it loads the weights with TF below
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "keras weights (save_weights)" in proc.stdout
 
     net = modelfile.load(str(model)).model(compose(str(model), ["backend=tensorflow"]))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import elasticflow.checkpoint as ckpt
-from harness import assert_equivalent, losses, metrics, train, train_in_process
+from harness import assert_equivalent, fit_here, losses, metrics, train, train_in_process
 from elasticflow.data import order as efdata
 from elasticflow import optim
 from elasticflow.config.schema import compose
@@ -48,8 +48,8 @@ def reference(steps=STEPS):
 
 
 def trained(run_dir, *overrides):
-    cfg = compose(str(MODEL), GROUPS + COMMON + ["backend.threads=1", *overrides])
-    ElasticTrainer(str(MODEL), cfg, run_dir=str(run_dir)).fit()
+    """A training in this process (harness.fit_here); its final checkpoint's tensors."""
+    fit_here(MODEL, run_dir, *GROUPS, *COMMON, "backend.threads=1", *overrides)
     return final(run_dir)
 
 
@@ -96,9 +96,10 @@ KILLED = GROUPS + COMMON + ["trainer.micro_batch_size=8", "elastic.timeout_s=10"
 @pytest.fixture(scope="module")
 def one_worker_bert(tmp_path_factory):
     """The 1-worker run of the killed runs' job. One worker holds the whole optimizer state with trainer.shard
-    =optimizer too: its run is the same, bit for bit, so both shardings are compared with this one."""
+    =optimizer too: its run is the same, bit for bit, so both shardings are compared with this one. Trained in this
+    process (harness.fit_here)."""
     run = tmp_path_factory.mktemp("bert") / "one"
-    train(MODEL, run, *KILLED, "trainer.shard=none")
+    fit_here(MODEL, run, *KILLED, "trainer.shard=none")
     return run
 
 
@@ -116,11 +117,13 @@ def test_three_workers_one_killed_equal_one_worker(tmp_path, one_worker_bert, sh
 
 @pytest.mark.parametrize("shard", ["none", "optimizer"])
 def test_freezing_on_resume_goes_on_and_unfreezing_under_adam_is_refused(tmp_path, shard):
+    # Both trainings in this process (trained(); resume=auto: the second resumes the first's checkpoint), as the
+    # comparisons with the hand-written loop above run: a CLI job would only add its processes' imports.
+    first = trained(tmp_path, f"trainer.shard={shard}", "trainer.max_steps=2", "+model_args.frozen=0")
+    # frozen from here: its Adam state in the checkpoint is left unread
+    second = trained(tmp_path, f"trainer.shard={shard}", "trainer.max_steps=4")
+    np.testing.assert_array_equal(second[FROZEN], first[FROZEN])
     run = [MODEL, tmp_path, *GROUPS, *COMMON, f"trainer.shard={shard}"]
-    train(*run, "trainer.max_steps=2", "+model_args.frozen=0")
-    trained_embedding = final(tmp_path)[FROZEN]
-    train(*run, "trainer.max_steps=4")  # frozen from here: its Adam state in the checkpoint is left unread
-    np.testing.assert_array_equal(final(tmp_path)[FROZEN], trained_embedding)
     assert len(losses(tmp_path)) == 4
     out = train_in_process(*run, "trainer.max_steps=6", "+model_args.frozen=0")  # refused before a step
     assert out.returncode != 0

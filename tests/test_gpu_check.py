@@ -29,9 +29,10 @@ def _git_status():
 def test_tests_only_reports_and_leaves_the_checkout_alone(tmp_path):
     gpu_tests = (REPO / "tests" / "test_gpu.py").read_bytes()
     status = _git_status()  # compared, not required empty: other work may leave the tree dirty
-    # test_precision.py's two 10-epoch accuracy runs are left out: the suite runs them from test_precision.py
-    # itself, and here they would only run twice.
-    proc = _gpu_check(tmp_path, "--tests-only", "--", "-k", "not documented_accuracy")
+    # Left out of test_precision.py: its two 10-epoch accuracy runs and one of its two float16 jobs. The suite runs
+    # them from test_precision.py itself, and here they would only run twice; the other float16 job (a 1-worker
+    # and a 3-worker training) still starts workers under the script's environment.
+    proc = _gpu_check(tmp_path, "--tests-only", "--", "-k", "not documented_accuracy and not float16_overflow")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = (tmp_path / "gpu_report.txt").read_text()
     lines = report.splitlines()

@@ -69,8 +69,14 @@ def run_ranks(tmp_path, tags, mode="sum"):
     return outs
 
 
-def test_two_groups_of_two_sum_through_their_leaders_with_every_member_holding_the_same_bits(tmp_path):
-    outs = run_ranks(tmp_path, ["h1", "h2", "h1", "h2"])  # interleaved ranks: groups by tag, not by position
+@pytest.fixture(scope="module")
+def two_groups_of_two(tmp_path_factory):
+    """The whole sum of 4 interleaved ranks in 2 groups: read by the two tests below (one run of 4 processes)."""
+    return run_ranks(tmp_path_factory.mktemp("two_groups"), ["h1", "h2", "h1", "h2"])
+
+
+def test_two_groups_of_two_sum_through_their_leaders_with_every_member_holding_the_same_bits(two_groups_of_two):
+    outs = two_groups_of_two  # interleaved ranks: groups by tag, not by position
     assert all(o["hierarchical"] for o in outs), outs
     assert outs[0]["groups"] == [[0, 2], [1, 3]]
     assert [o["leader"] for o in outs] == [True, True, False, False]
@@ -80,8 +86,8 @@ def test_two_groups_of_two_sum_through_their_leaders_with_every_member_holding_t
     assert {o["small"] for o in outs} == {6.0} and {o["low"] for o in outs} == {5.0}  # allreduce_ sum and min
 
 
-def test_a_sum_pipelined_in_pieces_is_the_same_sum(tmp_path):
-    whole = run_ranks(tmp_path, ["h1", "h2", "h1", "h2"])
+def test_a_sum_pipelined_in_pieces_is_the_same_sum(tmp_path, two_groups_of_two):
+    whole = two_groups_of_two
     pieces = run_ranks(tmp_path, ["h1", "h2", "h1", "h2"], mode="chunks")
     assert {o["chunks"] for o in whole} == {1} and {o["chunks"] for o in pieces} == {5}
     assert {o["digest"] for o in pieces} == {o["digest"] for o in whole}, "the same bits, piece by piece"
