@@ -91,6 +91,19 @@ def _anchors(markdown: str) -> set:
     return out
 
 
+def test_the_readmes_trust_promise_is_the_security_pages_word_for_word():
+    """What the README promises of the store and the records is what docs/security.md says (issue #42): the
+    README's sentences from "In short:" to "private network." appear in the page, spacing aside."""
+    def flat(text):
+        return " ".join(text.split())
+
+    readme = flat((REPO / "README.md").read_text())
+    start = readme.index("In short: on one host the job's store")
+    promise = readme[start + len("In short: "):readme.index("private network.", start) + len("private network.")]
+    page = flat((REPO / "docs" / "security.md").read_text())
+    assert promise in page, f"docs/security.md does not say, word for word, what the README promises: {promise!r}"
+
+
 def test_readme_links_point_at_pages_and_headings_that_exist():
     """GitHub renders the README, not MkDocs: its links into docs/ are checked here."""
     readme = (REPO / "README.md").read_text()

@@ -27,26 +27,50 @@ def worker_hosts(run: Path) -> Counter:
 
 
 STRANGER = r"""
-import datetime, sys
+import datetime, socket, struct, sys
 from torch.distributed import TCPStore
 from elasticflow.distributed.stores import connect
-
-# A stranger on the job's network: it knows the endpoint (a port scan would find it), not the token.
+# A stranger on the job's network: it knows the endpoint (a port scan would find it), not the token. Each attack
+# of issue #42 needs a connection first: a TCPStore client's and ours under a wrong token are refused, so none
+# is ever tried (each would print "served"). Then a request sent before any handshake, and a flood of
+# connections that never prove anything, held while the job trains on.
 host, port = sys.argv[1].rsplit(":", 1)
-for name, attempt in (("tcpstore", lambda: TCPStore(host, int(port), None, False,
-                                                    timeout=datetime.timedelta(seconds=3)).set("gen/current", "99")),
-                      ("wrong token", lambda: connect("token:" + sys.argv[1], 3.0, "not the job's token" * 2))):
+clients = {"tcpstore": lambda: TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=1)),
+           "wrong token": lambda: connect("token:" + sys.argv[1], 3.0, "not the job's token" * 2)}
+attacks = {"nested join request": lambda s: s.set("join/req/0", "[" * 100000),
+           "counter deleted": lambda s: s.delete_key("join/count"),
+           "refusal forged": lambda s: s.set("join/ack/0", '{"refused": "forged"}'),
+           "shard reports deleted": lambda s: [s.delete_key(k) for k in s.list_keys() if k.startswith("ckpt/")],
+           "gloo rank keys overwritten": lambda s: s.set("gen/1/pg/rank_0", "garbage"),
+           "memory filled": lambda s: s.set("junk", b"x" * (8 << 20))}
+for who, make in clients.items():
     try:
-        attempt()
-        print(name, "served")
+        store = make()
     except Exception as exc:
-        print(name, "refused", type(exc).__name__)
+        print(who, "refused", type(exc).__name__)
+        continue
+    for what, attack in attacks.items():
+        attack(store)
+        print(who, what, "served")
+raw = socket.create_connection((host, int(port)))
+body = b"".join(struct.pack("!I", len(f)) + f for f in (b"set", b"gen/current", b"99"))
+raw.sendall(struct.pack("!I", len(body)) + body)
+raw.settimeout(30)
+try:
+    while raw.recv(4096):
+        pass
+except ConnectionResetError:
+    pass
+print("raw frame refused: hung up")
+flood = [socket.create_connection((host, int(port))) for _ in range(48)]
+print("flood", "held", len(flood))
 """
 
 
 def test_two_hosts_of_two_workers_equal_one_worker(hosts, tmp_path, reference):
     """Two hosts of two workers train as one; a stranger on a third host, without the token, is refused by the
-    store (a plain TCPStore client, and our client with a wrong token) and changes nothing."""
+    store (each attack of issue #42 by a plain TCPStore client and by our client with a wrong token, a request
+    before any handshake, a flood of silent connections) and changes nothing."""
     net = hosts(3)
     run, record, pace = tmp_path / "run", tmp_path / "record", tmp_path / "pace"
     record.mkdir()
@@ -58,7 +82,8 @@ def test_two_hosts_of_two_workers_equal_one_worker(hosts, tmp_path, reference):
     script.write_text(STRANGER)
     tried = net.run("h3", [sys.executable, str(script), ENDPOINT], timeout=120)
     pace.unlink()
-    assert tried.stdout.count("refused") == 2 and "served" not in tried.stdout, tried.stdout + tried.stderr
+    assert tried.stdout.count("refused") == 3 and "served" not in tried.stdout, tried.stdout + tried.stderr
+    assert "flood held 48" in tried.stdout, tried.stdout + tried.stderr
     out = {h: finish(p) for h, p in procs.items()}
     assert procs["h1"].returncode == 0, out["h1"][-3000:]
     assert procs["h2"].returncode == 0, out["h2"][-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticflow.distributed import store_server, stores
+from elasticflow.distributed import store_server, store_wire, stores
 from elasticflow.distributed.store_server import StoreClient, StoreServer
 
 SHORT = datetime.timedelta(seconds=0.3)
@@ -121,7 +121,10 @@ def test_gloo_rendezvouses_through_the_private_store(server):
         "opts._devices = [dist.ProcessGroupGloo.create_device(hostname='127.0.0.1')]\n"
         "store = connect(sys.argv[1], 60, sys.argv[3])  # held: a PrefixStore alone keeps no Python methods\n"
         "pg = dist.ProcessGroupGloo(dist.PrefixStore('gen0/', store), rank, 2, opts)\n"
-        "x = torch.tensor([rank + 1.0]); pg.allreduce([x]).wait(); print(x.item())\n")
+        "x = torch.tensor([rank + 1.0]); pg.allreduce([x]).wait(); print(x.item(), flush=True)\n"
+        # as a worker leaves (launchers/worker.py): the interpreter's teardown, destroying a gloo group over a
+        # store written in Python, sometimes aborts ("terminate called without an active exception")
+        "import os; os._exit(0)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, server.address, str(r), TOKEN], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -217,8 +220,8 @@ def _rogue_store() -> str:
     def play():
         conn, _ = listener.accept()
         with conn:
-            conn.sendall(store_server._HELLO + bytes(16))
-            store_server._recv_exact(conn, 48)
+            conn.sendall(store_wire.HELLO + bytes(16))
+            store_wire._recv_exact(conn, 48)
             conn.sendall(bytes(32))
             conn.recv(1)
         listener.close()
@@ -251,3 +254,119 @@ def test_a_token_store_serves_no_one_without_the_token_and_a_client_trusts_no_im
     finally:
         srv.close()
         impostor.close()
+
+
+class Relay:
+    """A process on the network path between a client and a token store: it passes the handshake on untouched,
+    then hands each frame (each direction's, by count) to ``tamper``, which returns the bytes to pass on."""
+
+    def __init__(self, upstream: str, tamper):
+        self.tamper, self.upstream = tamper, upstream.rsplit(":", 1)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"token:127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        conn, _ = self.listener.accept()
+        up = socket.create_connection((self.upstream[0][len("token:"):], int(self.upstream[1])))
+        hello = len(store_wire.HELLO) + store_wire.NONCE
+        threading.Thread(target=self._pump, args=(conn, up, "c2s", store_wire.NONCE + 32), daemon=True).start()
+        threading.Thread(target=self._pump, args=(up, conn, "s2c", hello + 32), daemon=True).start()
+
+    def _pump(self, src, dst, direction, handshake):
+        try:
+            while handshake:  # as it comes: each side waits for the other's part
+                part = src.recv(handshake)
+                if not part:
+                    raise OSError("closed")
+                dst.sendall(part)
+                handshake -= len(part)
+            count = 0
+            while True:
+                head = store_wire._recv_exact(src, 4)
+                frame = head + store_wire._recv_exact(src, int.from_bytes(head, "big"))
+                dst.sendall(self.tamper(direction, count, frame))
+                count += 1
+        except OSError:  # one side hung up: so does the relay, both ways (shutdown wakes the other pump)
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def _flip_last(frame: bytes) -> bytes:
+    return frame[:-1] + bytes([frame[-1] ^ 1])
+
+
+@pytest.mark.parametrize("attack", ["alter a request", "replay a request", "alter a reply", "reflect a request"])
+def test_a_proven_connection_cannot_be_altered_replayed_or_reflected_on_the_way(attack):
+    """Past the handshake, every frame carries a MAC under the connection's own key and its count in that
+    direction: the side that receives a frame altered, replayed or reflected by a process on the path hangs up
+    (the client: DistNetworkError, the agent-lost path's error) and nothing it carried takes effect."""
+    srv = StoreServer.token("127.0.0.1", 0, TOKEN)
+    seen = {}
+
+    def tamper(direction, count, frame):
+        seen.setdefault(direction, []).append(frame)
+        if attack == "alter a request" and direction == "c2s" and count == 1:
+            return _flip_last(frame)
+        if attack == "replay a request" and direction == "c2s" and count == 1:
+            return frame + frame  # the add, twice
+        if attack == "alter a reply" and direction == "s2c" and count == 1:
+            return _flip_last(frame)
+        if attack == "reflect a request" and direction == "s2c" and count == 1:
+            return seen["c2s"][1]  # the client's own frame, back as the answer
+        return frame
+
+    try:
+        relay = Relay(srv.address, tamper)
+        victim = StoreClient(relay.address, datetime.timedelta(seconds=5), TOKEN)
+        victim.set("before", "1")  # frame 0 each way: untouched
+        honest = client(srv)
+        if attack == "replay a request":
+            assert victim.add("count", 1) == 1  # the first copy is served ...
+            with pytest.raises(dist.DistNetworkError, match="closed the connection"):
+                victim.check(["before"])  # ... the second ended the connection
+            assert honest.get("count") == b"1"
+            return
+        with pytest.raises(dist.DistNetworkError, match="closed the connection|MAC"):
+            victim.add("count", 1)
+        if attack == "alter a request":
+            assert not honest.check(["count"])  # the altered request was never served
+        else:
+            assert honest.get("count") == b"1"  # served, but the client refused the answer it got
+        assert honest.get("before") == b"1"
+    finally:
+        srv.close()
+
+
+def test_a_flood_of_silent_connections_holds_only_its_own_share_of_the_door(monkeypatch):
+    """A stranger opening connections that never prove the token holds at most MAX_UNPROVEN_PER_PEER places
+    in the handshake, for HANDSHAKE_S each: the job's own clients, from another address, connect at once. A
+    client told BUSY retries until its timeout, and fails as a store that does not answer, never as a wrong
+    token (a crowd of joiners from one host is not refused)."""
+    monkeypatch.setattr(store_server, "HANDSHAKE_S", 2.0)
+    srv = StoreServer.token("127.0.0.1", 0, TOKEN)
+    port = int(srv.address.rsplit(":", 1)[1])
+    flood = []
+    try:
+        for _ in range(store_server.MAX_UNPROVEN_PER_PEER + 4):
+            flood.append(socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0)))
+        busy = [s.recv(len(store_wire.BUSY)) for s in flood[-4:]]
+        assert busy == [store_wire.BUSY] * 4 and srv.busy_peers == 4
+        c = client(srv)  # from 127.0.0.1: its own share of the door
+        c.set("k", "v")
+        assert c.get("k") == b"v" and srv.busy_peers == 4
+        for s in flood[:store_server.MAX_UNPROVEN_PER_PEER]:  # hung up on after HANDSHAKE_S without a proof
+            s.settimeout(30)
+            assert s.recv(len(store_wire.HELLO) + 16).startswith(store_wire.HELLO) and s.recv(1) == b""
+        assert srv.refused_peers == store_server.MAX_UNPROVEN_PER_PEER
+        monkeypatch.setattr(store_server, "MAX_UNPROVEN_PER_PEER", 0)  # every new connection: BUSY
+        with pytest.raises(dist.DistNetworkError, match="does not answer .*busy") as caught:
+            StoreClient(srv.address, datetime.timedelta(seconds=0.5), TOKEN)
+        assert not isinstance(caught.value, store_server.WrongToken)
+    finally:
+        for s in flood:
+            s.close()
+        srv.close()

@@ -6,9 +6,11 @@ its number in ``/proc/net/tcp``); across hosts, everyone on the network. So:
 - ``private``: a Unix socket in ``RUN_DIR/.elasticflow/`` (mode 0700) can be opened only by the owner; the server
   also reads each connection's peer credentials (``SO_PEERCRED``) and hangs up on any other user, so a loosened
   directory mode does not open the door either.
-- ``token``: before anything else on a connection, each side proves it holds the job token (``_handshake``: an
+- ``token``: before anything else on a connection, each side proves it holds the job token (``store_wire.handshake``: an
   HMAC over two fresh nonces, one from each side). A stranger is hung up on before a byte of a request is read,
-  and a worker never talks to an impostor. Nothing is encrypted (docs/security.md says what that leaves).
+  and a worker never talks to an impostor. Then every frame carries a MAC under that connection's own key, so
+  nothing on the network path alters or injects one. Nothing is encrypted (docs/security.md says what that
+  leaves). store_wire.py is the wire: frames, the handshake, the MACs.
 
 The server runs in the agent's process (a thread per connection), so it dies with the agent, as TCPStore's
 would: the workers see the connection close and take the agent-lost path. The client is a
@@ -16,17 +18,11 @@ would: the workers see the connection close and take the agent-lost path. The cl
 TCPStore's: ``get`` and ``wait`` block until the key exists or the timeout passes (``DistStoreError``), ``add``
 counts in decimal text, ``compare_set`` answers as TCPStore does, a lost or refused connection is
 ``DistNetworkError``.
-
-Wire format: a frame is a 4-byte length and a list of fields, each a 4-byte length and its bytes. A request
-is ``[op, args...]``; a reply ``[b"ok", values...]`` or ``[b"timeout" | b"error", message]``.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import os
-import secrets
 import socket
 import stat
 import struct
@@ -39,14 +35,16 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from .process import listening_socket
+from .store_wire import BUSY, Busy, Frames, handshake, key_of
 
-MAX_FRAME = 64 << 20      # a bound against a bug, not a stranger (no stranger gets past the door)
 SCHEME = "unix:"          # a private store's address: unix:<path>
 TOKEN_SCHEME = "token:"   # a token store's: token:<host>:<port>
 HANDSHAKE_S = 5.0         # a connection that has not proved the token by then is hung up on
-MAX_UNPROVEN = 64         # connections still in their handshake; more are hung up on at once (a flood)
-_HELLO = b"EFSTORE1"
-_LEN = struct.Struct("!I")
+# Connections still in their handshake, from one peer address and in all: more are told BUSY and close (the
+# client retries until its timeout). A stranger's flood then holds at most a peer's share of the door for
+# HANDSHAKE_S; a crowd of joiners from one host waits its turn instead of being refused as a wrong token.
+MAX_UNPROVEN_PER_PEER = 16
+MAX_UNPROVEN = 256
 _MAX_PATH = 100           # sun_path holds 108 bytes; a deeper run directory gets a private one under /tmp
 
 
@@ -67,64 +65,6 @@ def _private_dir(path: Path) -> None:
                               "private there (run the job from a run directory of your own)")
     os.chmod(path.parent, 0o700)
 
-# ---------------------------------------------------------------------------------------------- framing
-def _send(sock: socket.socket, fields: List[bytes]) -> None:
-    body = b"".join(_LEN.pack(len(f)) + f for f in fields)
-    sock.sendall(_LEN.pack(len(body)) + body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ConnectionError("closed")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(sock: socket.socket) -> List[bytes]:
-    (size,) = _LEN.unpack(_recv_exact(sock, 4))
-    if size > MAX_FRAME:
-        raise ConnectionError(f"a frame of {size} bytes")
-    body, fields, at = _recv_exact(sock, size), [], 0
-    while at < size:
-        (n,) = _LEN.unpack_from(body, at)
-        fields.append(body[at + 4:at + 4 + n])
-        at += 4 + n
-    return fields
-
-
-def _key(token: str) -> bytes:
-    """The handshake's key: derived from the token, apart from the records' sealing key (_util/sealing.py)."""
-    return hashlib.sha256(b"elasticflow store connection\0" + token.encode()).digest()
-
-
-def _mac(key: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(key, side + server_nonce + client_nonce, hashlib.sha256).digest()
-
-
-def _handshake(sock: socket.socket, key: bytes, server: bool) -> bool:
-    """Both sides prove the token: the server sends a nonce, the client its nonce and a MAC over both, the
-    server its own MAC. Fresh nonces on each side: a recorded handshake replays into nothing."""
-    if server:
-        nonce = secrets.token_bytes(16)
-        sock.sendall(_HELLO + nonce)
-        answer = _recv_exact(sock, 48)
-        theirs, mac = answer[:16], answer[16:]
-        if not hmac.compare_digest(mac, _mac(key, b"client", nonce, theirs)):
-            return False
-        sock.sendall(_mac(key, b"server", nonce, theirs))
-        return True
-    hello = _recv_exact(sock, len(_HELLO) + 16)
-    if not hello.startswith(_HELLO):
-        return False
-    theirs, nonce = hello[len(_HELLO):], secrets.token_bytes(16)
-    sock.sendall(nonce + _mac(key, b"client", theirs, nonce))
-    return hmac.compare_digest(_recv_exact(sock, 32), _mac(key, b"server", theirs, nonce))
-
-
 # ----------------------------------------------------------------------------------------------- server
 class StoreServer:
     """The store's keys, served to this user's processes on a Unix socket, or to the job's on a TCP port.
@@ -134,14 +74,16 @@ class StoreServer:
 
     def __init__(self, listener: socket.socket, address: str, token: Optional[str] = None,
                  path: Optional[Path] = None):
-        self.path, self._address, self._key = path, address, (_key(token) if token is not None else None)
+        self.path, self._address, self._key = path, address, (key_of(token) if token is not None else None)
         self._data: Dict[str, bytes] = {}
         self._changed = threading.Condition()
         self._conns: List[socket.socket] = []
         self._closed = False
         self._listener = listener
-        self._unproven = threading.Semaphore(MAX_UNPROVEN)
+        self._unproven: Dict[str, int] = {}  # peer address -> its connections still in their handshake
+        self._door = threading.Lock()
         self.refused_peers = 0  # connections hung up on: another user's, or without the token
+        self.busy_peers = 0     # connections told to come back: too many were in their handshake
         threading.Thread(target=self._accept, name="elasticflow-store", daemon=True).start()
 
     @classmethod
@@ -186,7 +128,7 @@ class StoreServer:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:
                 return
             if self._key is None:
@@ -194,36 +136,62 @@ class StoreServer:
                 if uid != os.getuid():
                     self._refuse(conn)
                     continue
-            elif not self._unproven.acquire(blocking=False):
-                self._refuse(conn)
+            elif not self._admit(peer[0]):
+                self._busy(conn)
                 continue
             else:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="elasticflow-store-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name="elasticflow-store-conn",
+                             daemon=True).start()
+
+    def _admit(self, peer: str) -> bool:
+        """A place at the door (a connection in its handshake) for ``peer``, if it and the door have one."""
+        with self._door:
+            if self._unproven.get(peer, 0) >= MAX_UNPROVEN_PER_PEER or sum(self._unproven.values()) >= MAX_UNPROVEN:
+                return False
+            self._unproven[peer] = self._unproven.get(peer, 0) + 1
+            return True
+
+    def _proven_or_not(self, peer: str) -> None:
+        with self._door:
+            self._unproven[peer] -= 1
+            if not self._unproven[peer]:
+                del self._unproven[peer]
 
     def _refuse(self, conn: socket.socket) -> None:
         self.refused_peers += 1
         conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _busy(self, conn: socket.socket) -> None:
+        self.busy_peers += 1
         try:
+            conn.setblocking(False)  # 24 bytes into an empty socket buffer: never blocks the door
+            conn.send(BUSY + bytes(16))
+        except OSError:
+            pass
+        conn.close()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        try:
+            frames = Frames(conn)
             if self._key is not None:
                 try:
                     conn.settimeout(HANDSHAKE_S)
-                    proven = _handshake(conn, self._key, server=True)
+                    session = handshake(conn, self._key, server=True)
                 except (ConnectionError, OSError):
-                    proven = False  # it hung up, or said too little in time
+                    session = None  # it hung up, or said too little in time
                 finally:
-                    self._unproven.release()
-                if not proven:
+                    self._proven_or_not(peer[0])
+                if session is None:
                     self.refused_peers += 1
                     return
                 conn.settimeout(None)
+                frames = Frames(conn, session, server=True)
             self._conns.append(conn)
             while not self._closed:
-                request = _recv(conn)
-                _send(conn, self.handle(request[0].decode(), request[1:]))
-        except (ConnectionError, OSError, struct.error, UnicodeDecodeError):
+                request = frames.recv()
+                frames.send(self.handle(request[0].decode(), request[1:]))
+        except (ConnectionError, OSError, struct.error, UnicodeDecodeError, IndexError):
             pass
         finally:
             conn.close()
@@ -331,9 +299,9 @@ class StoreClient(dist.Store):
         self.address, self._token = address, token
         self.set_timeout(timeout)
         self._lock = threading.Lock()
-        self._sock = self._connect()
+        self._frames = self._connect()
 
-    def _open(self) -> socket.socket:
+    def _open(self) -> Frames:
         if self.address.startswith(SCHEME):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -341,22 +309,25 @@ class StoreClient(dist.Store):
             except OSError:
                 sock.close()
                 raise
-            return sock
+            return Frames(sock)
         host, port = self.address[len(TOKEN_SCHEME):].rsplit(":", 1)
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=HANDSHAKE_S)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            proven = _handshake(sock, _key(self._token), server=False)
+            session = handshake(sock, key_of(self._token), server=False)
+        except Busy:
+            sock.close()
+            raise
         except OSError:
             sock.close()
             raise PermissionError("it hung up during the handshake: the job token is wrong") from None
-        if not proven:
+        if session is None:
             sock.close()
             raise PermissionError("it did not prove the job token: not this job's store")
         sock.settimeout(None)
-        return sock
+        return Frames(sock, session, server=False)
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> Frames:
         deadline = time.monotonic() + self._timeout_s
         while True:
             try:
@@ -364,7 +335,7 @@ class StoreClient(dist.Store):
             except PermissionError as exc:  # a refusal will not change: not retried
                 wrong = WrongToken if self.address.startswith(TOKEN_SCHEME) else dist.DistNetworkError
                 raise wrong(f"the job's store at {self.address} refused this process: {exc}") from None
-            except OSError as exc:  # not yet, or no longer, served: TCPStore too retries until its timeout
+            except OSError as exc:  # not yet, or no longer, served, or busy: TCPStore too retries until its timeout
                 if time.monotonic() >= deadline:
                     raise dist.DistNetworkError(f"the job's store at {self.address} does not answer ({exc})") \
                         from None
@@ -373,11 +344,11 @@ class StoreClient(dist.Store):
     def _call(self, op: str, *args: bytes) -> List[bytes]:
         with self._lock:
             try:
-                _send(self._sock, [op.encode(), *args])
-                reply = _recv(self._sock)
+                self._frames.send([op.encode(), *args])
+                reply = self._frames.recv()
             except (ConnectionError, OSError, struct.error) as exc:
                 raise dist.DistNetworkError(f"the job's store at {self.address} closed the connection "
-                                            f"({type(exc).__name__})") from None
+                                            f"({type(exc).__name__}: {exc})") from None
         return self._answer(op, reply)
 
     @staticmethod
@@ -432,7 +403,7 @@ class StoreClient(dist.Store):
         return StoreClient(self.address, self.timeout, self._token)
 
     def close(self) -> None:
-        self._sock.close()
+        self._frames.sock.close()
 
 
 class InProcessStore(StoreClient):

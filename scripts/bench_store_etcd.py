@@ -1,0 +1,269 @@
+"""etcd with mutual TLS against the job's token store and the TCPStore (issue #42 asks the token store's choice
+to be justified against etcd by measurement): a call, a new connection, and gloo's rendezvous of N processes
+(the store's part of a generation's formation) through each, at 2, 4 and 16 processes, in one run.
+
+    .venv/bin/python scripts/bench_store_etcd.py                 # needs etcd (Debian: etcd-server) and openssl
+    .venv/bin/python scripts/bench_store_etcd.py --sizes 2 4 --rounds 3
+
+etcd runs here as a one-member cluster on loopback, its data directory on this machine's disk (each write is
+fsynced, as in production), clients authenticated by certificates made with openssl for the run (a CA, a server
+certificate for 127.0.0.1, a client certificate): ``--client-cert-auth``. The client is ``EtcdStore`` below: a
+``torch.distributed.Store`` over etcd's v3 HTTP/JSON gateway (one keep-alive HTTPS connection per client,
+``compare_set`` and ``add`` as transactions, ``get``/``wait`` polling every 2 ms, since a watch stream over
+the gateway is a second connection per waiter). gloo rendezvouses through it as through the others.
+
+Printed: medians per store and size, and each store / tcp. On a shared 2-core machine 16 processes contend for
+the cores: read the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import http.client
+import json
+import os
+import shutil
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+TOKEN = "bench" * 8
+POLL_S = 0.002
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class EtcdStore(dist.Store):
+    """A c10d Store over etcd's v3 JSON gateway, with a client certificate (TCPStore's semantics)."""
+
+    def __init__(self, url: str, certs: dict, timeout: datetime.timedelta):
+        super().__init__()
+        self.url, self.certs = url, certs
+        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        context = ssl.create_default_context(cafile=certs["ca"])
+        context.load_cert_chain(certs["client"], certs["client_key"])
+        self._conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=60)
+        self.set_timeout(timeout)
+
+    def set_timeout(self, timeout):
+        super().set_timeout(timeout)
+        self._timeout_s = timeout.total_seconds()
+
+    def _post(self, path: str, body: dict) -> dict:
+        self._conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        reply = self._conn.getresponse()
+        data = reply.read()
+        if reply.status != 200:
+            raise RuntimeError(f"etcd {path}: {reply.status} {data[:200]!r}")
+        return json.loads(data)
+
+    @staticmethod
+    def _value(v) -> bytes:
+        return v.encode() if isinstance(v, str) else bytes(v)
+
+    def _range(self, key: str) -> "bytes | None":
+        kvs = self._post("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs")
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
+    def set(self, key, value):
+        self._post("/v3/kv/put", {"key": _b64(key.encode()), "value": _b64(self._value(value))})
+
+    def get(self, key):
+        self.wait([key])
+        return self._range(key)
+
+    def check(self, keys):
+        return all(self._range(k) is not None for k in keys)
+
+    def wait(self, keys, timeout=None):
+        deadline = time.monotonic() + (self._timeout_s if timeout is None else timeout.total_seconds())
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timeout, keys: {keys}")
+            time.sleep(POLL_S)
+
+    def compare_set(self, key, expected, desired):
+        k, expected, desired = _b64(key.encode()), self._value(expected), self._value(desired)
+        compare = ({"key": k, "target": "VERSION", "result": "EQUAL", "version": "0"} if expected == b"" else
+                   {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)})
+        got = self._post("/v3/kv/txn", {"compare": [compare],
+                                        "success": [{"requestPut": {"key": k, "value": _b64(desired)}}],
+                                        "failure": [{"requestRange": {"key": k}}]})
+        if got.get("succeeded"):
+            return desired
+        kvs = got["responses"][0]["response_range"].get("kvs")
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else expected
+
+    def add(self, key, amount):
+        while True:  # optimistic: read, then put if unchanged since (a transaction on the key's mod revision)
+            k = _b64(key.encode())
+            kvs = self._post("/v3/kv/range", {"key": k}).get("kvs")
+            value = int(base64.b64decode(kvs[0]["value"])) if kvs else 0
+            rev = kvs[0]["mod_revision"] if kvs else "0"
+            put = {"key": k, "value": _b64(str(value + amount).encode())}
+            got = self._post("/v3/kv/txn", {"compare": [{"key": k, "target": "MOD", "result": "EQUAL",
+                                                         "mod_revision": rev}],
+                                            "success": [{"requestPut": put}]})
+            if got.get("succeeded"):
+                return value + amount
+
+    def delete_key(self, key):
+        return int(self._post("/v3/kv/deleterange", {"key": _b64(key.encode())}).get("deleted", 0)) > 0
+
+    def num_keys(self):
+        return int(self._post("/v3/kv/range", {"key": _b64(b"\0"), "range_end": _b64(b"\0"), "count_only": True})
+                   .get("count", 0))
+
+
+# ---------------------------------------------------------------- etcd, its certificates, the clients
+def make_certs(folder: Path) -> dict:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, by openssl."""
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=bench-ca")
+    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf")
+    return {"ca": str(folder / "ca.pem"), "server": str(folder / "server.pem"),
+            "server_key": str(folder / "server.key"), "client": str(folder / "client.pem"),
+            "client_key": str(folder / "client.key")}
+
+
+def start_etcd(folder: Path, certs: dict) -> "tuple[subprocess.Popen, str]":
+    url = "https://127.0.0.1:23790"
+    proc = subprocess.Popen(["etcd", "--data-dir", str(folder / "data"), "--listen-client-urls", url,
+                             "--advertise-client-urls", url, "--listen-peer-urls", "http://127.0.0.1:23800",
+                             "--initial-advertise-peer-urls", "http://127.0.0.1:23800",
+                             "--initial-cluster", "default=http://127.0.0.1:23800",
+                             "--cert-file", certs["server"], "--key-file", certs["server_key"],
+                             "--trusted-ca-file", certs["ca"], "--client-cert-auth"],
+                            stdout=subprocess.DEVNULL, stderr=open(folder / "etcd.log", "w"))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            EtcdStore(url, certs, datetime.timedelta(seconds=5)).set("up", "1")
+            return proc, url
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"etcd did not start: {(folder / 'etcd.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+
+
+def client(kind: str, address: str, certs: dict) -> dist.Store:
+    if kind == "etcd":
+        return EtcdStore(address, certs, datetime.timedelta(seconds=120))
+    from elasticflow.distributed import stores
+    return stores.connect(address, 120.0, TOKEN)
+
+
+# ---------------------------------------------------------------- the measurements
+def round_trip_us(kind: str, address: str, certs: dict, n: int = 500, connections: int = 50) -> tuple:
+    """(us per call, us per new connection and one call)."""
+    c = client(kind, address, certs)
+    t = time.perf_counter()
+    for i in range(n):
+        c.set("k", str(i))
+        c.compare_set("k", "x", "y")
+    call = (time.perf_counter() - t) / (2 * n) * 1e6
+    t = time.perf_counter()
+    for _ in range(connections):
+        client(kind, address, certs).check(["k"])
+    return call, (time.perf_counter() - t) / connections * 1e6
+
+
+MEMBER = r'''
+import datetime, json, sys, time, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/scripts")
+from bench_store_etcd import client
+kind, address, certs, prefix = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[7]
+rank, world = int(sys.argv[5]), int(sys.argv[6])
+store = client(kind, address, certs)
+store.add(prefix + "ready", 1)
+store.wait([prefix + "go"])
+t = time.perf_counter()
+opts = dist.ProcessGroupGloo._Options(); opts._timeout = datetime.timedelta(seconds=120)
+opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, opts)
+x = torch.ones(1); pg.allreduce([x]).wait()
+print(json.dumps({"s": time.perf_counter() - t, "sum": x.item()}), flush=True)
+import os; os._exit(0)
+'''
+
+
+def rendezvous_s(kind: str, address: str, certs: dict, world: int, tag: str) -> float:
+    """Seconds from 'go' until the last of ``world`` processes has a gloo group and one allreduce through it."""
+    prefix = f"rdv/{tag}/"
+    procs = [subprocess.Popen([sys.executable, "-c", MEMBER, str(REPO), kind, address, json.dumps(certs), str(r),
+                               str(world), prefix], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    control = client(kind, address, certs)
+    control.wait([prefix + "ready"])
+    while int(control.add(prefix + "ready", 0)) < world:
+        time.sleep(0.01)
+    control.set(prefix + "go", "1")
+    outs = [p.communicate(timeout=300) for p in procs]
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert all(g["sum"] == world for g in got), outs
+    return max(g["s"] for g in got)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 16])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if not shutil.which("etcd") or not shutil.which("openssl"):
+        sys.exit("error: needs etcd and openssl on PATH (Debian: apt install etcd-server openssl)")
+    from elasticflow.distributed import stores
+    load = os.getloadavg()[0]
+    print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M} {os.cpu_count()} cores, load {load:.1f}; sizes {args.sizes}, "
+          f"{args.rounds} rounds", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        certs = make_certs(root)
+        etcd, url = start_etcd(root, certs)
+        served = {"tcp": stores.serve("tcp", "127.0.0.1", 0, root, 120.0, TOKEN),
+                  "token": stores.serve("token", "127.0.0.1", 0, root, 120.0, TOKEN)}
+        addresses = {"tcp": served["tcp"][1], "token": served["token"][1], "etcd": url}
+        kinds = list(addresses)
+        try:
+            trips = {k: [round_trip_us(k, addresses[k], certs) for _ in range(3)] for k in kinds}
+            for i, what in enumerate(("a call (set or compare_set)", "a new connection and one call")):
+                rt = {k: statistics.median(t[i] for t in v) for k, v in trips.items()}
+                print(f"{what}: " + ", ".join(f"{k} {rt[k]:.0f} us ({rt[k] / rt['tcp']:.2f}x)" for k in kinds),
+                      flush=True)
+            results = {(n, k): [] for n in args.sizes for k in kinds}
+            for r in range(args.rounds):
+                for n in args.sizes:
+                    for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                        results[n, kind].append(rendezvous_s(kind, addresses[kind], certs, n, f"{r}-{n}"))
+            print("\n| processes | gloo rendezvous + one allreduce | " + " | ".join(kinds) + " |")
+            print("|---|---|" + "---|" * len(kinds))
+            for n in args.sizes:
+                m = {k: statistics.median(results[n, k]) for k in kinds}
+                print(f"| {n} | median of {args.rounds} | " +
+                      " | ".join(f"{m[k] * 1e3:.0f} ms ({m[k] / m['tcp']:.2f}x)" for k in kinds) + " |", flush=True)
+        finally:
+            for _store, _address, close in served.values():
+                close()
+            etcd.terminate()
+            etcd.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
