@@ -66,7 +66,7 @@ ASSUMED = [
     ("--flash-restart-s", 120.0, "DLRover's restart in place, s"),
     ("--flash-ckpt-s", 1.0, "a flash checkpoint's blocking copy, s"),
     ("--replace-s", 600.0, "a spare node ready to join, s"),
-    ("--ef-silent-s", 30.06, "ElasticFlow, a cut host to the survivors' next step (measured: bench_hosts.py "
+    ("--ef-silent-s", 10.17, "ElasticFlow, a cut host to the survivors' next step (measured: bench_hosts.py "
                              "--parts cut), s"),
 ]
 POLICIES = ("restart (torchrun)", "restart, in-memory (DLRover flash)", "torchft", "ElasticFlow")

@@ -125,16 +125,17 @@ def test_host_powered_off_mid_step(hosts, tmp_path, reference):
 
 
 def test_partition_longer_than_the_timeouts_then_heal(hosts, tmp_path, reference):
-    """h2 cut off for longer than elastic.timeout_s: the job goes on with h1 after at most timeout_s; h2's
-    workers, cut off, write nothing the job reads and exit; when the link heals h2's node agent starts them
-    again and they join as new members. The result is still the 1-worker run's."""
+    """h2 cut off for longer than elastic.timeout_s: h1's workers go on once the agent declares h2's gone
+    (heartbeat_timeout_s: they cut their links to the silent host, not waiting out their collective's
+    timeout_s); h2's workers, cut off, write nothing the job reads and exit; when the link heals h2's node
+    agent starts them again and they join as new members. The result is still the 1-worker run's."""
     net = hosts(2)
     run, record = tmp_path / "run", tmp_path / "record"
     record.mkdir()
     pace = tmp_path / "pace"  # steps take EF_PROBE_SLEEP while it exists: the job outlasts h2's restarts
     pace.touch()
     procs = start_on_hosts(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.min_workers=2",
-                      "elastic.heartbeat_timeout_s=2", "elastic.timeout_s=4", "launcher.restart_failed=true",
+                      "elastic.heartbeat_timeout_s=2", "elastic.timeout_s=8", "launcher.restart_failed=true",
                       env={"EF_PROBE_SLEEP": "0.6", "EF_PROBE_PACE": str(pace)}, record=record)
     wait_for(lambda: logged_step(run) >= 5, 150, "step 5")
     net.cut("h2")
@@ -159,6 +160,9 @@ def test_partition_longer_than_the_timeouts_then_heal(hosts, tmp_path, reference
     assert world[-1] == 4, ("h2's workers should rejoin as new members", world, out2[-3000:])
     assert "was cut out of the job by the agent" in out2 and "done: host=h2 workers=4 restarts=2" in out2, out2
     assert {e["worker"] for e in events(run, "hung")} == {2, 3}, "h2's workers, and only they, were cut out"
+    # h1's workers left the collective when the agent declared h2's workers gone, not at its timeout
+    lost = failures(run, (0, 1))
+    assert lost and all("links cut" in line and "Timed out" not in line for line in lost), lost
     joined = events(run, "joined")
     assert {e["worker"] for e in joined} >= {4, 5}, joined
 

@@ -96,6 +96,7 @@ class Agent:
         self.scale_nonces: Dict[str, None] = {}  # taken once (scaling.py), oldest first
         self.restarts = 0
         self.dirty = False                    # members changed since the last publish
+        self.gone: List[int] = []             # members declared gone since the last publish (its record's "gone")
         self.below_min_since: Optional[float] = None
         self.stop_reason = ""
         self.interrupted = False
@@ -145,12 +146,15 @@ class Agent:
             self.admitted.sort(key=lambda w: w.id)
         self.roster.move_all(self.admitted, "members")
         self.published = list(self.members)
-        self._announce_generation([w.id for w in self.members], [w.id for w in self.waiting], action, reason)
+        self._announce_generation([w.id for w in self.members], [w.id for w in self.waiting], action, reason,
+                                  self.gone)
+        self.gone = []
         self.dirty = False
         self.supersede_at = None
         self.write_workers_json(action)
 
-    def _announce_generation(self, ids: List[int], waiting: List[int], action: str, reason: str) -> None:
+    def _announce_generation(self, ids: List[int], waiting: List[int], action: str, reason: str,
+                             gone: List[int] = ()) -> None:
         """Write the next generation's record and name it current; the one still forming is superseded."""
         now = time.monotonic()
         self.generation += 1
@@ -159,7 +163,7 @@ class Agent:
             self.event("superseded", generation=self.rdv.generation, cause=reason or "a member left while it formed",
                        after_s=round(now - self.rdv.published_at, 3), waiting=[], retry_in_s=0)
         # The generation's record goes in before gen/current names it: a worker reads them in that order.
-        self._put(protocol.generation_key(g), protocol.encode(ids, action, reason, waiting))
+        self._put(protocol.generation_key(g), protocol.encode(ids, action, reason, waiting, gone))
         self._put("gen/current", str(g))
         self.rdv.opened(g, ids, now)
         self.event("generation", generation=g, members=ids, waiting=waiting, action=action, reason=reason)
@@ -338,6 +342,8 @@ class Agent:
         log.warning("worker %d (pid %d) left (%s)", w.id, w.pid, cause)
         self.event("left", worker=w.id, pid=w.pid, cause=cause, generation=self.generation)
         self.dirty = self.dirty or dirty
+        if dirty:  # a member: its peers cut their links to it as the next generation is published
+            self.gone.append(w.id)
         self._maybe_restart(w)
 
     def _maybe_restart(self, w: Worker) -> None:

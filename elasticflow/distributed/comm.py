@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
-from .._util import affinity
+from .._util import affinity, links
 from .._util.fileio import aligned
 from . import hierarchy
 from .protocol import CommError
@@ -50,6 +50,9 @@ class Group:
         self._sums = 0  # sums started by exchange: their tags
         self.nccl = None
         self.aborted = False
+        self.cut = False  # its links were cut: the agent declared a member gone (cut_links)
+        self.links: Set[int] = set()  # the TCP connections its construction opened (set by the caller)
+        self.members: List[int] = []  # the generation's members by id (set by the caller)
         self.unsent: List[Any] = []  # the newest SumByExchange's sends, waited for by the next one (or close)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
@@ -98,6 +101,17 @@ class Group:
             except Exception:
                 pass
 
+    def cut_links(self) -> None:
+        """The agent declared a member of this generation gone: shut down this member's connections of the
+        group, so a collective waiting on a silent peer (a host powered off or cut off) fails now, not at the
+        group's timeout, and nothing a healed peer sends later lands in a buffer (_util/links.py). Safe from
+        another thread (the membership poller calls it). The next generation builds a group of its own."""
+        if self.cut:
+            return
+        self.cut = True
+        links.cut(self.links)
+        self.abort()
+
     def _run(self, what: str, fn):
         if self.pg is None:
             raise CommError(f"{what} on a closed group (generation {self.generation})")
@@ -105,7 +119,8 @@ class Group:
             return fn()
         except Exception as exc:
             self.close(flush=False)
-            raise CommError(f"{what} failed in generation {self.generation}: {gloo_text(exc)}") from exc
+            why = " (links cut: the agent declared a member gone)" if self.cut else ""
+            raise CommError(f"{what} failed in generation {self.generation}: {gloo_text(exc)}{why}") from exc
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place allreduce of one tensor (pass one flat buffer, not many small ones).

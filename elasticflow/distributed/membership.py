@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 from torch.distributed import PrefixStore
 
+from .._util import links
 from .._util.fileio import append_event
 from .._util.memory import rss_mib
 from . import protocol, stores
@@ -92,6 +93,7 @@ class Membership:
         self.group_tag: Optional[str] = None  # topology=hierarchical: this worker's group (set before join)
         self.events: Optional[Path] = None    # RUN_DIR/events.jsonl, where rank 0 records each generation's groups
         self.latest_generation = 0
+        self._gone_read = -1  # the newest generation whose record the poller read for members gone
         self.agent_lost = False
         self.device: Optional[str] = None   # what report_device was given
         self.memory: Dict[int, float] = {}  # rank 0: resident MiB by member id, refreshed every 2 s (_share_memory)
@@ -114,7 +116,7 @@ class Membership:
                 g = protocol.fetch(store, self.sealer, "gen/current", "gen/current")
                 if g is not None:
                     self.latest_generation = max(self.latest_generation, int(g))
-                if self.nccl_device is not None and self.latest_generation > self.generation:
+                if self.latest_generation > self.generation:
                     self._abort_if_a_member_left(store)
                 if polls % MEMORY_POLLS == 0 or gathered_in != self.generation:  # and at once for new members
                     generation = self.generation
@@ -140,13 +142,26 @@ class Membership:
         return len(memory) == len(self.members)  # False: a member has not published yet; again at the next poll
 
     def _abort_if_a_member_left(self, store) -> None:
-        """A dead peer leaves NCCL spinning on the GPU until its timeout; the agent sees the death within
-        milliseconds and publishes a generation without it. Abort then, so the collective returns now."""
-        group, members = self.group, set(self.members)
-        if group is None or group.aborted:
+        """Let this generation's collectives end now when the agent has published one without a member of it.
+
+        gloo: a member the agent declared gone (dead, hung, or its host silent: a newer generation's ``gone``)
+        leaves a collective waiting for its timeout if no FIN or RST comes (a host powered off or cut off), so
+        the group's links are cut (``Group.cut_links``). Not for a member that retires: it leaves at a step
+        boundary, on this group. NCCL: a dead peer leaves the collective spinning on the GPU; abort when the
+        newest generation lacks a member of this one."""
+        group = self.group
+        if group is None or group.cut:
             return
-        newest = self._generation(store, self.latest_generation)
-        if newest is not None and not members <= set(newest.get("members", [])):
+        members, newest = set(group.members), None
+        for g in range(max(group.generation, self._gone_read) + 1, self.latest_generation + 1):
+            newest = self._generation(store, g)
+            if newest is None:
+                return  # not readable yet: at the next poll
+            self._gone_read = g
+            if members & set(newest.get("gone", [])):
+                group.cut_links()
+                return
+        if newest is not None and self.nccl_device is not None and not members <= set(newest["members"]):
             group.abort()
 
     def close(self) -> None:
@@ -291,8 +306,10 @@ class Membership:
             try:
                 # Under a prefix only token holders can compute: gloo's rendezvous keys are read unsealed.
                 gloo_store = PrefixStore(f"{self.sealer.name('gloo')}/", self.store)
+                before = links.sockets()
                 group = Group(gloo_store, g, rank, world, self.timeout_s, self.host, self.nccl_device,
                               self.group_tag)
+                group.members, group.links = members, links.opened_since(before, stores.port_of(self.address))
             except CommError as exc:
                 log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc)
                 self.report_failure(g)

@@ -91,8 +91,11 @@ def memory_key(worker_id: int) -> str:
     return f"worker/{worker_id}/memory"
 
 
-def encode(members, action: str = "train", reason: str = "", waiting=()) -> str:
-    return json.dumps({"members": list(members), "action": action, "reason": reason, "waiting": list(waiting)})
+def encode(members, action: str = "train", reason: str = "", waiting=(), gone=()) -> str:
+    """A generation's record. ``gone``: members of the one before that the agent declared gone (dead, hung, or
+    their host silent), whose peers cut their links at once (membership); not those that retire."""
+    return json.dumps({"members": list(members), "action": action, "reason": reason, "waiting": list(waiting),
+                       "gone": list(gone)})
 
 
 def sign(token: str, message: str) -> str:

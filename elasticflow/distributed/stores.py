@@ -48,6 +48,13 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0]
 
 
+def port_of(address: str) -> Optional[int]:
+    """The TCP port a store's address names; None for a Unix socket's."""
+    if address.startswith(store_server.SCHEME):
+        return None
+    return int(address.rsplit(":", 1)[1])
+
+
 def serve(kind: str, host: str, port: int, state_dir: Path, timeout_s: float, token: str) \
         -> "Tuple[dist.Store, str, Callable[[], None]]":
     """Start the job's store in this (the agent's) process: its client here, its address, and how to close it.
