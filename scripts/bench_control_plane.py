@@ -111,13 +111,16 @@ class Serialized:
 
 
 class NullGroup:
-    """Stands in for comm.Group: no gloo, nothing to build, close or abort."""
+    """Stands in for comm.Group: no gloo, nothing to build, close, abort or cut."""
 
     hierarchy = None
-    aborted = False
+    aborted = cut = False
 
-    def __init__(self, *args, **kwargs):
-        pass
+    def __init__(self, store, generation: int, *args, **kwargs):
+        self.generation, self.members, self.links = generation, [], set()
+
+    def cut_links(self) -> None:
+        self.cut = True
 
     def close(self) -> None:
         pass

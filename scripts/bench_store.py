@@ -38,22 +38,36 @@ STORES = ("tcp", "private", "token")
 TOKEN = "bench" * 8
 
 
+def time_calls(connect, n: int = 2000, connections: int = 200) -> tuple:
+    """(us per call, us per new connection and one call) on the store ``connect()`` gives a client of: ``n``
+    ``set`` + ``compare_set`` pairs on one client, then ``connections`` new clients making one call each."""
+    client = connect()
+    t = time.perf_counter()
+    for i in range(n):
+        client.set("k", str(i))
+        client.compare_set("k", "x", "y")
+    call = (time.perf_counter() - t) / (2 * n) * 1e6
+    t = time.perf_counter()
+    for _ in range(connections):
+        connect().check(["k"])
+    return call, (time.perf_counter() - t) / connections * 1e6
+
+
+def print_round_trips(trips: dict) -> None:
+    """The medians of ``time_calls``' figures per store (``trips``: store -> [(call, connection)...]), against
+    the TCPStore's (``trips["tcp"]``)."""
+    for i, what in enumerate(("a call (set or compare_set)", "a new connection and one call")):
+        rt = {k: statistics.median(t[i] for t in v) for k, v in trips.items()}
+        print(f"{what}: " + ", ".join(f"{k} {rt[k]:.1f} us ({rt[k] / rt['tcp']:.2f}x)" for k in trips), flush=True)
+
+
 def round_trip_us(kind: str, state_dir: Path, n: int = 2000, connections: int = 200) -> tuple:
     """(us per call, us per new connection) on a store of ``kind``."""
     from elasticflow.distributed import stores
 
     store, address, close = stores.serve(kind, "127.0.0.1", 0, state_dir, 10.0, TOKEN)
     try:
-        client = stores.connect(address, 10.0, TOKEN)
-        t = time.perf_counter()
-        for i in range(n):
-            client.set("k", str(i))
-            client.compare_set("k", "x", "y")
-        call = (time.perf_counter() - t) / (2 * n) * 1e6
-        t = time.perf_counter()
-        for _ in range(connections):
-            stores.connect(address, 10.0, TOKEN).check(["k"])
-        return call, (time.perf_counter() - t) / connections * 1e6
+        return time_calls(lambda: stores.connect(address, 10.0, TOKEN), n, connections)
     finally:
         close()
 
@@ -120,10 +134,7 @@ def main() -> None:
                 state = root / f"rt-{kind}-{r}"
                 state.mkdir()
                 trips[kind].append(round_trip_us(kind, state))
-        for i, what in enumerate(("a call (set or compare_set)", "a new connection and one call")):
-            rt = {k: statistics.median(t[i] for t in v) for k, v in trips.items()}
-            print(f"{what}: " + ", ".join(f"{k} {rt[k]:.1f} us ({rt[k] / rt['tcp']:.2f}x)" for k in STORES),
-                  flush=True)
+        print_round_trips(trips)
         results = {(n, k): [] for n in args.sizes for k in STORES}
         for r in range(args.rounds):
             for n in args.sizes:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from bench_store import print_round_trips, time_calls
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 TOKEN = "bench" * 8
@@ -173,17 +175,9 @@ def client(kind: str, address: str, certs: dict) -> dist.Store:
 
 # ---------------------------------------------------------------- the measurements
 def round_trip_us(kind: str, address: str, certs: dict, n: int = 500, connections: int = 50) -> tuple:
-    """(us per call, us per new connection and one call)."""
-    c = client(kind, address, certs)
-    t = time.perf_counter()
-    for i in range(n):
-        c.set("k", str(i))
-        c.compare_set("k", "x", "y")
-    call = (time.perf_counter() - t) / (2 * n) * 1e6
-    t = time.perf_counter()
-    for _ in range(connections):
-        client(kind, address, certs).check(["k"])
-    return call, (time.perf_counter() - t) / connections * 1e6
+    """(us per call, us per new connection and one call): bench_store.py's measure, on this script's clients."""
+
+    return time_calls(lambda: client(kind, address, certs), n, connections)
 
 
 MEMBER = r'''
@@ -243,10 +237,7 @@ def main() -> None:
         kinds = list(addresses)
         try:
             trips = {k: [round_trip_us(k, addresses[k], certs) for _ in range(3)] for k in kinds}
-            for i, what in enumerate(("a call (set or compare_set)", "a new connection and one call")):
-                rt = {k: statistics.median(t[i] for t in v) for k, v in trips.items()}
-                print(f"{what}: " + ", ".join(f"{k} {rt[k]:.0f} us ({rt[k] / rt['tcp']:.2f}x)" for k in kinds),
-                      flush=True)
+            print_round_trips(trips)
             results = {(n, k): [] for n in args.sizes for k in kinds}
             for r in range(args.rounds):
                 for n in args.sizes:

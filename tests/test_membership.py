@@ -53,6 +53,10 @@ def test_generation_that_cannot_form_is_superseded(tmp_path, reference, how):
                               and e["generation"] > stalled["generation"]], 60, "the stalled joiner to re-enter")
         # ... and training with it: lifted before, the pace lets the job end before that generation forms
         wait_for(lambda: 3 in world_sizes(run), 60, "a step with the re-entered joiner")
+        # Let go after its generation was superseded, it went to the next one without building that group
+        # (connecting to peers that had left, it would have retried until elastic.timeout_s)
+        said = "".join(log.read_text() for log in (run / "logs").glob("worker-*.log"))
+        assert f"generation {stalled['generation']} was superseded before this member built its group" in said
     pace.unlink()
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -41,10 +41,12 @@ class Group:
             NCCL group of the same generation (host tensors, and the state transfer, stay on gloo).
         group_tag: with ``topology=hierarchical``, this worker's group (its host, node or realm): sums then go
             through the groups' leaders (hierarchy.py).
+        superseded: asked once before the build: True if a newer generation was published meanwhile (CommError).
     """
 
     def __init__(self, store, generation: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1",
-                 nccl_device: Optional[str] = None, group_tag: Optional[str] = None):
+                 nccl_device: Optional[str] = None, group_tag: Optional[str] = None,
+                 superseded: Optional[Callable[[], bool]] = None):
         self.generation, self.rank, self.world = generation, rank, world
         self._stage = None  # allreduce_'s pinned host buffer for GPU tensors
         self._sums = 0  # sums started by exchange: their tags
@@ -59,6 +61,10 @@ class Group:
         # gloo's threads start here (the device's transport loop, the group's run loops), with the mask of
         # this thread: not on the training thread's cores (backend.pin_cores)
         self.hierarchy = None
+        # A member late to its group's build (stopped, slow) whose generation was superseded meanwhile would
+        # connect to peers that have left, and retry until the timeout: it goes to the next generation now.
+        if superseded is not None and superseded():
+            raise CommError(f"generation {generation} was superseded before this member built its group")
         with affinity.unpinned():
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             try:

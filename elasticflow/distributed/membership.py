@@ -117,7 +117,7 @@ class Membership:
                 if g is not None:
                     self.latest_generation = max(self.latest_generation, int(g))
                 if self.latest_generation > self.generation:
-                    self._abort_if_a_member_left(store)
+                    self._abort_if_a_member_left(store)  # a failure here ends the loop: agent_lost
                 if polls % MEMORY_POLLS == 0 or gathered_in != self.generation:  # and at once for new members
                     generation = self.generation
                     if self._share_memory(store):
@@ -308,11 +308,12 @@ class Membership:
                 gloo_store = PrefixStore(f"{self.sealer.name('gloo')}/", self.store)
                 before = links.sockets()
                 group = Group(gloo_store, g, rank, world, self.timeout_s, self.host, self.nccl_device,
-                              self.group_tag)
+                              self.group_tag, superseded=lambda: self._replaced(g))
                 group.members, group.links = members, links.opened_since(before, stores.port_of(self.address))
             except CommError as exc:
                 log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc)
-                self.report_failure(g)
+                if not self._replaced(g):  # the agent has moved on already: nothing to report
+                    self.report_failure(g)
                 continue
             self._mark(g, "formed")
             self.group, self.generation, self.members, self.rank, self.world = group, g, members, rank, world
@@ -379,6 +380,14 @@ class Membership:
             if self.agent_lost:  # the heartbeat thread's connection failed too
                 raise AgentLost(f"the agent's store at {self.address} stopped answering")
             time.sleep(poll_s(max(self.world, len(self.members))))  # scaled: every waiting member polls
+
+    def _replaced(self, g: int) -> bool:
+        """Whether the agent has published a generation newer than ``g`` (False if the store does not answer:
+        what follows finds that out and says so)."""
+        try:
+            return self._current(self.store) > g
+        except Exception:  # noqa: BLE001
+            return False
 
     def _current(self, store) -> int:
         """The newest generation the agent published (a forged ``gen/current`` leaves what we knew)."""
