@@ -92,3 +92,32 @@ def test_a_join_asked_again_gets_the_same_id_not_a_second_worker(tmp_path):
         assert fresh["ok"] and fresh["id"] != spawned.id and len(agent.admitted) == 2  # another process: its own
     finally:
         agent._stop_serving()
+
+
+def test_every_worker_of_a_large_start_is_answered_though_all_ask_at_once(tmp_path, monkeypatch):
+    """600 workers asking in one burst (a job starting at scale): one admission round answers them all, and
+    workers.json is written once for the round. The join inbox's backlog was 256: the older requests of a
+    burst were dropped unread, their workers asked again 5 s later, and at 1,024 some gave up."""
+    from elasticflow.distributed import admission, workers_json
+
+    n = 600
+    cfg = compose("models/linear.py", [f"launcher.workers={n}"])
+    agent = Agent(cfg, tmp_path, launch=lambda env: FakeProc(10_000))
+    writes = []
+    real_write = workers_json.write
+    monkeypatch.setattr(workers_json, "write", lambda *a, **k: (writes.append(1), real_write(*a, **k)))
+    try:
+        spawned = [agent.spawn() for _ in range(n)]
+        for k, w in enumerate(spawned, start=1):  # as Membership.join: count, then write the request
+            assert agent.store.add("join/count", 1) == k
+            fields = (k, w.id, w.pid, None, "10.0.0.5", f"nonce{k}")
+            agent.store.set(f"join/request/{k}", json.dumps(
+                {"id": w.id, "pid": w.pid, "node": None, "host": "10.0.0.5", "nonce": f"nonce{k}",
+                 "mac": protocol.sign(agent.token, protocol.join_message(*fields))}))
+        writes.clear()
+        admission.admit(agent)
+        answered = [k for k in range(1, n + 1) if agent.store.check([protocol.verdict_key(k)])]
+        assert len(answered) == n and len(agent.admitted) == n and not agent.joining
+        assert len(writes) == 1
+    finally:
+        agent._stop_serving()

@@ -27,6 +27,7 @@ RECHECKS_KEPT = 32    # ... and how many at most (the newest)
 
 def admit(agent: "Agent") -> None:
     """Answer every join request written since the last round (the agent's loop, every REQUESTS_S)."""
+    admitted = False
     for n, request in list(agent.join_requests.read(agent.store)) + _changed(agent):
         try:
             verdict = judge(agent, n, request)
@@ -53,8 +54,9 @@ def admit(agent: "Agent") -> None:
         nonce = request.get("nonce")
         verdict["nonce"] = nonce if isinstance(nonce, str) else None  # whose request this answers
         protocol.put(agent.store, agent.verdicts, protocol.verdict_key(n), json.dumps(verdict))
-        if verdict["ok"]:
-            agent.write_workers_json()  # `status` and `scale` see it admitted (it enters the next generation)
+        admitted = admitted or verdict["ok"]
+    if admitted:  # once a round, not per admission: workers.json lists every worker (1,024 joins were N^2)
+        agent.write_workers_json()  # `status` and `scale` see them admitted (they enter the next generation)
 
 
 def _changed(agent: "Agent") -> list:

@@ -91,7 +91,11 @@ class Agent:
         self.roster = Roster()                # every worker, in one place of its lifecycle (roster.py)
         self.published: List[Worker] = []    # the published generation's members as published (they leave
                                              # roster.members as they exit)
-        self.join_requests = protocol.Inbox("join/count", "join/request")
+        # Every worker of a starting job asks at once: the backlog holds them all (at 1,024 workers, 256 dropped
+        # the older requests of each burst, whose workers asked again 5 s later, and some gave up)
+        lc = cfg.launcher
+        expected = max(lc.workers * (lc.nodes or 1), lc.max_workers or 0)
+        self.join_requests = protocol.Inbox("join/count", "join/request", backlog=max(256, 2 * expected))
         self.scale_requests = protocol.Inbox("control/count", "control/request")
         self.scale_nonces: Dict[str, None] = {}  # taken once (scaling.py), oldest first
         self.restarts = 0
