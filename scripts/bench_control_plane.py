@@ -10,8 +10,9 @@ own thread, and enters each generation through ``Membership.rebuild`` (arrive, w
 arrival, mark formed). Records stay sealed with the job token (HMAC on every write and read).
 
 What is stubbed, and why:
-  * ``membership.Group`` (comm.Group: the gloo group a member builds in ``rebuild``) is ``NullGroup``, and
-    ``membership.PrefixStore`` (the store prefix gloo's rendezvous would use) returns None. The load is the
+  * ``membership.Group`` (comm.Group: the gloo group a member builds in ``rebuild``) is ``NullGroup``,
+    ``membership.PrefixStore`` (the store prefix gloo's rendezvous would use) returns None, and
+    ``membership.links`` (listing the group's connections in /proc/self/fd) finds none. The load is the
     control plane alone; gloo needs a process per rank. So gloo's own rendezvous traffic through the store
     (each rank's address, read by every peer) is NOT in these figures.
   * The agent's ``launch`` returns a ``FakeProc`` (as tests/test_agent.py does), and ``process.Worker.signal``
@@ -63,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -243,6 +245,9 @@ def members_main(args) -> int:
     mem._connect = connect
     mem.Group = NullGroup
     mem.PrefixStore = lambda prefix, store: None  # gloo's store: nothing reads it with NullGroup
+    # The group's connections, found in /proc/self/fd around its build (_util/links.py): here one process
+    # holds every member's store connections (thousands), and NullGroup opens none.
+    mem.links = types.SimpleNamespace(sockets=dict, opened_since=lambda before, port=None: set())
 
     token = protocol.read_token(args.run_dir)
     steps: Dict[int, int] = {}
