@@ -91,12 +91,16 @@ def elasticflow_loop(args, total: int) -> Iterator[None]:
         t = ElasticTrainer(str(MODEL), cfg, run_dir=run_dir)
         t.prepare()
         print(f"  elasticflow: {t.engine.num_params / 1e6:.1f}M parameters, {t.placement.describe()}", flush=True)
-        for epoch in t.epoch_range():
-            with t.epoch(epoch):
-                for batch in t.batches():
-                    with t.step():
-                        t.train_step(batch)
-                    yield
+        try:
+            for epoch in t.epoch_range():
+                with t.epoch(epoch):
+                    for batch in t.batches():
+                        with t.step():
+                            t.train_step(batch)
+                        yield
+        finally:  # the bench leaves the loop mid-run: end the readers and the job folder's lease before its folder goes
+            t.prefetch.close()
+            t.checkpoints.close()
 
 
 def sync(args) -> None:
