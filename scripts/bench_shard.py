@@ -11,6 +11,9 @@
    trainer.shard=optimizer); one is SIGKILLed; from the survivors' "recovered" event: recovery_s (from the
    failed collective until the state is in sync again: the new generation, the ranges moved from the
    buddies, the parameters all-gathered) and its transfer_s part.
+4. trainer.shard=parameters (stage 3, issue #46): each worker's peak resident set (VmHWM) with 4 workers on a
+   deep MLP (scripts/bench/deep_mlp.py, 154M parameters by default, Adam), against trainer.shard=none and torch's
+   FSDP2 on gloo with the same units (scripts/bench/fsdp2_mlp.py), and the median step time of each. Minutes.
 
     .venv/bin/python scripts/bench_shard.py --rounds 3
 """
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -35,14 +39,16 @@ from bench.runfiles import jsonl, stop  # noqa: E402
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 MLP = str(REPO / "models" / "digits_mlp.py")
 WIDE = str(REPO / "scripts" / "bench" / "wide_linear.py")
+DEEP = str(REPO / "scripts" / "bench" / "deep_mlp.py")
 BYTES_RE = re.compile(r"sharded optimizer state: (\d+) bytes in (\d+) range\(s\) \(replicated: (\d+)\) at world (\d+)")
 COMMON = ["trainer.progress=false", "trainer.loggers=[]", "optimizer=adam", "optimizer.lr=0.001",
           "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=20"]
 
 
-def train(run: Path, model: str, *overrides: str, timeout: float = 600) -> None:
+def train(run: Path, model: str, *overrides: str, timeout: float = 600, env: Optional[dict] = None) -> None:
     cmd = CLI + ["train", model, f"hydra.run.dir={run}", *COMMON, *overrides]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
 
@@ -70,6 +76,38 @@ def memory_part(tmp: Path, hidden: int) -> None:
             held = held_bytes(run)
             most, rep = max(b for b, _ in held), held[0][1]
             print(f"   {world}  {replicas:14d}  {most:18d}  {rep:10d}  {most / rep:.3f}  ({1 / world:.3f})", flush=True)
+
+
+def stage3_part(tmp: Path, width: int, depth: int, steps: int, world: int = 4) -> None:
+    """4. trainer.shard=parameters: each worker's peak resident set against shard=none's and torch FSDP2's."""
+    params = depth * (width * width + width) + width + 1
+    print(f"\n4. Peak RSS per worker (VmHWM), {world} workers, deep MLP {depth} x {width} ({params / 1e6:.0f}M "
+          f"parameters), Adam, global batch 16, {steps} steps; ratio to shard=none", flush=True)
+    args = [f"+model_args.width={width}", f"+model_args.depth={depth}", "trainer.global_batch_size=16",
+            f"trainer.max_steps={steps}", f"launcher.workers={world}", "elastic.timeout_s=600",
+            "elastic.heartbeat_timeout_s=300", "checkpoint.interval.steps=null"]
+    peaks, times = {}, {}
+    for label, extra in (("shard=none", ["trainer.shard=none"]),
+                         ("shard=parameters, shard_replicas=0", ["trainer.shard=parameters", "elastic.shard_replicas=0"]),
+                         ("shard=parameters, shard_replicas=1", ["trainer.shard=parameters"])):
+        hwm = tmp / f"hwm-{len(peaks)}"
+        hwm.mkdir()
+        run = tmp / f"deep-{len(peaks)}"
+        train(run, DEEP, *args, *extra, timeout=3600, env={"EF_BENCH_HWM": str(hwm)})
+        peaks[label] = max(int(f.read_text()) for f in hwm.iterdir()) / 1024
+        times[label] = statistics.median(r["step_time_s"] for r in jsonl(run / "metrics.jsonl") if "loss" in r)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "fsdp2_mlp.py"), "--world", str(world),
+                           "--width", str(width), "--depth", str(depth), "--steps", str(steps)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+    if proc.returncode == 0:
+        fsdp = json.loads(proc.stdout.strip().splitlines()[-1])
+        peaks["torch FSDP2 (gloo)"] = max(fsdp["hwm_kib"]) / 1024
+        times["torch FSDP2 (gloo)"] = statistics.median(t for rank in fsdp["step_s"] for t in rank[1:])
+    else:
+        print(f"   torch FSDP2 failed: {proc.stdout[-1500:]}")
+    base = peaks["shard=none"]
+    for label, mib in peaks.items():
+        print(f"   {label:38s} {mib:8.0f} MiB  {mib / base:.3f}x   step {times[label]:.2f} s", flush=True)
 
 
 def step_ms(run: Path, warmup: int) -> float:
@@ -135,12 +173,14 @@ def recovery_part(tmp: Path, kills: int) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="4: stage 3's memory (minutes)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--hidden", type=int, default=1024, help="MLP width for parts 1 and 2")
     p.add_argument("--steps", type=int, default=200, help="steps per MLP run in part 2")
     p.add_argument("--wide-steps", type=int, default=12, help="steps per 100 MB-model run in part 2 (0: skip)")
+    p.add_argument("--deep", default="3584x12", help="part 4's MLP, WIDTHxDEPTH (3584x12: 154M parameters)")
+    p.add_argument("--deep-steps", type=int, default=6, help="steps per run in part 4")
     args = p.parse_args(argv)
     print(f"bench_shard {' '.join(argv or sys.argv[1:])}; load average {os.getloadavg()[0]:.2f}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
@@ -155,6 +195,9 @@ def main(argv=None) -> int:
             step_part(tmp, args.rounds, rows)
         if 3 in args.parts:
             recovery_part(tmp, args.kills)
+        if 4 in args.parts:
+            width, depth = (int(v) for v in args.deep.split("x"))
+            stage3_part(tmp, width, depth, args.deep_steps)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -73,7 +73,7 @@ def test_plan_moves_only_ranges_that_change_owner_and_uses_the_buddy_of_a_dead_o
 def test_a_bad_shard_setting_is_one_error_with_a_hint():
     with pytest.raises(ElasticFlowError) as e:
         compose("models/digits_mlp.py", ["trainer.shard=zero3"])
-    assert "trainer.shard must be one of none, optimizer, gradients, got 'zero3'" in e.value.message
+    assert "trainer.shard must be one of none, optimizer, gradients, parameters, got 'zero3'" in e.value.message
     assert "trainer.shard=optimizer" in e.value.hint
     with pytest.raises(ElasticFlowError, match="elastic.shard_replicas must be 0 or 1"):
         compose("models/digits_mlp.py", ["elastic.shard_replicas=2"])

@@ -64,11 +64,17 @@ def difference(got, want):
 # Rounding alone, the hand-written loop itself cut into micro-batches of 4 (each loss times its tokens over the
 # batch's), moves the model by 2.3e-8 under SGD and by 1.1e-6 under AdamW (its update divides by the gradient's
 # root mean square, so near-zero gradients' rounding shows): the bound sits above each.
-@pytest.mark.parametrize("optimizer,bound", [("sgd", 1e-6), ("adamw", 1e-5)])
-def test_three_workers_one_killed_equal_the_token_mean_over_each_global_batch(tmp_path, optimizer, bound):
+# trainer.shard=parameters (ZeRO 3) with GPT-2's blocks as its units: the tied embedding and head, in the root, are
+# in for every micro-batch; each block comes in for its forward and its backward.
+STAGE_3 = ["trainer.shard=parameters", "trainer.shard_units=[net.transformer.h.*]"]
+
+
+@pytest.mark.parametrize("optimizer,bound,shard", [("sgd", 1e-6, []), ("adamw", 1e-5, []), ("sgd", 1e-6, STAGE_3)],
+                         ids=["sgd", "adamw", "sgd_parameters_sharded"])
+def test_three_workers_one_killed_equal_the_token_mean_over_each_global_batch(tmp_path, optimizer, bound, shard):
     want, want_losses, want_tokens = hand_written(optimizer)
     run = tmp_path / "three"
-    train(MODEL, run, *COMMON, f"+model_args.optimizer={optimizer}", "launcher.workers=3",
+    train(MODEL, run, *COMMON, f"+model_args.optimizer={optimizer}", "launcher.workers=3", *shard,
           env={"EF_LM_KILL": "1:3"})
     records = [r for r in metrics(run) if "loss" in r]
     assert [r["world_size"] for r in records][0] == 3 and records[-1]["world_size"] == 2
@@ -76,7 +82,7 @@ def test_three_workers_one_killed_equal_the_token_mean_over_each_global_batch(tm
     np.testing.assert_allclose([r["loss"] for r in records], want_losses, rtol=1e-6)
     assert difference(final(run), want) <= bound
 
-    if optimizer != "sgd":
+    if optimizer != "sgd" or shard:
         return
     # Weighted by samples (forward() returns the loss alone): micro-batches of few tokens count as much as
     # long ones, and the model moves away from the token mean's (0.045 under AdamW too).

@@ -132,8 +132,12 @@ class TrainerConfig:
     # of rank 0's: tensorboard (RUN_DIR/tensorboard/), csv (RUN_DIR/metrics.csv), mlflow, wandb (docs/observability.md)
     loggers: List[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, mlflow, wandb
     # none | optimizer (ZeRO stage 1: each worker keeps 1/W of the optimizer state) | gradients (stage 2:
-    # the gradient is reduce-scattered too). Elastic: see elastic.shard_replicas and elasticflow/replica/shard.py.
+    # the gradient is reduce-scattered too) | parameters (stage 3: and 1/W of the parameters, each submodule's
+    # fetched for its forward and backward; torch, CPU). Elastic: see elastic.shard_replicas and docs/sharded-state.md.
     shard: str = "none"
+    # trainer.shard=parameters: the submodules brought in one at a time, by qualified name pattern (fnmatch, e.g.
+    # [transformer.h.*] for a Hugging Face GPT-2's blocks); [] = each top-level submodule (docs/sharded-state.md)
+    shard_units: List[str] = field(default_factory=list)
     # the model a deterministic function of the config, the data and the seed, bit for bit, whatever the
     # number of workers and whoever died: exact sums, fixed threads, deterministic kernels (docs/exactness.md)
     reproducible: bool = False
@@ -236,7 +240,7 @@ BACKENDS = ("torch", "tensorflow")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "step")
 WORKER_TYPES = ("thread", "process")
-SHARD_STAGES = ("none", "optimizer", "gradients")
+SHARD_STAGES = ("none", "optimizer", "gradients", "parameters")
 LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # observability/trackers.py
 
 
@@ -276,11 +280,16 @@ def validate(cfg: Any) -> None:
         _choice(name, LOGGERS, "trainer.loggers", "name any of them, e.g. trainer.loggers=[tensorboard,mlflow], "
                 "or trainer.loggers=[] for none")
     _choice(t.shard, SHARD_STAGES, "trainer.shard",
-            "pass trainer.shard=optimizer (ZeRO stage 1), gradients (stage 2) or none (replicated state)")
-    if t.shard == "gradients" and (t.grad_clip is not None or precision_name(t.precision) == "16"):
+            "pass trainer.shard=optimizer (ZeRO stage 1), gradients (stage 2), parameters (stage 3) or none "
+            "(replicated state)")
+    if t.shard in ("gradients", "parameters") and (t.grad_clip is not None or precision_name(t.precision) == "16"):
         what = "trainer.grad_clip" if t.grad_clip is not None else "trainer.precision=16"
-        raise ElasticFlowError(f"trainer.shard=gradients does not support {what} (no worker holds the whole "
+        raise ElasticFlowError(f"trainer.shard={t.shard} does not support {what} (no worker holds the whole "
                                "reduced gradient to take its norm)", "pass trainer.shard=optimizer")
+    if t.shard == "parameters" and cfg.backend.name != "torch":
+        raise ElasticFlowError(f"trainer.shard=parameters is built for backend=torch, not {cfg.backend.name} (it "
+                               "brings parameters in per submodule with torch's module and autograd hooks)",
+                               "pass trainer.shard=gradients (stage 2) on TensorFlow")
     _choice(t.device, DEVICES, "trainer.device", "pass trainer.device=auto (a GPU where there is one) or cpu")
     _choice(precision_name(t.precision), PRECISIONS, "trainer.precision",
             "pass trainer.precision=bf16 for mixed precision (16: float16 with loss scaling, 32: none)")

@@ -30,9 +30,10 @@ member publishes its role so that a scale-down retires trainers first.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -322,6 +323,22 @@ class Replica:
         member failed: the recovery rebuilds the parameters from the ranges held)."""
         if self.membership is not None:
             self.shards.gather(self.membership.group)
+
+    @contextlib.contextmanager
+    def whole_params(self) -> Iterator[None]:
+        """trainer.shard=parameters: every parameter in for the block (evaluation), given back after; a CommError
+        if a member fails. Elsewhere nothing to do."""
+        units = None if self.shards is None else self.shards.units
+        if units is None or self.membership is None:
+            yield
+            return
+        self.shards.gather_whole()
+        units.whole = True
+        try:
+            yield
+        finally:
+            units.whole = False
+            self.shards.give_back([(0, self.shards.n)])
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the members."""

@@ -65,6 +65,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .._util import pages
 from ..backends.common import check_trainable
 from ..checkpoint.format import Partial, Sharded
 from ..errors import ElasticFlowError
@@ -74,11 +75,13 @@ from . import parameter_server
 from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers, held_ranges,
                          needed, owned, plan_moves, plan_roll)
 from .flat_update import FlatUpdate, KeptStep, participation_of  # noqa: F401 - shard.FlatUpdate: tests patch it
+from .param_units import HeldParameters
 
 log = logging.getLogger("elasticflow")
+LAZY_ZEROS = 1 << 18  # elements (1 MiB): fresh slots at least this long are mapped only where written
 
 
-class ShardedState:
+class ShardedState(HeldParameters):
     """This worker's ranges of the optimizer state and the steps that keep them.
 
     Args:
@@ -101,7 +104,12 @@ class ShardedState:
                                    "(it shards torch.optim's formulas)", f"use SGD, Adam or AdamW, or pass {instead}")
         self.engine, self.stage, self.replicas = engine, stage, int(replicas)
         engine.release_optimizer()  # its own slots would be whole-model sized
+        # Stage 3: the parameters in memory whose pages are given back outside the held ranges (param_units.py)
+        self.paged = engine.page_params() if stage == "parameters" else None
         self.params = engine.flat_params()
+        self.group: Any = None             # the group of the last redistribution (stage 3's fetches use it)
+        self.units: Any = None             # stage 3: param_units.ParamUnits (the builder installs them)
+        self.layout_version = 0            # counts the redistributions: stage 3's units are all out after one
         if self.params.is_cuda:
             raise ElasticFlowError(f"{what} keeps the optimizer's slices in host memory and cannot update GPU "
                                    "parameters yet", f"pass {instead} on GPUs")
@@ -116,6 +124,7 @@ class ShardedState:
         self.at = 0                        # progress at which the held ranges are valid
         self.held: Dict[Range, Dict[str, torch.Tensor]] = {(0, self.n): self._fresh(0, self.n)}
         self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
+        self._fetches = 0                              # stage 3: fetches in this generation (their tags)
         self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
         self._scratch = torch.empty(self._scratch_size(self.n))
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
@@ -129,7 +138,10 @@ class ShardedState:
 
     # ------------------------------------------------------------------ what is held
     def _fresh(self, lo: int, hi: int) -> Dict[str, torch.Tensor]:
-        return {s: torch.zeros(hi - lo, dtype=torch.float32) for s in self.slot_names}
+        # Pages mapped only where written: before its first generation a worker "holds" fresh slots for the
+        # whole vector, of which it keeps its slices (the rest is never written, so never in memory).
+        return {s: pages.zeros(hi - lo) if hi - lo >= LAZY_ZEROS else torch.zeros(hi - lo, dtype=torch.float32)
+                for s in self.slot_names}
 
     def slot_bytes(self) -> int:
         """Optimizer-state bytes this worker holds (the per-worker figure on docs/benchmarks.md)."""
@@ -138,6 +150,8 @@ class ShardedState:
     def sharding(self) -> Sharded:
         """How a checkpoint splits the optimizer's tensors: each owner writes its own range."""
         names = {f"optimizer/{p}/{s}": at for p, (at, _) in self.param_at.items() for s in self.slot_names}
+        if self.paged is not None:  # stage 3: the parameters too (no worker holds them whole)
+            names.update((p, at) for p, (at, _) in self.param_at.items())
         if self.serves():  # the primaries write their shards; the trainers and standbys nothing
             return Sharded(self.n, names, self.layout.holders[:self.layout.shards])
         return Sharded(self.n, names)
@@ -150,13 +164,17 @@ class ShardedState:
                 if self.layout.is_primary(self.rank) else (0, 0)
         found = next(((r, v) for r, v in self.held.items() if r[0] <= lo and hi <= r[1]), None)
         if hi <= lo or found is None:  # none of its own (a trainer; a range lost, before the fallback's load)
-            return {f"optimizer/{p}/{s}": Partial(np.zeros(0, np.float32), 0, shape)
-                    for p, (_, shape) in self.param_at.items() for s in self.slot_names}
+            empty = {p: Partial(np.zeros(0, np.float32), 0, shape) for p, (_, shape) in self.param_at.items()}
+            return {**({} if self.paged is None else empty),
+                    **{f"optimizer/{p}/{s}": v for p, v in empty.items() for s in self.slot_names}}
         (a, _), slots = found
         out: Dict[str, Partial] = {}
         for p, (at, shape) in self.param_at.items():
             size = int(np.prod(shape, dtype=np.int64))
             start, end = max(lo, at), min(hi, at + size)
+            if self.paged is not None:  # stage 3: the parameters' own range too
+                data = self.params[start:end].numpy() if end > start else np.zeros(0, np.float32)
+                out[p] = Partial(data, start - at if end > start else 0, shape)
             for s in self.slot_names:
                 data = slots[s][start - a:end - a].numpy() if end > start else np.zeros(0, np.float32)
                 out[f"optimizer/{p}/{s}"] = Partial(data, start - at if end > start else 0, shape)
@@ -205,6 +223,9 @@ class ShardedState:
         self.held, self.rank, self.world, self.at = held, rank, world, at
         self.reduced = {}  # a failed attempt's sums: its step is redone
         self._scratch = torch.empty(self._scratch_size(max((b - a for a, b in held), default=0)))
+        self.layout_version += 1
+        if self.paged is not None:
+            self.give_back([(0, self.n)])
 
     def _scratch_size(self, largest: int) -> int:
         """Adam's scratch for the largest range: its denominator, and its L2 term when weight decay is L2."""
@@ -255,7 +276,7 @@ class ShardedState:
         vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""
         if self.serves():
             return True  # a holder's sums came by push (parameter_server.exchange)
-        return self.stage == "gradients" and self.world > 1 and not covers(list(self.held), self.n)
+        return self.stage in ("gradients", "parameters") and self.world > 1 and not covers(list(self.held), self.n)
 
     def gather(self, group: Any) -> None:
         """All-gather the owners' parameter ranges: afterwards every member holds the whole vector.
@@ -274,6 +295,8 @@ class ShardedState:
 
     def gathers(self) -> bool:
         """Whether a step ends with the parameters' allgather (``gather``)."""
+        if self.paged is not None:
+            return False  # stage 3: each unit comes in when forward needs it (fetch)
         return self.serves() or (self.world > 1 and not covers(list(self.held), self.n))
 
     def push(self, group: Any, grad: torch.Tensor) -> None:
@@ -417,8 +440,11 @@ class ShardedState:
                 self.layout, self.tags = layout, tags
             # Every member's parameters are right where it holds ranges; where those cover the whole vector
             # for every member (W = 2 with buddies), nothing is left to gather.
+            self.group, self._fetches = group, 0
             if self.serves():
                 parameter_server.pull(group, self.layout, self.n, self.params, self.tags)
+            elif self.paged is not None:
+                pass  # stage 3: _adopt gave back what is not held; units come in as forward needs them
             elif not all(covers(r, self.n) for r in want.values()):
                 group.allgather_flat(self.params, chunk(self.n, self.world))
             self._written()

@@ -61,7 +61,8 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
     mf = loaded or model_file.load(cfg.model)
     mf.check_eval(t.eval_every)
     built = model_file.build(mf, cfg, backend)
-    engine = backend.Engine(built.model, mf.forward, built.optimizer, jit=cfg.backend.jit, placement=placement)
+    paged = {"paged_params": True} if t.shard == "parameters" else {}  # stage 3 (torch: TensorFlow is refused)
+    engine = backend.Engine(built.model, mf.forward, built.optimizer, jit=cfg.backend.jit, placement=placement, **paged)
     seed = _context.seed = int(cfg.seed)
     rules = engine.buffer_rules()
     shards = None
@@ -71,6 +72,10 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
         from ..replica.shard import ShardedState
 
         shards = ShardedState(engine, built.optimizer, t.shard, int(cfg.elastic.shard_replicas))
+        if t.shard == "parameters":  # stage 3: units brought in for forward and backward (param_units.py)
+            from ..replica.param_units import ParamUnits
+
+            shards.units = ParamUnits(engine, shards, list(t.shard_units))
     elif kind == "parameter_server":  # the aggregators keep the shards (replica/parameter_server.py)
         from ..distributed.hierarchy import tag_hash
         from ..replica.shard import ShardedState

@@ -88,11 +88,12 @@ class Evaluation:
             chunks = [(a, min(a + self.chunk, hi)) for a in range(lo, hi, self.chunk)]
         engine.train_mode(False)
         try:
-            for a, b in chunks:
-                values = engine.evaluate(source.rows(np.arange(a, b)))
-                weight = values.get(WEIGHT, b - a)  # forward()'s (target tokens), else the samples
-                rows.append([weight if k == WEIGHT else values.get(k, 0.0) * weight for k in self.names])
-                totals = [t + v for t, v in zip(totals, rows[-1])]
+            with replica.whole_params():  # trainer.shard=parameters: every parameter in, given back after
+                for a, b in chunks:
+                    values = engine.evaluate(source.rows(np.arange(a, b)))
+                    weight = values.get(WEIGHT, b - a)  # forward()'s (target tokens), else the samples
+                    rows.append([weight if k == WEIGHT else values.get(k, 0.0) * weight for k in self.names])
+                    totals = [t + v for t, v in zip(totals, rows[-1])]
         finally:
             engine.train_mode(True)
         summed = replica.sum_exactly(rows, len(self.names)) if self.exact else replica.reduce_sum(totals)

@@ -69,6 +69,7 @@ class Stepper:
         if scaling:
             engine.grad_scale = s.loss_scale * self.weight_scale
         loss_sum, metric_sums = None, {}
+        units = None if p.shards is None else p.shards.units
         keys = p.schedule.ahead(batch, share, p.prefetch.depth if rank >= 0 else 0, s.step, rank, world,
                                 t.micro_batch_size)
         for i, (a, b) in enumerate(share.micro):
@@ -77,7 +78,13 @@ class Stepper:
             rows = p.prefetch.take(keys[i], keys[i + 1:]) if keys else p.source.rows(self.order[a:b])
             if i == len(share.micro) - 1:
                 replica.begin_backward()  # the gradient is final as backward finishes each bucket
-            loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
+            if units is None:
+                loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
+            else:  # trainer.shard=parameters: each unit in for its forward and its backward (param_units.py)
+                units.begin()
+                with units.saved:
+                    loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
+                units.end()
             if (WEIGHT in metrics_w) != self.weighted:
                 raise grad_check.weight_unlike_probe(self.weighted)
             if exact is not None:  # trainer.reproducible: into the step's exact sums, micro-batch by micro-batch
@@ -89,6 +96,9 @@ class Stepper:
                 for k, v in metrics_w.items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + v
             s.micro_step += 1
+        if units is not None:  # the fetches of the micro-batches a peer was dealt beyond this member's
+            units.replay(max(len(data.deal((batch.start, batch.end), r, world, t.micro_batch_size).micro)
+                             for r in range(world)) - len(share.micro))
         k = 1 + len(self.metric_names)
         self.reduce_started = time.perf_counter()
         if exact is not None:

@@ -64,7 +64,7 @@ class Engine:
     """
 
     def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True,
-                 placement: Optional[Placement] = None):
+                 placement: Optional[Placement] = None, paged_params: bool = False):
         self.forward = forward
         self.spec = spec
         self.placement = placement = placement or Placement()
@@ -126,7 +126,11 @@ class Engine:
         # Parameters become views of one flat buffer too, so the optimizer runs once over the model
         # (optim.py). A copy of the model's values at start-up; the Parameter objects stay
         # the module's own, only their storage moves (as .data, which autograd allows on leaves).
-        self.flat_param = torch.empty(self.num_params, dtype=torch.float32, device=self.device)
+        # trainer.shard=parameters: in memory whose pages can be given back (page_params), from the start: a copy
+        # later would hold the whole vector twice for a moment.
+        self.paged = self._paged(self.num_params) if paged_params else None
+        self.flat_param = torch.empty(self.num_params, dtype=torch.float32, device=self.device) \
+            if self.paged is None else self.paged.tensor
         offset = 0
         for p in plist:
             n = p.numel()
@@ -350,6 +354,29 @@ class Engine:
     def release_optimizer(self) -> None:
         """Drop this engine's own optimizer and its whole-model slots: a sharded update replaces it."""
         self.optimizer = Released()
+
+    def page_params(self) -> Any:
+        """The flat parameters in host memory whose pages can be given back (``_util.pages``), for
+        trainer.shard=parameters: the ``PagedVector`` (built with ``paged_params=True``, else moved there now:
+        after ``release_optimizer``, which held the old vector)."""
+        if self.paged is None:
+            self.paged = self._paged(self.num_params)
+            self.paged.tensor.copy_(self.flat_param)
+            offset = 0
+            for p in self.params.values():
+                n = p.numel()
+                p.data = self.paged.tensor[offset:offset + n].view_as(p)
+                offset += n
+            self.flat_param = self.paged.tensor
+        return self.paged
+
+    def _paged(self, n: int) -> Any:
+        from ..._util.pages import PagedVector
+
+        if self.device.type != "cpu":
+            raise ElasticFlowError("trainer.shard=parameters keeps the parameters in host memory and cannot "
+                                   "shard GPU parameters yet", "pass trainer.shard=gradients on GPUs")
+        return PagedVector(n)
 
     def params_written(self) -> None:
         """Nothing to do: ``flat_params()`` IS the parameters, so writing it wrote the model."""

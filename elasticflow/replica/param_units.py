@@ -1,0 +1,290 @@
+"""``trainer.shard=parameters`` (ZeRO stage 3): the parameters a worker does not hold are brought in per unit for
+forward and again for backward, and given back after each.
+
+Design
+------
+**Units.** Each top-level submodule of the model is a unit (FSDP2's ``fully_shard`` per block), or each submodule
+``trainer.shard_units`` names by pattern; a parameter that two units share (tied embeddings) and the parameters
+of no unit (a dict of arrays, the root's own) form the *root*, brought in for a whole micro-batch. A unit is a set of spans of the flat parameter vector
+(``ShardedState``'s, in ``PagedVector`` memory whose pages can be given back).
+
+**Forward.** A unit's forward pre-hook brings its spans in (``ShardedState.fetch``: each owner sends its piece to
+every member that does not hold it); its forward hook gives them back.
+
+**Backward** uses a parameter only through the tensors autograd saved in forward, so a
+``saved_tensors_hooks`` pair sees every use: a saved view of the vector is packed with its unit, and unpacking
+it brings the unit in again if it is out. Once a unit's saved tensors have all been unpacked and backward has
+moved on to another unit's, it is given back (the CPU's autograd runs one node at a time: a node's unpacks come
+before its work, and the next node's after it). The gradient stays whole on each worker during backward and is
+reduce-scattered at the step's end, as in stage 2.
+
+**The same collectives on every member.** A fetch is point to point between all members, so every member must
+fetch the same units in the same order: each one records the units one micro-batch fetched (``trace``), and a
+member dealt fewer micro-batches than another replays that trace for each one it lacks (``replay``), sending
+its pieces and receiving (into memory it gives back at once). So a model must run the same submodules for every
+micro-batch; data-dependent skipping of a unit (a mixture of experts routing no token to one) is not supported.
+
+Note: a parameter read in forward outside its unit's own forward (``self.head.weight`` used in the parent's
+forward) is read while out; where autograd saves it, the pack hook catches that and says so.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import ElasticFlowError
+from .shard_plan import Range, chunk, covers, needed, owned
+
+Span = Tuple[int, int]
+
+
+def merge(spans: Sequence[Span]) -> List[Span]:
+    """Sorted, adjacent and overlapping spans joined."""
+    out: List[Span] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def unit_modules(module: Optional[torch.nn.Module],
+                 patterns: Sequence[str] = ()) -> List[Tuple[str, torch.nn.Module]]:
+    """The units' (name, submodule): those whose qualified name matches one of ``patterns`` (fnmatch, e.g.
+    ``transformer.h.*``; the outermost where two nest), or the top-level submodules where none is given."""
+    if module is None:
+        return []
+    if not patterns:
+        return list(module.named_children())
+    chosen: List[Tuple[str, torch.nn.Module]] = []
+    for name, sub in module.named_modules():
+        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns) and \
+                not any(name.startswith(c + ".") for c, _ in chosen):
+            chosen.append((name, sub))
+    if not chosen:
+        top = ", ".join(n for n, _ in list(module.named_children())[:8])
+        raise ElasticFlowError(f"trainer.shard_units={list(patterns)} names no submodule of the model",
+                               f"name submodules by their qualified names, e.g. trainer.shard_units=[{top}] or "
+                               "'[blocks.*]' (print(model) shows them)")
+    return chosen
+
+
+def plan_units(module: Optional[torch.nn.Module], params: Dict[str, torch.Tensor],
+               patterns: Sequence[str] = ()) -> Tuple[List[List[Span]], List[Span], List[str]]:
+    """(each unit's spans, the root's spans, each unit's name) for ``params`` (the engine's, in flat order)."""
+    offsets, at = {}, 0
+    for p in params.values():
+        offsets[id(p)] = (at, at + p.numel())
+        at += p.numel()
+    owners: Dict[int, List[int]] = {}
+    children = unit_modules(module, patterns)
+    for u, (_, child) in enumerate(children):
+        for p in child.parameters():
+            if id(p) in offsets:
+                owners.setdefault(id(p), []).append(u)
+    units: List[List[Span]] = [[] for _ in children]
+    root: List[Span] = []
+    for pid, span in offsets.items():
+        where = owners.get(pid, [])
+        (units[where[0]] if len(where) == 1 else root).append(span)
+    names = [name for name, _ in children]
+    keep = [u for u in range(len(children)) if units[u]]
+    return [merge(units[u]) for u in keep], merge(root), [names[u] for u in keep]
+
+
+class ParamUnits:
+    """The hooks that bring units in and give them back, on the engine's module, for a ``ShardedState`` of stage
+    ``parameters``. ``begin``/``end`` bracket each micro-batch's forward and backward (``Stepper``)."""
+
+    def __init__(self, engine: Any, shards: Any, patterns: Sequence[str] = ()):
+        self.shards = shards
+        module = getattr(engine, "module", None)
+        self.spans, self.root, self.names = plan_units(module, engine.params, patterns)
+        self.resident = [False] * len(self.spans)
+        self.root_in = False
+        self.packs = [0] * len(self.spans)
+        self.unpacks = [0] * len(self.spans)
+        self.done: List[int] = []       # units whose saved tensors were all unpacked: given back once backward moves on
+        self.trace: List[int] = []      # the units fetched in this micro-batch (-1: the root), in order
+        self.last_trace: Optional[List[int]] = None
+        self.layout = -1                # ShardedState.layout_version the resident flags belong to
+        self.whole = False              # every parameter in (evaluation): the hooks do nothing
+        base = shards.params
+        self._base_ptr = base.untyped_storage().data_ptr()
+        self._starts = np.asarray([s[0] for spans in self.spans for s in spans], dtype=np.int64)
+        self._ends = np.asarray([s[1] for spans in self.spans for s in spans], dtype=np.int64)
+        self._unit_of = np.asarray([u for u, spans in enumerate(self.spans) for _ in spans], dtype=np.int64)
+        order = np.argsort(self._starts)
+        self._starts, self._ends, self._unit_of = self._starts[order], self._ends[order], self._unit_of[order]
+        self._hooks = []
+        if module is not None:
+            children = dict(unit_modules(module, patterns))
+            for u, name in enumerate(self.names):
+                child = children[name]
+                self._hooks.append(child.register_forward_pre_hook(lambda _m, _a, u=u: self._forward_in(u)))
+                self._hooks.append(child.register_forward_hook(lambda _m, _a, _o, u=u: self._forward_out(u)))
+        self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # ------------------------------------------------------------------ a micro-batch
+    def begin(self) -> None:
+        """Before a micro-batch's forward: the root in, the unit counters reset."""
+        self._check_layout()
+        self.trace = []
+        self.packs = [0] * len(self.spans)
+        self.unpacks = [0] * len(self.spans)
+        self.done = []
+        if self.root and not self.whole:
+            self._fetch(-1)
+            self.root_in = True
+
+    def end(self) -> None:
+        """After its backward: every unit and the root given back; the trace kept for ``replay``."""
+        for u in range(len(self.spans)):
+            if self.resident[u]:
+                self._give_back(u)
+        if self.root_in:
+            self.shards.give_back(self.root)
+            self.root_in = False
+        self.last_trace = list(self.trace)
+
+    def replay(self, times: int) -> None:
+        """The fetches of ``times`` micro-batches this member was not dealt, so that its peers' complete."""
+        if times <= 0 or self.shards.holds_all():
+            return
+        if self.last_trace is None:
+            raise ElasticFlowError("trainer.shard=parameters: this worker was dealt no micro-batch in its first step, "
+                                   "so it cannot take part in its peers' parameter fetches",
+                                   "use a global batch of at least one micro-batch per worker")
+        self._check_layout()
+        for _ in range(times):
+            for u in self.last_trace:
+                spans = self.root if u < 0 else self.spans[u]
+                self.shards.fetch(spans)
+                self.shards.give_back(spans)
+
+    # ------------------------------------------------------------------ the hooks
+    def _forward_in(self, u: int) -> None:
+        if not self.whole and not self.resident[u]:
+            self._fetch(u)
+
+    def _forward_out(self, u: int) -> None:
+        # Backward brings it in again where it saved some of it. Not inside backward: activation checkpointing
+        # runs the unit's forward again there, and its recomputed ops use it next (kept: no second fetch).
+        if not self.whole and self.resident[u] and torch._C._current_graph_task_id() == -1:
+            self._give_back(u)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self.whole or not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not len(self._starts):
+            return t
+        try:
+            if t.untyped_storage().data_ptr() != self._base_ptr:
+                return t
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
+            return t
+        at = int(t.storage_offset())
+        i = int(np.searchsorted(self._starts, at, side="right")) - 1
+        if i < 0 or at >= self._ends[i]:
+            return t  # the root's: in for the whole micro-batch
+        u = int(self._unit_of[i])
+        if not self.resident[u]:
+            raise ElasticFlowError(f"trainer.shard=parameters: forward() used a parameter of unit "
+                                   f"{self.names[u]!r} outside that submodule's own forward, while it was not "
+                                   "gathered", "call the submodule instead of reading its parameters, or pass "
+                                   "trainer.shard=gradients")
+        self.packs[u] += 1
+        return (_Saved, u, t)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not (isinstance(packed, tuple) and len(packed) == 3 and packed[0] is _Saved):
+            return packed
+        _, u, t = packed
+        for d in [d for d in self.done if d != u]:  # backward moved on: their nodes are finished
+            if self.resident[d]:
+                self._give_back(d)
+        self.done = [d for d in self.done if d == u]
+        if not self.resident[u]:
+            self._fetch(u)
+        self.unpacks[u] += 1
+        if self.unpacks[u] == self.packs[u]:
+            self.done.append(u)
+        return t
+
+    # ------------------------------------------------------------------ in and out
+    def _fetch(self, u: int) -> None:
+        self.trace.append(u)
+        if u < 0:
+            self.shards.fetch(self.root)
+        else:
+            self.shards.fetch(self.spans[u])
+            self.resident[u] = True
+
+    def _give_back(self, u: int) -> None:
+        self.shards.give_back(self.spans[u])
+        self.resident[u] = False
+
+    def _check_layout(self) -> None:
+        """After a membership change every span not held was given back: no unit is in."""
+        if self.layout != self.shards.layout_version:
+            self.layout = self.shards.layout_version
+            self.resident = [False] * len(self.spans)
+            self.root_in = False
+
+
+class HeldParameters:
+    """``ShardedState``'s part for stage 3: the parameters outside the held ranges given back, and fetched per unit.
+    Uses the state's ``n``, ``world``, ``rank``, ``replicas``, ``held``, ``group``, ``paged`` and ``_fetches``."""
+
+    def holds_all(self) -> bool:
+        return covers(list(self.held), self.n)
+
+    def give_back(self, spans: Sequence[Range]) -> None:
+        """Stage 3: return the memory of ``spans`` outside the held ranges (whole pages only; ``PagedVector``)."""
+        if self.paged is None:
+            return
+        held = sorted(self.held)
+        for lo, hi in spans:
+            at = lo
+            for a, b in held:
+                if b <= at or a >= hi:
+                    continue
+                if a > at:
+                    self.paged.drop(at, a)
+                at = max(at, b)
+            if at < hi:
+                self.paged.drop(at, hi)
+
+    def fetch(self, spans: Sequence[Range]) -> None:
+        """Stage 3: bring ``spans`` of the parameters in: each owner sends its piece to every member not holding
+        it, point to point. Written through the vector's alias (``PagedVector``): not an in-place change of
+        the parameters autograd saved. Raises CommError when a member fails (the step is redone)."""
+        if self.world == 1 or self.holds_all():
+            return
+        group, sends, recvs = self.group, [], []
+        holders = [needed(self.n, self.world, m, self.replicas) for m in range(self.world)]
+        for lo, hi in spans:
+            for r in range(self.world):
+                a, b = owned(self.n, self.world, r)
+                a, b = max(a, lo), min(b, hi)
+                if b <= a:
+                    continue
+                tag = self._fetches % (1 << 30)  # gloo matches a message by its source and tag
+                if r == self.rank:
+                    sends += [(self.paged.alias[a:b], m, tag) for m in range(self.world)
+                              if m != r and not any(x <= a and b <= y for x, y in holders[m])]
+                elif not any(x <= a and b <= y for x, y in self.held):
+                    recvs.append((self.paged.alias[a:b], r, tag))
+            self._fetches += 1
+        group.exchange(sends, recvs)
+
+    def gather_whole(self) -> None:
+        """Stage 3: every parameter in (evaluation); ``give_back([(0, n)])`` returns them."""
+        if self.world > 1 and not self.holds_all():
+            self.group.allgather_flat(self.paged.alias, chunk(self.n, self.world))
+
+
+class _Saved:
+    """The tag of a packed parameter view (a class, so no user tuple is taken for one)."""

@@ -1,0 +1,37 @@
+"""A deep MLP whose state dominates its worker, for trainer.shard=parameters' memory (bench_shard.py --parts 4):
+``model_args.depth`` blocks of Linear(width, width) + ReLU as an nn.Sequential (each Linear a unit), a scalar
+regression head, Adam's state beside. At width 3584 and depth 12: 154M parameters, 2.5 GB of parameters,
+gradient and Adam state replicated. With EF_BENCH_HWM set to a folder, every forward writes the process's peak
+resident set so far (VmHWM) to <folder>/<pid>: the last one read is the run's peak but for its last backward.
+"""
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+HWM = os.environ.get("EF_BENCH_HWM")
+
+
+def model(cfg):
+    torch.manual_seed(cfg.seed)
+    width, depth = int(cfg.model_args.get("width", 3584)), int(cfg.model_args.get("depth", 12))
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def forward(x, y, net):
+    if HWM:
+        peak = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1]
+        Path(HWM, str(os.getpid())).write_text(peak)
+    return {"loss": nn.functional.mse_loss(net(x).squeeze(-1), y)}
+
+
+def data(cfg):
+    width, samples = int(cfg.model_args.get("width", 3584)), int(cfg.model_args.get("samples", 512))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((samples, width), dtype=np.float32)
+    return x, (x[:, :8].sum(1) / 8).astype(np.float32)

@@ -1,0 +1,83 @@
+"""An nn.Module on the digits with four submodules, for trainer.shard=parameters (ZeRO stage 3): each top-level
+submodule is a unit its workers bring in for forward and backward. The kills and records of digits_probe.py
+(its EF_PROBE_* environment) apply here too. ``model_args.hidden`` sets the width (default 96);
+``model_args.checkpointing=1`` recomputes the block in backward (torch.utils.checkpoint).
+
+    EF_UNITS_KILL_BACKWARD  "worker:step": that worker SIGKILLs itself in the first backward of that step (generation
+                            0), once the head, norm and block units were brought back in for it and before embed.
+    EF_UNITS_RESIDENT       a directory: at each step's first forward, before any unit is brought in, every worker
+                            appends {worker, step, world, resident, total} to <dir>/<pid>.jsonl: the bytes of the
+                            flat parameter vector in memory (/proc/self/pagemap) and its size.
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import digits_probe
+from digits_probe import data  # noqa: F401 - the model file's data()
+from digits_mlp import eval_data  # noqa: F401,E402 - importable once digits_probe put models/ on the path
+
+import elasticflow
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.embed = nn.Linear(64, hidden)
+        self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, 10)
+        self.recompute = False
+
+    def forward(self, x):
+        h = torch.relu(self.embed(x))
+        if self.recompute:  # activation checkpointing: the block's forward runs again in backward
+            block = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+            return self.head(self.norm(h + block))
+        if BACKWARD_KILL and torch.is_grad_enabled():
+            ctx = elasticflow.context()
+            if (digits_probe.WORKER, ctx.step, ctx.generation) == (*BACKWARD_KILL, 0):
+                h.register_hook(lambda _grad: digits_probe._kill_self())  # after the units above h, before embed
+        return self.head(self.norm(h + self.block(h)))
+
+
+BACKWARD_KILL = tuple(int(v) for v in os.environ["EF_UNITS_KILL_BACKWARD"].split(":")) \
+    if os.environ.get("EF_UNITS_KILL_BACKWARD") else None
+
+
+def model(cfg):
+    torch.manual_seed(cfg.seed)
+    net = Net(int(cfg.model_args.get("hidden", 96)))
+    net.recompute = bool(cfg.model_args.get("checkpointing", 0))
+    return net
+
+
+def forward(x, y, params):
+    ctx = elasticflow.context()
+    digits_probe._inject(ctx)
+    if RESIDENT and (ctx.step, ctx.generation) not in _resident_seen:
+        _resident_seen.add((ctx.step, ctx.generation))
+        _record_resident(ctx, next(params.parameters()))
+    logits = params(x)
+    return {"loss": nn.functional.cross_entropy(logits, y.long()),
+            "accuracy": (logits.argmax(-1) == y.long()).float().mean()}
+
+
+RESIDENT = os.environ.get("EF_UNITS_RESIDENT")
+_resident_seen = set()
+
+
+def _record_resident(ctx, param):
+    storage, page = param.untyped_storage(), os.sysconf("SC_PAGE_SIZE")
+    first, pages = storage.data_ptr() // page, -(-storage.nbytes() // page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read(pages * 8), dtype=np.uint64)
+    line = {"worker": digits_probe.WORKER, "step": ctx.step, "generation": ctx.generation, "world": ctx.world_size,
+            "resident": int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page, "total": storage.nbytes()}
+    with open(Path(RESIDENT) / f"{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
