@@ -47,6 +47,16 @@ class PagedVector:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
         return end - start
 
+    def zero(self, lo: int, hi: int) -> None:
+        """Elements [lo, hi) set to 0, giving back their whole pages instead of writing them."""
+        start, end = self.pages(lo, hi)
+        if end <= start:
+            self.alias[lo:hi].zero_()
+            return
+        self.alias[lo:start // FLOAT].zero_()
+        self.alias[end // FLOAT:hi].zero_()
+        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def resident_bytes(self) -> int:
         """Bytes of the vector in memory now (the present bit of each page in /proc/self/pagemap: smaps would
         count a neighbouring mapping the kernel merged with this one), for tests and benchmarks."""

@@ -176,3 +176,17 @@ def check_trainable(state: Mapping[str, Any], params: Iterable[str], slots: Sequ
             "but was frozen when the checkpoint was written, so it has no Adam state to resume",
             "keep it frozen until this run ends, or start a new run from the weights: elasticflow export "
             "CHECKPOINT --to DIR, load them in model(), and pass resume=none")
+
+
+class WholeParameters:
+    """The Engine members of trainer.shard=parameters for a backend that keeps its parameters whole (TensorFlow:
+    the config refuses the stage there before any engine is built)."""
+
+    def page_params(self) -> Any:
+        raise ElasticFlowError("trainer.shard=parameters is built for backend=torch", "pass trainer.shard=gradients")
+
+    def parameter_units(self) -> Tuple[Any, List[Any]]:
+        return None, []
+
+    def zero_grad_range(self, lo: int, hi: int) -> None:
+        self.grad_view()[lo:hi].zero_()

@@ -143,5 +143,19 @@ class Engine(Protocol):
     def reset_optimizer(self) -> None:
         """Zero the optimizer's slots and its step count, as if just built (each local SGD / DiLoCo round)."""
 
+    def page_params(self) -> Any:
+        """trainer.shard=parameters: the flat parameters in memory whose pages can be given back (a
+        ``_util.pages.PagedVector`` over ``flat_params()``); an engine that cannot keep them so raises
+        ElasticFlowError with a hint (the config refuses such a run first)."""
+
+    def parameter_units(self) -> Tuple[Any, List[Any]]:
+        """(the framework's module being trained, None for a dict of arrays; the trainable parameters as the
+        framework's tensors, in the flat order): what trainer.shard=parameters cuts into units and hooks
+        (``replica/param_units.py``)."""
+
+    def zero_grad_range(self, lo: int, hi: int) -> None:
+        """Zero elements [lo, hi) of the flat gradient; where the engine keeps it in pages that can be given
+        back (trainer.shard=parameters), their pages go instead of being written."""
+
     def release_optimizer(self) -> None:
         """Drop the engine's own whole-model optimizer slots: a sharded update replaces ``apply``."""

@@ -5,7 +5,8 @@ Design
 ------
 **Units.** Each top-level submodule of the model is a unit (FSDP2's ``fully_shard`` per block), or each submodule
 ``trainer.shard_units`` names by pattern; a parameter that two units share (tied embeddings) and the parameters
-of no unit (a dict of arrays, the root's own) form the *root*, brought in for a whole micro-batch. A unit is a set of spans of the flat parameter vector
+of no unit (a dict of arrays, the root's own) form the *root*, brought in for a whole micro-batch. A unit is a
+set of spans of the flat parameter vector
 (``ShardedState``'s, in ``PagedVector`` memory whose pages can be given back).
 
 **Forward.** A unit's forward pre-hook brings its spans in (``ShardedState.fetch``: each owner sends its piece to
@@ -15,8 +16,13 @@ every member that does not hold it); its forward hook gives them back.
 ``saved_tensors_hooks`` pair sees every use: a saved view of the vector is packed with its unit, and unpacking
 it brings the unit in again if it is out. Once a unit's saved tensors have all been unpacked and backward has
 moved on to another unit's, it is given back (the CPU's autograd runs one node at a time: a node's unpacks come
-before its work, and the next node's after it). The gradient stays whole on each worker during backward and is
-reduce-scattered at the step's end, as in stage 2.
+before its work, and the next node's after it).
+
+**The gradient** of a unit goes to its owners once each of its parameters has accumulated its gradient of the
+micro-batch (autograd's post-accumulate hook): each member sends its piece to the piece's owner, who adds every
+member's (in rank order) into ``acc``, its range's sums of the step; the unit's gradient pages are then given
+back, so backward never holds a whole gradient. The root's, and a unit's with a parameter that got none, go at
+the micro-batch's end. The step's end (``Replica.start_reduce``) sums only the votes and hands ``acc`` to the buddy.
 
 **The same collectives on every member.** A fetch is point to point between all members, so every member must
 fetch the same units in the same order: each one records the units one micro-batch fetched (``trace``), and a
@@ -73,11 +79,11 @@ def unit_modules(module: Optional[torch.nn.Module],
     return chosen
 
 
-def plan_units(module: Optional[torch.nn.Module], params: Dict[str, torch.Tensor],
+def plan_units(module: Optional[torch.nn.Module], params: Sequence[torch.Tensor],
                patterns: Sequence[str] = ()) -> Tuple[List[List[Span]], List[Span], List[str]]:
     """(each unit's spans, the root's spans, each unit's name) for ``params`` (the engine's, in flat order)."""
     offsets, at = {}, 0
-    for p in params.values():
+    for p in params:
         offsets[id(p)] = (at, at + p.numel())
         at += p.numel()
     owners: Dict[int, List[int]] = {}
@@ -102,15 +108,16 @@ class ParamUnits:
 
     def __init__(self, engine: Any, shards: Any, patterns: Sequence[str] = ()):
         self.shards = shards
-        module = getattr(engine, "module", None)
-        self.spans, self.root, self.names = plan_units(module, engine.params, patterns)
+        module, params = engine.parameter_units()
+        self.spans, self.root, self.names = plan_units(module, params, patterns)
         self.resident = [False] * len(self.spans)
         self.root_in = False
         self.packs = [0] * len(self.spans)
         self.unpacks = [0] * len(self.spans)
         self.done: List[int] = []       # units whose saved tensors were all unpacked: given back once backward moves on
-        self.trace: List[int] = []      # the units fetched in this micro-batch (-1: the root), in order
-        self.last_trace: Optional[List[int]] = None
+        self.trace: List[Tuple[str, int]] = []  # this micro-batch's fetches ("f") and reductions ("g"), by unit
+        self.last_trace: Optional[List[Tuple[str, int]]] = None
+        self.reducing = False           # this step's gradient goes to its owners unit by unit (ShardedState.scatters)
         self.layout = -1                # ShardedState.layout_version the resident flags belong to
         self.whole = False              # every parameter in (evaluation): the hooks do nothing
         base = shards.params
@@ -120,7 +127,21 @@ class ParamUnits:
         self._unit_of = np.asarray([u for u, spans in enumerate(self.spans) for _ in spans], dtype=np.int64)
         order = np.argsort(self._starts)
         self._starts, self._ends, self._unit_of = self._starts[order], self._ends[order], self._unit_of[order]
+        # Each parameter's unit (-1: the root), for the gradient hooks: a unit's gradient is reduced to its
+        # owners once every parameter of it has accumulated its gradient of the micro-batch.
+        self._param_unit = []
+        at = 0
+        for p in params:
+            i = int(np.searchsorted(self._starts, at, side="right")) - 1
+            self._param_unit.append(int(self._unit_of[i]) if i >= 0 and at < self._ends[i] else -1)
+            at += p.numel()
+        self._params_of = [self._param_unit.count(u) for u in range(len(self.spans))]
+        self._arrived = [0] * len(self.spans)
+        self._reduced = [False] * len(self.spans)
         self._hooks = []
+        for p, u in zip(params, self._param_unit):
+            if u >= 0:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, u=u: self._grad_ready(u)))
         if module is not None:
             children = dict(unit_modules(module, patterns))
             for u, name in enumerate(self.names):
@@ -129,20 +150,35 @@ class ParamUnits:
                 self._hooks.append(child.register_forward_hook(lambda _m, _a, _o, u=u: self._forward_out(u)))
         self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    # ------------------------------------------------------------------ a micro-batch
+    # ------------------------------------------------------------------ a step, a micro-batch
+    def begin_step(self) -> None:
+        """Before a step's first micro-batch: its sums start at zero."""
+        self._check_layout()
+        self.reducing = self.shards.scatters()
+        self.shards.start_step()
+
     def begin(self) -> None:
         """Before a micro-batch's forward: the root in, the unit counters reset."""
         self._check_layout()
         self.trace = []
         self.packs = [0] * len(self.spans)
         self.unpacks = [0] * len(self.spans)
+        self._arrived = [0] * len(self.spans)
+        self._reduced = [False] * len(self.spans)
         self.done = []
         if self.root and not self.whole:
             self._fetch(-1)
             self.root_in = True
 
     def end(self) -> None:
-        """After its backward: every unit and the root given back; the trace kept for ``replay``."""
+        """After its backward: the gradients not yet reduced (a unit with a parameter that had none; the root)
+        reduced, in the units' order; every unit and the root given back; the trace kept for ``replay``."""
+        if self.reducing:
+            for u in range(len(self.spans)):
+                if not self._reduced[u]:
+                    self._reduce(u)
+            if self.root:
+                self._reduce(-1)
         for u in range(len(self.spans)):
             if self.resident[u]:
                 self._give_back(u)
@@ -161,10 +197,13 @@ class ParamUnits:
                                    "use a global batch of at least one micro-batch per worker")
         self._check_layout()
         for _ in range(times):
-            for u in self.last_trace:
+            for kind, u in self.last_trace:
                 spans = self.root if u < 0 else self.spans[u]
-                self.shards.fetch(spans)
-                self.shards.give_back(spans)
+                if kind == "f":
+                    self.shards.fetch(spans)
+                    self.shards.give_back(spans)
+                elif self.reducing:  # this member's gradient there is zero: it sends zeros, an owner sums
+                    self.shards.reduce_grad(spans)
 
     # ------------------------------------------------------------------ the hooks
     def _forward_in(self, u: int) -> None:
@@ -213,9 +252,21 @@ class ParamUnits:
             self.done.append(u)
         return t
 
+    def _grad_ready(self, u: int) -> None:
+        """A parameter of unit ``u`` accumulated its gradient (autograd's hook): the unit's last sends it on."""
+        self._arrived[u] += 1
+        if self.reducing and not self.whole and self._arrived[u] == self._params_of[u] and not self._reduced[u]:
+            self._reduce(u)
+
     # ------------------------------------------------------------------ in and out
+    def _reduce(self, u: int) -> None:
+        self.trace.append(("g", u))
+        self.shards.reduce_grad(self.root if u < 0 else self.spans[u])
+        if u >= 0:
+            self._reduced[u] = True
+
     def _fetch(self, u: int) -> None:
-        self.trace.append(u)
+        self.trace.append(("f", u))
         if u < 0:
             self.shards.fetch(self.root)
         else:
@@ -265,20 +316,56 @@ class HeldParameters:
             return
         group, sends, recvs = self.group, [], []
         holders = [needed(self.n, self.world, m, self.replicas) for m in range(self.world)]
+        for r, a, b, tag in self._pieces(spans):
+            if r == self.rank:
+                sends += [(self.paged.alias[a:b], m, tag) for m in range(self.world)
+                          if m != r and not any(x <= a and b <= y for x, y in holders[m])]
+            elif not any(x <= a and b <= y for x, y in self.held):
+                recvs.append((self.paged.alias[a:b], r, tag))
+        group.exchange(sends, recvs)
+
+    def _pieces(self, spans: Sequence[Range]) -> List[Tuple[int, int, int, int]]:
+        """(owner, lo, hi, tag) of each owner's piece of each span; a tag per span, the same on every member (gloo
+        matches a message by its source and tag; every member makes the same calls in the same order)."""
+        out = []
         for lo, hi in spans:
             for r in range(self.world):
                 a, b = owned(self.n, self.world, r)
-                a, b = max(a, lo), min(b, hi)
-                if b <= a:
-                    continue
-                tag = self._fetches % (1 << 30)  # gloo matches a message by its source and tag
-                if r == self.rank:
-                    sends += [(self.paged.alias[a:b], m, tag) for m in range(self.world)
-                              if m != r and not any(x <= a and b <= y for x, y in holders[m])]
-                elif not any(x <= a and b <= y for x, y in self.held):
-                    recvs.append((self.paged.alias[a:b], r, tag))
+                if min(b, hi) > max(a, lo):
+                    out.append((r, max(a, lo), min(b, hi), self._fetches % (1 << 30)))
             self._fetches += 1
-        group.exchange(sends, recvs)
+        return out
+
+    def reduced_in_backward(self) -> bool:
+        """Stage 3 when the step scatters: each unit's gradient went to its owners during backward."""
+        return self.paged is not None and self.scatters()
+
+    def start_step(self) -> None:
+        """Stage 3: the step's sums of this member's own range (``acc``) start at zero."""
+        if self.reduced_in_backward():
+            self.acc = self._buffer("own", chunk(self.n, self.world))
+            self.acc.zero_()
+
+    def reduce_grad(self, spans: Sequence[Range]) -> None:
+        """Stage 3: this micro-batch's gradient of ``spans`` to the owners, point to point; each owner adds every
+        member's piece (in rank order) into ``acc``. The local gradient there is then given back (its pages go:
+        backward never holds a whole gradient). Raises CommError when a member fails (the step is redone)."""
+        grad, lo_own = self.engine.grad_view(), owned(self.n, self.world, self.rank)[0]
+        sends, recvs, sums = [], [], []
+        for r, a, b, tag in self._pieces(spans):
+            if r == self.rank:
+                pieces = [grad[a:b] if m == r else torch.empty(b - a) for m in range(self.world)]
+                recvs += [(pieces[m], m, tag) for m in range(self.world) if m != r]
+                sums.append((a, b, pieces))
+            else:
+                sends.append((grad[a:b], r, tag))
+        self.group.exchange(sends, recvs)
+        for a, b, pieces in sums:
+            acc = self.acc[a - lo_own:b - lo_own]
+            for piece in pieces:
+                acc.add_(piece)
+        for lo, hi in spans:
+            self.engine.zero_grad_range(lo, hi)
 
     def gather_whole(self) -> None:
         """Stage 3: every parameter in (evaluation); ``give_back([(0, n)])`` returns them."""

@@ -174,6 +174,13 @@ class Replica:
             r.tail = torch.tensor(votes, dtype=torch.float64)
             if buffers is not None:
                 r.tail = torch.cat([r.tail, torch.from_numpy(buffers)])
+        elif self.shards is not None and self.shards.reduced_in_backward():
+            # Stage 3: each unit's gradient went to its owners as its backward ended (param_units.py): the votes
+            # (and buffers) in a small allreduce; finish_reduce hands each owner's sums to its buddy.
+            tail = torch.tensor(votes, dtype=torch.float64)
+            r.tail = tail if buffers is None else torch.cat([tail, torch.from_numpy(buffers)])
+            self._start(r, r.tail)
+            r.mine = (self.shards.acc, False)
         elif self.shards is not None and self.shards.scatters():
             # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
             # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large

@@ -1,4 +1,4 @@
-"""Sharded optimizer state (ZeRO stages 1 and 2) that stays elastic: ``trainer.shard=optimizer|gradients``.
+"""Sharded state (ZeRO stages 1, 2 and 3) that stays elastic: ``trainer.shard=optimizer|gradients|parameters``.
 
 Design
 ------
@@ -10,7 +10,7 @@ pieces; the short tail is padded in a scratch chunk). One rule, here and in the 
 only for the ranges a worker holds: its own and, with ``elastic.shard_replicas=1``, its buddy's, the slice
 of rank (r - 1) mod W (every slice is held twice: by its owner and by the next rank). Optimizer bytes per
 worker: 2/W of the replicated optimizer's (1/W with ``shard_replicas=0``), plus nothing else: the
-parameters stay whole on every worker (stages 1 and 2; stage 3 is not built, docs/sharded-state.md says what it needs).
+parameters stay whole on every worker (stages 1 and 2; stage 3 keeps them in the ranges too: param_units.py).
 
 **The step.** Stage 1 (``optimizer``): the gradient is reduced exactly as without sharding (one allreduce
 of the flat gradient with the step's scalars and votes folded in, ``Replica.start_reduce``), so every
@@ -67,7 +67,6 @@ import torch
 
 from .._util import pages
 from ..backends.common import check_trainable
-from ..checkpoint.format import Partial, Sharded
 from ..errors import ElasticFlowError
 from ..optim import SGD, Adam, OptimizerSpec
 from . import parameter_server
@@ -76,12 +75,13 @@ from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, ch
                          needed, owned, plan_moves, plan_roll)
 from .flat_update import FlatUpdate, KeptStep, participation_of  # noqa: F401 - shard.FlatUpdate: tests patch it
 from .param_units import HeldParameters
+from .shard_pieces import CheckpointPieces
 
 log = logging.getLogger("elasticflow")
 LAZY_ZEROS = 1 << 18  # elements (1 MiB): fresh slots at least this long are mapped only where written
 
 
-class ShardedState(HeldParameters):
+class ShardedState(HeldParameters, CheckpointPieces):
     """This worker's ranges of the optimizer state and the steps that keep them.
 
     Args:
@@ -125,6 +125,7 @@ class ShardedState(HeldParameters):
         self.held: Dict[Range, Dict[str, torch.Tensor]] = {(0, self.n): self._fresh(0, self.n)}
         self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
         self._fetches = 0                              # stage 3: fetches in this generation (their tags)
+        self.acc: Optional[torch.Tensor] = None        # stage 3: this step's sums of the own range (reduce_grad)
         self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
         self._scratch = torch.empty(self._scratch_size(self.n))
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
@@ -146,39 +147,6 @@ class ShardedState(HeldParameters):
     def slot_bytes(self) -> int:
         """Optimizer-state bytes this worker holds (the per-worker figure on docs/benchmarks.md)."""
         return sum(t.numel() * 4 for slots in self.held.values() for t in slots.values())
-
-    def sharding(self) -> Sharded:
-        """How a checkpoint splits the optimizer's tensors: each owner writes its own range."""
-        names = {f"optimizer/{p}/{s}": at for p, (at, _) in self.param_at.items() for s in self.slot_names}
-        if self.paged is not None:  # stage 3: the parameters too (no worker holds them whole)
-            names.update((p, at) for p, (at, _) in self.param_at.items())
-        if self.serves():  # the primaries write their shards; the trainers and standbys nothing
-            return Sharded(self.n, names, self.layout.holders[:self.layout.shards])
-        return Sharded(self.n, names)
-
-    def partials(self) -> Dict[str, Partial]:
-        """This worker's own range of every slot tensor, by name (views: read them before the next step)."""
-        lo, hi = owned(self.n, self.world, self.rank)
-        if self.serves():
-            lo, hi = owned(self.n, self.layout.shards, self.layout.holders.index(self.rank)) \
-                if self.layout.is_primary(self.rank) else (0, 0)
-        found = next(((r, v) for r, v in self.held.items() if r[0] <= lo and hi <= r[1]), None)
-        if hi <= lo or found is None:  # none of its own (a trainer; a range lost, before the fallback's load)
-            empty = {p: Partial(np.zeros(0, np.float32), 0, shape) for p, (_, shape) in self.param_at.items()}
-            return {**({} if self.paged is None else empty),
-                    **{f"optimizer/{p}/{s}": v for p, v in empty.items() for s in self.slot_names}}
-        (a, _), slots = found
-        out: Dict[str, Partial] = {}
-        for p, (at, shape) in self.param_at.items():
-            size = int(np.prod(shape, dtype=np.int64))
-            start, end = max(lo, at), min(hi, at + size)
-            if self.paged is not None:  # stage 3: the parameters' own range too
-                data = self.params[start:end].numpy() if end > start else np.zeros(0, np.float32)
-                out[p] = Partial(data, start - at if end > start else 0, shape)
-            for s in self.slot_names:
-                data = slots[s][start - a:end - a].numpy() if end > start else np.zeros(0, np.float32)
-                out[f"optimizer/{p}/{s}"] = Partial(data, start - at if end > start else 0, shape)
-        return out
 
     def load(self, engine: Any, arrays: Dict[str, np.ndarray], step: int, at: int) -> None:
         """Load the training state's arrays: a checkpoint's whole tensors (the engine takes the parameters, this

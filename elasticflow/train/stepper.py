@@ -70,6 +70,8 @@ class Stepper:
             engine.grad_scale = s.loss_scale * self.weight_scale
         loss_sum, metric_sums = None, {}
         units = None if p.shards is None else p.shards.units
+        if units is not None:
+            units.begin_step()
         keys = p.schedule.ahead(batch, share, p.prefetch.depth if rank >= 0 else 0, s.step, rank, world,
                                 t.micro_batch_size)
         for i, (a, b) in enumerate(share.micro):

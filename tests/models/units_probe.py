@@ -6,8 +6,10 @@ submodule is a unit its workers bring in for forward and backward. The kills and
     EF_UNITS_KILL_BACKWARD  "worker:step": that worker SIGKILLs itself in the first backward of that step (generation
                             0), once the head, norm and block units were brought back in for it and before embed.
     EF_UNITS_RESIDENT       a directory: at each step's first forward, before any unit is brought in, every worker
-                            appends {worker, step, world, resident, total} to <dir>/<pid>.jsonl: the bytes of the
-                            flat parameter vector in memory (/proc/self/pagemap) and its size.
+                            appends {worker, step, world, what: "params", resident, total} to <dir>/<pid>.jsonl: the
+                            bytes of the flat parameter vector in memory (/proc/self/pagemap) and its size; and in
+                            that micro-batch's backward, once head, norm and block have their gradients (before
+                            embed's), the same of the flat gradient (what: "grads").
 """
 import json
 import os
@@ -42,6 +44,10 @@ class Net(nn.Module):
             ctx = elasticflow.context()
             if (digits_probe.WORKER, ctx.step, ctx.generation) == (*BACKWARD_KILL, 0):
                 h.register_hook(lambda _grad: digits_probe._kill_self())  # after the units above h, before embed
+        if RESIDENT and torch.is_grad_enabled() and elasticflow.context().step not in _grads_seen:
+            _grads_seen.add(elasticflow.context().step)
+            grad = self.embed.weight.grad
+            h.register_hook(lambda _grad: _record_resident(elasticflow.context(), grad, "grads"))
         return self.head(self.norm(h + self.block(h)))
 
 
@@ -61,23 +67,24 @@ def forward(x, y, params):
     digits_probe._inject(ctx)
     if RESIDENT and (ctx.step, ctx.generation) not in _resident_seen:
         _resident_seen.add((ctx.step, ctx.generation))
-        _record_resident(ctx, next(params.parameters()))
+        _record_resident(ctx, next(params.parameters()), "params")
     logits = params(x)
     return {"loss": nn.functional.cross_entropy(logits, y.long()),
             "accuracy": (logits.argmax(-1) == y.long()).float().mean()}
 
 
 RESIDENT = os.environ.get("EF_UNITS_RESIDENT")
-_resident_seen = set()
+_resident_seen, _grads_seen = set(), set()
 
 
-def _record_resident(ctx, param):
-    storage, page = param.untyped_storage(), os.sysconf("SC_PAGE_SIZE")
+def _record_resident(ctx, tensor, what):
+    storage, page = tensor.untyped_storage(), os.sysconf("SC_PAGE_SIZE")
     first, pages = storage.data_ptr() // page, -(-storage.nbytes() // page)
     with open("/proc/self/pagemap", "rb") as f:
         f.seek(first * 8)
         entries = np.frombuffer(f.read(pages * 8), dtype=np.uint64)
     line = {"worker": digits_probe.WORKER, "step": ctx.step, "generation": ctx.generation, "world": ctx.world_size,
-            "resident": int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page, "total": storage.nbytes()}
+            "what": what, "resident": int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page,
+            "total": storage.nbytes()}
     with open(Path(RESIDENT) / f"{os.getpid()}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

@@ -23,8 +23,8 @@ from ..buffers import Rule
 from ...config.devices import Placement
 from ...errors import ElasticFlowError
 from ...optim import Hyper, OptimizerSpec
-from ..common import (WEIGHT, activate, buckets, check_loss, check_trainable, flatten, rebuild, set_training,
-                      state_names, training)
+from ..common import (WEIGHT, WholeParameters, activate, buckets, check_loss, check_trainable, flatten, rebuild,
+                      set_training, state_names, training)
 from . import ops as tf_ops
 from . import optim as tf_optim
 from .compiled import Compiled
@@ -55,7 +55,7 @@ def _check_loss(out: Any, where: str):
 
 
 
-class Engine:
+class Engine(WholeParameters):
     """Variables, GradientTape, the flat gradient buffer and the optimizer of one worker.
 
     Args:

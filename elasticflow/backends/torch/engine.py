@@ -121,7 +121,11 @@ class Engine:
         # The flat gradient is the head of a longer buffer: the replica writes the step's scalars and
         # buffer contributions after it and reduces both in one in-place allreduce (fold_buffer), instead
         # of copying the gradient into a concatenation and back every step.
-        self._fold = torch.zeros(self.num_params + self._fold_room(), dtype=torch.float32, device=self.device)
+        # trainer.shard=parameters: in pages given back as each unit's gradient is reduced (param_units.py), and
+        # by zero_grad (no whole gradient written each step)
+        self.grad_pages = self._paged(self.num_params + self._fold_room()) if paged_params else None
+        self._fold = torch.zeros(self.num_params + self._fold_room(), dtype=torch.float32, device=self.device) \
+            if self.grad_pages is None else self.grad_pages.tensor
         self.flat_grad = self._fold[:self.num_params]
         # Parameters become views of one flat buffer too, so the optimizer runs once over the model
         # (optim.py). A copy of the model's values at start-up; the Parameter objects stay
@@ -160,7 +164,10 @@ class Engine:
             self.module.train(training)
 
     def zero_grad(self) -> None:
-        self.flat_grad.zero_()
+        if self.grad_pages is not None:
+            self.grad_pages.zero(0, self.num_params)
+        else:
+            self.flat_grad.zero_()
         self._took_part[:] = False
 
     def took_part(self) -> np.ndarray:
@@ -369,6 +376,15 @@ class Engine:
                 offset += n
             self.flat_param = self.paged.tensor
         return self.paged
+
+    def parameter_units(self) -> Tuple[Optional[torch.nn.Module], List[torch.Tensor]]:
+        return self.module, list(self.params.values())
+
+    def zero_grad_range(self, lo: int, hi: int) -> None:
+        if self.grad_pages is not None:
+            self.grad_pages.zero(lo, hi)
+        else:
+            self.flat_grad[lo:hi].zero_()
 
     def _paged(self, n: int) -> Any:
         from ..._util.pages import PagedVector

@@ -1,0 +1,49 @@
+"""What a checkpoint takes from ``ShardedState``: how its tensors split by owner (``sharding``) and this worker's
+own pieces of them (``partials``). A mixin: it reads the state's ``n``, ``world``, ``rank``, ``held``, ``params``,
+``param_at``, ``slot_names``, ``paged`` and, for parameter servers, ``layout``.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import numpy as np
+
+from ..checkpoint.format import Partial, Sharded
+from .shard_plan import owned
+
+
+class CheckpointPieces:
+    """``ShardedState``'s side of a checkpoint: each owner writes its own range, nothing is gathered."""
+
+    def sharding(self) -> Sharded:
+        """How a checkpoint splits the optimizer's tensors: each owner writes its own range."""
+        names = {f"optimizer/{p}/{s}": at for p, (at, _) in self.param_at.items() for s in self.slot_names}
+        if self.paged is not None:  # stage 3: the parameters too (no worker holds them whole)
+            names.update((p, at) for p, (at, _) in self.param_at.items())
+        if self.serves():  # the primaries write their shards; the trainers and standbys nothing
+            return Sharded(self.n, names, self.layout.holders[:self.layout.shards])
+        return Sharded(self.n, names)
+
+    def partials(self) -> Dict[str, Partial]:
+        """This worker's own range of every slot tensor, by name (views: read them before the next step)."""
+        lo, hi = owned(self.n, self.world, self.rank)
+        if self.serves():
+            lo, hi = owned(self.n, self.layout.shards, self.layout.holders.index(self.rank)) \
+                if self.layout.is_primary(self.rank) else (0, 0)
+        found = next(((r, v) for r, v in self.held.items() if r[0] <= lo and hi <= r[1]), None)
+        if hi <= lo or found is None:  # none of its own (a trainer; a range lost, before the fallback's load)
+            empty = {p: Partial(np.zeros(0, np.float32), 0, shape) for p, (_, shape) in self.param_at.items()}
+            return {**({} if self.paged is None else empty),
+                    **{f"optimizer/{p}/{s}": v for p, v in empty.items() for s in self.slot_names}}
+        (a, _), slots = found
+        out: Dict[str, Partial] = {}
+        for p, (at, shape) in self.param_at.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            start, end = max(lo, at), min(hi, at + size)
+            if self.paged is not None:  # stage 3: the parameters' own range too
+                data = self.params[start:end].numpy() if end > start else np.zeros(0, np.float32)
+                out[p] = Partial(data, start - at if end > start else 0, shape)
+            for s in self.slot_names:
+                data = slots[s][start - a:end - a].numpy() if end > start else np.zeros(0, np.float32)
+                out[f"optimizer/{p}/{s}"] = Partial(data, start - at if end > start else 0, shape)
+        return out
