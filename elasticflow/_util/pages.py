@@ -53,9 +53,9 @@ class PagedVector:
         if end <= start:
             self.alias[lo:hi].zero_()
             return
-        self.alias[lo:start // FLOAT].zero_()
+        self.alias[lo:start // FLOAT].zero_()  # the partial pages at either end: written
         self.alias[end // FLOAT:hi].zero_()
-        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self.drop(lo, hi)
 
     def resident_bytes(self) -> int:
         """Bytes of the vector in memory now (the present bit of each page in /proc/self/pagemap: smaps would

@@ -244,7 +244,7 @@ class ShardedState(HeldParameters, CheckpointPieces):
         vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""
         if self.serves():
             return True  # a holder's sums came by push (parameter_server.exchange)
-        return self.stage in ("gradients", "parameters") and self.world > 1 and not covers(list(self.held), self.n)
+        return self.stage in ("gradients", "parameters") and self.world > 1 and not self.holds_all()
 
     def gather(self, group: Any) -> None:
         """All-gather the owners' parameter ranges: afterwards every member holds the whole vector.
@@ -265,7 +265,7 @@ class ShardedState(HeldParameters, CheckpointPieces):
         """Whether a step ends with the parameters' allgather (``gather``)."""
         if self.paged is not None:
             return False  # stage 3: each unit comes in when forward needs it (fetch)
-        return self.serves() or (self.world > 1 and not covers(list(self.held), self.n))
+        return self.serves() or (self.world > 1 and not self.holds_all())
 
     def push(self, group: Any, grad: torch.Tensor) -> None:
         """Parameter servers: this step's push and forward (``parameter_server.exchange``); a holder's sums land in

@@ -164,10 +164,7 @@ class Engine:
             self.module.train(training)
 
     def zero_grad(self) -> None:
-        if self.grad_pages is not None:
-            self.grad_pages.zero(0, self.num_params)
-        else:
-            self.flat_grad.zero_()
+        self.zero_grad_range(0, self.num_params)
         self._took_part[:] = False
 
     def took_part(self) -> np.ndarray:
@@ -364,17 +361,10 @@ class Engine:
 
     def page_params(self) -> Any:
         """The flat parameters in host memory whose pages can be given back (``_util.pages``), for
-        trainer.shard=parameters: the ``PagedVector`` (built with ``paged_params=True``, else moved there now:
-        after ``release_optimizer``, which held the old vector)."""
+        trainer.shard=parameters: the ``PagedVector`` the engine was built on with ``paged_params=True``."""
         if self.paged is None:
-            self.paged = self._paged(self.num_params)
-            self.paged.tensor.copy_(self.flat_param)
-            offset = 0
-            for p in self.params.values():
-                n = p.numel()
-                p.data = self.paged.tensor[offset:offset + n].view_as(p)
-                offset += n
-            self.flat_param = self.paged.tensor
+            raise ElasticFlowError("trainer.shard=parameters needs an engine built with paged_params=True",
+                                   "build it as train/builder.py does for trainer.shard=parameters")
         return self.paged
 
     def parameter_units(self) -> Tuple[Optional[torch.nn.Module], List[torch.Tensor]]:
