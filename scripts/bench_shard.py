@@ -14,6 +14,12 @@
 4. trainer.shard=parameters (stage 3, issue #46): each worker's peak resident set (VmHWM) with 4 workers on a
    deep MLP (scripts/bench/deep_mlp.py, 154M parameters by default, Adam), against trainer.shard=none and torch's
    FSDP2 on gloo with the same units (scripts/bench/fsdp2_mlp.py), and the median step time of each. Minutes.
+   ``--world 2``: the same at 2 workers.
+5. A model bigger than one worker: each worker of the deep MLP in a memory cgroup of its own (cgroup v1, root)
+   limited to ``--limit-mb`` MiB from model() on. One worker with shard=none (the parameters, the gradient and
+   Adam's two moments: 2.5 GB at 154M parameters) is OOM-killed; 4 workers with trainer.shard=parameters and
+   elastic.shard_replicas=0 train under the same limit each. Prints each arm's exit, the OOM kills and the peaks
+   the cgroups recorded.
 
     .venv/bin/python scripts/bench_shard.py --rounds 3
 """
@@ -110,6 +116,48 @@ def stage3_part(tmp: Path, width: int, depth: int, steps: int, world: int = 4) -
         print(f"   {label:38s} {mib:8.0f} MiB  {mib / base:.3f}x   step {times[label]:.2f} s", flush=True)
 
 
+def cgroup_parent() -> Path:
+    """This process's cgroup-v1 memory directory: the bench's per-worker cgroups go under it."""
+    line = next(ln for ln in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in ln)
+    parent = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/") / "bench_shard"
+    parent.mkdir(exist_ok=True)
+    return parent
+
+
+def limit_part(tmp: Path, width: int, depth: int, steps: int, limit_mb: int) -> None:
+    """5. The deep MLP under a per-worker memory limit: 1 worker replicated, then 4 workers with stage 3."""
+    params = depth * (width * width + width) + width + 1
+    print(f"\n5. Each worker limited to {limit_mb} MiB from model() on (its own memory cgroup): deep MLP {depth} x "
+          f"{width} ({params / 1e6:.0f}M parameters, {params * 16 / 2 ** 30:.2f} GiB of parameters, gradient and "
+          f"Adam's moments), {steps} steps", flush=True)
+    parent = cgroup_parent()
+    args = [f"+model_args.width={width}", f"+model_args.depth={depth}", "trainer.global_batch_size=16",
+            f"trainer.max_steps={steps}", "elastic.timeout_s=600", "elastic.heartbeat_timeout_s=300",
+            "checkpoint.interval.steps=null", "elastic.wait_s=5", "trainer.log_every=1"]
+    env = {"EF_BENCH_CGROUP": str(parent), "EF_BENCH_LIMIT_MB": str(limit_mb)}
+    for label, extra in (("1 worker, shard=none", ["launcher.workers=1", "trainer.shard=none"]),
+                         ("4 workers, shard=parameters, shard_replicas=0",
+                          ["launcher.workers=4", "trainer.shard=parameters", "elastic.shard_replicas=0"])):
+        for old in parent.glob("ef-*"):
+            old.rmdir()
+        run = tmp / f"limit-{label[0]}"
+        cmd = CLI + ["train", DEEP, f"hydra.run.dir={run}", *COMMON, *args, *extra]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600,
+                              env={**os.environ, **env})
+        groups = sorted(parent.glob("ef-*"))
+        kills = sum(int(re.search(r"oom_kill (\d+)", (g / "memory.oom_control").read_text()).group(1))
+                    for g in groups)
+        peaks = [int((g / "memory.max_usage_in_bytes").read_text()) >> 20 for g in groups]
+        logged = run / "metrics.jsonl"
+        steps_done = len([r for r in jsonl(logged) if "loss" in r]) if logged.exists() else 0
+        left = [e for e in jsonl(run / "events.jsonl") if e["event"] == "left"] if (run / "events.jsonl").exists() \
+            else []
+        print(f"   {label:46s} exit {proc.returncode}, {steps_done} steps logged, OOM kills {kills}, "
+              f"workers lost {len(left)}, cgroup peaks {peaks} MiB", flush=True)
+    for old in parent.glob("ef-*"):
+        old.rmdir()
+
+
 def step_ms(run: Path, warmup: int) -> float:
     times = [r["step_time_s"] for r in jsonl(run / "metrics.jsonl") if "loss" in r][warmup:]
     return 1e3 * statistics.median(times)
@@ -173,14 +221,17 @@ def recovery_part(tmp: Path, kills: int) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="4: stage 3's memory (minutes)")
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3],
+                   help="4: stage 3's memory, 5: under a memory limit (minutes each)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--hidden", type=int, default=1024, help="MLP width for parts 1 and 2")
     p.add_argument("--steps", type=int, default=200, help="steps per MLP run in part 2")
     p.add_argument("--wide-steps", type=int, default=12, help="steps per 100 MB-model run in part 2 (0: skip)")
     p.add_argument("--deep", default="3584x12", help="part 4's MLP, WIDTHxDEPTH (3584x12: 154M parameters)")
-    p.add_argument("--deep-steps", type=int, default=6, help="steps per run in part 4")
+    p.add_argument("--deep-steps", type=int, default=6, help="steps per run in parts 4 and 5")
+    p.add_argument("--world", type=int, default=4, help="workers in part 4")
+    p.add_argument("--limit-mb", type=int, default=2048, help="part 5's memory limit per worker (MiB)")
     args = p.parse_args(argv)
     print(f"bench_shard {' '.join(argv or sys.argv[1:])}; load average {os.getloadavg()[0]:.2f}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
@@ -197,7 +248,10 @@ def main(argv=None) -> int:
             recovery_part(tmp, args.kills)
         if 4 in args.parts:
             width, depth = (int(v) for v in args.deep.split("x"))
-            stage3_part(tmp, width, depth, args.deep_steps)
+            stage3_part(tmp, width, depth, args.deep_steps, args.world)
+        if 5 in args.parts:
+            width, depth = (int(v) for v in args.deep.split("x"))
+            limit_part(tmp, width, depth, args.deep_steps, args.limit_mb)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -20,6 +20,13 @@ committing generation fetched (the probe's records) are every sample of each epo
 and optimizer state within 1e-5 relative (per tensor) of the 1-worker run with replicated state
 (tests/test_shard.py's criterion). Prints one line per run and the count; exit 1 if any run failed.
 Seeded: ``--seed`` replays the same steps, phases, victims and peers.
+
+``--stage parameters`` (issue #46): the same soak for ``trainer.shard=parameters`` (ZeRO 3) on
+tests/models/units_probe.py (four submodules, each a unit; 512 wide, SGD with momentum, micro-batches of 8), its
+EF_UNITS_KILL rotating through that stage's phases: a unit's fetch in forward, its fetch in backward, a unit's
+gradient on its way to its owners (each at a random call of the step), and the update between its two ranges.
+
+    .venv/bin/python scripts/soak_shard_kill.py --stage parameters --runs 20 --pairs 4
 """
 from __future__ import annotations
 
@@ -41,22 +48,31 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from elasticflow._util.fileio import read_jsonl as jsonl  # noqa: E402  (skips the line a SIGKILLed writer tore)
 
-PROBE = REPO / "tests" / "models" / "shard_probe.py"
 CLI = [sys.executable, "-m", "elasticflow.cli"]
 STEPS, RTOL = 60, 1e-5
 COMMON = ["trainer.global_batch_size=64", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
-          "trainer.progress=false", "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5", "elastic.wait_s=30",
-          "optimizer=adam", "optimizer.lr=0.003"]
-PHASES = ("reduction", "update", "exchange")
+          "trainer.progress=false", "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5", "elastic.wait_s=30"]
+# By stage: the probe model, its overrides, its kill variable, the phases a kill rotates through, and how many
+# calls of the phase in the step the victim may die at (random in 1..n).
+STAGES = {
+    "optimizer": (REPO / "tests" / "models" / "shard_probe.py", ["optimizer=adam", "optimizer.lr=0.003"],
+                  "EF_SHARD_KILL", {"reduction": 1, "update": 1, "exchange": 1}),
+    "parameters": (REPO / "tests" / "models" / "units_probe.py",
+                   ["trainer.micro_batch_size=8", "+model_args.hidden=512", "optimizer.momentum=0.9",
+                    "optimizer.lr=0.02"],
+                   "EF_UNITS_KILL", {"forward_fetch": 8, "backward_fetch": 8, "reduce": 8, "update": 1}),
+}
+STAGE = "optimizer"
 
 
 def train(run: Path, workers: int, kills: str = "", timeout: float = 240) -> Tuple[int, str]:
     """One job; returns (exit code, its output's tail)."""
-    shard = "trainer.shard=optimizer" if workers > 1 else "trainer.shard=none"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EF_SHARD_KILL": kills, "EF_PROBE_RECORD": str(run / "samples"),
+    probe, extra, variable, _ = STAGES[STAGE]
+    shard = f"trainer.shard={STAGE}" if workers > 1 else "trainer.shard=none"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", variable: kills, "EF_PROBE_RECORD": str(run / "samples"),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     (run / "samples").mkdir(parents=True)
-    cmd = CLI + ["train", str(PROBE), f"hydra.run.dir={run}", *COMMON, f"launcher.workers={workers}", shard]
+    cmd = CLI + ["train", str(probe), f"hydra.run.dir={run}", *COMMON, *extra, f"launcher.workers={workers}", shard]
     try:
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -121,23 +137,34 @@ def check(run: Path, rc: int, out: str, reference: Dict[str, np.ndarray]) -> Tup
 def describe(kills: List[Tuple[int, int, str, Optional[int]]]) -> str:
     out = []
     for rank, step, phase, peer in kills:
-        to = "" if phase == "update" else f" (to rank {peer} only)" if peer is not None else " (to nobody)"
+        if STAGE == "parameters":
+            to = f" (call {peer})" if phase != "update" else ""
+        else:
+            to = "" if phase == "update" else f" (to rank {peer} only)" if peer is not None else " (to nobody)"
         out.append(f"rank {rank} in {phase}{to}")
     return f"step {kills[0][1]:2d}: " + ", ".join(out)
 
 
 def plan(rng: random.Random, runs: int, pairs: int) -> List[Tuple[int, List[Tuple[int, int, str, Optional[int]]]]]:
-    """[(workers, [(rank, step, phase, peer)])]: the single kills, then the double ones; phases rotate."""
+    """[(workers, [(rank, step, phase, peer)])]: the single kills, then the double ones; phases rotate. For
+    stage 3, ``peer`` is the call of the phase the victim dies at (the update's second: between its ranges)."""
+    phases = STAGES[STAGE][3]
+    names = list(phases)
+
+    def peer_of(phase: str, others: List[int]) -> Optional[int]:
+        if STAGE == "parameters":
+            return 2 if phase == "update" else rng.randint(1, phases[phase])
+        return None if phase == "update" else rng.choice(others + ([None] if phase == "reduction" else []))
+
     out = []
     for i in range(runs):
-        phase, rank, step = PHASES[i % 3], rng.randrange(3), rng.randint(2, STEPS - 2)
-        peers = [r for r in range(3) if r != rank] + ([None] if phase == "reduction" else [])
-        out.append((3, [(rank, step, phase, None if phase == "update" else rng.choice(peers))]))
+        phase, rank, step = names[i % len(names)], rng.randrange(3), rng.randint(2, STEPS - 2)
+        out.append((3, [(rank, step, phase, peer_of(phase, [r for r in range(3) if r != rank]))]))
     for i in range(pairs):
-        phase, step = PHASES[i % 3], rng.randint(2, STEPS - 2)
+        phase, step = names[i % len(names)], rng.randint(2, STEPS - 2)
         victims = rng.choice([(0, 2), (1, 3)])
         survivors = [r for r in range(4) if r not in victims]
-        out.append((4, [(v, step, phase, None if phase == "update" else rng.choice(survivors)) for v in victims]))
+        out.append((4, [(v, step, phase, peer_of(phase, survivors)) for v in victims]))
     return out
 
 
@@ -147,7 +174,10 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3, help="two non-neighbouring kills at once (4 workers)")
     ap.add_argument("--seed", type=int, default=30)
     ap.add_argument("--keep", action="store_true", help="keep the run folders (printed at the end)")
+    ap.add_argument("--stage", choices=sorted(STAGES), default="optimizer", help="the trainer.shard stage soaked")
     args = ap.parse_args()
+    global STAGE
+    STAGE = args.stage
     root = Path(tempfile.mkdtemp(prefix="soak_shard_kill_"))
     started = time.time()
     try:

@@ -278,6 +278,26 @@ class Limit:
         return held(self.path)
 
 
+def lose_join_retire(run: Path, proc: subprocess.Popen, limit: "Limit") -> str:
+    """Drive a 3-worker job through its membership changes: once a step ran with the two survivors of a kill the
+    job's environment caused, a worker joins (`elasticflow scale` to 3) and, after a step with it, one retires
+    (to 2); then the limit is lifted and the job finishes. Asserts exit 0 and one left, one joined and one retired
+    event; returns the job's output."""
+    limit.advance_until(run, lambda: 2 in world_sizes(run), 120, "a step with the two survivors")
+    scale(run, 3, wait=0)  # a new worker joins: training waits at the limit while it starts
+    wait_for(lambda: len(workers(run)) == 3, 180, "the joiner admitted", proc=proc)
+    limit.advance_until(run, lambda: world_sizes(run)[-1] == 3, 120, "a step with the joiner")
+    scale(run, 2, wait=0)  # and one retires
+    limit.advance_until(run, lambda: world_sizes(run)[-1] == 2 and len(members(run)) == 2, 120,
+                        "a step after the scale-down")
+    limit.lift()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    kinds = [e["event"] for e in events(run)]
+    assert kinds.count("left") == 1 and kinds.count("joined") == 1 and kinds.count("retired") == 1, kinds
+    return out
+
+
 def held(path: Path) -> set:
     """The pids of the workers waiting at a Hold's or a Limit's PATH now (each marks itself while it waits)."""
     return {int(p.name.rsplit("-", 1)[1]) for p in path.parent.glob(f"{path.name}.held-*")}

@@ -319,6 +319,27 @@ def test_the_buffer_reserved_at_start_takes_the_first_snapshot(tmp_path):
     assert 0 < tail.size < 100000 and np.array_equal(tail, np.arange(100000 - tail.size, 100000, dtype=np.float32))
 
 
+def test_a_save_the_training_thread_waits_for_is_written_from_the_live_state(tmp_path):
+    """wait=True (the final save, Ctrl-C, a save-then-raise) and async_save=false: nothing changes the state
+    while it is written, so no snapshot buffer (a copy of the rank's slice, kept for the run) is made."""
+    job = tmp_path / "job_20250101-000000"
+    live = {"W": np.arange(1000 * 100, dtype=np.float32).reshape(1000, 100), "b": np.ones(7, np.float32)}
+    ck = ckpt.Checkpointer(job, coordinator=ckpt.LocalCoordinator(), token="t")
+    assert ck.save("step_1", live, INFO, wait=True) == job / "step_1"
+    assert ck._snapshots.buffer is None
+    sync = ckpt.Checkpointer(tmp_path / "job_20250101-000001", coordinator=ckpt.LocalCoordinator(), token="u",
+                             asynchronous=False)
+    sync.save("step_1", live, INFO)
+    assert sync._snapshots.buffer is None
+    ck.save("step_2", live, {**INFO, "step": 2})  # in the background: the snapshot is taken
+    assert ck._snapshots.buffer is not None
+    live["W"] += 1
+    assert ck.close() == job / "step_2"
+    assert np.array_equal(ckpt.load(job / "step_1")["W"], live["W"] - 1)
+    assert np.array_equal(ckpt.load(job / "step_2")["W"], live["W"] - 1)
+    assert np.array_equal(ckpt.load(sync.job_dir / "step_1")["W"], live["W"] - 1)
+
+
 def test_a_failed_background_write_is_raised_at_the_next_save(tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")

@@ -85,25 +85,59 @@ def test_the_norm_clipping_takes_is_the_check_no_second_read():
     assert grad_check.decide(nan_loss, math.nan, "stop") == ("stop", "loss is nan", grad_check.DIVERGED)
 
 
+class Shards:
+    """What ScatteredSums reads of a ShardedState: the sums it holds by range (its own and its buddy's)."""
+
+    def __init__(self, own, buddy):
+        self.reduced = {(0, own.numel()): own, (own.numel(), own.numel() + buddy.numel()): buddy}
+
+    def own_range(self):
+        return next(iter(self.reduced))
+
+
 def test_scattered_ranges_agree_through_one_sum():
-    """trainer.shard=gradients: each member judges its own ranges; the sum of the verdicts decides for all."""
+    """trainer.shard=gradients|parameters: each member judges its own ranges, and takes the squares of its own
+    range's sums (not its buddy's copy) for the norm; one sum over the members decides for all."""
     calls = []
 
-    def two_members(theirs):  # a stand-in for Replica.reduce_sum: adds another member's verdict
+    def two_members(theirs):  # a stand-in for Replica.reduce_sum: adds another member's value
         def reduce_sum(values):
             calls.append(list(values))
             return [values[0] + theirs]
         return reduce_sum
 
-    clean = [torch.ones(3), torch.zeros(2)]
-    poisoned = [torch.ones(3), torch.tensor([0.0, math.nan])]
-    assert grad_check.scattered_finite(clean, two_members(0.0))
-    assert not grad_check.scattered_finite(clean, two_members(1.0))  # the other member's range is NaN
-    assert not grad_check.scattered_finite(poisoned, two_members(0.0))
+    clean = Shards(torch.ones(3), torch.zeros(2))
+    poisoned = Shards(torch.ones(3), torch.tensor([0.0, math.nan]))
+    assert grad_check.ScatteredSums(clean, two_members(0.0)).grad_finite()
+    assert not grad_check.ScatteredSums(clean, two_members(1.0)).grad_finite()  # the other member's range is NaN
+    assert not grad_check.ScatteredSums(poisoned, two_members(0.0)).grad_finite()
     assert calls == [[0.0], [0.0], [1.0]]  # one collective each, on every member whatever it found
     engine = Engine(3.0, math.nan)  # the engine's own (unreduced) gradient is not read
-    verdict = grad_check.check(engine, 0.5, None, None, lambda: grad_check.scattered_finite(clean, two_members(0)))
-    assert verdict.finite and engine.finite_checks == 0
+    verdict = grad_check.check(engine, 0.5, None, None, grad_check.ScatteredSums(clean, two_members(0)))
+    assert verdict.finite and engine.finite_checks == 0 and engine.norms == 0
+
+    # Clipping: the norm is sqrt(own squares + the other member's), and both ranges are scaled by one factor.
+    calls.clear()
+    held = Shards(torch.full((3,), 2.0), torch.full((2,), 5.0))
+    verdict = grad_check.check(engine, 0.5, 1.0, None, grad_check.ScatteredSums(held, two_members(13.0)))
+    assert calls == [[pytest.approx(12.0)]]  # 3 x 2^2: the buddy's copy is another member's own range, counted there
+    assert verdict.grad_norm == pytest.approx(5.0) and engine.norms == 0
+    factor = 1.0 / (5.0 + 1e-6)
+    assert torch.allclose(held.reduced[(0, 3)], torch.full((3,), 2.0 * factor))
+    assert torch.allclose(held.reduced[(3, 5)], torch.full((2,), 5.0 * factor))
+
+
+def test_the_norm_in_blocks_is_the_same_wherever_the_vector_is_cut():
+    """_util/norms.py: the owners' pieces of a gradient give the whole one's sum of squares to ~1e-8, and both
+    are within ~1e-6 of float64's (float32's own norm of a million elements is off by ~1e-5)."""
+    from elasticflow._util.norms import sum_squares
+
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
+    exact = float(x.double().square().sum())
+    cuts = [0, 333_335, 666_669, 1_000_003]
+    pieces = sum(sum_squares(x[a:b], a) for a, b in zip(cuts, cuts[1:]))
+    assert abs(pieces - sum_squares(x)) / exact < 1e-7
+    assert abs(sum_squares(x) - exact) / exact < 2e-6
 
 
 @pytest.mark.parametrize("name", ["torch", "tensorflow"])

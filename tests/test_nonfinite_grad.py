@@ -115,7 +115,7 @@ def test_stop_names_the_step_and_keeps_only_finite_checkpoints(model_path, tmp_p
 
 def test_sharded_gradients_agree_on_the_nan_step(model_path, tmp_path):
     """trainer.shard=gradients without a buddy copy: no member holds the whole summed gradient, each judges
-    its own ranges and one small sum makes the verdict common (grad_check.scattered_finite)."""
+    its own ranges and one small sum makes the verdict common (grad_check.ScatteredSums)."""
     run = tmp_path / "run"
     proc = train(model_path, run, *ARGS, "launcher.workers=2", "trainer.shard=gradients",
                  "elastic.shard_replicas=0", "trainer.on_nonfinite=skip", check=False, timeout=240)

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from harness import (EXACT, EXACT_COMMON, Limit, assert_bitwise, cli, events, exact_overrides, finish, logged_step,
-                     members, metrics, scale, start, start_exact, train_exact, wait_for, workers,
-                     world_sizes)
+from harness import (EXACT, EXACT_COMMON, Limit, assert_bitwise, cli, events, exact_overrides, finish,
+                     lose_join_retire, metrics, start, start_exact, train_exact, wait_for, world_sizes)
 
 from elasticflow.replica.exact_sum import ExactSum
 
@@ -166,18 +165,7 @@ def test_a_kill_a_join_and_a_scale_down_in_one_run_end_on_the_one_workers_bits(t
                        "elastic.timeout_s=90", "elastic.heartbeat_timeout_s=10",
                        env={"EF_PROBE_LIMIT": str(limit.path), "EF_PROBE_KILL": "2:8:reduction"})
     wait_for(lambda: any(e["event"] == "left" for e in events(run)), 120, "the killed worker gone", proc=proc)
-    limit.advance_until(run, lambda: 2 in world_sizes(run), 120, "a step with the two survivors")
-    scale(run, 3, wait=0)  # a new worker joins: training waits at the limit while it starts
-    wait_for(lambda: len(workers(run)) == 3, 180, "the joiner admitted", proc=proc)
-    limit.advance_until(run, lambda: world_sizes(run)[-1] == 3, 120, "a step with the joiner")
-    scale(run, 2, wait=0)  # and one retires
-    limit.advance_until(run, lambda: world_sizes(run)[-1] == 2 and len(members(run)) == 2, 120,
-                        "a step after the scale-down")
-    limit.lift()
-    out = finish(proc)
-    assert proc.returncode == 0, out[-4000:]
-    kinds = [e["event"] for e in events(run)]
-    assert kinds.count("left") == 1 and kinds.count("joined") == 1 and kinds.count("retired") == 1
+    lose_join_retire(run, proc, limit)
     assert_bitwise(run, torch_reference)
 
 

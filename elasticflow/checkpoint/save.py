@@ -213,7 +213,10 @@ class Checkpointer:
         started = time.perf_counter()
         specs = specs_of(state)
         pieces = plan(specs, world, sharded)[rank]
-        views = self._snapshots.take(state, pieces, copy)
+        # A save the training thread waits for is written from the live state: no snapshot buffer (a copy of
+        # this rank's slice) is needed while nothing changes it.
+        background = self.asynchronous and not wait
+        views = self._snapshots.take(state, pieces, copy and background)
         count = self._counts[(generation, name)] = self._counts.get((generation, name), 0) + 1
         save_id = f"{name}/g{generation}.{count}"
         job = _Job(name=name, key=f"ckpt/{self.token}/{save_id}", step=step, rank=rank, world=world,

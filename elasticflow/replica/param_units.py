@@ -354,6 +354,7 @@ class HeldParameters:
         sends, recvs, sums = [], [], []
         for r, a, b, tag in self._pieces(spans):
             if r == self.rank:
+                # Fresh: freed once summed (scratch kept from unit to unit would hold W - 1 units' worth for good)
                 pieces = [grad[a:b] if m == r else torch.empty(b - a) for m in range(self.world)]
                 recvs += [(pieces[m], m, tag) for m in range(self.world) if m != r]
                 sums.append((a, b, pieces))

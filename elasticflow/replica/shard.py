@@ -239,6 +239,10 @@ class ShardedState(HeldParameters, CheckpointPieces):
     def _written(self) -> None:
         self.engine.params_written()
 
+    def own_range(self) -> Range:
+        """The range this member owns (its buddy holds a copy): ``reduced``'s key for its own sums."""
+        return owned(self.n, self.world, self.rank)
+
     def scatters(self) -> bool:
         """Whether this step's gradient is reduce-scattered (stage 2): not where each member holds the whole
         vector (W = 2 with a buddy copy), since every member then needs every sum and one allreduce gives them."""

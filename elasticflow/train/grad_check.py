@@ -6,7 +6,7 @@ vote (as ``loss_scale`` relies on).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from ..errors import ElasticFlowError
 
@@ -26,14 +26,14 @@ class Verdict(NamedTuple):
 
 
 def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[float],
-          grad_finite: Optional[Callable[[], bool]] = None) -> Verdict:
+          scattered: Optional["ScatteredSums"] = None) -> Verdict:
     """Unscale the engine's summed gradient (``scale``: float16's loss scale; None without loss scaling)
     and clip it to ``grad_clip`` (torch.nn.utils.clip_grad_norm_'s formula), in place; and check that it
     is finite, on every step: a NaN gradient with a finite loss (sqrt or log at 0 in forward()) would
     otherwise be applied, and train and checkpoint NaN weights.
 
-    ``grad_finite``: whether the summed gradient is finite where the engine does not hold all of it
-    (``scattered_finite``, trainer.shard=gradients); None: ``engine.grad_finite``.
+    ``scattered``: the summed gradient where each member holds the sums of its own ranges only
+    (trainer.shard=gradients|parameters); None: the engine's whole summed gradient.
 
     Note: the check reuses the norm where clipping or scaling takes one; otherwise it costs one read of
     the gradient (its sum: ``Engine.grad_finite``): a fraction of a millisecond for a few million parameters
@@ -42,17 +42,18 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     """
     if not math.isfinite(loss):
         return Verdict(None, False, False)
+    summed = scattered or engine
     if grad_clip is None and scale is None:
-        return Verdict(None, False, (grad_finite or engine.grad_finite)())
-    grad_norm = engine.grad_norm()
+        return Verdict(None, False, summed.grad_finite())
+    grad_norm = summed.grad_norm()
     overflow = False
     if scale is not None:
         overflow = not math.isfinite(grad_norm)
-        engine.scale_grad(1.0 / scale)
+        summed.scale_grad(1.0 / scale)
         grad_norm /= scale
     finite = math.isfinite(grad_norm)
     if finite and grad_clip is not None and grad_norm > grad_clip:
-        engine.scale_grad(grad_clip / (grad_norm + 1e-6))
+        summed.scale_grad(grad_clip / (grad_norm + 1e-6))
     return Verdict(grad_norm, overflow, finite)
 
 
@@ -91,16 +92,34 @@ def scale_summed(engine: Any, shards: Any, factor: float) -> None:
         engine.scale_grad(factor)
 
 
-def scattered_finite(ranges: Iterable[Any], reduce_sum: Callable[[list], list]) -> bool:
-    """Whether the summed gradient is finite when each member holds the sums of its own ranges only
-    (trainer.shard=gradients: ``ranges``, torch tensors): each checks its ranges and ``reduce_sum`` (a
-    collective every member calls here) adds the verdicts, so every member reaches the same one.
+class ScatteredSums:
+    """The summed gradient where each member holds the sums of its own ranges only (trainer.shard=gradients and
+    parameters: ``shards.reduced``, its own range and its buddy's), with the engine's three questions asked of
+    it. Each answer is one small collective (``reduce_sum``) every member makes at the same point, so every
+    member reaches the same verdict and the same clipping factor.
 
-    Note: the extra collective is one small round trip a step; the verdict cannot ride in the step's
-    reduction, which is what produces the sums it judges.
+    Note: the extra collective is one small round trip a step; it cannot ride in the step's reduction, which is
+    what produces the sums it judges.
     """
-    bad = sum(0.0 if math.isfinite(float(r.sum())) else 1.0 for r in ranges)
-    return reduce_sum([bad])[0] == 0.0
+
+    def __init__(self, shards: Any, reduce_sum: Callable[[list], list]):
+        self.shards, self.reduce_sum = shards, reduce_sum
+
+    def grad_finite(self) -> bool:
+        bad = sum(0.0 if math.isfinite(float(r.sum())) else 1.0 for r in self.shards.reduced.values())
+        return self.reduce_sum([bad])[0] == 0.0
+
+    def grad_norm(self) -> float:
+        """The whole gradient's 2-norm: each member's own range once (not its buddy's copy), squares added
+        over the members in float64."""
+        from .._util.norms import sum_squares  # torch's: the shards' sums are torch tensors on either backend
+
+        lo, hi = self.shards.own_range()
+        return math.sqrt(self.reduce_sum([sum_squares(self.shards.reduced[(lo, hi)], lo)])[0])
+
+    def scale_grad(self, factor: float) -> None:
+        for summed in self.shards.reduced.values():
+            summed.mul_(factor)
 
 
 class Update(NamedTuple):

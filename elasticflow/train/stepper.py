@@ -127,9 +127,9 @@ class Stepper:
             grad_check.scale_summed(engine, p.shards, factor / self.weight_scale)
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
-        scattered = None  # stage 2: this member holds the sums of its own ranges only
+        scattered = None  # stages 2 and 3: this member holds the sums of its own ranges only
         if p.shards is not None and p.shards.scatters():
-            scattered = lambda: grad_check.scattered_finite(p.shards.reduced.values(), replica.reduce_sum)  # noqa: E731
+            scattered = grad_check.ScatteredSums(p.shards, replica.reduce_sum)
         verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, scattered)
         lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
         self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record, took_part)

@@ -3,6 +3,9 @@
 regression head, Adam's state beside. At width 3584 and depth 12: 154M parameters, 2.5 GB of parameters,
 gradient and Adam state replicated. With EF_BENCH_HWM set to a folder, every forward writes the process's peak
 resident set so far (VmHWM) to <folder>/<pid>: the last one read is the run's peak but for its last backward.
+With EF_BENCH_CGROUP (a cgroup-v1 memory directory) and EF_BENCH_LIMIT_MB set, model() first moves its worker into a
+cgroup of its own under it, limited to that many MiB: everything the worker allocates from there on (the model, its
+state, the training) counts against it, and the kernel's OOM killer ends a worker past it (bench_shard.py --parts 5).
 """
 import os
 from pathlib import Path
@@ -14,7 +17,17 @@ from torch import nn
 HWM = os.environ.get("EF_BENCH_HWM")
 
 
+def limit_this_worker(parent: str, mib: int) -> None:
+    """This process into a fresh memory cgroup under ``parent`` limited to ``mib`` MiB (no swap here)."""
+    group = Path(parent, f"ef-{os.getpid()}")
+    group.mkdir(exist_ok=True)
+    (group / "memory.limit_in_bytes").write_text(str(mib << 20))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
 def model(cfg):
+    if os.environ.get("EF_BENCH_CGROUP"):
+        limit_this_worker(os.environ["EF_BENCH_CGROUP"], int(os.environ["EF_BENCH_LIMIT_MB"]))
     torch.manual_seed(cfg.seed)
     width, depth = int(cfg.model_args.get("width", 3584)), int(cfg.model_args.get("depth", 12))
     layers = []

@@ -5,6 +5,12 @@ submodule is a unit its workers bring in for forward and backward. The kills and
 
     EF_UNITS_KILL_BACKWARD  "worker:step": that worker SIGKILLs itself in the first backward of that step (generation
                             0), once the head, norm and block units were brought back in for it and before embed.
+    EF_UNITS_KILL           "worker:step:phase[:n][,...]": that worker SIGKILLs itself (generation 0) on entering
+                            the n-th (default 1st) call of a phase of that step (soak_shard_kill.py --stage parameters):
+                            forward_fetch   a unit brought in for forward: the peers wait in vain for its pieces
+                            backward_fetch  a unit brought in again in backward
+                            reduce          a unit's gradient on its way to its owners
+                            update          the update of its held ranges, after the first (its own) range
     EF_UNITS_RESIDENT       a directory: at each step's first forward, before any unit is brought in, every worker
                             appends {worker, step, world, what: "params", resident, total} to <dir>/<pid>.jsonl: the
                             bytes of the flat parameter vector in memory (/proc/self/pagemap) and its size; and in
@@ -74,6 +80,44 @@ def forward(x, y, params):
 
 
 RESIDENT = os.environ.get("EF_UNITS_RESIDENT")
+PHASE_KILLS = {}  # (worker, step) -> (phase, n)
+for _spec in filter(None, os.environ.get("EF_UNITS_KILL", "").split(",")):
+    _w, _s, _phase, *_n = _spec.split(":")
+    PHASE_KILLS[(int(_w), int(_s))] = (_phase, int(_n[0]) if _n else 1)
+_phase_calls = {}
+
+
+def _die_in(phase):
+    ctx = elasticflow.context()
+    kill = PHASE_KILLS.get((digits_probe.WORKER, ctx.step))
+    if ctx.generation != 0 or kill is None or kill[0] != phase:
+        return
+    _phase_calls[phase] = _phase_calls.get(phase, 0) + 1
+    if _phase_calls[phase] == kill[1]:
+        digits_probe._kill_self()
+
+
+if PHASE_KILLS:
+    from elasticflow.replica import flat_update, param_units
+
+    _fetch, _reduce, _update = (param_units.HeldParameters.fetch, param_units.HeldParameters.reduce_grad,
+                                flat_update.FlatUpdate.__call__)
+
+    def _dying_fetch(self, spans):
+        _die_in("backward_fetch" if torch._C._current_graph_task_id() != -1 else "forward_fetch")
+        return _fetch(self, spans)
+
+    def _dying_reduce(self, spans):
+        _die_in("reduce")
+        return _reduce(self, spans)
+
+    def _dying_update(self, *args, **kwargs):
+        _die_in("update")
+        return _update(self, *args, **kwargs)
+
+    param_units.HeldParameters.fetch = _dying_fetch
+    param_units.HeldParameters.reduce_grad = _dying_reduce
+    flat_update.FlatUpdate.__call__ = _dying_update
 _resident_seen, _grads_seen = set(), set()
 
 

@@ -7,6 +7,7 @@ are views of another, so the optimizer's update is a few calls over the whole mo
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from ... import optim
+from ..._util.norms import sum_squares
 from ..buffers import Rule
 from ...config.devices import Placement
 from ...errors import ElasticFlowError
@@ -261,7 +263,9 @@ class Engine:
         return self._fold[:n] if n <= self._fold.numel() else None
 
     def grad_norm(self) -> float:
-        return float(torch.linalg.vector_norm(self.flat_grad))
+        # Blocks at fixed offsets, squares added in float64: the norm trainer.shard's owners take of their ranges
+        # (_util/norms.py) rounds the same, so a clipped run's factor does not depend on the world size.
+        return math.sqrt(sum_squares(self.flat_grad))
 
     def grad_finite(self) -> bool:
         # The sum, not isfinite().all(): that writes a mask as large as the gradient (~30x slower on a CPU).
