@@ -67,7 +67,13 @@ class PagedVector:
         return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * PAGE
 
 
+LAZY = 1 << 18  # elements (1 MiB): shorter vectors are plain tensors (a mapping each would cost more than it saves)
+
+
 def zeros(n: int) -> torch.Tensor:
-    """``n`` float32 zeros whose pages are mapped only where written (reading the rest maps the kernel's zero
-    page): fresh optimizer slots for a whole vector that a worker keeps only slices of."""
+    """``n`` float32 zeros on the host; from ``LAZY`` elements on, their pages are mapped only where written
+    (reading the rest maps the kernel's zero page): fresh optimizer slots for a whole vector that a worker keeps
+    only slices of (trainer.shard), or that its first update writes anyway."""
+    if n < LAZY:
+        return torch.zeros(n, dtype=torch.float32)
     return PagedVector(n).tensor  # the tensor keeps the mapping alive

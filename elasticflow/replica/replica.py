@@ -171,23 +171,18 @@ class Replica:
         ranges = self.buckets.plan(self.world, self._scatters())
         if self.shards is not None and self.shards.serves():  # finish_reduce pushes, then sums the votes
             r.push = grad
-            r.tail = torch.tensor(votes, dtype=torch.float64)
-            if buffers is not None:
-                r.tail = torch.cat([r.tail, torch.from_numpy(buffers)])
+            r.tail = _tail(votes, buffers)
         elif self.shards is not None and self.shards.reduced_in_backward():
             # Stage 3: each unit's gradient went to its owners as its backward ended (param_units.py): the votes
             # (and buffers) in a small allreduce; finish_reduce hands each owner's sums to its buddy.
-            tail = torch.tensor(votes, dtype=torch.float64)
-            r.tail = tail if buffers is None else torch.cat([tail, torch.from_numpy(buffers)])
+            r.tail = _tail(votes, buffers)
             self._start(r, r.tail)
             r.mine = (self.shards.acc, False)
         elif self.shards is not None and self.shards.scatters():
             # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
             # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large
             # one sends them in a small float64 allreduce queued behind it.
-            tail = torch.tensor(votes, dtype=torch.float64)
-            if buffers is not None:
-                tail = torch.cat([tail, torch.from_numpy(buffers)])
+            tail = _tail(votes, buffers)
             small = grad.numel() <= FOLD_MAX
             work, r.mine = self.shards.start_reduce_scatter(self.membership.group, grad,
                                                             tail.to(torch.float32) if small else None)
@@ -471,3 +466,11 @@ class Replica:
         return Recovery(previous_generation=previous_generation, previous_world=previous_world,
                         rolled_forward=moved, recovery_s=time.time() - failed_at, transfer_s=transfer_s, stop=stop,
                         stop_reason=stop_reason, committed=committed)
+
+
+def _tail(votes: List[float], buffers: Optional[np.ndarray]) -> Any:
+    """The step's votes (and buffer contributions) as one float64 tensor, for a small allreduce of their own."""
+    import torch
+
+    tail = torch.tensor(votes, dtype=torch.float64)
+    return tail if buffers is None else torch.cat([tail, torch.from_numpy(buffers)])

@@ -78,7 +78,6 @@ from .param_units import HeldParameters
 from .shard_pieces import CheckpointPieces
 
 log = logging.getLogger("elasticflow")
-LAZY_ZEROS = 1 << 18  # elements (1 MiB): fresh slots at least this long are mapped only where written
 
 
 class ShardedState(HeldParameters, CheckpointPieces):
@@ -141,8 +140,7 @@ class ShardedState(HeldParameters, CheckpointPieces):
     def _fresh(self, lo: int, hi: int) -> Dict[str, torch.Tensor]:
         # Pages mapped only where written: before its first generation a worker "holds" fresh slots for the
         # whole vector, of which it keeps its slices (the rest is never written, so never in memory).
-        return {s: pages.zeros(hi - lo) if hi - lo >= LAZY_ZEROS else torch.zeros(hi - lo, dtype=torch.float32)
-                for s in self.slot_names}
+        return {s: pages.zeros(hi - lo) for s in self.slot_names}
 
     def slot_bytes(self) -> int:
         """Optimizer-state bytes this worker holds (the per-worker figure on docs/benchmarks.md)."""

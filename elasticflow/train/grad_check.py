@@ -76,26 +76,10 @@ def weight_unlike_probe(weighted: bool) -> ElasticFlowError:
                             "the probe)", "return the weight in training and evaluation alike, or never")
 
 
-def scale_summed(engine: Any, shards: Any, factor: float) -> None:
-    """Scale the summed gradient by ``factor`` in place, wherever this member holds it: the engine's flat
-    gradient, or (trainer.shard=gradients, parameter servers) the ranges it received the sums of.
-
-    Note: one pass over the gradient a step, where forward() returns a weight; its total is known only
-    once the step's reduction is done, after backward, so the division cannot ride in the loss.
-    """
-    if factor == 1.0:
-        return
-    if shards is not None and shards.scatters():
-        for summed in shards.reduced.values():
-            summed.mul_(factor)
-    else:
-        engine.scale_grad(factor)
-
-
 class ScatteredSums:
     """The summed gradient where each member holds the sums of its own ranges only (trainer.shard=gradients and
-    parameters: ``shards.reduced``, its own range and its buddy's), with the engine's three questions asked of
-    it. Each answer is one small collective (``reduce_sum``) every member makes at the same point, so every
+    parameters, parameter servers: ``shards.reduced``, its own range and its buddy's), with the engine's three
+    gradient calls made of it. Each answer is one small collective (``reduce_sum``) every member makes at the same point, so every
     member reaches the same verdict and the same clipping factor.
 
     Note: the extra collective is one small round trip a step; it cannot ride in the step's reduction, which is

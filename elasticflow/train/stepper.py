@@ -121,15 +121,18 @@ class Stepper:
         if buffers is not None:
             engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
+        scattered = None  # stage 2 and 3, parameter servers: this member holds the sums of its own ranges only
+        if p.shards is not None and p.shards.scatters():
+            scattered = grad_check.ScatteredSums(p.shards, replica.reduce_sum)
         if self.weighted:  # forward() weighted its micro-batches: per unit of the global batch's weight
             factor = grad_check.per_weight(metric_values[WEIGHT], s.step + 1)
             loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
-            grad_check.scale_summed(engine, p.shards, factor / self.weight_scale)
+            # One pass over the gradient: the weights' total is known only once the step's reduction is done,
+            # after backward, so the division cannot ride in the loss.
+            if factor / self.weight_scale != 1.0:
+                (scattered or engine).scale_grad(factor / self.weight_scale)
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
-        scattered = None  # stages 2 and 3: this member holds the sums of its own ranges only
-        if p.shards is not None and p.shards.scatters():
-            scattered = grad_check.ScatteredSums(p.shards, replica.reduce_sum)
         verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, scattered)
         lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
         self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record, took_part)

@@ -29,15 +29,14 @@ from ...errors import ElasticFlowError
 from ...optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec, Stretch
 
 Run = Tuple[int, int, Hyper]  # a stretch [lo, hi) of the flat buffers and its group's hyperparameters
-LAZY_SLOT = 1 << 18  # elements (1 MiB): host slots at least this long are mapped only where written
 
 
 def zero_slot(flat_param: torch.Tensor) -> torch.Tensor:
     """A fresh optimizer slot like ``flat_param``. On the host, a long one's pages are mapped only where
-    written: with ``trainer.shard`` a worker updates only its slices, and ``torch.zeros`` would write (and keep
-    resident, until the replica releases the slots) every slot of the whole model at start-up: at 154M
-    parameters with Adam, 1.2 GB, which was stage 3's peak."""
-    if flat_param.device.type != "cpu" or flat_param.numel() < LAZY_SLOT:
+    written (``pages.zeros``): with ``trainer.shard`` a worker updates only its slices, and ``torch.zeros`` would
+    write (and keep resident, until the replica releases the slots) every slot of the whole model at start-up:
+    at 154M parameters with Adam, 1.2 GB, which was stage 3's peak."""
+    if flat_param.device.type != "cpu":
         return torch.zeros_like(flat_param)
     return pages.zeros(flat_param.numel())
 
