@@ -7,10 +7,12 @@ to be justified against etcd by measurement): a call, a new connection, and gloo
 
 etcd runs here as a one-member cluster on loopback, its data directory on this machine's disk (each write is
 fsynced, as in production), clients authenticated by certificates made with openssl for the run (a CA, a server
-certificate for 127.0.0.1, a client certificate): ``--client-cert-auth``. The client is ``EtcdStore`` below: a
-``torch.distributed.Store`` over etcd's v3 HTTP/JSON gateway (one keep-alive HTTPS connection per client,
-``compare_set`` and ``add`` as transactions, ``get``/``wait`` polling every 2 ms, since a watch stream over
-the gateway is a second connection per waiter). gloo rendezvouses through it as through the others.
+certificate for 127.0.0.1, a client certificate): ``--client-cert-auth``. The client is the job's own
+(``elasticflow.distributed.etcd_store.EtcdStore``, launcher.store=etcd): a ``torch.distributed.Store`` over
+etcd's v3 HTTP/JSON gateway (one keep-alive HTTPS connection per client, ``compare_set`` and ``add`` as
+transactions, ``get``/``wait`` polling every 5 ms, since a watch stream over the gateway is a second connection
+per waiter; the figures on the benchmarks page before 2026-12-04 polled every 2 ms). gloo rendezvouses through
+it as through the others.
 
 Printed: medians per store and size, and each store / tcp. On a shared 2-core machine 16 processes contend for
 the cores: read the ratios.
@@ -18,13 +20,10 @@ the cores: read the ratios.
 from __future__ import annotations
 
 import argparse
-import base64
 import datetime
-import http.client
 import json
 import os
 import shutil
-import ssl
 import statistics
 import subprocess
 import sys
@@ -39,93 +38,13 @@ from bench_store import print_round_trips, time_calls
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 TOKEN = "bench" * 8
-POLL_S = 0.002
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
+def EtcdStore(url: str, certs: dict, timeout: datetime.timedelta) -> dist.Store:
+    """The job's own etcd client (elasticflow/distributed/etcd_store.py: launcher.store=etcd) on this run's files."""
+    from elasticflow.distributed.etcd_store import EtcdStore as Client, address
 
-
-class EtcdStore(dist.Store):
-    """A c10d Store over etcd's v3 JSON gateway, with a client certificate (TCPStore's semantics)."""
-
-    def __init__(self, url: str, certs: dict, timeout: datetime.timedelta):
-        super().__init__()
-        self.url, self.certs = url, certs
-        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
-        context = ssl.create_default_context(cafile=certs["ca"])
-        context.load_cert_chain(certs["client"], certs["client_key"])
-        self._conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=60)
-        self.set_timeout(timeout)
-
-    def set_timeout(self, timeout):
-        super().set_timeout(timeout)
-        self._timeout_s = timeout.total_seconds()
-
-    def _post(self, path: str, body: dict) -> dict:
-        self._conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        reply = self._conn.getresponse()
-        data = reply.read()
-        if reply.status != 200:
-            raise RuntimeError(f"etcd {path}: {reply.status} {data[:200]!r}")
-        return json.loads(data)
-
-    @staticmethod
-    def _value(v) -> bytes:
-        return v.encode() if isinstance(v, str) else bytes(v)
-
-    def _range(self, key: str) -> "bytes | None":
-        kvs = self._post("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs")
-        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
-
-    def set(self, key, value):
-        self._post("/v3/kv/put", {"key": _b64(key.encode()), "value": _b64(self._value(value))})
-
-    def get(self, key):
-        self.wait([key])
-        return self._range(key)
-
-    def check(self, keys):
-        return all(self._range(k) is not None for k in keys)
-
-    def wait(self, keys, timeout=None):
-        deadline = time.monotonic() + (self._timeout_s if timeout is None else timeout.total_seconds())
-        while not self.check(keys):
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"wait timeout, keys: {keys}")
-            time.sleep(POLL_S)
-
-    def compare_set(self, key, expected, desired):
-        k, expected, desired = _b64(key.encode()), self._value(expected), self._value(desired)
-        compare = ({"key": k, "target": "VERSION", "result": "EQUAL", "version": "0"} if expected == b"" else
-                   {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)})
-        got = self._post("/v3/kv/txn", {"compare": [compare],
-                                        "success": [{"requestPut": {"key": k, "value": _b64(desired)}}],
-                                        "failure": [{"requestRange": {"key": k}}]})
-        if got.get("succeeded"):
-            return desired
-        kvs = got["responses"][0]["response_range"].get("kvs")
-        return base64.b64decode(kvs[0].get("value", "")) if kvs else expected
-
-    def add(self, key, amount):
-        while True:  # optimistic: read, then put if unchanged since (a transaction on the key's mod revision)
-            k = _b64(key.encode())
-            kvs = self._post("/v3/kv/range", {"key": k}).get("kvs")
-            value = int(base64.b64decode(kvs[0]["value"])) if kvs else 0
-            rev = kvs[0]["mod_revision"] if kvs else "0"
-            put = {"key": k, "value": _b64(str(value + amount).encode())}
-            got = self._post("/v3/kv/txn", {"compare": [{"key": k, "target": "MOD", "result": "EQUAL",
-                                                         "mod_revision": rev}],
-                                            "success": [{"requestPut": put}]})
-            if got.get("succeeded"):
-                return value + amount
-
-    def delete_key(self, key):
-        return int(self._post("/v3/kv/deleterange", {"key": _b64(key.encode())}).get("deleted", 0)) > 0
-
-    def num_keys(self):
-        return int(self._post("/v3/kv/range", {"key": _b64(b"\0"), "range_end": _b64(b"\0"), "count_only": True})
-                   .get("count", 0))
+    return Client(address([url], "bench/", certs["ca"], certs["client"], certs["client_key"]), timeout)
 
 
 # ---------------------------------------------------------------- etcd, its certificates, the clients

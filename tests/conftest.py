@@ -51,8 +51,8 @@ def tf_reference(one_worker):
 # worker, so a module's fixtures build once. The files that use machine-wide resources (SLURM's daemons and
 # /etc/slurm, network namespaces and their addresses: tests/slurm_cluster.py, tests/hosts.py) form one group,
 # run one at a time, and go first: they are the longest, and the other worker fills in beside them.
-MACHINE_WIDE = {"test_hosts.py", "test_topology_hosts.py", "test_slurm.py", "test_slurm_cluster.py",
-                "test_slurm_grow.py", "test_slurm_hosts.py"}
+MACHINE_WIDE = {"test_hosts.py", "test_failover.py", "test_topology_hosts.py", "test_slurm.py",
+                "test_slurm_cluster.py", "test_slurm_grow.py", "test_slurm_hosts.py"}
 # Then the files of a minute or more (2026-11-27's `--durations`), longest first, the rest in name order: a long
 # file started last (test_tensorflow*, test_topology* sort late by name) left one worker alone at the end.
 LONG_FIRST = ["test_exact.py", "test_finetune.py", "test_servers.py", "test_elastic.py", "test_chaos.py",

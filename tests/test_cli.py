@@ -245,6 +245,18 @@ BAD = {
                         "trainer.global_batch_size must be a positive integer, got 0"),
     "batch_size_negative": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA, ["trainer.global_batch_size=-3"],
                             "trainer.global_batch_size must be a positive integer, got -3"),
+    "etcd_without_nodes": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA, ["launcher.store=etcd"],
+                           "launcher.store=etcd runs with launcher=nodes, not launcher=local"),
+    "etcd_without_endpoints": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA,
+                               ["launcher=nodes", "launcher.store=etcd", "launcher.etcd.endpoints=[10.0.0.1:2379]"],
+                               "launcher.etcd.endpoints must list every etcd member's https:// client URL"),
+    "etcd_without_its_ca": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA,
+                            ["launcher=nodes", "launcher.store=etcd", "launcher.etcd.endpoints=[https://10.0.0.1:2379]",
+                             "launcher.etcd.ca=/nonexistent/ca.pem"],
+                            "launcher.etcd.ca='/nonexistent/ca.pem' is not a readable file"),
+    "etcd_lease_under_a_second": (HEADER + GOOD_MODEL + GOOD_FORWARD + GOOD_DATA,
+                                  ["launcher=nodes", "launcher.store=etcd", "launcher.etcd.lease_s=1"],
+                                  "launcher.etcd.lease_s"),
 }
 
 

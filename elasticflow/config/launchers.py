@@ -4,6 +4,7 @@ launcher=kubernetes (what the manifests need, refused before anything is written
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from ..errors import ElasticFlowError
@@ -14,7 +15,7 @@ def _positive_int(value: Any, key: str, hint: str) -> None:
         raise ElasticFlowError(f"{key} must be a positive integer, got {value!r}", hint)
 
 
-STORES = ("auto", "private", "token", "tcp")
+STORES = ("auto", "private", "token", "tcp", "etcd")
 
 
 def check_store(lc: Any) -> None:
@@ -26,6 +27,26 @@ def check_store(lc: Any) -> None:
         raise ElasticFlowError(f"launcher.store=private serves one host, but launcher={lc.name} spans hosts",
                                "pass launcher.store=token (or auto): a TCP port that serves only the job's "
                                "token holders (docs/security.md)")
+    if lc.store == "etcd":
+        check_etcd(lc)
+
+
+def check_etcd(lc: Any) -> None:
+    """launcher.store=etcd: launcher=nodes, every member's https URL, the TLS files, a lease etcd grants."""
+    hint = ("pass launcher.etcd.endpoints=[https://10.0.0.1:2379,...] launcher.etcd.ca=... launcher.etcd.cert=... "
+            "launcher.etcd.key=... (docs/multi-host.md#no-single-point-of-failure)")
+    if lc.name != "nodes":
+        raise ElasticFlowError(f"launcher.store=etcd runs with launcher=nodes, not launcher={lc.name}",
+                               "pass launcher=nodes, the same command on every host")
+    e = lc.etcd
+    if not e.endpoints or not all(isinstance(u, str) and u.startswith("https://") for u in e.endpoints):
+        raise ElasticFlowError(f"launcher.etcd.endpoints must list every etcd member's https:// client URL, got "
+                               f"{list(e.endpoints)!r}", hint)
+    for what in ("ca", "cert", "key"):
+        path = getattr(e, what)
+        if not path or not Path(path).expanduser().is_file():
+            raise ElasticFlowError(f"launcher.etcd.{what}={path!r} is not a readable file (the members ask every "
+                                   "client for a certificate)", hint)
 
 
 def store_kind(lc: Any) -> str:
@@ -38,10 +59,10 @@ def store_kind(lc: Any) -> str:
 def check_nodes(lc: Any) -> None:
     """launcher=nodes: an endpoint every host names the same way, and how many workers per host."""
     hint = "pass launcher.endpoint=HOST:PORT, the address and a free port of the host that runs the agent"
-    if not lc.endpoint:
+    if not lc.endpoint and lc.store != "etcd":
         raise ElasticFlowError("launcher=nodes needs launcher.endpoint, the job's meeting point", hint)
     host, _, port = str(lc.endpoint).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if lc.endpoint and (not host or not port.isdigit() or not 0 < int(port) < 65536):
         raise ElasticFlowError(f"launcher.endpoint={lc.endpoint!r} is not HOST:PORT", hint)
     _positive_int(lc.procs_per_node, "launcher.procs_per_node", "pass e.g. launcher.procs_per_node=2")
     _positive_int(lc.nodes, "launcher.nodes", "pass the number of hosts to wait for at the start, e.g. launcher.nodes=2")

@@ -33,6 +33,17 @@ class BackendConfig:
 
 
 @dataclass
+class EtcdConfig:
+    """launcher.store=etcd: the job's records in an etcd cluster (docs/multi-host.md#no-single-point-of-failure)."""
+    endpoints: List[str] = field(default_factory=list)  # every member's client URL, https://HOST:2379
+    ca: Optional[str] = None       # the CA that signed the members' certificates
+    cert: Optional[str] = None     # this job's client certificate (the members run --client-cert-auth) ...
+    key: Optional[str] = None      # ... and its key, readable by you only
+    lease_s: float = 3.0           # the agent's leadership lease: a standby takes over this long after it stops
+    prefix: Optional[str] = None   # the job's keys' prefix (null = one drawn from the token and the run directory)
+
+
+@dataclass
 class LauncherConfig:
     name: str = "local"            # local | nodes | slurm | kubernetes
     workers: int = 1               # local: worker processes; nodes: procs_per_node; slurm: nodes * tasks_per_node (set for you)
@@ -51,6 +62,9 @@ class LauncherConfig:
     # token across hosts (a TCP port serving only connections that prove the job token); tcp = a plain TCPStore,
     # which anyone who reaches its port may connect to (trusted networks only)
     store: str = "auto"
+    # etcd: the job's records in an etcd cluster, and the agent on every host, one leading and the others standing
+    # by (a lost host loses no record, the agent's own included: docs/multi-host.md)
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
     # Refused otherwise: whoever can write there can swap what the workers read back, and run code as you.
     trust_shared_dirs: bool = False  # accept a run directory or checkpoint folder others own or may write into
     # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end

@@ -22,6 +22,7 @@ import os
 import secrets
 import signal
 import subprocess
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -32,8 +33,9 @@ from omegaconf import OmegaConf
 from .._util.console import DetachedConsole
 from ..errors import ElasticFlowError, TrainingInterrupted
 from .._util.fileio import append_event
-from . import admission, health, hosts, protocol, scaling, stores, workers_json
+from . import admission, health, hosts, leadership, protocol, scaling, stores, workers_json
 from ..config.launchers import store_kind
+from .etcd_store import Deposed
 from .process import Worker
 from .rendezvous import Rendezvous
 from .roster import Roster
@@ -64,14 +66,14 @@ class Agent:
 
     def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1", *,
                  launch: Callable[[Dict[str, str]], subprocess.Popen], worker_env=None, port: int = 0,
-                 token: Optional[str] = None):
+                 token: Optional[str] = None, served: Optional[tuple] = None, job: Optional[str] = None):
         self.cfg, self.run_dir, self.host, self.launch = cfg, Path(run_dir), host, launch
         self.capacity = None
         self.worker_env = dict(worker_env or {})
         self.state_dir = self.run_dir / ".elasticflow"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token = protocol.new_token(self.run_dir, token)
-        self.job = secrets.token_hex(8)       # this run's id, inside every record's MAC (_util/sealing.py)
+        self.job = job or secrets.token_hex(8)  # this run's id, inside every record's MAC (_util/sealing.py)
         self.sealer = protocol.Sealer(self.token, self.job)
         self.verdicts = protocol.Sealer(self.token)  # join verdicts: they hand the job id out
         self.refused_joins = 0
@@ -79,13 +81,16 @@ class Agent:
         self.record: Dict[str, str] = {}      # the agent's own records as sealed, put back if a stranger replaces one
         protocol.REFUSED.on_first = lambda kind, detail: self.event("forged", record=kind, detail=detail)
         kind = store_kind(cfg.launcher)
-        self.store, self.address, self._stop_serving = stores.serve(kind, host, port, self.state_dir,
-                                                                    cfg.elastic.timeout_s, self.token)
+        # ``served``: (client, address, close) of a store this process does not serve (etcd: launchers/failover.py)
+        self.store, self.address, self._stop_serving = served or stores.serve(kind, host, port, self.state_dir,
+                                                                              cfg.elastic.timeout_s, self.token)
         if kind == stores.TCP:
             log.warning("the job's store is a TCPStore on %s, which anyone who reaches it may connect to (every "
                         "record is sealed, the connection is not): keep the job on a network only your hosts "
                         "reach (docs/security.md)", self.address)
         self.hosts = hosts.Hosts(self)        # the node agents of other hosts, and their workers' exits
+        self.leader = None                    # launcher.store=etcd: this agent's lease (leadership.Leadership)
+        self.local_workers = cfg.launcher.workers  # started here at the start (etcd: 0, each host's node agent's)
         self.preempted = False
         self.generation = -1                  # nothing published yet
         self.roster = Roster()                # every worker, in one place of its lifecycle (roster.py)
@@ -184,47 +189,66 @@ class Agent:
         append_event(self.run_dir / "events.jsonl", kind, "agent", **fields)
 
     # ------------------------------------------------------------------ main loop
-    def run(self) -> Dict[str, Any]:
+    def run(self, resume: Optional[dict] = None) -> Dict[str, Any]:
+        """Start the job and watch it to its end. ``resume``: the state of a leader whose lease expired
+        (leadership.py): go on with its job, whose workers are still training, instead of starting one."""
         OmegaConf.save(self.cfg, self.state_dir / "config.yaml")
         protocol.write_private(protocol.agent_file(self.run_dir), json.dumps(  # the job id is `scale`'s to sign
             {"address": self.address, "pid": os.getpid(), "started": time.time(), "job": self.job}))
-        self._put("gen/current", "-1")
-        # Sealed with the token alone: a worker checks its token against it before it joins (check_token).
-        self.record["job/check"] = self.verdicts.seal("job/check", "ok")
-        self.store.set("job/check", self.record["job/check"])
-        self.store.add("join/count", 0)
-        for _ in range(self.cfg.launcher.workers):
-            self.spawn()
-        self.write_workers_json()
-        self.event("started", workers=list(self.joining), pids=[w.pid for w in self.joining.values()])
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        previous_usr1 = signal.signal(signal.SIGUSR1, self._on_preempt)
+        if resume is None:
+            self._start()
+        else:
+            leadership.restore(self, resume)
+            self.event("failover", generation=self.generation, members=[w.id for w in self.members],
+                       host=self.host)
+        main = threading.current_thread() is threading.main_thread()  # a standby's agent runs on a thread
+        handlers = [(sig, signal.signal(sig, handler)) for sig, handler in
+                    ((signal.SIGINT, self._on_sigint), (signal.SIGUSR1, self._on_preempt))] if main else []
         console = DetachedConsole()  # a console nobody reads must not stop the watch (console.py)
-        crashed = False
+        crashed = handed_over = False
         try:
             return self._watch()
         except Exception as exc:
             crashed = not isinstance(exc, ElasticFlowError) and bool(self.live())
-            if crashed:  # a bug of ours: the workers must not pay for it with their training
+            # Deposed: a standby leads now. A crash with a standby: its lease is released (failover.py) and a
+            # standby takes the job over; either way the workers, and the records, are left as they are.
+            handed_over = isinstance(exc, Deposed) or (crashed and self.leader is not None)
+            if crashed and not handed_over:  # a bug of ours: the workers must not pay for it with their training
                 log.error("the agent failed (%s: %s); closing the job's store so that the workers write their "
                           "checkpoint and exit", type(exc).__name__, str(exc)[:200])
                 traceback.clear_frames(exc.__traceback__)  # its frames hold the store: it must close now
             raise
         finally:
-            signal.signal(signal.SIGINT, previous)
-            signal.signal(signal.SIGUSR1, previous_usr1)
-            if crashed:
-                self._close_store()
-            else:
-                self._announce()
-            if self.capacity is not None:  # before the reaping: nothing of the job stays queued, however it ends
-                self.capacity.close(self)
-            self._reap_all(CRASH_REAP_S if crashed else REAP_S)
-            workers_json.write_ended(self)
-            protocol.agent_file(self.run_dir).unlink(missing_ok=True)
-            if not crashed:
-                self._stop_serving()  # the private store's socket goes with the job
+            for sig, handler in handlers:
+                signal.signal(sig, handler)
+            if not handed_over:
+                self._end(crashed)
             console.close(timeout_s=CONSOLE_DRAIN_S)
+
+    def _start(self) -> None:
+        """A new job: the first records, and this host's workers."""
+        self._put("gen/current", "-1")
+        # Sealed with the token alone: a worker checks its token against it before it joins (check_token).
+        self.record["job/check"] = self.verdicts.seal("job/check", "ok")
+        self.store.set("job/check", self.record["job/check"])
+        self.store.add("join/count", 0)
+        for _ in range(self.local_workers):
+            self.spawn()
+        self.write_workers_json()
+        self.event("started", workers=list(self.joining), pids=[w.pid for w in self.joining.values()])
+
+    def _end(self, crashed: bool) -> None:
+        if crashed:
+            self._close_store()
+        else:
+            self._announce()
+        if self.capacity is not None:  # before the reaping: nothing of the job stays queued, however it ends
+            self.capacity.close(self)
+        self._reap_all(CRASH_REAP_S if crashed else REAP_S)
+        workers_json.write_ended(self)
+        protocol.agent_file(self.run_dir).unlink(missing_ok=True)
+        if not crashed:
+            self._stop_serving()  # the private store's socket goes with the job
 
     def _on_sigint(self, signum, frame) -> None:
         if self.interrupted:  # second Ctrl-C: stop everything now
@@ -274,6 +298,8 @@ class Agent:
                 if self.capacity is not None:
                     self.capacity.serve(self)
                 self._control()
+                if self.leader is not None:  # renew the lease; the state a standby would go on from
+                    self.leader.tick(self)
                 next_requests = now + REQUESTS_S
             if now >= next_health:
                 self._check_health(now)
@@ -285,9 +311,10 @@ class Agent:
                     self.finished or not (self.joining or self.admitted or self.waiting)):
                 return self._result()
             # Every worker died before the first generation -- unless the workers come on their own (Kubernetes
-            # pods, placed when the cluster has room) and none has come yet.
-            if self.generation < 0 and not self.live() and (self.cfg.launcher.name != "kubernetes"
-                                                            or self.interrupted):
+            # pods, placed when the cluster has room; launcher.store=etcd, every host's node agent's) and none has
+            # come yet.
+            if self.generation < 0 and not self.live() and ((self.cfg.launcher.name != "kubernetes"
+                                                             and self.local_workers) or self.interrupted):
                 return self._result()
             time.sleep(WATCH_S)
 

@@ -52,12 +52,14 @@ class NodeAgent:
         bind: this host's address on the route to the endpoint, for the workers' gloo (netif.address_toward).
         name: this node agent's name in the job, unique among its node agents (default: the host name; a
             SLURM worker job adds its job id, since two of them can share a node).
+        address: the job's store, where it is not the endpoint's (launcher.store=etcd: launchers/failover.py).
     """
 
     def __init__(self, cfg: Any, endpoint: str, token: str, launch: Callable[[Dict[str, str]], subprocess.Popen],
-                 bind: str, name: Optional[str] = None):
+                 bind: str, name: Optional[str] = None, address: Optional[str] = None):
         self.cfg, self.endpoint, self.token, self.launch, self.bind = cfg, endpoint, token, launch, bind
-        self.address = stores.address_of(store_kind(cfg.launcher), endpoint)  # the store's, with its kind
+        # The store's address, with its kind (``address``: given where no host serves it, launcher.store=etcd)
+        self.address = address or stores.address_of(store_kind(cfg.launcher), endpoint)
         self.name = name or socket.gethostname()
         self.store = None  # a client of the agent's store (stores.connect)
         self.lost_since: Optional[float] = None

@@ -4,6 +4,8 @@
   ``launcher=local``'s by default.
 - ``token:<host>:<port>`` (``token``): a TCP port that serves only connections proving the job token
   (store_server.py). Across hosts (``launcher=nodes``, ``slurm``, ``kubernetes``) by default.
+- ``etcd:<endpoints, prefix, TLS files>`` (``etcd``): the job's keys in an etcd cluster (etcd_store.py), which no
+  host of the job serves: losing one loses no record (launchers/failover.py).
 - ``<host>:<port>`` (``tcp``): a TCPStore. Anyone who reaches the port may connect; every record is sealed, the
   connection is not (docs/security.md). Only where asked for: ``launcher.store=tcp``.
 """
@@ -16,16 +18,18 @@ from typing import Callable, Optional, Tuple
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from . import store_server
+from . import etcd_store, store_server
 from .process import listening_store
 
-PRIVATE, TOKEN, TCP = "private", "token", "tcp"
+PRIVATE, TOKEN, TCP, ETCD = "private", "token", "tcp", "etcd"
 WrongToken = store_server.WrongToken  # a token store refused our token (or could not prove its own)
 
 
 def connect(address: str, timeout_s: float, token: Optional[str] = None) -> dist.Store:
     """A client of the job's store at ``address``; ``token``: the job's, which a ``token:`` store needs."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    if address.startswith(etcd_store.SCHEME):  # the token seals every record; the connection is mutual TLS
+        return etcd_store.EtcdStore(address, timeout)
     if address.startswith((store_server.SCHEME, store_server.TOKEN_SCHEME)):
         return store_server.StoreClient(address, timeout, token)
     host, port = address.rsplit(":", 1)
@@ -43,6 +47,8 @@ def host_of(address: str) -> str:
     """The host a store's address names: where gloo looks for the route toward the agent."""
     if address.startswith(store_server.SCHEME):
         return "127.0.0.1"
+    if address.startswith(etcd_store.SCHEME):
+        return etcd_store.urlsplit(etcd_store.parse(address)["endpoints"].split(",")[0]).hostname
     if address.startswith(store_server.TOKEN_SCHEME):
         address = address[len(store_server.TOKEN_SCHEME):]
     return address.rsplit(":", 1)[0]
@@ -52,6 +58,8 @@ def port_of(address: str) -> Optional[int]:
     """The TCP port a store's address names; None for a Unix socket's."""
     if address.startswith(store_server.SCHEME):
         return None
+    if address.startswith(etcd_store.SCHEME):  # the members' client port (every member's, as is usual)
+        return etcd_store.urlsplit(etcd_store.parse(address)["endpoints"].split(",")[0]).port or 2379
     return int(address.rsplit(":", 1)[1])
 
 

@@ -86,8 +86,13 @@ def owns(host: str) -> bool:
 
 
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
-    host, port = cfg.launcher.endpoint.rsplit(":", 1)
     token = job_token(cfg)
+    if cfg.checkpoint.dir:  # the workers of every host must name the same directory: no relative path
+        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).expanduser().absolute())
+    if cfg.launcher.store == "etcd":  # no endpoint: every host runs a standby agent (failover.py)
+        from .failover import run as run_with_standbys
+        return run_with_standbys(cfg, run_dir, token)
+    host, port = cfg.launcher.endpoint.rsplit(":", 1)
     if not owns(host):
         from ..distributed.node_agent import NodeAgent
 
@@ -101,8 +106,6 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     from ..observability.goodput import job
 
     address = socket.gethostbyname(host)
-    if cfg.checkpoint.dir:  # the workers of every host must name the same directory: no relative path
-        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).expanduser().absolute())
     launch = LocalLaunch(cfg.launcher.fork_workers)
     try:
         agent = Agent(cfg, run_dir, host=address, port=int(port), token=token, launch=launch,

@@ -1,0 +1,147 @@
+"""launcher=nodes with launcher.store=etcd: no host the job cannot lose, the agent's own included.
+
+    elasticflow train model.py launcher=nodes launcher.store=etcd launcher.procs_per_node=2 launcher.nodes=2 \
+        launcher.etcd.endpoints=[https://10.0.0.1:2379,https://10.0.0.2:2379,https://10.0.0.3:2379] \
+        launcher.etcd.ca=ca.pem launcher.etcd.cert=client.pem launcher.etcd.key=client.key \
+        launcher.token_file=/shared/job.token hydra.run.dir=/shared/runs/job1
+
+The same command on every host. The job's records live in etcd, which no host of the job serves. Every host
+runs its node agent (its own workers, as with launcher.endpoint) and a standby agent; the first standby to
+claim the leader key (distributed/leadership.py) runs the job's agent on a thread of this process. When the
+leader's host is lost its lease expires, and another host's standby takes the job over from the state the
+leader kept in etcd: the workers of the surviving hosts keep their generation and go on training, the lost
+host's are cut out once their heartbeats are ``elastic.heartbeat_timeout_s`` old, and no checkpoint is read.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from ..distributed import etcd_store, netif
+from ..distributed.leadership import LEADER, Leadership
+from ..errors import ElasticFlowError, TrainingInterrupted
+from .local import LocalLaunch
+
+log = logging.getLogger("elasticflow")
+
+
+def store_address(cfg: Any, run_dir: Path, token: str) -> str:
+    """The job's store in the etcd cluster: its keys under a prefix drawn from the token and the run directory
+    (two jobs, or two runs of one, never share keys), or ``launcher.etcd.prefix``."""
+    e = cfg.launcher.etcd
+    digest = hashlib.sha256(f"{token}\0{Path(run_dir).absolute()}".encode()).hexdigest()[:16]
+    files = [str(Path(f).expanduser().absolute()) for f in (e.ca, e.cert, e.key)]
+    return etcd_store.address(list(e.endpoints), e.prefix or f"elasticflow/{digest}/", *files)
+
+
+class Standby(threading.Thread):
+    """This host's claim on the job's agent: it campaigns while the job runs, and leads when it wins."""
+
+    def __init__(self, cfg: Any, run_dir: Path, token: str, address: str, bind: str):
+        super().__init__(name="elasticflow-standby", daemon=True)
+        self.cfg, self.run_dir, self.token, self.address, self.bind = cfg, run_dir, token, address, bind
+        store = etcd_store.EtcdStore(address, datetime.timedelta(seconds=cfg.elastic.timeout_s))
+        self.lead = Leadership(store, token, cfg.launcher.etcd.lease_s)
+        self.stop = threading.Event()
+        self.leading = threading.Event()     # this host runs the job's agent now (or did, to its end)
+        self.result: Optional[Dict[str, Any]] = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if self.lead.holder() is None and self.lead.claim():
+                    self._lead()
+            except Exception as exc:  # noqa: BLE001 - etcd without a quorum: a standby waits it out
+                log.warning("the standby agent could not reach etcd (%s); trying again", str(exc)[:160])
+            self.stop.wait(self.lead.lease_s / 4)
+
+    def _lead(self) -> None:
+        from ..distributed.agent import Agent
+        from ..observability.goodput import job
+
+        state = self.lead.state()
+        store = self.lead.fenced()
+        if state is None:
+            store.wipe_except(LEADER)  # a new job: whatever a previous run under this prefix left goes
+        agent = Agent(self.cfg, self.run_dir, host=self.bind, token=self.token, launch=_no_launch,
+                      served=(store, self.address, store.close), job=state and state["job"])
+        agent.local_workers, agent.leader = 0, self.lead
+        self.leading.set()
+        if state is not None:
+            log.warning("this host takes over as the job's agent (the leader's lease expired) at generation %d",
+                        state["generation"])
+        try:
+            if state is None:
+                with job(self.run_dir):  # the job's start and end, for the goodput ledger
+                    self.result = agent.run()
+            else:
+                self.result = agent.run(resume=state)
+            self.lead.resign(agent)
+        except etcd_store.Deposed as exc:
+            log.warning("this host's agent lost its leadership (%s); standing by", exc)
+            self.leading.clear()
+            return
+        except (ElasticFlowError, TrainingInterrupted, KeyboardInterrupt) as exc:
+            self.error = exc
+            self.lead.resign(agent)
+        except BaseException as exc:  # a bug of ours: the lease goes at once, and a standby takes the job over
+            self.error = exc
+            self.lead.resign(None)
+        self.stop.set()
+
+    def finish(self, node: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """This host's node agent is done: wait for the job's end if this host leads it, else stop standing by."""
+        if not self.leading.is_set():
+            self.stop.set()
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return {**(node or {}), **(self.result or {})}
+
+
+def _no_launch(env):
+    raise AssertionError("with launcher.store=etcd every worker is started by its host's node agent")
+
+
+def run(cfg: Any, run_dir: Path, token: str) -> Dict[str, Any]:
+    from ..distributed.node_agent import NodeAgent
+
+    address = store_address(cfg, run_dir, token)
+    first = etcd_store.urlsplit(cfg.launcher.etcd.endpoints[0]).hostname
+    bind = netif.address_toward(first, cfg.launcher.interface)
+    standby = Standby(cfg, run_dir, token, address, bind)
+    standby.start()
+    _wait_for_the_job(standby, cfg.elastic.wait_s)
+    launch = LocalLaunch(cfg.launcher.fork_workers)
+    node = None
+    try:
+        node = NodeAgent(cfg, "etcd", token, launch, bind=bind, address=address).run()
+    finally:
+        launch.close()
+        result = standby.finish(node)
+    return result
+
+
+def _wait_for_the_job(standby: Standby, wait_s: float) -> None:
+    """Until an agent runs this job (its state record is fresh): a node agent registering earlier would write
+    into keys the first agent wipes (those of an earlier run under the same prefix)."""
+    deadline = time.monotonic() + wait_s
+    lead = Leadership(standby.lead.store.clone(), standby.token, standby.lead.lease_s)  # a connection of its own
+    while True:
+        try:
+            if lead.state() is not None:
+                return
+        except Exception as exc:  # noqa: BLE001 - etcd not up yet (or without a quorum)
+            if time.monotonic() > deadline:
+                raise ElasticFlowError(f"no etcd member of launcher.etcd.endpoints answers ({str(exc)[:160]})",
+                                       "start etcd, or check launcher.etcd.endpoints and the TLS files") from None
+        if time.monotonic() > deadline:
+            raise ElasticFlowError(f"no agent started the job within elastic.wait_s={wait_s:g}s",
+                                   "is etcd answering writes (a quorum of its members up)? see this host's output")
+        time.sleep(0.05)

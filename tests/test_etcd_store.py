@@ -1,0 +1,88 @@
+"""distributed/etcd_store.py and leadership.py against a real one-member etcd on loopback with mutual TLS
+(tests/etcd_cluster.py): the Store's semantics under the job's prefix, a dead endpoint passed over, the leader
+key held by a lease, and a fenced client that can write nothing once its lease is gone."""
+from __future__ import annotations
+
+import datetime
+import subprocess
+
+import pytest
+from etcd_cluster import EtcdCluster
+
+from elasticflow.distributed import stores
+from elasticflow.distributed.etcd_store import Deposed, EtcdStore, address
+from elasticflow.distributed.leadership import Leadership
+
+TOKEN = "5a1e" * 8
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"), {"m1": "127.0.0.1"},
+                          start=lambda name, args: subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                                                    stderr=subprocess.DEVNULL))
+    cluster.start()
+    cluster.wait_ready(lambda args: subprocess.run(args, capture_output=True, text=True, timeout=90))
+    yield cluster
+    cluster.stop()
+
+
+def client(etcd, prefix: str, endpoints=None, timeout_s: float = 5, fence=None) -> EtcdStore:
+    t = etcd.tls
+    addr = address(endpoints or etcd.endpoints, prefix, t["ca"], t["cert"], t["key"])
+    return EtcdStore(addr, datetime.timedelta(seconds=timeout_s), fence=fence)
+
+
+def test_the_store_keeps_tcpstores_semantics_under_the_jobs_prefix(etcd):
+    store = stores.connect(client(etcd, "job-a/").addr, 5.0)  # the address the workers are handed
+    other = client(etcd, "job-b/")
+    store.set("k", "v")
+    assert store.get("k") == b"v" and store.check(["k"]) and not other.check(["k"])
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("c", "", "first") == b"first"      # absent: set
+    assert store.compare_set("c", "wrong", "x") == b"first"     # mismatch: the current value, unchanged
+    assert store.compare_set("absent", "x", "y") == b"x"       # absent and not expected empty: expected back
+    assert sorted(store.list_keys()) == ["c", "k", "n"] and store.num_keys() == 3
+    assert store.delete_key("k") and not store.check(["k"])
+    store.set_timeout(datetime.timedelta(seconds=0.2))
+    with pytest.raises(Exception, match="wait timeout"):
+        store.get("never")
+
+
+def test_a_member_that_does_not_answer_is_passed_over(etcd):
+    dead = "https://127.0.0.1:9"  # nothing listens there: refused at once, as a powered-off member's host would
+    store = client(etcd, "job-c/", endpoints=[dead, *etcd.endpoints])
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(Exception, match="no etcd member answered"):
+        client(etcd, "job-c/", endpoints=[dead], timeout_s=0.5).set("k", "w")
+
+
+def test_the_leader_key_is_held_by_a_lease_and_a_fenced_client_writes_only_while_it_leads(etcd):
+    first, second = (Leadership(client(etcd, "job-d/"), TOKEN, lease_s=2) for _ in range(2))
+    assert first.claim() and not second.claim()
+    assert first.holder() == first.name
+    fenced = first.fenced()
+    fenced.set("gen/current", "1")
+    assert fenced.add("join/count", 1) == 1
+    first.store.revoke(first.lease)  # as when the lease expires: the key goes with it
+    assert first.holder() is None and second.claim() and second.holder() == second.name
+    with pytest.raises(Deposed):
+        fenced.set("gen/current", "2")
+    with pytest.raises(Deposed):
+        fenced.add("join/count", 1)
+    with pytest.raises(Deposed):
+        fenced.compare_set("gen/current", "1", "2")  # it would have written
+    assert fenced.compare_set("gen/current", "other", "2") == b"1"  # a read (untrusted.read's) still answers
+    assert second.fenced().compare_set("gen/current", "1", "2") == b"2"
+
+
+def test_a_new_job_wipes_what_an_old_one_left_but_the_leader_key(etcd):
+    lead = Leadership(client(etcd, "job-e/"), TOKEN, lease_s=2)
+    old = client(etcd, "job-e/")
+    for key in ("gen/current", "agent/state", "join/count", "zzz"):
+        old.set(key, "old")
+    assert lead.claim()
+    lead.fenced().wipe_except("agent/leader")
+    assert old.list_keys() == ["agent/leader"] and lead.holder() == lead.name
+    assert lead.state() is None

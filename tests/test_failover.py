@@ -1,0 +1,93 @@
+"""launcher.store=etcd across real hosts (network namespaces, tests/hosts.py) and a real etcd cluster of three
+members, one per host (tests/etcd_cluster.py): the agent's own host powered off mid-step, and one etcd member
+killed. Each run is checked against the 1-worker run and the exactly-once sample record."""
+from __future__ import annotations
+
+from etcd_cluster import EtcdCluster
+from harness import (TOKEN, assert_each_sample_once, assert_equivalent, events, finish, logged_step, metrics,
+                     start_on_hosts, wait_for, world_sizes)
+from hosts import hosts  # noqa: F401 - fixture
+from omegaconf import OmegaConf
+
+from elasticflow.distributed.leadership import LEADER
+from elasticflow.launchers.failover import store_address
+
+
+def cluster(net, tmp_path) -> EtcdCluster:
+    etcd = EtcdCluster(tmp_path / "etcd", {h: net.addr(h) for h in ("h1", "h2", "h3")},
+                       start=lambda name, args: net.popen(name, args))
+    etcd.start()
+    etcd.wait_ready(lambda args: net.run("h3", args, timeout=90))
+    return etcd
+
+
+def leader_host(net, etcd: EtcdCluster, run) -> str:
+    """The host whose standby leads the job (the leader key names host:pid:nonce), read from h3."""
+    cfg = OmegaConf.create({"launcher": {"etcd": {"endpoints": etcd.endpoints, "prefix": None,
+                                                  **{k: etcd.tls[k] for k in ("ca", "cert", "key")}}}})
+    holder = etcd.holder(lambda args: net.run("h3", args), store_address(cfg, run, TOKEN), LEADER)
+    assert holder, "no agent holds the job's leader key"
+    return holder.split(":")[0]
+
+
+def test_the_agents_host_powered_off_mid_step_the_job_goes_on_without_a_checkpoint(hosts, tmp_path, reference):
+    """h1 and h2 run the same command, each with 2 workers; the host whose standby leads is powered off (its
+    etcd member with it: 2 of 3 keep the quorum). The other host's standby takes the job over from the state in
+    etcd, cuts the lost host's workers out, and its own 2 workers finish the run, which equals the 1-worker run."""
+    net = hosts(3)
+    etcd = cluster(net, tmp_path)
+    run, record, pace = tmp_path / "run", tmp_path / "record", tmp_path / "pace"
+    record.mkdir()
+    pace.touch()  # steps take EF_PROBE_SLEEP while it exists: the leader goes off in the middle of one
+    procs = start_on_hosts(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.min_workers=2",
+                           "elastic.heartbeat_timeout_s=2", *etcd.overrides(lease_s=2),
+                           env={"EF_PROBE_SLEEP": "0.1", "EF_PROBE_PACE": str(pace)}, record=record)
+    wait_for(lambda: logged_step(run) >= 15, 180, "step 15")
+    lost = leader_host(net, etcd, run)
+    survivor = "h2" if lost == "h1" else "h1"
+    net.off(lost)  # the agent, its workers, its node agent and its etcd member die at once
+    pace.unlink()
+    out = finish(procs[survivor])
+    assert procs[survivor].returncode == 0, out[-3000:]
+    assert_equivalent(run, reference)
+    assert_each_sample_once(run, record)
+    world = world_sizes(run)
+    assert world[0] == 4 and world[-1] == 2, world
+    took_over = events(run, "failover")
+    assert len(took_over) == 1 and took_over[0]["members"], took_over
+    # No checkpoint fallback: no worker restored one, and the steps after the failover follow on.
+    assert not events(run, "restored") and "resumed from" not in out, out[-2000:]
+    steps = [r["step"] for r in metrics(run) if "loss" in r]
+    assert steps == sorted(set(steps)), "a step was trained twice or the run went back to a checkpoint"
+    assert {e["worker"] for e in events(run, "hung")} == {w for w in (0, 1, 2, 3)
+                                                        if w not in _workers_of(run, survivor)}
+    etcd.stop()
+
+
+def test_one_etcd_member_killed_changes_nothing(hosts, tmp_path, reference):
+    """The etcd member on h1 (the first endpoint: every client starts there) is SIGKILLed mid-run: clients go on
+    with the other two, no agent changes, no worker leaves, and the result is the 1-worker run's."""
+    net = hosts(3)
+    etcd = cluster(net, tmp_path)
+    run, record, pace = tmp_path / "run", tmp_path / "record", tmp_path / "pace"
+    record.mkdir()
+    pace.touch()
+    procs = start_on_hosts(net, run, ["h1", "h2"], "launcher.nodes=2", *etcd.overrides(lease_s=2),
+                           env={"EF_PROBE_SLEEP": "0.1", "EF_PROBE_PACE": str(pace)}, record=record)
+    wait_for(lambda: logged_step(run) >= 10, 180, "step 10")
+    etcd.procs["h1"].kill()  # nsenter's wrapper: the member itself is in h1's process tree
+    net.run("h1", ["pkill", "-9", "-x", "etcd"])
+    pace.unlink()
+    out = {h: finish(p) for h, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), {h: o[-2000:] for h, o in out.items()}
+    assert_equivalent(run, reference)
+    assert_each_sample_once(run, record)
+    assert set(world_sizes(run)) == {4}
+    assert not events(run, "failover") and not events(run, "hung") and not events(run, "left")
+    etcd.stop()
+
+
+def _workers_of(run, host: str) -> set:
+    import json
+
+    return {m["worker_id"] for m in json.loads((run / "workers.json").read_text())["members"] if m["host"] == host}
