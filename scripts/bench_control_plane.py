@@ -20,8 +20,9 @@ What is stubbed, and why:
     hundreds of members, so a real SIGKILL aimed at one member's pid would end them all. The agent sees the
     kill as it sees a child's death: ``poll()`` answers -9 at its next ``_reap``.
   * No training: a member's step is a sleep of ``--step-s``. At each step boundary it does what the trainer
-    does with the membership: it reads ``latest_generation`` (what the votes allreduce carries) and, when a
-    newer generation was published, enters it with ``rebuild(after=generation)`` (replica.recover).
+    does with the membership: it reads the newest ``latest_generation`` of the members of its process (what the
+    votes allreduce carries: the maximum over every member's) and, when a newer generation was published, enters
+    it with ``rebuild(after=generation)`` (replica.recover).
   * Store clients are wrapped (``CountingStore``) to count calls: one Python call per store call, no change
     to what is sent.
 
@@ -34,7 +35,10 @@ second request a fresh id; the first id stays "joining" and the first generation
 default each member process opens all its connections before any member starts, one at a time, hands them
 to ``membership._connect``, and serves ``draw``'s ``clone()`` from one kept connection; the agent, which draws
 a worker id (a ``clone()``) for each of the N workers it spawns, also draws through one kept connection. ``--fresh-connections``
-connects as the real code does (and shows the failure here).
+connects as the real code does (and shows the failure here). At 1,024 members even that is 2,048 connections
+to open at a few a second (600 in 2.5 min): ``--connections K`` opens K per member process and deals them out,
+each call under the connection's lock. The server sees the same calls over fewer sockets; a member's call may
+wait behind another's on its connection, which only makes the figures worse.
 
 Figures, per N:
   formation   the first generation: from the agent's "generation" event to the last member back from rebuild
@@ -110,6 +114,23 @@ class Serialized:
     def add(self, key: str, value: int) -> int:
         with self._store.lock:
             return self._store.add(key, value)
+
+
+class Locked:
+    """A connection shared by several members' clients (``--connections``): each call under its lock."""
+
+    def __init__(self, store):
+        self._store, self._lock = store, threading.Lock()
+
+    def __getattr__(self, name):
+        value = getattr(self._store, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            with self._lock:
+                return value(*args, **kwargs)
+        return call
 
 
 class NullGroup:
@@ -232,14 +253,20 @@ def members_main(args) -> int:
     lock = threading.Lock()
     ids = [int(i) for i in args.ids.split(",") if i]
     # Every connection opened before any member starts, one at a time (see "Connections" in the docstring).
-    pool = [real_connect(args.address, args.timeout) for _ in range(0 if args.fresh_connections else 2 * len(ids) + 4)]
+    opened = 0 if args.fresh_connections else args.connections or 2 * len(ids) + 4
+    pool = [real_connect(args.address, args.timeout) for _ in range(opened)]
+    shared = [Locked(c) for c in pool] if args.connections else []  # dealt out in turn, never used up
+    dealt = [0]
     drawing = CountingStore(real_connect(args.address, args.timeout), "main")
 
     def connect(address, timeout_s, token=None):
         role = "poller" if threading.current_thread().name == "elasticflow-membership" else "main"
         with lock:
-            store = CountingStore(pool.pop() if pool else real_connect(address, timeout_s, token), role,
-                                  None if args.fresh_connections else drawing)
+            if shared:
+                dealt[0] += 1
+            client = shared[dealt[0] % len(shared)] if shared else \
+                pool.pop() if pool else real_connect(address, timeout_s, token)
+            store = CountingStore(client, role, None if args.fresh_connections else drawing)
             stores.append(store)
         return store
     mem._connect = connect
@@ -251,6 +278,7 @@ def members_main(args) -> int:
 
     token = protocol.read_token(args.run_dir)
     steps: Dict[int, int] = {}
+    newest = [0]  # the newest generation a member of this process saw: what the votes spread at a step boundary
     killed: Dict[int, bool] = {}
     by_id: Dict[int, "mem.Membership"] = {}
 
@@ -272,7 +300,10 @@ def members_main(args) -> int:
                 steps[key] = steps.get(key, 0) + 1
                 if m.worker_id in killed:
                     break
-                if m.latest_generation > m.generation:  # what the step boundary's votes agree on
+                # What the step boundary's votes agree on: the newest generation any member saw (the real votes
+                # take it over all members; here over this process's, half or more of them).
+                newest[0] = max(newest[0], m.latest_generation)
+                if newest[0] > m.generation:
                     seen = time.time()
                     m.rebuild(after=m.generation)
                     say(ev="entered", id=m.worker_id, g=m.generation, seen=seen, at=time.time())
@@ -321,7 +352,8 @@ class Members:
     def __init__(self, args, run_dir: Path, address: str, ids: List[int], inbox: "queue.Queue", log: Path):
         cmd = [sys.executable, __file__, "--role", "members", "--run-dir", str(run_dir), "--address", address,
                "--ids", ",".join(map(str, ids)), "--step-s", str(args.step_s), "--timeout", str(args.timeout),
-               "--stagger-s", str(args.stagger_s)] + (["--fresh-connections"] if args.fresh_connections else [])
+               "--stagger-s", str(args.stagger_s), "--connections", str(args.connections)] + \
+            (["--fresh-connections"] if args.fresh_connections else [])
         cmd += ["--direct-arrivals", str(args.direct_arrivals)] if args.direct_arrivals is not None else []
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -492,6 +524,12 @@ def measure(args, n: int, work: Path) -> dict:
         joined_at = run.wait(lambda: run.all_entered(joined), args.deadline, f"all {n + 1} in the join's generation")
         out.update(join_s=joined_at - started["at"], join_publish_s=joined["time"] - started["at"],
                    join_form_s=joined_at - joined["time"])
+        # Where the form part went: until the last member noticed the generation (its own poll: the bench has no
+        # step votes to spread the news), and the longest rebuild from noticing it to entering it.
+        times = run.entered.get(joined["generation"], {}).values()
+        if times:
+            out.update(join_notice_s=max(seen for seen, _ in times) - joined["time"],
+                       join_rebuild_s=max(at - seen for seen, at in times))
         ops_after_join = run.counts()
         # Store calls per member to enter one generation (the join's): arrivals read, polls while waiting.
         out["ops_per_member_per_formation"] = (
@@ -580,6 +618,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--fresh-connections", action="store_true",
                     help="connect as the real code does: each member's two connections as it starts, and a new "
                          "one for every join request (protocol.draw's clone); see \"Connections\"")
+    ap.add_argument("--connections", type=int, default=0,
+                    help="open only this many store connections per member process, each shared by its members "
+                         "in turn under a lock (0: two per member); see \"Connections\"")
     ap.add_argument("--keep", type=Path, help="run in this folder and keep it (logs, events.jsonl); default: a temporary one")
     # the roles' own
     ap.add_argument("-n", type=int)

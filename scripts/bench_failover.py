@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from etcd_cluster import EtcdCluster  # noqa: E402
-from harness import TOKEN, start_on_hosts  # noqa: E402
+from harness import start_on_hosts  # noqa: E402
 from hosts import Hosts  # noqa: E402
 
 
@@ -68,13 +68,8 @@ def once(root: Path, lose: str, heartbeat_s: float, lease_s: float) -> dict:
                                *etcd.overrides(lease_s=lease_s), env={"EF_PROBE_SLEEP": "0.1"})
         metrics = run / "metrics.jsonl"
         wait(lambda: any(r.get("step", 0) >= 15 for r in records(metrics)), 180, "step 15")
-        from omegaconf import OmegaConf
-
-        from elasticflow.distributed.leadership import LEADER
-        from elasticflow.launchers.failover import store_address
-        cfg = OmegaConf.create({"launcher": {"etcd": {"endpoints": etcd.endpoints, "prefix": None,
-                                                      **{k: etcd.tls[k] for k in ("ca", "cert", "key")}}}})
-        leader = etcd.holder(lambda args: net.run("h3", args), store_address(cfg, run, TOKEN), LEADER).split(":")[0]
+        started = next(e for e in records(run / "events.jsonl") if e["event"] == "started")
+        leader = next(h for h in ("h1", "h2") if net.addr(h) == started["host"])  # the agent's address
         victim = leader if lose == "leader" else ("h2" if leader == "h1" else "h1")
         t0 = time.time()
         net.off(victim)

@@ -37,11 +37,6 @@ while True:
             sys.exit(f"no quorum through {sys.argv[1]}: {exc}")
         time.sleep(0.3)
 """
-HOLDER = """
-import datetime, sys
-from elasticflow.distributed.etcd_store import EtcdStore
-print(EtcdStore(sys.argv[1], datetime.timedelta(seconds=10)).holder(sys.argv[2]) or "")
-"""
 
 
 def require_etcd() -> None:
@@ -108,12 +103,6 @@ class EtcdCluster:
                 logs = "".join(p.read_text()[-1500:] for p in self.folder.glob("etcd-*.log"))
                 raise RuntimeError(f"etcd did not form a cluster in {timeout_s:g}s: {done.stdout[-500:]}"
                                    f"{done.stderr[-1500:]} {logs}")
-
-    def holder(self, run: Callable[[list], subprocess.CompletedProcess], address: str, key: str) -> str:
-        """The value at ``key`` of the job's store at ``address`` ("" when absent), read by ``run`` (as above)."""
-        done = run([sys.executable, "-c", HOLDER, address, key])
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.strip()
 
     def overrides(self, lease_s: float = 2) -> list:
         """The `elasticflow train` overrides that put the job's store in this cluster."""

@@ -86,3 +86,28 @@ def test_a_new_job_wipes_what_an_old_one_left_but_the_leader_key(etcd):
     lead.fenced().wipe_except("agent/leader")
     assert old.list_keys() == ["agent/leader"] and lead.holder() == lead.name
     assert lead.state() is None
+
+
+def test_tls_files_a_host_cannot_read_and_a_cluster_that_does_not_answer_are_one_line_each(etcd, tmp_path):
+    """As a user meets them: `elasticflow train ... launcher.store=etcd` with a missing CA file, then with every
+    endpoint dead; one error line with a hint each, nothing written to the checkpoints."""
+    from harness import PROBE, TOKEN as STRONG, train_in_process
+
+    def assert_one_error(proc, message):
+        lines = proc.stderr.splitlines()
+        errors = [i for i, line in enumerate(lines) if line.startswith("error:")]
+        assert proc.returncode not in (0, None) and len(errors) == 1, proc.stderr
+        assert message in lines[errors[0]] and lines[errors[0] + 1].startswith("hint: "), proc.stderr
+
+    t = etcd.tls
+    common = ["launcher=nodes", "launcher.store=etcd", f"launcher.etcd.cert={t['cert']}",
+              f"launcher.etcd.key={t['key']}", "elastic.wait_s=3", "launcher.procs_per_node=1"]
+    env = {"ELASTICFLOW_JOB_TOKEN": STRONG}
+    missing = train_in_process(PROBE, tmp_path / "a", *common, f"launcher.etcd.endpoints=[{etcd.endpoints[0]}]",
+                               f"launcher.etcd.ca={tmp_path / 'nope.pem'}", env=env)
+    assert_one_error(missing, f"launcher.etcd.ca='{tmp_path / 'nope.pem'}' is not a file this host can read")
+    dead = train_in_process(PROBE, tmp_path / "b", *common, "launcher.etcd.endpoints=[https://127.0.0.1:9]",
+                            f"launcher.etcd.ca={t['ca']}", env=env)
+    assert_one_error(dead, "no etcd member of launcher.etcd.endpoints answers")
+    assert "Traceback" not in missing.stderr + dead.stderr
+    assert not (tmp_path / "b" / "checkpoints").exists()

@@ -75,6 +75,9 @@ for i in ids:
     forge("memory", f"worker/{i}/memory", "garbage")
     forge("heartbeat", f"worker/{i}/hb", "not-a-number")
     forge("failure report", f"gen/{g}/failed/{i}", "1")
+# The agent reads failure reports when their count moves (or every few seconds): a stranger who wants its forged
+# reports acted on moves the count too, and has them read -- and refused.
+store.set(f"gen/{g}/failures", str(10 ** 6))  # a hint, never trusted: not a record that can be refused
 # The checkpoint folder slot (found by listing) and the shard reports of the saves to come.
 for k in keys:
     if k.startswith("ckpt/job/"):

@@ -203,7 +203,9 @@ def test_a_store_kind_and_address_per_launcher():
     assert store_kind(compose("models/linear.py", nodes).launcher) == "token"
     with pytest.raises(ElasticFlowError, match="launcher.store=private serves one host"):
         compose("models/linear.py", [*nodes, "launcher.store=private"])
-    with pytest.raises(ElasticFlowError, match="launcher.store must be one of auto, private, token, tcp"):
+    with pytest.raises(ElasticFlowError, match="launcher.store must be one of auto, private, token, tcp, etcd"):
+        compose("models/linear.py", ["launcher.store=redis"])
+    with pytest.raises(ElasticFlowError, match="launcher.store=etcd runs with launcher=nodes"):
         compose("models/linear.py", ["launcher.store=etcd"])
     assert stores.host_of("unix:/x/store.sock") == "127.0.0.1" and stores.host_of("10.1.2.3:29400") == "10.1.2.3"
     assert stores.host_of("token:10.1.2.3:29400") == "10.1.2.3"

@@ -46,7 +46,7 @@ REQUESTS_S = 0.05  # how often join and scale requests are read: two store round
                    # were a sixth of the agent's CPU while training (scripts/bench_agent.py: 6.8% -> 5.6% of a
                    # core), taken from the workers' cores; a joiner waits <= 50 ms more, beside the seconds
                    # its process takes to start
-HEALTH_S = 0.1     # how often heartbeats and failure reports are read
+HEALTH_S = health.HEALTH_S  # how often heartbeats and failure reports are read
 REAP_S = 10.0  # at the end, how long workers have to exit on their own before SIGKILL
 CRASH_REAP_S = 120.0  # ... after the agent failed: time to agree on a last checkpoint and write it
 CONSOLE_DRAIN_S = 30.0  # at the end, how long the agent waits for a console that is not read (then writes on)
@@ -112,6 +112,7 @@ class Agent:
         self._notices: List[Tuple[str, Optional[str]]] = []  # the signal handlers' (line, event), for _watch
         self.started = time.monotonic()
         self.failed_reports_since: Dict[int, float] = {}
+        self.hb_cursor = 0                    # health.due: where the next round's heartbeat reads start
         self.rdv = Rendezvous(self.store, cfg.elastic.timeout_s, self.sealer)
         self.supersede_at: Optional[float] = None  # a failed generation's successor is due then (back-off)
         self.trained = False                  # a member finished training (exit 0): nothing more is published
@@ -235,7 +236,7 @@ class Agent:
         for _ in range(self.local_workers):
             self.spawn()
         self.write_workers_json()
-        self.event("started", workers=list(self.joining), pids=[w.pid for w in self.joining.values()])
+        self.event("started", workers=list(self.joining), pids=[w.pid for w in self.joining.values()], host=self.host)
 
     def _end(self, crashed: bool) -> None:
         if crashed:

@@ -1,9 +1,10 @@
 """The worker's side of membership: join, heartbeat, notice new generations, rebuild the group.
 
 A background thread, on its own store connection (a store client is not shared across threads),
-bumps this worker's heartbeat and reads ``gen/current`` every ``POLL_S``: the training thread
-sees the newest generation without a round trip, and learns within ``POLL_S`` when the agent is
-gone. A stopped process (SIGSTOP) stops heartbeating, which is how the agent finds hung workers.
+bumps this worker's heartbeat and reads ``gen/current`` every ``POLL_S`` (``beat_s``: slower past 64
+members): the training thread sees the newest generation without a round trip, and learns within that
+interval when the agent is gone. A stopped process (SIGSTOP) stops heartbeating, which is how the agent finds
+hung workers.
 
 Every record read here is sealed by its writer (_util/sealing.py); one that does not verify is refused and
 ignored -- a stranger who can reach the store cannot stop the job, or enter it, by writing records.
@@ -28,14 +29,22 @@ from .._util.memory import rss_mib
 from . import protocol, stores
 from .comm import Group
 from .protocol import CommError
-from .rendezvous import DIRECT_ARRIVALS, go_key, key, poll_s
+from .rendezvous import DIRECT_ARRIVALS, failures_key, go_key, key, poll_s
 
 log = logging.getLogger("elasticflow")
 POLL_S = 0.05
+BEAT_MEMBERS = 64  # past this many members, the heartbeat and gen/current poll slow down in proportion (beat_s)
 MEMORY_POLLS = 40  # every 40 polls (2 s): the workers' resident memory
 VERDICT_S = 5.0  # a join request unanswered this long was lost (a stranger deleted or overwrote it): ask again
 JOIN_TRIES = 6
 UNVERIFIED_S = 3.0  # job/check not verifying this long (the agent puts back a stranger's within a round): wrong token
+
+
+def beat_s(members: int) -> float:
+    """How often the membership thread beats and polls: POLL_S up to BEAT_MEMBERS members, then slower in
+    proportion, up to 0.5 s, so the store serves a bounded load (1,024 members every 50 ms: 40k calls a second). A
+    new generation is still seen within a few ms by one member or another, and the step's votes tell the rest."""
+    return min(0.5, POLL_S * max(1.0, members / BEAT_MEMBERS))
 
 
 class StopRequested(Exception):
@@ -111,7 +120,7 @@ class Membership:
             store = _connect(self.address, self.timeout_s, self.token)
             beat = f"worker/{self.worker_id}/hb"
             polls, gathered_in = 0, None
-            while not self._stop.wait(POLL_S):
+            while not self._stop.wait(beat_s(len(self.members))):
                 protocol.put(store, self.sealer, beat, str(polls))  # a sequence: a replayed beat is an old one
                 g = protocol.fetch(store, self.sealer, "gen/current", "gen/current")
                 if g is not None:
@@ -272,6 +281,7 @@ class Membership:
         g = self.generation if generation is None else generation
         try:
             protocol.put(self.store, self.sealer, key(g, "failed", self.worker_id), str(time.time()))
+            protocol.draw(self.store, failures_key(g), "failures")  # the agent reads the keys when this moves
         except Exception:
             pass  # the agent is gone; the rebuild that follows will say so
 

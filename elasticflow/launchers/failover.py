@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,13 @@ def store_address(cfg: Any, run_dir: Path, token: str) -> str:
     (two jobs, or two runs of one, never share keys), or ``launcher.etcd.prefix``."""
     e = cfg.launcher.etcd
     digest = hashlib.sha256(f"{token}\0{Path(run_dir).absolute()}".encode()).hexdigest()[:16]
-    files = [str(Path(f).expanduser().absolute()) for f in (e.ca, e.cert, e.key)]
+    files = [Path(f).expanduser().absolute() for f in (e.ca, e.cert, e.key)]
+    for what, path in zip(("ca", "cert", "key"), files):
+        if not os.access(path, os.R_OK) or not path.is_file():
+            raise ElasticFlowError(f"launcher.etcd.{what}={str(path)!r} is not a file this host can read",
+                                   "every host needs the CA, the client certificate and its key at the paths given "
+                                   "(docs/multi-host.md#no-single-point-of-failure)")
+    files = [str(f) for f in files]
     return etcd_store.address(list(e.endpoints), e.prefix or f"elasticflow/{digest}/", *files)
 
 
@@ -132,7 +139,9 @@ def _wait_for_the_job(standby: Standby, wait_s: float) -> None:
     """Until an agent runs this job (its state record is fresh): a node agent registering earlier would write
     into keys the first agent wipes (those of an earlier run under the same prefix)."""
     deadline = time.monotonic() + wait_s
-    lead = Leadership(standby.lead.store.clone(), standby.token, standby.lead.lease_s)  # a connection of its own
+    store = standby.lead.store.clone()  # a connection of its own, whose calls give up within wait_s
+    store.set_timeout(datetime.timedelta(seconds=min(store.timeout_s, max(wait_s, 2 * etcd_store.OP_S))))
+    lead = Leadership(store, standby.token, standby.lead.lease_s)
     while True:
         try:
             if lead.state() is not None:
