@@ -23,7 +23,6 @@ and leader / other (what losing the agent adds to losing a host). Both bounded b
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import statistics
@@ -34,25 +33,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+from bench.runfiles import jsonl  # noqa: E402  scripts/bench/ (this file's folder is on sys.path)
 from etcd_cluster import EtcdCluster  # noqa: E402
-from harness import start_on_hosts  # noqa: E402
+from harness import start_on_hosts, wait_for  # noqa: E402
 from hosts import Hosts  # noqa: E402
-
-
-def records(path: Path) -> list:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
-
-
-def wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def once(root: Path, lose: str, heartbeat_s: float, lease_s: float) -> dict:
@@ -67,15 +51,15 @@ def once(root: Path, lose: str, heartbeat_s: float, lease_s: float) -> dict:
                                "trainer.max_steps=200", f"elastic.heartbeat_timeout_s={heartbeat_s:g}",
                                *etcd.overrides(lease_s=lease_s), env={"EF_PROBE_SLEEP": "0.1"})
         metrics = run / "metrics.jsonl"
-        wait(lambda: any(r.get("step", 0) >= 15 for r in records(metrics)), 180, "step 15")
-        started = next(e for e in records(run / "events.jsonl") if e["event"] == "started")
+        wait_for(lambda: any(r.get("step", 0) >= 15 for r in jsonl(metrics)), 180, "step 15")
+        started = next(e for e in jsonl(run / "events.jsonl") if e["event"] == "started")
         leader = next(h for h in ("h1", "h2") if net.addr(h) == started["host"])  # the agent's address
         victim = leader if lose == "leader" else ("h2" if leader == "h1" else "h1")
         t0 = time.time()
         net.off(victim)
-        first = wait(lambda: next((r for r in records(metrics) if r.get("world_size") == 2 and "loss" in r), None),
+        first = wait_for(lambda: next((r for r in jsonl(metrics) if r.get("world_size") == 2 and "loss" in r), None),
                      120, "the survivors' first step")
-        took = [e for e in records(run / "events.jsonl") if e["event"] == "failover"]
+        took = [e for e in jsonl(run / "events.jsonl") if e["event"] == "failover"]
         out = {"next_step_s": first["time"] - t0}
         if took:
             out["takeover_s"] = took[0]["time"] - t0

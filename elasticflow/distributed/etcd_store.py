@@ -55,6 +55,11 @@ def parse(addr: str) -> Dict[str, str]:
     return fields
 
 
+def first_endpoint(addr: str):
+    """The first member's URL (urlsplit): where gloo looks for the route toward the job's store."""
+    return urlsplit(parse(addr)["endpoints"].split(",")[0])
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -94,10 +99,6 @@ class EtcdStore(dist.Store):
 
     def clone(self) -> "EtcdStore":
         return EtcdStore(self.addr, datetime.timedelta(seconds=self.timeout_s), self.fence)
-
-    @property
-    def port(self) -> int:
-        return self.endpoints[self._at].port or 2379
 
     # ---------------------------------------------------------------- one request, to whichever member answers
     def post(self, path: str, body: dict) -> dict:
@@ -216,13 +217,15 @@ class EtcdStore(dist.Store):
         got = self._txn([], [{"requestDeleteRange": {"key": self._k(key)}}])
         return int(got["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
 
+    def _every_key(self, **options) -> dict:
+        return self.post("/v3/kv/range", {"key": _b64(self.prefix), "range_end": _b64(range_end(self.prefix)),
+                                          **options})
+
     def num_keys(self):
-        return int(self.post("/v3/kv/range", {"key": _b64(self.prefix), "range_end": _b64(range_end(self.prefix)),
-                                              "count_only": True}).get("count", 0))
+        return int(self._every_key(count_only=True).get("count", 0))
 
     def list_keys(self) -> List[str]:
-        kvs = self.post("/v3/kv/range", {"key": _b64(self.prefix), "range_end": _b64(range_end(self.prefix)),
-                                         "keys_only": True}).get("kvs", [])
+        kvs = self._every_key(keys_only=True).get("kvs", [])
         return [base64.b64decode(kv["key"])[len(self.prefix):].decode(errors="replace") for kv in kvs]
 
     def wipe_except(self, keep: str) -> None:

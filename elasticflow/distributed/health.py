@@ -9,6 +9,7 @@ Every record read here is sealed (_util/sealing.py): a stranger's is refused, ne
 from __future__ import annotations
 
 import logging
+import math
 import signal
 from typing import TYPE_CHECKING
 
@@ -79,11 +80,10 @@ def due(agent: "Agent", workers: list, heartbeat_timeout_s: float) -> list:
     n = len(workers)
     if n <= FULL_ROUND:
         return workers
-    every_s = min(1.0, heartbeat_timeout_s / 4)
-    take = min(n, -(-n * HEALTH_S // every_s))
+    take = min(n, math.ceil(n * HEALTH_S / min(1.0, heartbeat_timeout_s / 4)))
     start = agent.hb_cursor % n
-    agent.hb_cursor = start + int(take)
-    return (workers + workers)[start:start + int(take)]
+    agent.hb_cursor = start + take
+    return (workers + workers)[start:start + take]
 
 
 def has_reported(agent: "Agent", g: int, what: str, worker_id: int) -> bool:

@@ -84,9 +84,10 @@ class Leadership:
         self.write(agent, now)
 
     def write(self, agent: "Agent", now: float, ended: bool = False) -> None:
-        state = json.dumps(snapshot(agent), sort_keys=True)
+        current = snapshot(agent)
+        state = json.dumps(current, sort_keys=True)
         if state != self.written or now - self.written_at > self.lease_s / 3 or ended:
-            record = {**json.loads(state), "at": time.time(), "ended": ended}
+            record = {**current, "at": time.time(), "ended": ended}
             agent.store.set(STATE, self.sealer.seal(STATE, json.dumps(record)))
             self.written, self.written_at = state, now
 

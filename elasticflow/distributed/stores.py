@@ -48,7 +48,7 @@ def host_of(address: str) -> str:
     if address.startswith(store_server.SCHEME):
         return "127.0.0.1"
     if address.startswith(etcd_store.SCHEME):
-        return etcd_store.urlsplit(etcd_store.parse(address)["endpoints"].split(",")[0]).hostname
+        return etcd_store.first_endpoint(address).hostname
     if address.startswith(store_server.TOKEN_SCHEME):
         address = address[len(store_server.TOKEN_SCHEME):]
     return address.rsplit(":", 1)[0]
@@ -59,7 +59,7 @@ def port_of(address: str) -> Optional[int]:
     if address.startswith(store_server.SCHEME):
         return None
     if address.startswith(etcd_store.SCHEME):  # the members' client port (every member's, as is usual)
-        return etcd_store.urlsplit(etcd_store.parse(address)["endpoints"].split(",")[0]).port or 2379
+        return etcd_store.first_endpoint(address).port or 2379
     return int(address.rsplit(":", 1)[1])
 
 

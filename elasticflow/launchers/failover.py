@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from ..distributed import etcd_store, netif
+from ..distributed import etcd_store, netif, stores
 from ..distributed.leadership import LEADER, Leadership
 from ..errors import ElasticFlowError, TrainingInterrupted
 from .local import LocalLaunch
@@ -120,8 +120,7 @@ def run(cfg: Any, run_dir: Path, token: str) -> Dict[str, Any]:
     from ..distributed.node_agent import NodeAgent
 
     address = store_address(cfg, run_dir, token)
-    first = etcd_store.urlsplit(cfg.launcher.etcd.endpoints[0]).hostname
-    bind = netif.address_toward(first, cfg.launcher.interface)
+    bind = netif.address_toward(stores.host_of(address), cfg.launcher.interface)
     standby = Standby(cfg, run_dir, token, address, bind)
     standby.start()
     _wait_for_the_job(standby, cfg.elastic.wait_s)
