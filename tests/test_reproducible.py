@@ -139,7 +139,7 @@ def test_members_summing_over_a_real_group_get_one_accumulators_bits():
 @pytest.mark.parametrize("setting, says", [
     ("trainer.micro_batch_size=null", "needs trainer.micro_batch_size"),
     ("comm.bucket_mb=4", "pass comm.bucket_mb=null"),
-    ("trainer.shard=gradients", "pass trainer.shard=optimizer"),
+    ("trainer.shard=gradients", "pass trainer.shard=parameters, optimizer or none"),
     ("topology=local_sgd", "topology=local_sgd sums in float32"),
 ])
 def test_what_the_mode_cannot_make_bitwise_is_refused_in_one_line(tmp_path, setting, says):

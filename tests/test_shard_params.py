@@ -15,7 +15,8 @@ import torch
 
 import elasticflow
 import elasticflow.checkpoint as ckpt
-from harness import MODELS, Limit, assert_equivalent, events, lose_join_retire, metrics, start, train_ok
+from harness import (MODELS, Limit, assert_bitwise, assert_equivalent, events, lose_join_retire, metrics, start,
+                     train_ok, world_sizes)
 
 from elasticflow._util.pages import PagedVector
 from elasticflow.config.schema import compose
@@ -48,12 +49,12 @@ def test_units_are_the_top_level_submodules_and_shared_parameters_go_to_the_root
     shared = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
     shared.b.weight = shared.a.weight  # tied, as a language model's embedding and head
     params = [p for _, p in net.named_parameters()]
-    spans, root, names = plan_units(net, params)
+    spans, root, names, _, _ = plan_units(net, params)
     assert names == ["0", "1", "2"] and root == [] and spans == [[(0, 15)], [(15, 27)], [(27, 43)]]
     params = [p for _, p in shared.named_parameters()]  # a.weight, a.bias, b.bias
-    spans, root, names = plan_units(shared, params)
+    spans, root, names, _, _ = plan_units(shared, params)
     assert names == ["a", "b"] and spans == [[(4, 6)], [(6, 8)]] and root == [(0, 4)]
-    spans, root, names = plan_units(None, params)  # a dict of arrays: no submodule, all in the root
+    spans, root, names, _, _ = plan_units(None, params)  # a dict of arrays: no submodule, all in the root
     assert spans == [] and names == [] and root == [(0, 8)]
 
 
@@ -62,8 +63,8 @@ def test_settings_stage_3_cannot_run_are_one_error_each():
         compose(str(UNITS), ["trainer.shard=parameters", "trainer.precision=16"])
     with pytest.raises(ElasticFlowError, match="trainer.shard=parameters is built for backend=torch"):
         compose(str(UNITS), ["trainer.shard=parameters", "backend=tensorflow"])
-    with pytest.raises(ElasticFlowError, match="trainer.shard=parameters reduce-scatters float32 sums"):
-        compose(str(UNITS), ["trainer.shard=parameters", "trainer.reproducible=true", "trainer.micro_batch_size=8"])
+    with pytest.raises(ElasticFlowError, match="trainer.shard=gradients reduce-scatters float32 sums"):
+        compose(str(UNITS), ["trainer.shard=gradients", "trainer.reproducible=true", "trainer.micro_batch_size=8"])
     with pytest.raises(ElasticFlowError, match=r"trainer.shard_units=\['decoder.\*'\] names no submodule"):
         from elasticflow.replica.param_units import unit_modules
         unit_modules(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["decoder.*"])
@@ -125,6 +126,23 @@ def test_three_workers_hold_their_ranges_survive_a_kill_in_backward_a_join_and_a
     assert np.allclose(net.head.weight.detach().numpy(), final["head.weight"], rtol=1e-4, atol=1e-6)
 
 
+def test_a_kill_in_each_other_phase_of_a_step_ends_on_the_one_worker_model(tmp_path, one_worker):
+    """5 workers, three SIGKILLs in three generations, each in a phase the test above does not kill in: a unit's
+    fetch in forward (its peers wait for its pieces), a unit's gradient on its way to its owners, and the update
+    between its own range and its buddy's. The survivors redo each step from the buddy copies and end on the
+    1-worker model (1e-5), with no checkpoint read. 8 micro-batches over 5 and 3 members: some are dealt fewer,
+    and replay their peers' fetches."""
+    steps = ["trainer.max_steps=20"]
+    want = one_worker(*ARGS, *steps, model=UNITS)
+    run = tmp_path / "run"
+    train_ok(run, "launcher.workers=5", "trainer.shard=parameters", *ARGS, *steps, model=UNITS,
+             env={"EF_UNITS_KILL": "4:4:forward_fetch:2,1:9:reduce:3,2:14:update:2"})
+    assert world_sizes(run)[0] == 5 and world_sizes(run)[-1] == 2, world_sizes(run)
+    kinds = [e["event"] for e in events(run)]
+    assert kinds.count("left") == 3 and "fell_back" not in kinds, kinds
+    assert_equivalent(run, want, records=False)
+
+
 @pytest.mark.parametrize("stage", ["gradients", "parameters"])
 def test_clipping_takes_the_norm_over_the_owners_sums(tmp_path, one_worker, stage):
     """trainer.grad_clip with no worker holding the whole summed gradient (stages 2 and 3): each owner adds the
@@ -155,3 +173,20 @@ def test_parameter_groups_keep_their_lr_and_decay_over_the_units_slices(tmp_path
     baseline = one_worker(*ARGS, "optimizer.weight_decay=0.01", model=UNITS)  # the groups changed the model
     with pytest.raises(AssertionError):
         assert_equivalent(run, baseline, records=False)
+
+
+def test_reproducible_mode_with_clipping_and_a_kill_in_the_gradients_way_to_its_owners_ends_on_the_one_workers_bits(
+        tmp_path, one_worker):
+    """trainer.reproducible with stage 3: each owner sums every micro-batch's gradient of its range exactly
+    (replica/exact_sum.py) as the pieces arrive, and clipping's norm is an exact sum of squares over the owners'
+    ranges, so 3 workers, one SIGKILLed while a unit's gradient is on its way to its owners, end on the bits of
+    1 worker without sharding (AdamW: the parameters, both moments and every step's loss are ==)."""
+    mode = ["trainer.reproducible=true", "trainer.micro_batch_size=8", "+model_args.hidden=128", "optimizer=adamw",
+            "optimizer.lr=0.003", "trainer.grad_clip=0.5", "trainer.max_steps=24"]
+    want = one_worker(*mode, model=UNITS)
+    run = tmp_path / "run"
+    train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *mode, model=UNITS,
+             env={"EF_UNITS_KILL": "1:9:reduce:3"})
+    assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
+    assert sum(r["grad_norm"] > 0.5 for r in metrics(run) if "loss" in r) >= 5  # clipping was at work
+    assert_bitwise(run, want)

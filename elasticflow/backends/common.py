@@ -185,8 +185,16 @@ class WholeParameters:
     def page_params(self) -> Any:
         raise ElasticFlowError("trainer.shard=parameters is built for backend=torch", "pass trainer.shard=gradients")
 
+    frozen_pages: Any = None  # no frozen parameters kept in pages
+
     def parameter_units(self) -> Tuple[Any, List[Any]]:
         return None, []
+
+    def frozen_units(self) -> List[Any]:
+        return []
+
+    def frozen_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        return []
 
     def zero_grad_range(self, lo: int, hi: int) -> None:
         self.grad_view()[lo:hi].zero_()

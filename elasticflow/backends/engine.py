@@ -153,6 +153,17 @@ class Engine(Protocol):
         framework's tensors, in the flat order): what trainer.shard=parameters cuts into units and hooks
         (``replica/param_units.py``)."""
 
+    frozen_pages: Any
+    """trainer.shard=parameters: the float32 frozen parameters (``requires_grad=False``) as one flat vector in pages
+    that can be given back (a ``_util.pages.PagedVector``; ``replica/frozen_shards.py``); None where there are none
+    or the engine keeps them whole."""
+
+    def frozen_units(self) -> List[Any]:
+        """The frozen parameters in ``frozen_pages``, as the framework's tensors, in its order ([] without it)."""
+
+    def frozen_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(name, shape) of each frozen parameter in ``frozen_pages``, in its order ([] without it)."""
+
     def zero_grad_range(self, lo: int, hi: int) -> None:
         """Zero elements [lo, hi) of the flat gradient; where the engine keeps it in pages that can be given
         back (trainer.shard=parameters), their pages go instead of being written."""

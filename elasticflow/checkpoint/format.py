@@ -118,10 +118,15 @@ class Sharded:
     ``offsets``: each such tensor's offset in the flat vector (an optimizer slot at its parameter's).
     ``owners``: parameter servers: the rank of each shard's primary (``servers.Layout``), which writes it;
     None: rank r owns the r-th of ``world`` equal ranges.
+    ``frozen``: a second flat vector split by the same rule (trainer.shard=parameters' frozen parameters).
     """
     n: int
     offsets: Dict[str, int]
     owners: Optional[Tuple[int, ...]] = None
+    frozen: Optional["Sharded"] = None
+
+    def vectors(self) -> List["Sharded"]:
+        return [self] + ([self.frozen] if self.frozen is not None else [])
 
     def owned(self, world: int, rank: int) -> Tuple[int, int]:
         if self.owners is not None:
@@ -160,13 +165,15 @@ def plan(specs: Sequence[TensorSpec], world: int, sharded: Optional[Sharded] = N
     ``sharded``: tensors each rank writes its own slice of (see ``Sharded``); the rest split by bytes.
     """
     if sharded is not None:
-        out = _plan_bytes([s for s in specs if s.name not in sharded.offsets], world)
+        vectors = sharded.vectors()
+        out = _plan_bytes([s for s in specs if not any(s.name in v.offsets for v in vectors)], world)
         for s in specs:
-            if s.name not in sharded.offsets:
+            vector = next((v for v in vectors if s.name in v.offsets), None)
+            if vector is None:
                 continue
-            at, item = sharded.offsets[s.name], np.dtype(s.dtype).itemsize
+            at, item = vector.offsets[s.name], np.dtype(s.dtype).itemsize
             for r in range(world):
-                lo, hi = sharded.owned(world, r)
+                lo, hi = vector.owned(world, r)
                 a, b = max(lo, at), min(hi, at + s.size)
                 if b > a:
                     out[r].append(Piece(s.name, r, a - at, b - at, item))
@@ -200,7 +207,9 @@ def plan_digest(specs: Sequence[TensorSpec], world: int, sharded: Optional[Shard
     """Every rank computes the plan from its own replica; rank 0 checks they all agree."""
     text = json.dumps([world, [[s.name, s.dtype, list(s.shape)] for s in specs],
                        None if sharded is None else [sharded.n, sorted(sharded.offsets.items())]
-                       + ([] if sharded is None or sharded.owners is None else [list(sharded.owners)])])
+                       + ([] if sharded is None or sharded.owners is None else [list(sharded.owners)])
+                       + ([] if sharded is None or sharded.frozen is None else
+                          [sharded.frozen.n, sorted(sharded.frozen.offsets.items())])])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

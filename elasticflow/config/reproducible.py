@@ -34,9 +34,9 @@ def check(cfg: Any, kind: str) -> None:
     if cfg.comm.bucket_mb:
         raise ElasticFlowError(f"{why} after each backward; comm.bucket_mb={cfg.comm.bucket_mb:g} would reduce "
                                "buckets during it", "pass comm.bucket_mb=null with trainer.reproducible=true")
-    if t.shard in ("gradients", "parameters"):
-        raise ElasticFlowError(f"{why}; trainer.shard={t.shard} reduce-scatters float32 sums",
-                               "pass trainer.shard=optimizer (or none) with trainer.reproducible=true")
+    if t.shard == "gradients":  # stage 3's owners sum exactly (param_units.reduce_grad); stage 2's reduce-scatter
+        raise ElasticFlowError(f"{why}; trainer.shard=gradients reduce-scatters float32 sums",
+                               "pass trainer.shard=parameters, optimizer or none with trainer.reproducible=true")
     if kind in ("parameter_server", "local_sgd", "diloco"):
         raise ElasticFlowError(f"{why}; topology={kind} sums in float32 on its own routes, not yet exactly",
                                "pass topology=ring or topology=hierarchical with trainer.reproducible=true")

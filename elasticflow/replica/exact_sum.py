@@ -125,6 +125,20 @@ class ExactSum:
         return _run(sums_float64, (self.window, self.bins[0], self.bins[1]))
 
 
+SQUARES_BLOCK = 1 << 20  # elements whose squares go into the sum at a time (their float64 temporaries: ~40 MiB)
+
+
+def sum_squares_exactly(t: torch.Tensor) -> ExactSum:
+    """The sum of the squares of ``t``'s elements, exact, in an ``ExactSum`` of one element (``values()[0]``; its
+    ``allreduce`` adds the members'): gradient clipping's norm under ``trainer.reproducible``, the same bits however
+    the vector is cut among members. Each square of a float32 is exact in float64 (48 bits of mantissa)."""
+    acc = ExactSum(1, t.device)
+    flat = t.detach().reshape(-1)
+    for lo in range(0, flat.numel(), SQUARES_BLOCK):
+        acc.add_rows(flat[lo:lo + SQUARES_BLOCK].to(torch.float64).square_().reshape(-1, 1))
+    return acc
+
+
 def moved(window: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
     """Bins ``hi``, ``lo`` at windows ``held`` raised to ``window`` (>= held): up one window, hi becomes lo and the
     old lo goes; up two or more, both go. Returns (window as int8, hi, lo). In multiplications by 0 or 1, not

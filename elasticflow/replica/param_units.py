@@ -24,6 +24,10 @@ member's (in rank order) into ``acc``, its range's sums of the step; the unit's 
 back, so backward never holds a whole gradient. The root's, and a unit's with a parameter that got none, go at
 the micro-batch's end. The step's end (``Replica.start_reduce``) sums only the votes and hands ``acc`` to the buddy.
 
+**Frozen parameters** (a LoRA base) lie in a second flat vector (``frozen_shards.py``): a unit's frozen spans
+come in after its trainable ones and go with them; they have no gradient. Under ``trainer.reproducible`` the
+owners' sums are exact (``exact_sum.py``): the same bits in whatever order the pieces arrive.
+
 **The same collectives on every member.** A fetch is point to point between all members, so every member must
 fetch the same units in the same order: each one records the units one micro-batch fetched (``trace``), and a
 member dealt fewer micro-batches than another replays that trace for each one it lacks (``replay``), sending
@@ -36,12 +40,13 @@ forward) is read while out; where autograd saves it, the pack hook catches that 
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..errors import ElasticFlowError
+from .exact_sum import ExactSum
 from .shard_plan import Range, chunk, covers, needed, owned
 
 Span = Tuple[int, int]
@@ -79,15 +84,35 @@ def unit_modules(module: Optional[torch.nn.Module],
     return chosen
 
 
+class UnitPlan(NamedTuple):
+    """Each unit's spans of the flat parameters, the root's, each unit's name; and the same spans of the frozen
+    parameters' vector (``frozen_shards.py``; empty without one)."""
+    spans: List[List[Span]]
+    root: List[Span]
+    names: List[str]
+    frozen: List[List[Span]]
+    frozen_root: List[Span]
+
+
 def plan_units(module: Optional[torch.nn.Module], params: Sequence[torch.Tensor],
-               patterns: Sequence[str] = ()) -> Tuple[List[List[Span]], List[Span], List[str]]:
-    """(each unit's spans, the root's spans, each unit's name) for ``params`` (the engine's, in flat order)."""
+               patterns: Sequence[str] = (), frozen: Sequence[torch.Tensor] = ()) -> UnitPlan:
+    """The units of ``params`` (the engine's, in flat order) and of ``frozen`` (its frozen vector's); a unit with
+    either kind of parameter is kept."""
+    children = unit_modules(module, patterns)
+    units, root = _spans(children, params)
+    frozen_units, frozen_root = _spans(children, frozen)
+    keep = [u for u in range(len(children)) if units[u] or frozen_units[u]]
+    return UnitPlan([merge(units[u]) for u in keep], merge(root), [children[u][0] for u in keep],
+                    [merge(frozen_units[u]) for u in keep], merge(frozen_root))
+
+
+def _spans(children: List[Tuple[str, torch.nn.Module]], params: Sequence[torch.Tensor]):
+    """(each child's spans, the root's) of the flat vector ``params`` lie in, in its order."""
     offsets, at = {}, 0
     for p in params:
         offsets[id(p)] = (at, at + p.numel())
         at += p.numel()
     owners: Dict[int, List[int]] = {}
-    children = unit_modules(module, patterns)
     for u, (_, child) in enumerate(children):
         for p in child.parameters():
             if id(p) in offsets:
@@ -97,9 +122,25 @@ def plan_units(module: Optional[torch.nn.Module], params: Sequence[torch.Tensor]
     for pid, span in offsets.items():
         where = owners.get(pid, [])
         (units[where[0]] if len(where) == 1 else root).append(span)
-    names = [name for name, _ in children]
-    keep = [u for u in range(len(children)) if units[u]]
-    return [merge(units[u]) for u in keep], merge(root), [names[u] for u in keep]
+    return units, root
+
+
+class _Where:
+    """Which unit a view of a flat vector (by its storage offset) belongs to: -1 the root's, None not this vector's."""
+
+    def __init__(self, base: torch.Tensor, spans: List[List[Span]]):
+        self.ptr = base.untyped_storage().data_ptr()
+        starts = np.asarray([s[0] for sp in spans for s in sp], dtype=np.int64)
+        order = np.argsort(starts)
+        self.starts = starts[order]
+        self.ends = np.asarray([s[1] for sp in spans for s in sp], dtype=np.int64)[order]
+        self.unit_of = np.asarray([u for u, sp in enumerate(spans) for _ in sp], dtype=np.int64)[order]
+
+    def unit(self, ptr: int, at: int) -> Optional[int]:
+        if ptr != self.ptr:
+            return None
+        i = int(np.searchsorted(self.starts, at, side="right")) - 1
+        return int(self.unit_of[i]) if i >= 0 and at < self.ends[i] else -1
 
 
 class ParamUnits:
@@ -108,8 +149,11 @@ class ParamUnits:
 
     def __init__(self, engine: Any, shards: Any, patterns: Sequence[str] = ()):
         self.shards = shards
+        self.frozen = shards.frozen  # frozen_shards.FrozenShards, or None
         module, params = engine.parameter_units()
-        self.spans, self.root, self.names = plan_units(module, params, patterns)
+        plan = plan_units(module, params, patterns, engine.frozen_units() if self.frozen is not None else ())
+        self.spans, self.root, self.names = plan.spans, plan.root, plan.names
+        self.frozen_spans, self.frozen_root = plan.frozen, plan.frozen_root
         self.resident = [False] * len(self.spans)
         self.root_in = False
         self.packs = [0] * len(self.spans)
@@ -120,20 +164,16 @@ class ParamUnits:
         self.reducing = False           # this step's gradient goes to its owners unit by unit (ShardedState.scatters)
         self.layout = -1                # ShardedState.layout_version the resident flags belong to
         self.whole = False              # every parameter in (evaluation): the hooks do nothing
-        base = shards.params
-        self._base_ptr = base.untyped_storage().data_ptr()
-        self._starts = np.asarray([s[0] for spans in self.spans for s in spans], dtype=np.int64)
-        self._ends = np.asarray([s[1] for spans in self.spans for s in spans], dtype=np.int64)
-        self._unit_of = np.asarray([u for u, spans in enumerate(self.spans) for _ in spans], dtype=np.int64)
-        order = np.argsort(self._starts)
-        self._starts, self._ends, self._unit_of = self._starts[order], self._ends[order], self._unit_of[order]
+        # Where a saved view of either vector belongs (_pack)
+        self._where = [_Where(shards.params, self.spans)]
+        if self.frozen is not None:
+            self._where.append(_Where(self.frozen.params, self.frozen_spans))
         # Each parameter's unit (-1: the root), for the gradient hooks: a unit's gradient is reduced to its
         # owners once every parameter of it has accumulated its gradient of the micro-batch.
         self._param_unit = []
         at = 0
         for p in params:
-            i = int(np.searchsorted(self._starts, at, side="right")) - 1
-            self._param_unit.append(int(self._unit_of[i]) if i >= 0 and at < self._ends[i] else -1)
+            self._param_unit.append(self._where[0].unit(self._where[0].ptr, at))
             at += p.numel()
         self._params_of = [self._param_unit.count(u) for u in range(len(self.spans))]
         self._arrived = [0] * len(self.spans)
@@ -166,7 +206,7 @@ class ParamUnits:
         self._arrived = [0] * len(self.spans)
         self._reduced = [False] * len(self.spans)
         self.done = []
-        if self.root and not self.whole:
+        if (self.root or self.frozen_root) and not self.whole:
             self._fetch(-1)
             self.root_in = True
 
@@ -175,7 +215,7 @@ class ParamUnits:
         reduced, in the units' order; every unit and the root given back; the trace kept for ``replay``."""
         if self.reducing:
             for u in range(len(self.spans)):
-                if not self._reduced[u]:
+                if not self._reduced[u] and self.spans[u]:
                     self._reduce(u)
             if self.root:
                 self._reduce(-1)
@@ -183,7 +223,7 @@ class ParamUnits:
             if self.resident[u]:
                 self._give_back(u)
         if self.root_in:
-            self.shards.give_back(self.root)
+            self._give_back(-1)
             self.root_in = False
         self.last_trace = list(self.trace)
 
@@ -198,12 +238,11 @@ class ParamUnits:
         self._check_layout()
         for _ in range(times):
             for kind, u in self.last_trace:
-                spans = self.root if u < 0 else self.spans[u]
                 if kind == "f":
-                    self.shards.fetch(spans)
-                    self.shards.give_back(spans)
+                    self._bring(u)
+                    self._give_back(u)
                 elif self.reducing:  # this member's gradient there is zero: it sends zeros, an owner sums
-                    self.shards.reduce_grad(spans)
+                    self.shards.reduce_grad(self.root if u < 0 else self.spans[u])
 
     # ------------------------------------------------------------------ the hooks
     def _forward_in(self, u: int) -> None:
@@ -217,18 +256,16 @@ class ParamUnits:
             self._give_back(u)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self.whole or not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not len(self._starts):
+        if self.whole or not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not self.names:
             return t
         try:
-            if t.untyped_storage().data_ptr() != self._base_ptr:
-                return t
+            ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
             return t
         at = int(t.storage_offset())
-        i = int(np.searchsorted(self._starts, at, side="right")) - 1
-        if i < 0 or at >= self._ends[i]:
-            return t  # the root's: in for the whole micro-batch
-        u = int(self._unit_of[i])
+        u = next((w.unit(ptr, at) for w in self._where if w.ptr == ptr), None)
+        if u is None or u < 0:
+            return t  # not a parameter, or the root's: in for the whole micro-batch
         if not self.resident[u]:
             raise ElasticFlowError(f"trainer.shard=parameters: forward() used a parameter of unit "
                                    f"{self.names[u]!r} outside that submodule's own forward, while it was not "
@@ -267,15 +304,26 @@ class ParamUnits:
 
     def _fetch(self, u: int) -> None:
         self.trace.append(("f", u))
-        if u < 0:
-            self.shards.fetch(self.root)
-        else:
-            self.shards.fetch(self.spans[u])
+        self._bring(u)
+        if u >= 0:
             self.resident[u] = True
 
+    def _bring(self, u: int) -> None:
+        """Unit ``u``'s (-1: the root's) parameters in: the trainable ones, then the frozen ones (two exchanges,
+        in the same order on every member; a unit without one kind skips its exchange on every member)."""
+        spans, frozen = (self.root, self.frozen_root) if u < 0 else (self.spans[u], self.frozen_spans[u])
+        if spans:
+            self.shards.fetch(spans)
+        if frozen:
+            self.frozen.fetch(frozen)
+
     def _give_back(self, u: int) -> None:
-        self.shards.give_back(self.spans[u])
-        self.resident[u] = False
+        spans, frozen = (self.root, self.frozen_root) if u < 0 else (self.spans[u], self.frozen_spans[u])
+        self.shards.give_back(spans)
+        if frozen:
+            self.frozen.give_back(frozen)
+        if u >= 0:
+            self.resident[u] = False
 
     def _check_layout(self) -> None:
         """After a membership change every span not held was given back: no unit is in."""
@@ -287,7 +335,8 @@ class ParamUnits:
 
 class HeldParameters:
     """``ShardedState``'s part for stage 3: the parameters outside the held ranges given back, and fetched per unit.
-    Uses the state's ``n``, ``world``, ``rank``, ``replicas``, ``held``, ``group``, ``paged`` and ``_fetches``."""
+    Uses the state's ``n``, ``world``, ``rank``, ``replicas``, ``held``, ``group``, ``paged``, ``_fetches``,
+    ``reproducible`` and ``exact``."""
 
     def holds_all(self) -> bool:
         return covers(list(self.held), self.n)
@@ -341,15 +390,28 @@ class HeldParameters:
         return self.paged is not None and self.scatters()
 
     def start_step(self) -> None:
-        """Stage 3: the step's sums of this member's own range (``acc``) start at zero."""
+        """Stage 3: the step's sums of this member's own range (``acc``; ``exact`` under ``trainer.reproducible``)
+        start at zero."""
         if self.reduced_in_backward():
             self.acc = self._buffer("own", chunk(self.n, self.world))
-            self.acc.zero_()
+            if not self.reproducible:
+                self.acc.zero_()
+            elif self.exact is None or self.exact.n != self.acc.numel():
+                self.exact = ExactSum(self.acc.numel())
+            else:
+                self.exact.clear()
+
+    def settle_exact(self) -> torch.Tensor:
+        """Stage 3 under ``trainer.reproducible``: ``acc`` from the exact sums, each rounded once to float32."""
+        self.acc.copy_(self.exact.values())
+        return self.acc
 
     def reduce_grad(self, spans: Sequence[Range]) -> None:
         """Stage 3: this micro-batch's gradient of ``spans`` to the owners, point to point; each owner adds every
-        member's piece (in rank order) into ``acc``. The local gradient there is then given back (its pages go:
-        backward never holds a whole gradient). Raises CommError when a member fails (the step is redone)."""
+        member's piece (in rank order) into ``acc``, or, under ``trainer.reproducible``, into its exact sums (any
+        order: the same bits as one worker's sums of the same micro-batches). The local gradient there is then
+        given back (its pages go: backward never holds a whole gradient). Raises CommError when a member fails
+        (the step is redone)."""
         grad, lo_own = self.engine.grad_view(), owned(self.n, self.world, self.rank)[0]
         sends, recvs, sums = [], [], []
         for r, a, b, tag in self._pieces(spans):
@@ -364,7 +426,10 @@ class HeldParameters:
         for a, b, pieces in sums:
             acc = self.acc[a - lo_own:b - lo_own]
             for piece in pieces:
-                acc.add_(piece)
+                if self.reproducible:
+                    self.exact.add(piece, at=a - lo_own)
+                else:
+                    acc.add_(piece)
         for lo, hi in spans:
             self.engine.zero_grad_range(lo, hi)
 

@@ -222,11 +222,16 @@ class Replica:
             r.tail = tail
         return r
 
+    def exact_head(self) -> int:
+        """trainer.reproducible: how many of the step's exact sums are the gradient's: none with stage 3, whose
+        owners summed each micro-batch's gradient of their ranges exactly during backward (``reduce_grad``)."""
+        return 0 if self.shards is not None and self.shards.reduced_in_backward() else self.engine.num_params
+
     def exact_sum(self, scalars: int, buffers: int) -> ExactSum:
         """trainer.reproducible: the step's exact sums, cleared, laid out as ``start_exact`` reads them: the flat
-        gradient, ``scalars`` (loss, metrics, per-parameter flags), four votes, ``buffers`` contributions."""
+        gradient (``exact_head``), ``scalars`` (loss, metrics, per-parameter flags), four votes, ``buffers``."""
         grad = self.engine.grad_view()
-        n = grad.numel() + scalars + 4 + buffers
+        n = self.exact_head() + scalars + 4 + buffers
         if self._exact is None or self._exact.n != n:
             self._exact = ExactSum(n, grad.device)
         else:
@@ -238,14 +243,16 @@ class Replica:
         added, summed over the members, the gradient written back in float32. Done at once: its result is in
         the returned Reduction, for ``finish_reduce``."""
         m = self.membership
-        grad = self.engine.grad_view()
-        head = grad.numel()
+        head = self.exact_head()
         if m is not None:
             sums.add(np.asarray(self.votes(interrupt)), at=head + scalars)
             if self.world > 1:
                 sums.allreduce(m.group)  # a CommError: recover() zeroes the gradient, the step is redone
         values = sums.values()
-        grad.copy_(values[:head])  # rounded once, to float32
+        if head:
+            self.engine.grad_view().copy_(values[:head])  # rounded once, to float32
+        else:  # stage 3: each owner's exact sums, rounded once, and the buddy's copy of them
+            self.shards.finish_reduce_scatter(m.group, (self.shards.settle_exact(), False))
         tail = values[head:].cpu()
         said = tail[scalars:scalars + 4].tolist()
         agreement = Agreed(interrupt=interrupt, finish=self.finish_asked) if m is None else \
@@ -293,14 +300,18 @@ class Replica:
         buffers = tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
         return out[:k], agreed(out[k:], r.generation, r.world), buffers
 
+    def allreduce_exact(self, sums: ExactSum) -> ExactSum:
+        """``sums`` (an ``ExactSum``) added over the members, in place; returned."""
+        if self.membership is not None and self.world > 1:
+            sums.allreduce(self.membership.group)
+        return sums
+
     def sum_exactly(self, rows: List[List[float]], width: int) -> List[float]:
         """The exact sum over the members of every row of every member (``width`` values each): the same bits
         however the rows are spread (trainer.reproducible's evaluation)."""
         sums = ExactSum(width)
         sums.add_rows(np.asarray(rows, np.float64).reshape(-1, width))
-        if self.membership is not None and self.world > 1:
-            sums.allreduce(self.membership.group)
-        return sums.values().tolist()
+        return self.allreduce_exact(sums).values().tolist()
 
     def reduce_sum(self, values: List[float]) -> List[float]:
         """Sum ``values`` over the members (float64)."""
@@ -334,13 +345,18 @@ class Replica:
         if units is None or self.membership is None:
             yield
             return
+        frozen = self.shards.frozen
         self.shards.gather_whole()
+        if frozen is not None:
+            frozen.gather_whole()
         units.whole = True
         try:
             yield
         finally:
             units.whole = False
             self.shards.give_back([(0, self.shards.n)])
+            if frozen is not None:
+                frozen.give_back([(0, frozen.n)])
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the members."""
@@ -414,8 +430,8 @@ class Replica:
         if rank == src:
             arrays, meta = self.state_dict()
             if self.shards is not None:  # the parameters and slots moved with the ranges: the rest only
-                arrays = {k: v for k, v in arrays.items()
-                          if k not in self.shards.param_at and not k.startswith("optimizer/")}
+                moved = self.shards.sharded_names()
+                arrays = {k: v for k, v in arrays.items() if k not in moved and not k.startswith("optimizer/")}
             group.share_state(arrays, meta, src, behind)  # views: sent before anything changes
         elif rank in behind:
             self.load_state_dict(*group.share_state({}, {}, src, behind))

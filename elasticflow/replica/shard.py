@@ -74,6 +74,7 @@ from . import parameter_server
 from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers, held_ranges,
                          needed, owned, plan_moves, plan_roll)
 from .flat_update import FlatUpdate, KeptStep, participation_of  # noqa: F401 - shard.FlatUpdate: tests patch it
+from .frozen_shards import FrozenShards
 from .param_units import HeldParameters
 from .shard_pieces import CheckpointPieces
 
@@ -105,6 +106,8 @@ class ShardedState(HeldParameters, CheckpointPieces):
         engine.release_optimizer()  # its own slots would be whole-model sized
         # Stage 3: the parameters in memory whose pages are given back outside the held ranges (param_units.py)
         self.paged = engine.page_params() if stage == "parameters" else None
+        # ... and its frozen float32 parameters in ranges of their own vector (frozen_shards.py)
+        self.frozen = FrozenShards(engine, replicas) if self.paged is not None and engine.frozen_pages else None
         self.params = engine.flat_params()
         self.group: Any = None             # the group of the last redistribution (stage 3's fetches use it)
         self.units: Any = None             # stage 3: param_units.ParamUnits (the builder installs them)
@@ -125,6 +128,8 @@ class ShardedState(HeldParameters, CheckpointPieces):
         self.reduced: Dict[Range, torch.Tensor] = {}   # stage 2: this step's reduced gradient, by range
         self._fetches = 0                              # stage 3: fetches in this generation (their tags)
         self.acc: Optional[torch.Tensor] = None        # stage 3: this step's sums of the own range (reduce_grad)
+        self.reproducible = False                      # stage 3: ... summed exactly (the builder sets it)
+        self.exact: Any = None                         # ... then in an ExactSum (exact_sum.py), kept from step to step
         self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
         self._scratch = torch.empty(self._scratch_size(self.n))
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
@@ -154,8 +159,11 @@ class ShardedState(HeldParameters, CheckpointPieces):
         if all(n in rest for n in self.param_at):
             engine.load_state(rest, step)
             self.load_full(slots, at)
-        else:
-            engine.set_buffers(rest)
+            if self.frozen is not None:
+                self.frozen.hold_all()
+        else:  # the buffers only: frozen parameters are the same on every member (or came with their ranges)
+            buffers = engine.buffer_arrays()
+            engine.set_buffers({k: v for k, v in rest.items() if k in buffers})
 
     def load_full(self, slots: Dict[str, np.ndarray], at: int) -> None:
         """Hold [0, n) at progress ``at`` from whole slot tensors by name (a checkpoint's; missing: zeros).
@@ -177,6 +185,8 @@ class ShardedState(HeldParameters, CheckpointPieces):
         wanted = self.layout.needed(self.n, rank) if self.layout is not None else needed(self.n, world, rank,
                                                                                          self.replicas)
         self._adopt({r: self._copy_out(r) for r in wanted}, rank, world, self.at)
+        if self.frozen is not None:
+            self.frozen.keep_local(rank, world)
 
     def _copy_out(self, r: Range) -> Dict[str, torch.Tensor]:
         lo, hi = r
@@ -383,6 +393,11 @@ class ShardedState(HeldParameters, CheckpointPieces):
             pairs, new_world = target_members
             want = {old: needed(self.n, new_world, new, self.replicas) for old, new in pairs}
         plan = plan_moves(table, want)
+        if self.frozen is not None and not plan.lost:  # the frozen ranges first: nothing of them rolls forward
+            frozen_want = self.frozen.want(target_members[1] if target_members else group.world,
+                                           target_members[0] if target_members else ())
+            if self.frozen.redistribute(group, frozen_want, keep=target_members is not None):
+                plan.lost = [(0, 0)]  # a frozen range with no holder: the same fallback (its values are in the checkpoint)
         if plan.lost:
             if layout is not None:  # the fallback (keep_local) takes its ranges from the checkpoint by it
                 self.layout, self.tags = layout, tags

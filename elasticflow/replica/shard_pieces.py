@@ -1,6 +1,6 @@
 """What a checkpoint takes from ``ShardedState``: how its tensors split by owner (``sharding``) and this worker's
 own pieces of them (``partials``). A mixin: it reads the state's ``n``, ``world``, ``rank``, ``held``, ``params``,
-``param_at``, ``slot_names``, ``paged`` and, for parameter servers, ``layout``.
+``param_at``, ``slot_names``, ``paged``, ``frozen`` and, for parameter servers, ``layout``.
 """
 from __future__ import annotations
 
@@ -22,10 +22,19 @@ class CheckpointPieces:
             names.update((p, at) for p, (at, _) in self.param_at.items())
         if self.serves():  # the primaries write their shards; the trainers and standbys nothing
             return Sharded(self.n, names, self.layout.holders[:self.layout.shards])
-        return Sharded(self.n, names)
+        return Sharded(self.n, names, frozen=None if self.frozen is None else self.frozen.sharding())
+
+    def sharded_names(self) -> set:
+        """The state's names that travel with the ranges at a membership change, not in a state transfer."""
+        return {*self.param_at, *(self.frozen.param_at if self.frozen is not None else ())}
 
     def partials(self) -> Dict[str, Partial]:
-        """This worker's own range of every slot tensor, by name (views: read them before the next step)."""
+        """This worker's own range of every slot tensor, by name (views: read them before the next step); with
+        stage 3 of the parameters and the frozen parameters too."""
+        frozen = {} if self.frozen is None else self.frozen.partials()
+        return {**self._own_partials(), **frozen}
+
+    def _own_partials(self) -> Dict[str, Partial]:
         lo, hi = owned(self.n, self.world, self.rank)
         if self.serves():
             lo, hi = owned(self.n, self.layout.shards, self.layout.holders.index(self.rank)) \

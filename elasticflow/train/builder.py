@@ -72,6 +72,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
         from ..replica.shard import ShardedState
 
         shards = ShardedState(engine, built.optimizer, t.shard, int(cfg.elastic.shard_replicas))
+        shards.reproducible = bool(t.reproducible)
         if t.shard == "parameters":  # stage 3: units brought in for forward and backward (param_units.py)
             from ..replica.param_units import ParamUnits
 

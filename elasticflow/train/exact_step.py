@@ -26,6 +26,7 @@ class ExactStep:
     def __init__(self, replica: Any, engine: Any, metric_names: List[str], params: int, reconciler: Any):
         self.replica, self.engine, self.metric_names, self.reconciler = replica, engine, metric_names, reconciler
         self.scalars = 1 + len(metric_names)  # the loss, then the metrics
+        self.head = replica.exact_head()  # the gradient's sums (none with stage 3: its owners took them in backward)
         self.sums = replica.exact_sum(self.scalars + params, reconciler.size if reconciler else 0)
         self.took = np.zeros(params, bool)  # a parameter some micro-batch's backward reached (zero_grad clears it)
         self.rows: List[List[float]] = []    # each micro-batch's loss and metrics ...
@@ -35,7 +36,8 @@ class ExactStep:
         """Micro-batch ``index`` (of the global batch's ``total``), just computed: its terms into the sums."""
         engine, sums = self.engine, self.sums
         self.took |= engine.took_part()
-        sums.add(engine.grad_view())
+        if self.head:
+            sums.add(engine.grad_view())
         engine.zero_grad()
         self.rows.append([float(loss)] + [float(metrics.get(k, 0.0)) for k in self.metric_names])  # a sync point
         rec = self.reconciler
@@ -46,7 +48,7 @@ class ExactStep:
     def start(self, interrupt: bool) -> Any:
         """The step's reduction (``Replica.start_exact``): the scalars and the parameters' flags, as
         ``Replica.start_reduce`` returns them."""
-        sums, head = self.sums, self.engine.num_params
+        sums, head = self.sums, self.head
         sums.add_rows(np.asarray(self.rows, np.float64).reshape(-1, self.scalars), at=head)
         sums.add(self.took.astype(float), at=head + self.scalars)
         if self.parts:

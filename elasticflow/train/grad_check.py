@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable, NamedTuple, Optional
 
 from ..errors import ElasticFlowError
+from ..replica.exact_sum import sum_squares_exactly
 
 
 class Verdict(NamedTuple):
@@ -26,14 +27,15 @@ class Verdict(NamedTuple):
 
 
 def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[float],
-          scattered: Optional["ScatteredSums"] = None) -> Verdict:
+          summed: Any = None) -> Verdict:
     """Unscale the engine's summed gradient (``scale``: float16's loss scale; None without loss scaling)
     and clip it to ``grad_clip`` (torch.nn.utils.clip_grad_norm_'s formula), in place; and check that it
     is finite, on every step: a NaN gradient with a finite loss (sqrt or log at 0 in forward()) would
     otherwise be applied, and train and checkpoint NaN weights.
 
-    ``scattered``: the summed gradient where each member holds the sums of its own ranges only
-    (trainer.shard=gradients|parameters); None: the engine's whole summed gradient.
+    ``summed``: the summed gradient where each member holds the sums of its own ranges only
+    (``ScatteredSums``: trainer.shard=gradients|parameters), the engine's with an exact norm (``ExactNorm``:
+    trainer.reproducible); None: the engine's.
 
     Note: the check reuses the norm where clipping or scaling takes one; otherwise it costs one read of
     the gradient (its sum: ``Engine.grad_finite``): a fraction of a millisecond for a few million parameters
@@ -42,7 +44,7 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     """
     if not math.isfinite(loss):
         return Verdict(None, False, False)
-    summed = scattered or engine
+    summed = summed or engine
     if grad_clip is None and scale is None:
         return Verdict(None, False, summed.grad_finite())
     grad_norm = summed.grad_norm()
@@ -86,8 +88,10 @@ class ScatteredSums:
     what produces the sums it judges.
     """
 
-    def __init__(self, shards: Any, reduce_sum: Callable[[list], list]):
+    def __init__(self, shards: Any, reduce_sum: Callable[[list], list],
+                 allreduce_exact: Optional[Callable[[Any], Any]] = None):
         self.shards, self.reduce_sum = shards, reduce_sum
+        self.allreduce_exact = allreduce_exact  # trainer.reproducible: the norm's sum exact (Replica.allreduce_exact)
 
     def grad_finite(self) -> bool:
         bad = sum(0.0 if math.isfinite(float(r.sum())) else 1.0 for r in self.shards.reduced.values())
@@ -99,11 +103,33 @@ class ScatteredSums:
         from .._util.norms import sum_squares  # torch's: the shards' sums are torch tensors on either backend
 
         lo, hi = self.shards.own_range()
+        if self.allreduce_exact is not None:
+            return math.sqrt(float(self.allreduce_exact(sum_squares_exactly(self.shards.reduced[(lo, hi)])).values()[0]))
         return math.sqrt(self.reduce_sum([sum_squares(self.shards.reduced[(lo, hi)], lo)])[0])
 
     def scale_grad(self, factor: float) -> None:
         for summed in self.shards.reduced.values():
             summed.mul_(factor)
+
+
+class ExactNorm:
+    """The engine's whole summed gradient with its norm summed exactly (``trainer.reproducible``): the bits
+    ``ScatteredSums``' exact norm gives for the same gradient cut among members (trainer.shard=parameters), where
+    the engine's own norm rounds by its blocks."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def grad_finite(self) -> bool:
+        return self.engine.grad_finite()
+
+    def grad_norm(self) -> float:
+        import torch
+
+        return math.sqrt(float(sum_squares_exactly(torch.as_tensor(self.engine.grad_view())).values()[0]))
+
+    def scale_grad(self, factor: float) -> None:
+        self.engine.scale_grad(factor)
 
 
 class Update(NamedTuple):

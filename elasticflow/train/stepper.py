@@ -121,19 +121,22 @@ class Stepper:
         if buffers is not None:
             engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
-        scattered = None  # stage 2 and 3, parameter servers: this member holds the sums of its own ranges only
-        if p.shards is not None and p.shards.scatters():
-            scattered = grad_check.ScatteredSums(p.shards, replica.reduce_sum)
+        summed = None  # the engine's gradient, or what stands for it in the checks below
+        if p.shards is not None and p.shards.scatters():  # stages 2 and 3, parameter servers: own ranges only
+            summed = grad_check.ScatteredSums(p.shards, replica.reduce_sum,
+                                              replica.allreduce_exact if t.reproducible else None)
+        elif t.reproducible:  # the norm's bits as stage 3's owners take it (exact sums), whatever the world size
+            summed = grad_check.ExactNorm(engine)
         if self.weighted:  # forward() weighted its micro-batches: per unit of the global batch's weight
             factor = grad_check.per_weight(metric_values[WEIGHT], s.step + 1)
             loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
             # One pass over the gradient: the weights' total is known only once the step's reduction is done,
             # after backward, so the division cannot ride in the loss.
             if factor / self.weight_scale != 1.0:
-                (scattered or engine).scale_grad(factor / self.weight_scale)
+                (summed or engine).scale_grad(factor / self.weight_scale)
 
         record: Dict[str, Any] = {"epoch": batch.epoch}
-        verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, scattered)
+        verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, summed)
         lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
         self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record, took_part)
         if scaling:

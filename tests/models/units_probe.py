@@ -5,8 +5,9 @@ submodule is a unit its workers bring in for forward and backward. The kills and
 
     EF_UNITS_KILL_BACKWARD  "worker:step": that worker SIGKILLs itself in the first backward of that step (generation
                             0), once the head, norm and block units were brought back in for it and before embed.
-    EF_UNITS_KILL           "worker:step:phase[:n][,...]": that worker SIGKILLs itself (generation 0) on entering
-                            the n-th (default 1st) call of a phase of that step (soak_shard_kill.py --stage parameters):
+    EF_UNITS_KILL           "worker:step:phase[:n][,...]": that worker SIGKILLs itself on entering the n-th (default
+                            1st) call of a phase of that step, in whichever generation that call comes (a step
+                            another death made redo counts on) (soak_shard_kill.py --stage parameters):
                             forward_fetch   a unit brought in for forward: the peers wait in vain for its pieces
                             backward_fetch  a unit brought in again in backward
                             reduce          a unit's gradient on its way to its owners
@@ -90,7 +91,7 @@ _phase_calls = {}
 def _die_in(phase):
     ctx = elasticflow.context()
     kill = PHASE_KILLS.get((digits_probe.WORKER, ctx.step))
-    if ctx.generation != 0 or kill is None or kill[0] != phase:
+    if kill is None or kill[0] != phase:
         return
     _phase_calls[phase] = _phase_calls.get(phase, 0) + 1
     if _phase_calls[phase] == kill[1]:

@@ -146,6 +146,9 @@ class Engine:
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
         self.optimizer = make_optimizer(spec, plist, self.flat_param, self.flat_grad, self._runs)
+        # trainer.shard=parameters: the float32 frozen parameters (a LoRA base) in a paged vector of their own, held
+        # in ranges like the trainable ones, with no gradient and no optimizer state (replica/frozen_shards.py)
+        self.frozen_pages = self._page_frozen() if paged_params else None
         self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
         self._host: Optional[Dict[str, torch.Tensor]] = None  # state(copy=False) on a GPU: pinned mirrors
         self._checked = False
@@ -373,6 +376,32 @@ class Engine:
 
     def parameter_units(self) -> Tuple[Optional[torch.nn.Module], List[torch.Tensor]]:
         return self.module, list(self.params.values())
+
+    def _page_frozen(self) -> Any:
+        from ..._util.pages import PagedVector
+
+        paged = [p for p in self.frozen.values() if p.dtype == torch.float32 and p.device.type == "cpu"]
+        if not paged:
+            return None
+        vector = PagedVector(sum(p.numel() for p in paged))
+        at = 0
+        for p in paged:
+            view = vector.tensor[at:at + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+            at += p.numel()
+        return vector
+
+    def frozen_units(self) -> List[torch.Tensor]:
+        """The frozen parameters in ``frozen_pages`` (``paged_params=True``), in its order."""
+        if self.frozen_pages is None:
+            return []
+        return [p for p in self.frozen.values() if p.dtype == torch.float32 and p.device.type == "cpu"]
+
+    def frozen_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(name, shape) of each frozen parameter in ``frozen_pages``, in its order."""
+        kept = {id(p) for p in self.frozen_units()}
+        return [(n, tuple(p.shape)) for n, p in self.frozen.items() if id(p) in kept]
 
     def zero_grad_range(self, lo: int, hi: int) -> None:
         if self.grad_pages is not None:
