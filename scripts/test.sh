@@ -14,4 +14,4 @@ cd "$(dirname "$0")/.."
 workers=${EF_TEST_WORKERS:-2}
 parallel=()
 [ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadgroup)
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600 --durations=30 "${parallel[@]}" "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600 --durations=80 "${parallel[@]}" "$@"

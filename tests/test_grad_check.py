@@ -138,6 +138,10 @@ def test_the_norm_in_blocks_is_the_same_wherever_the_vector_is_cut():
     pieces = sum(sum_squares(x[a:b], a) for a, b in zip(cuts, cuts[1:]))
     assert abs(pieces - sum_squares(x)) / exact < 1e-7
     assert abs(sum_squares(x) - exact) / exact < 2e-6
+    # precise (float16's loss scaling): float64 blocks, so the cut moves the sum by ~1e-16, not ~1e-9
+    precise = sum(sum_squares(x[a:b], a, precise=True) for a, b in zip(cuts, cuts[1:]))
+    assert abs(precise - sum_squares(x, 0, precise=True)) / exact < 1e-14
+    assert abs(sum_squares(x, 0, precise=True) - exact) / exact < 1e-13
 
 
 @pytest.mark.parametrize("name", ["torch", "tensorflow"])

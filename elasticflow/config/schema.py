@@ -296,10 +296,6 @@ def validate(cfg: Any) -> None:
     _choice(t.shard, SHARD_STAGES, "trainer.shard",
             "pass trainer.shard=optimizer (ZeRO stage 1), gradients (stage 2), parameters (stage 3) or none "
             "(replicated state)")
-    if t.shard in ("gradients", "parameters") and precision_name(t.precision) == "16":
-        raise ElasticFlowError(f"trainer.shard={t.shard} does not run float16's loss scaling yet (its runs were not "
-                               "shown to end on the 1-worker model)", "pass trainer.precision=bf16 (no loss scale), "
-                               "or trainer.shard=optimizer")
     if t.shard == "parameters" and cfg.backend.name != "torch":
         raise ElasticFlowError(f"trainer.shard=parameters is built for backend=torch, not {cfg.backend.name} (it "
                                "brings parameters in per submodule with torch's module and autograd hooks)",

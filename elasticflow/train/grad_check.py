@@ -34,8 +34,8 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     otherwise be applied, and train and checkpoint NaN weights.
 
     ``summed``: the summed gradient where each member holds the sums of its own ranges only
-    (``ScatteredSums``: trainer.shard=gradients|parameters), the engine's with an exact norm (``ExactNorm``:
-    trainer.reproducible); None: the engine's.
+    (``ScatteredSums``: trainer.shard=gradients|parameters), the engine's with a norm that does not depend on
+    the cut (``WholeNorm``: trainer.reproducible, float16); None: the engine's.
 
     Note: the check reuses the norm where clipping or scaling takes one; otherwise it costs one read of
     the gradient (its sum: ``Engine.grad_finite``): a fraction of a millisecond for a few million parameters
@@ -89,9 +89,10 @@ class ScatteredSums:
     """
 
     def __init__(self, shards: Any, reduce_sum: Callable[[list], list],
-                 allreduce_exact: Optional[Callable[[Any], Any]] = None):
+                 allreduce_exact: Optional[Callable[[Any], Any]] = None, precise: bool = False):
         self.shards, self.reduce_sum = shards, reduce_sum
         self.allreduce_exact = allreduce_exact  # trainer.reproducible: the norm's sum exact (Replica.allreduce_exact)
+        self.precise = precise  # float16's loss scaling: blocks in float64 (norms.sum_squares)
 
     def grad_finite(self) -> bool:
         bad = sum(0.0 if math.isfinite(float(r.sum())) else 1.0 for r in self.shards.reduced.values())
@@ -105,20 +106,20 @@ class ScatteredSums:
         lo, hi = self.shards.own_range()
         if self.allreduce_exact is not None:
             return math.sqrt(float(self.allreduce_exact(sum_squares_exactly(self.shards.reduced[(lo, hi)])).values()[0]))
-        return math.sqrt(self.reduce_sum([sum_squares(self.shards.reduced[(lo, hi)], lo)])[0])
+        return math.sqrt(self.reduce_sum([sum_squares(self.shards.reduced[(lo, hi)], lo, self.precise)])[0])
 
     def scale_grad(self, factor: float) -> None:
         for summed in self.shards.reduced.values():
             summed.mul_(factor)
 
 
-class ExactNorm:
-    """The engine's whole summed gradient with its norm summed exactly (``trainer.reproducible``): the bits
-    ``ScatteredSums``' exact norm gives for the same gradient cut among members (trainer.shard=parameters), where
-    the engine's own norm rounds by its blocks."""
+class WholeNorm:
+    """The engine's whole summed gradient with the norm ``ScatteredSums`` takes of it cut among owners
+    (trainer.shard=gradients|parameters), where the engine's own norm rounds by its float32 blocks: summed
+    exactly (``exact``: trainer.reproducible, the same bits), else with float64 blocks (float16's loss scaling)."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, engine: Any, exact: bool):
+        self.engine, self.exact = engine, exact
 
     def grad_finite(self) -> bool:
         return self.engine.grad_finite()
@@ -126,7 +127,12 @@ class ExactNorm:
     def grad_norm(self) -> float:
         import torch
 
-        return math.sqrt(float(sum_squares_exactly(torch.as_tensor(self.engine.grad_view())).values()[0]))
+        from .._util.norms import sum_squares
+
+        grad = torch.as_tensor(self.engine.grad_view())
+        if self.exact:
+            return math.sqrt(float(sum_squares_exactly(grad).values()[0]))
+        return math.sqrt(sum_squares(grad, 0, precise=True))
 
     def scale_grad(self, factor: float) -> None:
         self.engine.scale_grad(factor)

@@ -122,11 +122,15 @@ class Stepper:
             engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
         summed = None  # the engine's gradient, or what stands for it in the checks below
+        # The norm's bits must not depend on how stage 3 cuts the gradient among owners: summed exactly under
+        # trainer.reproducible (~100 ms per million elements of a range; only there), in float64 blocks under
+        # float16's loss scaling (whose casts amplify the last bits of a clipping factor)
+        exact = t.reproducible and t.shard == "parameters"
         if p.shards is not None and p.shards.scatters():  # stages 2 and 3, parameter servers: own ranges only
             summed = grad_check.ScatteredSums(p.shards, replica.reduce_sum,
-                                              replica.allreduce_exact if t.reproducible else None)
-        elif t.reproducible:  # the norm's bits as stage 3's owners take it (exact sums), whatever the world size
-            summed = grad_check.ExactNorm(engine)
+                                              replica.allreduce_exact if exact else None, scaling)
+        elif exact or scaling:  # on one worker (or two, each holding all) as the owners take it
+            summed = grad_check.WholeNorm(engine, exact=exact)
         if self.weighted:  # forward() weighted its micro-batches: per unit of the global batch's weight
             factor = grad_check.per_weight(metric_values[WEIGHT], s.step + 1)
             loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
