@@ -141,6 +141,19 @@ def test_a_kill_in_each_other_phase_of_a_step_ends_on_the_one_worker_model(tmp_p
     assert_equivalent(run, want, records=False)
 
 
+def test_bf16_and_activation_checkpointing_end_on_the_one_worker_model(tmp_path, one_worker):
+    """Under autocast to bf16 autograd saves each unit's bf16 copy of its weights, not the weights (backward then
+    fetches nothing for them); with torch.utils.checkpoint on the block its forward runs again inside backward,
+    and the unit is brought in for it and kept for its recomputed ops. 3 workers end on the 1-worker model with
+    both at once (1e-5). One thread a worker, on 1 worker too: under bf16, 1 worker with 2 threads ends 3e-2 from
+    1 worker with 1 (rounding alone)."""
+    extra = ["trainer.precision=bf16", "+model_args.checkpointing=1", "trainer.max_steps=30", "backend.threads=1"]
+    want = one_worker(*ARGS, *extra, model=UNITS)
+    run = tmp_path / "run"
+    train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *ARGS, *extra, model=UNITS)
+    assert_equivalent(run, want, records=False)
+
+
 @pytest.mark.parametrize("stage, precision", [("gradients", "32"), ("parameters", "32"), ("parameters", "16")])
 def test_clipping_takes_the_norm_over_the_owners_sums(tmp_path, one_worker, stage, precision):
     """trainer.grad_clip with no worker holding the whole summed gradient (stages 2 and 3): each owner adds the
@@ -166,13 +179,14 @@ def test_parameter_groups_keep_their_lr_and_decay_over_the_units_slices(tmp_path
     lies inside the units' slices, and each owner updates its range with its stretches' settings: 3 workers end
     on the 1-worker model. SGD with momentum: Adam with an L2 decay and these groups is chaotic on this model
     (1 worker with another micro-batch size ends 7e-5 away in loss, as 2 workers do: rounding, amplified)."""
+    steps = ["trainer.max_steps=30"]
     groups = ["optimizer.weight_decay=0.01",
               "optimizer.groups=[{params:[head],lr:0.002},{params:[norm],weight_decay:0.0}]"]
-    want = one_worker(*ARGS, *groups, model=UNITS)
+    want = one_worker(*ARGS, *steps, *groups, model=UNITS)
     run = tmp_path / "run"
-    train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *ARGS, *groups, model=UNITS)
+    train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *ARGS, *steps, *groups, model=UNITS)
     assert_equivalent(run, want, records=False)
-    baseline = one_worker(*ARGS, "optimizer.weight_decay=0.01", model=UNITS)  # the groups changed the model
+    baseline = one_worker(*ARGS, *steps, "optimizer.weight_decay=0.01", model=UNITS)  # the groups changed it
     with pytest.raises(AssertionError):
         assert_equivalent(run, baseline, records=False)
 

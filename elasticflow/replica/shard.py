@@ -396,8 +396,8 @@ class ShardedState(HeldParameters, CheckpointPieces):
         if self.frozen is not None and not plan.lost:  # the frozen ranges first: nothing of them rolls forward
             frozen_want = self.frozen.want(target_members[1] if target_members else group.world,
                                            target_members[0] if target_members else ())
-            if self.frozen.redistribute(group, frozen_want, keep=target_members is not None):
-                plan.lost = [(0, 0)]  # a frozen range with no holder: the same fallback (its values are in the checkpoint)
+            # A frozen range with no holder: the same fall back (the checkpoint holds its values)
+            plan.lost = self.frozen.redistribute(group, frozen_want, keep=target_members is not None)
         if plan.lost:
             if layout is not None:  # the fallback (keep_local) takes its ranges from the checkpoint by it
                 self.layout, self.tags = layout, tags
