@@ -14,7 +14,8 @@
 4. trainer.shard=parameters (stage 3, issue #46): each worker's peak resident set (VmHWM) with 4 workers on a
    deep MLP (scripts/bench/deep_mlp.py, 154M parameters by default, Adam), against trainer.shard=none and torch's
    FSDP2 on gloo with the same units (scripts/bench/fsdp2_mlp.py), and the median step time of each. Minutes.
-   ``--world 2``: the same at 2 workers.
+   ``--world 2``: the same at 2 workers. ``--frozen 10``: the first 10 blocks frozen (a base with no gradient or
+   optimizer state, as under LoRA), without the FSDP2 arm.
 5. A model bigger than one worker: each worker of the deep MLP in a memory cgroup of its own (cgroup v1, root)
    limited to ``--limit-mb`` MiB from model() on. One worker with shard=none (the parameters, the gradient and
    Adam's two moments: 2.5 GB at 154M parameters) is OOM-killed; 4 workers with trainer.shard=parameters and
@@ -84,15 +85,17 @@ def memory_part(tmp: Path, hidden: int) -> None:
             print(f"   {world}  {replicas:14d}  {most:18d}  {rep:10d}  {most / rep:.3f}  ({1 / world:.3f})", flush=True)
 
 
-def stage3_part(tmp: Path, width: int, depth: int, steps: int, world: int = 4) -> None:
-    """4. trainer.shard=parameters: each worker's peak resident set against shard=none's and torch FSDP2's."""
+def stage3_part(tmp: Path, width: int, depth: int, steps: int, world: int = 4, frozen: int = 0) -> None:
+    """4. trainer.shard=parameters: each worker's peak resident set against shard=none's and torch FSDP2's
+    (``frozen``: the first blocks frozen, a base; FSDP2 is not run then)."""
     params = depth * (width * width + width) + width + 1
     print(f"\n4. Peak RSS per worker (VmHWM), {world} workers, deep MLP {depth} x {width} ({params / 1e6:.0f}M "
-          f"parameters), Adam, global batch 16, {steps} steps; ratio to shard=none", flush=True)
+          f"parameters{f', the first {frozen} blocks frozen' if frozen else ''}), Adam, global batch 16, {steps} "
+          "steps; ratio to shard=none", flush=True)
     args = [f"+model_args.width={width}", f"+model_args.depth={depth}", "trainer.global_batch_size=16",
             f"trainer.max_steps={steps}", f"launcher.workers={world}", "elastic.timeout_s=600",
-            "elastic.heartbeat_timeout_s=300", "checkpoint.interval.steps=null"]
-    peaks, times = {}, {}
+            "elastic.heartbeat_timeout_s=300", "checkpoint.interval.steps=null", f"+model_args.frozen={frozen}"]
+    peaks, training, times = {}, {}, {}
     for label, extra in (("shard=none", ["trainer.shard=none"]),
                          ("shard=parameters, shard_replicas=0", ["trainer.shard=parameters", "elastic.shard_replicas=0"]),
                          ("shard=parameters, shard_replicas=1", ["trainer.shard=parameters"])):
@@ -100,20 +103,27 @@ def stage3_part(tmp: Path, width: int, depth: int, steps: int, world: int = 4) -
         hwm.mkdir()
         run = tmp / f"deep-{len(peaks)}"
         train(run, DEEP, *args, *extra, timeout=3600, env={"EF_BENCH_HWM": str(hwm)})
-        peaks[label] = max(int(f.read_text()) for f in hwm.iterdir()) / 1024
+        read = [[int(v) for v in f.read_text().split()] for f in hwm.iterdir()]
+        peaks[label] = max(r[0] for r in read) / 1024
+        training[label] = max(r[-1] for r in read) / 1024
         times[label] = statistics.median(r["step_time_s"] for r in jsonl(run / "metrics.jsonl") if "loss" in r)
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "fsdp2_mlp.py"), "--world", str(world),
-                           "--width", str(width), "--depth", str(depth), "--steps", str(steps)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
-    if proc.returncode == 0:
+    proc = None if frozen else subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench" / "fsdp2_mlp.py"), "--world", str(world), "--width",
+         str(width), "--depth", str(depth), "--steps", str(steps)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+    if proc is None:
+        pass
+    elif proc.returncode == 0:
         fsdp = json.loads(proc.stdout.strip().splitlines()[-1])
         peaks["torch FSDP2 (gloo)"] = max(fsdp["hwm_kib"]) / 1024
         times["torch FSDP2 (gloo)"] = statistics.median(t for rank in fsdp["step_s"] for t in rank[1:])
     else:
         print(f"   torch FSDP2 failed: {proc.stdout[-1500:]}")
-    base = peaks["shard=none"]
+    base, trained = peaks["shard=none"], training.get("shard=none")
     for label, mib in peaks.items():
-        print(f"   {label:38s} {mib:8.0f} MiB  {mib / base:.3f}x   step {times[label]:.2f} s", flush=True)
+        after = "" if label not in training else \
+            f"   training only {training[label]:6.0f} MiB  {training[label] / trained:.3f}x"
+        print(f"   {label:38s} {mib:8.0f} MiB  {mib / base:.3f}x{after}   step {times[label]:.2f} s", flush=True)
 
 
 def cgroup_parent() -> Path:
@@ -231,6 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--deep", default="3584x12", help="part 4's MLP, WIDTHxDEPTH (3584x12: 154M parameters)")
     p.add_argument("--deep-steps", type=int, default=6, help="steps per run in parts 4 and 5")
     p.add_argument("--world", type=int, default=4, help="workers in part 4")
+    p.add_argument("--frozen", type=int, default=0, help="part 4: freeze the first this many blocks (a base)")
     p.add_argument("--limit-mb", type=int, default=2048, help="part 5's memory limit per worker (MiB)")
     args = p.parse_args(argv)
     print(f"bench_shard {' '.join(argv or sys.argv[1:])}; load average {os.getloadavg()[0]:.2f}; "
@@ -248,7 +259,7 @@ def main(argv=None) -> int:
             recovery_part(tmp, args.kills)
         if 4 in args.parts:
             width, depth = (int(v) for v in args.deep.split("x"))
-            stage3_part(tmp, width, depth, args.deep_steps, args.world)
+            stage3_part(tmp, width, depth, args.deep_steps, args.world, args.frozen)
         if 5 in args.parts:
             width, depth = (int(v) for v in args.deep.split("x"))
             limit_part(tmp, width, depth, args.deep_steps, args.limit_mb)
