@@ -58,13 +58,18 @@ class PagedVector:
         self.drop(lo, hi)
 
     def resident_bytes(self) -> int:
-        """Bytes of the vector in memory now (the present bit of each page in /proc/self/pagemap: smaps would
-        count a neighbouring mapping the kernel merged with this one), for tests and benchmarks."""
-        first, pages = self.tensor.data_ptr() // PAGE, -(-self.n * FLOAT // PAGE)
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first * 8)
-            entries = np.frombuffer(f.read(pages * 8), dtype=np.uint64)
-        return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * PAGE
+        """Bytes of the vector in memory now (``resident_bytes``), for tests and benchmarks."""
+        return resident_bytes(self.tensor.data_ptr(), self.n * FLOAT)
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of the pages from ``address`` (page-aligned) over ``nbytes`` that are in memory now: the present bit of
+    each page in /proc/self/pagemap (smaps would count a neighbouring mapping the kernel merged with this one)."""
+    first, pages = address // PAGE, -(-nbytes // PAGE)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read(pages * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * PAGE
 
 
 LAZY = 1 << 18  # elements (1 MiB): shorter vectors are plain tensors (a mapping each would cost more than it saves)

@@ -25,7 +25,8 @@ import torch
 
 from ..checkpoint.format import Partial, Sharded
 from .param_units import HeldParameters, merge
-from .shard_plan import KEPT, MAX_HELD, Range, needed, owned, plan_moves
+from .shard_pieces import own_piece
+from .shard_plan import KEPT, Range, held_row, needed, owned, plan_moves
 
 TAGS = 1 << 29  # the redistribution's message tags, apart from the fetches' (gloo matches by source and tag)
 
@@ -51,9 +52,6 @@ class FrozenShards(HeldParameters):
         self.group: Any = None
         self._fetches = 0
 
-    def resident_bytes(self) -> int:
-        return self.paged.resident_bytes()
-
     # ------------------------------------------------------------------ a membership change
     def redistribute(self, group: Any, want: Dict[int, List[Range]], keep: bool = False) -> List[Range]:
         """Every member of ``group`` receives the ranges ``want`` gives it (by its rank in ``group``) that it does
@@ -61,10 +59,7 @@ class FrozenShards(HeldParameters):
         beside the new ones (the next generation may not form). Returns the ranges nobody holds (nothing moved);
         raises CommError when a member fails meanwhile."""
         rows = torch.zeros((group.world, KEPT), dtype=torch.float64)
-        held = sorted(self.held)[:MAX_HELD]
-        rows[group.rank, 1] = len(held)
-        for i, (lo, hi) in enumerate(held):
-            rows[group.rank, 2 + 2 * i:4 + 2 * i] = torch.tensor([lo, hi], dtype=torch.float64)
+        rows[group.rank] = torch.tensor(held_row(0, list(self.held)), dtype=torch.float64)
         group.allreduce_(rows)  # progress 0 for every row: the values are the same at every step
         plan = plan_moves(rows.numpy(), want)
         if plan.lost:
@@ -111,10 +106,4 @@ class FrozenShards(HeldParameters):
         lo, hi = owned(self.n, self.world, self.rank)
         if not any(a <= lo and hi <= b for a, b in self.held):
             lo, hi = 0, 0  # not held (a lost range, before the fallback's load): nothing to write
-        out: Dict[str, Partial] = {}
-        for p, (at, shape) in self.param_at.items():
-            size = int(np.prod(shape, dtype=np.int64))
-            start, end = max(lo, at), min(hi, at + size)
-            data = self.params[start:end].numpy() if end > start else np.zeros(0, np.float32)
-            out[p] = Partial(data, start - at if end > start else 0, shape)
-        return out
+        return {p: own_piece(self.params, lo, hi, at, shape) for p, (at, shape) in self.param_at.items()}

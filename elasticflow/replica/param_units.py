@@ -126,7 +126,7 @@ def _spans(children: List[Tuple[str, torch.nn.Module]], params: Sequence[torch.T
 
 
 class _Where:
-    """Which unit a view of a flat vector (by its storage offset) belongs to: -1 the root's, None not this vector's."""
+    """Which unit each element of a flat vector belongs to (-1: the root), and the vector's storage address."""
 
     def __init__(self, base: torch.Tensor, spans: List[List[Span]]):
         self.ptr = base.untyped_storage().data_ptr()
@@ -136,9 +136,8 @@ class _Where:
         self.ends = np.asarray([s[1] for sp in spans for s in sp], dtype=np.int64)[order]
         self.unit_of = np.asarray([u for u, sp in enumerate(spans) for _ in sp], dtype=np.int64)[order]
 
-    def unit(self, ptr: int, at: int) -> Optional[int]:
-        if ptr != self.ptr:
-            return None
+    def unit(self, at: int) -> int:
+        """The unit of element ``at`` (-1: the root)."""
         i = int(np.searchsorted(self.starts, at, side="right")) - 1
         return int(self.unit_of[i]) if i >= 0 and at < self.ends[i] else -1
 
@@ -173,7 +172,7 @@ class ParamUnits:
         self._param_unit = []
         at = 0
         for p in params:
-            self._param_unit.append(self._where[0].unit(self._where[0].ptr, at))
+            self._param_unit.append(self._where[0].unit(at))
             at += p.numel()
         self._params_of = [self._param_unit.count(u) for u in range(len(self.spans))]
         self._arrived = [0] * len(self.spans)
@@ -263,7 +262,7 @@ class ParamUnits:
         except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional wrapper)
             return t
         at = int(t.storage_offset())
-        u = next((w.unit(ptr, at) for w in self._where if w.ptr == ptr), None)
+        u = next((w.unit(at) for w in self._where if w.ptr == ptr), None)
         if u is None or u < 0:
             return t  # not a parameter, or the root's: in for the whole micro-batch
         if not self.resident[u]:
@@ -424,12 +423,11 @@ class HeldParameters:
                 sends.append((grad[a:b], r, tag))
         self.group.exchange(sends, recvs)
         for a, b, pieces in sums:
-            acc = self.acc[a - lo_own:b - lo_own]
             for piece in pieces:
                 if self.reproducible:
                     self.exact.add(piece, at=a - lo_own)
                 else:
-                    acc.add_(piece)
+                    self.acc[a - lo_own:b - lo_own].add_(piece)
         for lo, hi in spans:
             self.engine.zero_grad_range(lo, hi)
 

@@ -71,8 +71,8 @@ from ..errors import ElasticFlowError
 from ..optim import SGD, Adam, OptimizerSpec
 from . import parameter_server
 # The layout and the plans live in shard_plan; imported here for the callers that know this module.
-from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers, held_ranges,
-                         needed, owned, plan_moves, plan_roll)
+from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers, held_ranges,  # noqa: F401
+                         held_row, needed, owned, plan_moves, plan_roll)
 from .flat_update import FlatUpdate, KeptStep, participation_of  # noqa: F401 - shard.FlatUpdate: tests patch it
 from .frozen_shards import FrozenShards
 from .param_units import HeldParameters
@@ -354,8 +354,7 @@ class ShardedState(HeldParameters, CheckpointPieces):
         it does not commit (no collective lies between the update and the commit)."""
         held = sorted(self.held)[:MAX_HELD]
         at = self.at if self.at >= committed else -1
-        row = [at, len(held)] + [x for r in held for x in r]
-        row += [0] * (KEPT - len(row))
+        row = held_row(at, held)
         # Parameter servers: a holder that has this step's sums of all its ranges can apply it by itself.
         sums = float(at >= 0 and self.serves() and bool(held) and all(r in self.reduced for r in held))
         last = self.last

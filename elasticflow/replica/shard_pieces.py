@@ -4,7 +4,7 @@ own pieces of them (``partials``). A mixin: it reads the state's ``n``, ``world`
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
@@ -47,12 +47,17 @@ class CheckpointPieces:
         (a, _), slots = found
         out: Dict[str, Partial] = {}
         for p, (at, shape) in self.param_at.items():
-            size = int(np.prod(shape, dtype=np.int64))
-            start, end = max(lo, at), min(hi, at + size)
             if self.paged is not None:  # stage 3: the parameters' own range too
-                data = self.params[start:end].numpy() if end > start else np.zeros(0, np.float32)
-                out[p] = Partial(data, start - at if end > start else 0, shape)
+                out[p] = own_piece(self.params, lo, hi, at, shape)
             for s in self.slot_names:
-                data = slots[s][start - a:end - a].numpy() if end > start else np.zeros(0, np.float32)
-                out[f"optimizer/{p}/{s}"] = Partial(data, start - at if end > start else 0, shape)
+                out[f"optimizer/{p}/{s}"] = own_piece(slots[s], lo, hi, at, shape, base=a)
         return out
+
+
+def own_piece(vector: Any, lo: int, hi: int, at: int, shape: Tuple[int, ...], base: int = 0) -> Partial:
+    """Elements [lo, hi) of a flat vector that lie in the tensor at offset ``at`` of ``shape``, as that tensor's
+    ``Partial`` (a view: read it before the next step); ``vector`` holds the flat vector's elements from ``base``."""
+    start, end = max(lo, at), min(hi, at + int(np.prod(shape, dtype=np.int64)))
+    if end <= start:
+        return Partial(np.zeros(0, np.float32), 0, shape)
+    return Partial(vector[start - base:end - base].numpy(), start - at, shape)

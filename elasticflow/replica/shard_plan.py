@@ -62,6 +62,14 @@ def covers(ranges: Sequence[Range], n: int) -> bool:
     return at >= n
 
 
+def held_row(at: int, ranges: Sequence[Range]) -> List[float]:
+    """The head of a table row (the KEPT columns before the kept step): progress ``at``, then up to MAX_HELD of
+    ``ranges`` (sorted), zero-padded."""
+    held = sorted(ranges)[:MAX_HELD]
+    row = [at, len(held)] + [x for r in held for x in r]
+    return row + [0] * (KEPT - len(row))
+
+
 def held_ranges(row: Sequence[float]) -> List[Range]:
     """The ranges a table row lists, in its order (``table_row`` sorts them)."""
     return [(int(row[2 + 2 * i]), int(row[3 + 2 * i])) for i in range(int(row[1]))]

@@ -25,6 +25,7 @@ import gpt2_lora  # noqa: E402
 from gpt2_lora import data, eval_data  # noqa: E402,F401 - the model file's data
 
 import elasticflow  # noqa: E402
+from elasticflow._util.pages import resident_bytes  # noqa: E402
 
 KILL = tuple(int(v) for v in os.environ["EF_LORA_KILL"].split(":")) if os.environ.get("EF_LORA_KILL") else None
 RESIDENT = os.environ.get("EF_LORA_RESIDENT")
@@ -53,14 +54,8 @@ def forward(ids, model):
 
 
 def _record(ctx, storage):
-    page = os.sysconf("SC_PAGE_SIZE")
-    first, pages = storage.data_ptr() // page, -(-storage.nbytes() // page)
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(first * 8)
-        entries = f.read(pages * 8)
-    present = sum(entries[i + 7] >> 7 for i in range(0, len(entries), 8))
     line = {"worker": digits_probe.WORKER, "step": ctx.step, "world": ctx.world_size,
-            "resident": present * page, "total": storage.nbytes()}
+            "resident": resident_bytes(storage.data_ptr(), storage.nbytes()), "total": storage.nbytes()}
     with open(Path(RESIDENT) / f"{os.getpid()}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
 

@@ -22,7 +22,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -31,6 +30,7 @@ from digits_probe import data  # noqa: F401 - the model file's data()
 from digits_mlp import eval_data  # noqa: F401,E402 - importable once digits_probe put models/ on the path
 
 import elasticflow
+from elasticflow._util.pages import resident_bytes
 
 
 class Net(nn.Module):
@@ -123,13 +123,8 @@ _resident_seen, _grads_seen = set(), set()
 
 
 def _record_resident(ctx, tensor, what):
-    storage, page = tensor.untyped_storage(), os.sysconf("SC_PAGE_SIZE")
-    first, pages = storage.data_ptr() // page, -(-storage.nbytes() // page)
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(first * 8)
-        entries = np.frombuffer(f.read(pages * 8), dtype=np.uint64)
+    storage = tensor.untyped_storage()
     line = {"worker": digits_probe.WORKER, "step": ctx.step, "generation": ctx.generation, "world": ctx.world_size,
-            "what": what, "resident": int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page,
-            "total": storage.nbytes()}
+            "what": what, "resident": resident_bytes(storage.data_ptr(), storage.nbytes()), "total": storage.nbytes()}
     with open(Path(RESIDENT) / f"{os.getpid()}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

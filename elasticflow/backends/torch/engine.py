@@ -148,6 +148,7 @@ class Engine:
         self.optimizer = make_optimizer(spec, plist, self.flat_param, self.flat_grad, self._runs)
         # trainer.shard=parameters: the float32 frozen parameters (a LoRA base) in a paged vector of their own, held
         # in ranges like the trainable ones, with no gradient and no optimizer state (replica/frozen_shards.py)
+        self._paged_frozen: List[str] = []  # their names, in the vector's order
         self.frozen_pages = self._page_frozen() if paged_params else None
         self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
         self._host: Optional[Dict[str, torch.Tensor]] = None  # state(copy=False) on a GPU: pinned mirrors
@@ -378,14 +379,15 @@ class Engine:
         return self.module, list(self.params.values())
 
     def _page_frozen(self) -> Any:
+        """The float32 host frozen parameters moved into one ``PagedVector`` (their names: ``_paged_frozen``)."""
         from ..._util.pages import PagedVector
 
-        paged = [p for p in self.frozen.values() if p.dtype == torch.float32 and p.device.type == "cpu"]
-        if not paged:
+        self._paged_frozen = [n for n, p in self.frozen.items() if p.dtype == torch.float32 and p.device.type == "cpu"]
+        if not self._paged_frozen:
             return None
-        vector = PagedVector(sum(p.numel() for p in paged))
+        vector = PagedVector(sum(self.frozen[n].numel() for n in self._paged_frozen))
         at = 0
-        for p in paged:
+        for p in self.frozen_units():
             view = vector.tensor[at:at + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view
@@ -394,14 +396,11 @@ class Engine:
 
     def frozen_units(self) -> List[torch.Tensor]:
         """The frozen parameters in ``frozen_pages`` (``paged_params=True``), in its order."""
-        if self.frozen_pages is None:
-            return []
-        return [p for p in self.frozen.values() if p.dtype == torch.float32 and p.device.type == "cpu"]
+        return [self.frozen[n] for n in self._paged_frozen]
 
     def frozen_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """(name, shape) of each frozen parameter in ``frozen_pages``, in its order."""
-        kept = {id(p) for p in self.frozen_units()}
-        return [(n, tuple(p.shape)) for n, p in self.frozen.items() if id(p) in kept]
+        return [(n, tuple(self.frozen[n].shape)) for n in self._paged_frozen]
 
     def zero_grad_range(self, lo: int, hi: int) -> None:
         if self.grad_pages is not None:
