@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #16 on a machine with a CUDA GPU: tests/test_gpu.py and tests/test_precision.py,
+# The GPU checks of issues #16 and #46 on a machine with a CUDA GPU: tests/test_gpu.py and tests/test_precision.py,
 # then scripts/bench_gpu.py. Writes REPORT_DIR/gpu_report.txt (REPORT_DIR: $OUT where set, else ./gpu_report,
 # which .gitignore ignores). Runs on that machine's own torch (any 2.x with CUDA); Hydra and OmegaConf may
 # travel as wheels in .whl/ (scripts/fetch_gpu_wheels.sh; the accelerator machines have no package index).

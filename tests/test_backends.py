@@ -158,8 +158,10 @@ def test_the_scan_finds_an_engine_probe():
 def test_the_backends_have_the_same_shape():
     """Keras 3's backend/{torch,tensorflow}/: the same module names wherever a concern exists on both."""
     modules = {name: {p.stem for p in (PACKAGE / name).glob("*.py")} for name in BACKENDS}
-    assert modules["torch"] == {"__init__", "ops", "data", "devices", "native", "optim", "engine"}
-    assert modules["tensorflow"] - modules["torch"] == {"compiled", "quiet"}  # TensorFlow's own extras
+    shared = {"__init__", "ops", "data", "devices", "native", "optim", "engine"}
+    assert modules["torch"] - shared == {"device_pages"}  # torch's own: a GPU's vector for trainer.shard=parameters
+    assert modules["tensorflow"] - shared == {"compiled", "quiet"}  # TensorFlow's own extras
+    assert shared <= modules["torch"] and shared <= modules["tensorflow"]
     assert not [p.name for p in PACKAGE.glob("*.py") if p.stem in BACKENDS or p.stem.startswith(("torch_", "tensorflow_"))]
 
 

@@ -136,3 +136,44 @@ def test_a_member_killed_before_an_exchanged_sum_is_a_comm_error(tmp_path):
     for r in (0, 2):
         assert "allreduce failed" in res[r].get("error", ""), res[r]
         assert "Timed out" not in res[r]["error"], res[r]  # the closed socket woke it, not the 20 s timeout
+
+
+def test_gpu_point_to_point_pairs_the_same_tags_on_both_sides_as_nccl_matches_by_order():
+    """NCCL ignores tags and matches a pair's messages by order: exchange posts each side's GPU messages in
+    (peer, tag) order inside one NCCL group, so a sender listing its pieces in any order still pairs each with
+    the receive of the same tag. (The NCCL calls themselves need a GPU: scripts/gpu_check.sh.)"""
+    from elasticflow.distributed.comm import Group
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def _start_coalescing(self, device):
+            self.calls.append("start")
+
+        def _end_coalescing(self, device):
+            self.calls.append("end")
+
+        def send(self, tensors, peer, tag):
+            self.calls.append(("send", peer, int(tensors[0][0])))
+
+        def recv(self, tensors, peer, tag):
+            self.calls.append(("recv", peer, int(tensors[0][0])))
+
+    sides = []
+    for _ in range(2):
+        g = Group.__new__(Group)
+        g.nccl, g.aborted = Recorder(), False
+        g._nccl_done = lambda work, device: None  # the device sync: a GPU's
+        sides.append(g)
+    import torch
+
+    tagged = {tag: torch.full((3,), float(tag)) for tag in (7, 2, 5)}  # each message carries its tag as its value
+    sides[0]._nccl_exchange([(tagged[t], 1, t) for t in (7, 2, 5)], [(torch.zeros(1), 1, 9)], torch.device("cpu"))
+    # The receiver lists its receives in another order; each buffer is marked with its tag to see the posting order
+    sides[1]._nccl_exchange([(torch.full((1,), 9.0), 0, 9)], [(torch.full((3,), float(t)), 0, t) for t in (5, 7, 2)],
+                            torch.device("cpu"))
+    sent = [c[2] for c in sides[0].nccl.calls if c[0] == "send"]
+    received = [c[2] for c in sides[1].nccl.calls if c[0] == "recv"]
+    assert sides[0].nccl.calls[0] == "start" and sides[0].nccl.calls[-1] == "end"
+    assert sent == received == [2, 5, 7]

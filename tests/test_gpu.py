@@ -2,8 +2,8 @@
 
 Run them with ``scripts/gpu_check.sh`` on a GPU machine (it also runs scripts/bench_gpu.py). What one
 GPU allows: training in bf16 and float16, workers sharing the GPU over gloo with a kill and recovery,
-the model one worker trains (BatchNorm, dropout) on the GPU, and a GPU checkpoint resumed on the CPU.
-NCCL's recovery needs two GPUs or more.
+the model one worker trains (BatchNorm, dropout) on the GPU, a GPU checkpoint resumed on the CPU, and sharded
+state (``trainer.shard``, all three stages) with a kill. NCCL's recovery needs two GPUs or more.
 """
 import functools
 import os
@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import elasticflow.checkpoint as ckpt  # noqa: E402
-from harness import (final_state, finish, logged_step, members, metrics, start_exact as start,  # noqa: E402
-                     train, train_exact as train_ok, wait_for)
+from harness import (MODELS, final_state, finish, logged_step, members, metrics, start_exact as start,  # noqa: E402
+                     train, train_exact as train_ok, train_ok as train_run, wait_for)
 
 final = functools.partial(final_state, rng=False)
 
@@ -102,3 +102,58 @@ def test_nccl_survives_a_dead_peer(tmp_path):
     records = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, records[-1]["step"] + 1))
     assert records[-1]["world_size"] == workers - 1
+
+
+# ---------------------------------------------------------------- sharded state on the GPU (issue #46)
+UNITS = MODELS.parent / "tests" / "models" / "units_probe.py"
+UNIT_ARGS = ["trainer.micro_batch_size=8", "+model_args.hidden=512", "optimizer.momentum=0.9", "optimizer.lr=0.02",
+             "trainer.max_steps=24", "checkpoint.interval.steps=10", CUDA]
+
+
+def test_a_gpu_vector_gives_granules_back_and_maps_them_again_as_zeros():
+    """backends/torch/device_pages.py: CUDA's virtual memory, a granule at a time (what the CPU suite's strict
+    pages stand in for)."""
+    from elasticflow.backends.torch.device_pages import DeviceVector
+
+    v = DeviceVector(64 << 20 >> 2, torch.device("cuda"))  # 64 MiB
+    free_before = torch.cuda.mem_get_info()[0]
+    v.tensor.fill_(1.0)
+    assert v.resident_bytes() == v.size
+    given = v.drop(1000, v.n - 1000)
+    assert given >= v.size - 2 * v.granule and v.resident_bytes() == v.size - given
+    assert torch.cuda.mem_get_info()[0] >= free_before + given - v.granule  # the device got them back
+    v.ensure(0, v.n)
+    assert float(v.tensor[:1000].sum()) == 1000.0 and float(v.tensor[v.n - 1000:].sum()) == 1000.0
+    assert float(v.tensor[1000:v.n - 1000].abs().sum()) == 0.0
+    version = v.tensor._version
+    v.alias[5:9].fill_(3.0)
+    assert v.tensor._version == version and float(v.tensor[5]) == 3.0
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
+def test_sharded_state_on_the_gpu_three_workers_one_killed_same_model(tmp_path, stage):
+    """trainer.shard on a GPU (the slices, the update and, for stage 3, the flat vectors in CUDA's virtual memory):
+    three workers sharing it (gloo: their GPU tensors staged through the host), one SIGKILLed as a unit's
+    gradient goes to its owners; the survivors redo the step from the buddy copies and end on one worker's model."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train_run(ref, *UNIT_ARGS, model=UNITS)
+    train_run(run, *UNIT_ARGS, f"trainer.shard={stage}", "launcher.workers=3", model=UNITS,
+              env={"EF_UNITS_KILL": "1:9:reduce" if stage == "parameters" else "1:9:update"})
+    assert [r["world_size"] for r in metrics(run) if "loss" in r][-1] == 2
+    diff = _max_relative_difference(final(run), final(ref))
+    print(f"shard={stage} on the GPU: largest relative difference to one worker {diff:.3g}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"NCCL needs a GPU per worker; this machine has {GPUS}")
+def test_stage_3_over_nccl_survives_a_kill_in_a_units_fetch(tmp_path):
+    """comm.backend=nccl, one worker per GPU: units come in by NCCL's point to point, gradients go to their owners
+    the same way. One worker SIGKILLed as it fetches a unit in forward: the survivors end on one worker's model."""
+    workers = min(GPUS, 4)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train_run(ref, *UNIT_ARGS, model=UNITS)
+    train_run(run, *UNIT_ARGS, "trainer.shard=parameters", "comm.backend=nccl", f"launcher.workers={workers}",
+              model=UNITS, env={"EF_UNITS_KILL": f"{workers - 1}:9:forward_fetch"})
+    diff = _max_relative_difference(final(run), final(ref))
+    print(f"shard=parameters over NCCL, {workers} GPUs: largest relative difference to one worker {diff:.3g}")
+    assert diff <= 1e-5

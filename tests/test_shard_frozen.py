@@ -10,6 +10,8 @@ import pytest
 import elasticflow.checkpoint as ckpt
 from harness import MODELS, Limit, assert_equivalent, events, lose_join_retire, start, train_ok
 
+from elasticflow._util.pages import ENV_STRICT as STRICT
+
 pytest.importorskip("peft")
 
 LORA = MODELS.parent / "tests" / "models" / "lora_probe.py"
@@ -65,9 +67,10 @@ def test_a_lora_base_is_held_in_ranges_and_survives_a_kill_a_join_and_a_scale_do
 def test_a_neighbours_pair_killed_falls_back_to_the_checkpoint_holding_the_base_in_ranges(tmp_path, reference):
     """4 workers, workers 1 and 2 (neighbours: an owner and its buddy) SIGKILLed in the same step: a range has no
     holder left, so the 2 survivors load the step-10 checkpoint, in which each owner wrote its range of the
-    frozen base, keep their ranges of it, redo the steps since and end on the 1-worker model."""
+    frozen base, keep their ranges of it, redo the steps since and end on the 1-worker model. With strict pages:
+    the checkpoint's load maps the whole vector before writing it, as a GPU's must."""
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=4", "trainer.shard=parameters", *ARGS, model=LORA, common=COMMON,
-             env={"EF_PROBE_KILL": "1:14:forward,2:14:forward"})
+             env={"EF_PROBE_KILL": "1:14:forward,2:14:forward", STRICT: "1"})
     assert [e["step"] for e in events(run, "fell_back")] == [10]
     assert_equivalent(run, reference, records=False)

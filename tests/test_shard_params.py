@@ -8,6 +8,9 @@ state (harness.assert_equivalent, parameters and momentum within 1e-5), includin
 backward that was fetching units, and its checkpoint must resume without sharding and export into the module.
 """
 import json
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ import elasticflow.checkpoint as ckpt
 from harness import (MODELS, Limit, assert_bitwise, assert_equivalent, events, lose_join_retire, metrics, start,
                      train_ok, world_sizes)
 
-from elasticflow._util.pages import PagedVector
+from elasticflow._util.pages import ENV_STRICT as STRICT, PagedVector
 from elasticflow.config.schema import compose
 from elasticflow.errors import ElasticFlowError
 from elasticflow.replica.param_units import plan_units
@@ -41,6 +44,22 @@ def test_given_back_pages_read_as_zero_and_writes_through_the_alias_are_not_in_p
     version = v.tensor._version
     v.alias[:10].fill_(2.0)  # a unit arriving: autograd's saved views of v.tensor must not see an in-place change
     assert v.tensor._version == version and float(v.tensor[0]) == 2.0
+
+
+def test_strict_pages_given_back_fault_until_ensured_as_a_gpus_unmapped_memory_does():
+    """ELASTICFLOW_STRICT_PAGES=1 (the end-to-end runs below set it): the CPU keeps the GPU path's protocol, so a
+    touch of memory given back without ``ensure`` ends the process, as it would end a GPU's context."""
+    v = PagedVector(3 * 1024 * 1024, strict=True)
+    v.tensor.fill_(1.0)
+    v.zero(1000, 2 * 1024 * 1024)  # the gradient's way: whole pages given back, the partial ones written
+    v.ensure(4096, 8192)
+    assert float(v.tensor[4096:8192].abs().sum()) == 0.0 and float(v.tensor[:1000].sum()) == 1000.0
+    v.ensure(0, v.n)
+    assert float(v.tensor.sum()) == v.n - (2 * 1024 * 1024 - 1000)
+    touch = ("from elasticflow._util.pages import PagedVector\n"
+             "v = PagedVector(1 << 20, strict=True); v.drop(0, 1 << 20); print(float(v.tensor[5000]))")
+    died = subprocess.run([sys.executable, "-c", touch], capture_output=True, timeout=120)
+    assert died.returncode == -signal.SIGSEGV, (died.returncode, died.stderr[-400:])
 
 
 def test_units_are_the_top_level_submodules_and_shared_parameters_go_to_the_root():
@@ -84,12 +103,12 @@ def test_three_workers_hold_their_ranges_survive_a_kill_in_backward_a_join_and_a
     has fetched units (head, norm, block) from its peers, which fail in their own fetches: the 2 survivors redo
     the step from the dead worker's ranges their buddy copies held. A third worker then joins (it receives its
     ranges from its peers) and one retires (its ranges go to the stayers). (Kills in every other phase:
-    scripts/soak_shard_kill.py --stage parameters.)"""
+    scripts/soak_shard_kill.py --stage parameters.) With strict pages: the GPU path's protocol holds throughout."""
     run, seen, limit = tmp_path / "run", tmp_path / "resident", Limit(tmp_path / "limit", 12, last=28)
     seen.mkdir()
     proc = start(run, "launcher.workers=3", "launcher.max_workers=3", "trainer.shard=parameters", *ARGS,
                  model=UNITS, env={"EF_UNITS_KILL_BACKWARD": "2:8", "EF_UNITS_RESIDENT": str(seen),
-                                   "EF_PROBE_LIMIT": str(limit.path)})
+                                   "EF_PROBE_LIMIT": str(limit.path), STRICT: "1"})
     lose_join_retire(run, proc, limit)
     assert_equivalent(run, reference, records=False)
     kinds = [e["event"] for e in events(run)]
@@ -129,12 +148,12 @@ def test_a_kill_in_each_other_phase_of_a_step_ends_on_the_one_worker_model(tmp_p
     fetch in forward (its peers wait for its pieces), a unit's gradient on its way to its owners, and the update
     between its own range and its buddy's. The survivors redo each step from the buddy copies and end on the
     1-worker model (1e-5), with no checkpoint read. 8 micro-batches over 5 and 3 members: some are dealt fewer,
-    and replay their peers' fetches."""
+    and replay their peers' fetches. With strict pages (a worker touching memory given back dies)."""
     steps = ["trainer.max_steps=20"]
     want = one_worker(*ARGS, *steps, model=UNITS)
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=5", "trainer.shard=parameters", *ARGS, *steps, model=UNITS,
-             env={"EF_UNITS_KILL": "4:4:forward_fetch:2,1:9:reduce:3,2:14:update:2"})
+             env={"EF_UNITS_KILL": "4:4:forward_fetch:2,1:9:reduce:3,2:14:update:2", STRICT: "1"})
     assert world_sizes(run)[0] == 5 and world_sizes(run)[-1] == 2, world_sizes(run)
     kinds = [e["event"] for e in events(run)]
     assert kinds.count("left") == 3 and "fell_back" not in kinds, kinds

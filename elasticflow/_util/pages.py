@@ -6,10 +6,18 @@ ranges: the rest of the vector is brought in per unit for forward and backward a
 (``replica/param_units.py``). A private anonymous mapping does that without moving the tensor: ``drop`` tells
 the kernel (``MADV_DONTNEED``) to take the pages back, and the next touch maps a zeroed page. The address
 space stays reserved, the resident set does not.
+
+A GPU has no such pages: its vector (``backends/torch/device_pages.py``) unmaps what is given back, and a touch
+there is a fault, so every write into memory that may have been given back is preceded by ``ensure`` (a no-op
+here). ``ELASTICFLOW_STRICT_PAGES=1`` makes this vector keep that protocol too: pages given back are
+``PROT_NONE`` until ensured, and a touch without ``ensure`` is a segfault, so the CPU suite proves the
+protocol the GPU path relies on (``tests/test_shard_strict.py``).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 from typing import Tuple
 
 import numpy as np
@@ -17,6 +25,12 @@ import torch
 
 PAGE = mmap.PAGESIZE
 FLOAT = 4  # bytes per float32 element
+ENV_STRICT = "ELASTICFLOW_STRICT_PAGES"  # "1": pages given back fault until ensured (what a GPU's do)
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+
+
+def strict_default() -> bool:
+    return os.environ.get(ENV_STRICT) == "1"
 
 
 class PagedVector:
@@ -27,11 +41,15 @@ class PagedVector:
     autograd saved in forward and checks in backward.
     """
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, strict: bool = False):
         self.n = int(n)
+        self.strict = bool(strict)
         self._map = mmap.mmap(-1, max(PAGE, self.n * FLOAT), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(self._map, dtype=torch.float32, count=self.n)
         self.alias = torch.frombuffer(self._map, dtype=torch.float32, count=self.n)
+        self._base = self.tensor.data_ptr()
+        # strict: which pages are given back (PROT_NONE) now
+        self._out = np.zeros(-(-max(PAGE, self.n * FLOAT) // PAGE), dtype=bool) if self.strict else None
 
     def pages(self, lo: int, hi: int) -> Tuple[int, int]:
         """The byte span of the whole pages inside elements [lo, hi) (empty where none is whole)."""
@@ -45,21 +63,52 @@ class PagedVector:
         start, end = self.pages(lo, hi)
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            if self._out is not None:
+                self._protect(start, end, _PROT_NONE)
+                self._out[start // PAGE:end // PAGE] = True
         return end - start
+
+    def ensure(self, lo: int, hi: int) -> None:
+        """Elements [lo, hi) writable: here they always are (a page given back reads as zeros until written);
+        strict, the pages given back among them are opened again (reading as zeros)."""
+        if self._out is None or hi <= lo:
+            return
+        first, last = lo * FLOAT // PAGE, -(-hi * FLOAT // PAGE)
+        if self._out[first:last].any():
+            self._protect(first * PAGE, last * PAGE, _PROT_RW)
+            self._out[first:last] = False
+
+    def _given_back(self, at: int) -> bool:
+        """Whether element ``at``'s page is given back (strict only; else its page reads as zeros anyway)."""
+        return self._out is not None and bool(self._out[at * FLOAT // PAGE])
+
+    def _protect(self, start: int, end: int, prot: int) -> None:
+        end = min(end, len(self._map))
+        if end > start and _libc().mprotect(ctypes.c_void_p(self._base + start), ctypes.c_size_t(end - start),
+                                            ctypes.c_int(prot)) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect failed on a PagedVector")
 
     def zero(self, lo: int, hi: int) -> None:
         """Elements [lo, hi) set to 0, giving back their whole pages instead of writing them."""
         start, end = self.pages(lo, hi)
         if end <= start:
-            self.alias[lo:hi].zero_()
+            if not self._given_back(lo) or not self._given_back(hi - 1):
+                self.ensure(lo, hi)
+                self.alias[lo:hi].zero_()
             return
-        self.alias[lo:start // FLOAT].zero_()  # the partial pages at either end: written
-        self.alias[end // FLOAT:hi].zero_()
+        # The partial pages at either end: written, unless given back (they read as zeros already)
+        for a, b in ((lo, start // FLOAT), (end // FLOAT, hi)):
+            if b > a and not self._given_back(a):
+                self.alias[a:b].zero_()
         self.drop(lo, hi)
 
     def resident_bytes(self) -> int:
         """Bytes of the vector in memory now (``resident_bytes``), for tests and benchmarks."""
         return resident_bytes(self.tensor.data_ptr(), self.n * FLOAT)
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def resident_bytes(address: int, nbytes: int) -> int:

@@ -198,3 +198,6 @@ class WholeParameters:
 
     def zero_grad_range(self, lo: int, hi: int) -> None:
         self.grad_view()[lo:hi].zero_()
+
+    def grad_in(self, lo: int, hi: int) -> None:
+        """Nothing: the gradient is whole, always in memory."""

@@ -145,7 +145,8 @@ class Engine(Protocol):
 
     def page_params(self) -> Any:
         """trainer.shard=parameters: the flat parameters in memory whose pages can be given back (a
-        ``_util.pages.PagedVector`` over ``flat_params()``); an engine that cannot keep them so raises
+        ``_util.pages.PagedVector`` over ``flat_params()``, a GPU's ``backends/torch/device_pages.DeviceVector``:
+        the same methods); an engine that cannot keep them so raises
         ElasticFlowError with a hint (the config refuses such a run first)."""
 
     def parameter_units(self) -> Tuple[Any, List[Any]]:
@@ -167,6 +168,10 @@ class Engine(Protocol):
     def zero_grad_range(self, lo: int, hi: int) -> None:
         """Zero elements [lo, hi) of the flat gradient; where the engine keeps it in pages that can be given
         back (trainer.shard=parameters), their pages go instead of being written."""
+
+    def grad_in(self, lo: int, hi: int) -> None:
+        """trainer.shard=parameters: map the flat gradient's memory over [lo, hi) before backward writes there
+        (a GPU's given-back memory is unmapped; host pages need nothing)."""
 
     def release_optimizer(self) -> None:
         """Drop the engine's own whole-model optimizer slots: a sharded update replaces ``apply``."""

@@ -196,29 +196,74 @@ class Group:
 
     def reduce_scatter_start(self, pieces: Sequence[torch.Tensor], out: torch.Tensor) -> Any:
         """Start the sum of ``pieces[r]`` over the members into rank r's ``out`` (pieces of one size);
-        returns the work, for :meth:`wait`."""
+        returns the work, for :meth:`wait`. GPU tensors: NCCL's reduce-scatter, or through host copies."""
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
+        if out.is_cuda and self.nccl is not None:
+            work = self._run("reduce_scatter", lambda: self.nccl.reduce_scatter([out], [list(pieces)], opts))
+            return _Finished(lambda: self._nccl_done(work, out.device))
+        if out.is_cuda:  # no NCCL group: gloo reduces host copies (a sync point), the sum goes back at wait
+            host_out = torch.empty(out.shape, dtype=out.dtype)
+            work = self._run("reduce_scatter", lambda: self.pg.reduce_scatter([host_out], [[p.cpu() for p in pieces]],
+                                                                              opts))
+            return _Finished(lambda: (work.wait(), out.copy_(host_out)))
         return self._run("reduce_scatter", lambda: self.pg.reduce_scatter([out], [list(pieces)], opts))
 
     def exchange(self, sends: Sequence[Tuple[torch.Tensor, int, int]],
                  recvs: Sequence[Tuple[torch.Tensor, int, int]]) -> None:
         """Point to point: every (tensor, peer, tag) of ``sends`` to its peer, every one of ``recvs`` from
-        its peer, all posted at once and then waited for. Only the members named take part."""
-        works = [self._run("send", lambda t=t, r=r, tag=tag: self.pg.send([t], r, tag)) for t, r, tag in sends
+        its peer, all posted at once and then waited for. Only the members named take part.
+
+        GPU tensors go by NCCL where the group has one (``_nccl_exchange``), else through host copies; host
+        tensors by gloo. A member's sends and its peer's receives must name the same GPU tensors' tags."""
+        on_gpu = [t for t, _, _ in [*sends, *recvs] if t.is_cuda and t.numel()]
+        if on_gpu and self.nccl is None:
+            self._staged_exchange(sends, recvs)
+            return
+        host_sends = [m for m in sends if not m[0].is_cuda]
+        host_recvs = [m for m in recvs if not m[0].is_cuda]
+        works = [self._run("send", lambda t=t, r=r, tag=tag: self.pg.send([t], r, tag)) for t, r, tag in host_sends
                  if t.numel()]
-        works += [self._run("receive", lambda t=t, r=r, tag=tag: self.pg.recv([t], r, tag)) for t, r, tag in recvs
-                  if t.numel()]
+        works += [self._run("receive", lambda t=t, r=r, tag=tag: self.pg.recv([t], r, tag))
+                  for t, r, tag in host_recvs if t.numel()]
+        if on_gpu:
+            self._run("exchange", lambda: self._nccl_exchange([m for m in sends if m[0].is_cuda],
+                                                              [m for m in recvs if m[0].is_cuda], on_gpu[0].device))
         for work in works:
             self._run("exchange", work.wait)
 
-    def _nccl_allreduce(self, tensor: torch.Tensor, opts) -> None:
-        self.nccl.allreduce([tensor], opts).wait()
-        # wait() only orders the GPU stream; finish here so that a peer's death surfaces in this call
-        # (as an abort, below) and not at some later sync point. A sync point, as float(loss) is anyway.
-        torch.cuda.current_stream(tensor.device).synchronize()
+    def _nccl_exchange(self, sends: Sequence[Tuple[torch.Tensor, int, int]],
+                       recvs: Sequence[Tuple[torch.Tensor, int, int]], device: torch.device) -> None:
+        """GPU tensors point to point, posted as one NCCL group (ncclGroupStart/End: a pair that sends to each
+        other does not deadlock). NCCL matches a pair's messages by their order, not by tag: both sides post
+        them in (peer, tag) order, which pairs the same tags, as gloo would."""
+        self.nccl._start_coalescing(device)
+        for t, r, _ in sorted([m for m in sends if m[0].numel()], key=lambda m: (m[1], m[2])):
+            self.nccl.send([t], r, 0)
+        for t, r, _ in sorted([m for m in recvs if m[0].numel()], key=lambda m: (m[1], m[2])):
+            self.nccl.recv([t], r, 0)
+        self._nccl_done(self.nccl._end_coalescing(device), device)
+
+    def _staged_exchange(self, sends: Sequence[Tuple[torch.Tensor, int, int]],
+                         recvs: Sequence[Tuple[torch.Tensor, int, int]]) -> None:
+        """``exchange`` of GPU tensors without an NCCL group: host copies through gloo (sync points)."""
+        host_recvs = [(torch.empty(t.shape, dtype=t.dtype) if t.is_cuda else t, r, tag) for t, r, tag in recvs]
+        self.exchange([(t.cpu(), r, tag) for t, r, tag in sends], host_recvs)
+        for (t, _, _), (h, _, _) in zip(recvs, host_recvs):
+            if h is not t:
+                t.copy_(h)
+
+    def _nccl_done(self, work: Any, device: torch.device) -> None:
+        """Wait for an NCCL operation, then for the device: a peer's death surfaces here (as the abort the
+        membership poller makes), not at some later sync point."""
+        work.wait()
+        torch.cuda.current_stream(device).synchronize()
         if self.aborted:
             raise RuntimeError("NCCL communicator aborted: a member of this generation left")
+
+    def _nccl_allreduce(self, tensor: torch.Tensor, opts) -> None:
+        # wait() only orders the GPU stream; _nccl_done finishes it here. A sync point, as float(loss) is anyway.
+        self._nccl_done(self.nccl.allreduce([tensor], opts), tensor.device)
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s values in a pinned host buffer, reused while the size fits (a sync point)."""
@@ -305,6 +350,16 @@ def gloo_text(exc: BaseException) -> str:
 def _bytes(array: np.ndarray) -> torch.Tensor:
     """A contiguous array's bytes as a uint8 tensor, without a copy."""
     return torch.from_numpy(array.reshape(-1).view(np.uint8))
+
+
+class _Finished:
+    """A started GPU collective, for :meth:`Group.wait`: ``wait`` runs what completes it."""
+
+    def __init__(self, finish: Callable[[], Any]):
+        self.finish = finish
+
+    def wait(self) -> None:
+        self.finish()
 
 
 class SumByExchange:

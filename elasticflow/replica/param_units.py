@@ -147,7 +147,7 @@ class ParamUnits:
     ``parameters``. ``begin``/``end`` bracket each micro-batch's forward and backward (``Stepper``)."""
 
     def __init__(self, engine: Any, shards: Any, patterns: Sequence[str] = ()):
-        self.shards = shards
+        self.shards, self.engine = shards, engine
         self.frozen = shards.frozen  # frozen_shards.FrozenShards, or None
         module, params = engine.parameter_units()
         plan = plan_units(module, params, patterns, engine.frozen_units() if self.frozen is not None else ())
@@ -187,6 +187,7 @@ class ParamUnits:
                 child = children[name]
                 self._hooks.append(child.register_forward_pre_hook(lambda _m, _a, u=u: self._forward_in(u)))
                 self._hooks.append(child.register_forward_hook(lambda _m, _a, _o, u=u: self._forward_out(u)))
+        self.device = shards.params.device  # a saved tensor elsewhere is not a parameter view
         self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # ------------------------------------------------------------------ a step, a micro-batch
@@ -195,6 +196,8 @@ class ParamUnits:
         self._check_layout()
         self.reducing = self.shards.scatters()
         self.shards.start_step()
+        if not self.reducing:  # the whole gradient is summed and read at the step's end: all of it in memory
+            self.engine.grad_in(0, self.shards.n)
 
     def begin(self) -> None:
         """Before a micro-batch's forward: the root in, the unit counters reset."""
@@ -255,7 +258,7 @@ class ParamUnits:
             self._give_back(u)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self.whole or not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not self.names:
+        if self.whole or not isinstance(t, torch.Tensor) or t.device != self.device or not self.names:
             return t
         try:
             ptr = t.untyped_storage().data_ptr()
@@ -311,6 +314,8 @@ class ParamUnits:
         """Unit ``u``'s (-1: the root's) parameters in: the trainable ones, then the frozen ones (two exchanges,
         in the same order on every member; a unit without one kind skips its exchange on every member)."""
         spans, frozen = (self.root, self.frozen_root) if u < 0 else (self.spans[u], self.frozen_spans[u])
+        for lo, hi in spans:  # backward writes the unit's gradient: its memory in (a GPU's unmaps it when given back)
+            self.engine.grad_in(lo, hi)
         if spans:
             self.shards.fetch(spans)
         if frozen:
@@ -362,6 +367,8 @@ class HeldParameters:
         the parameters autograd saved. Raises CommError when a member fails (the step is redone)."""
         if self.world == 1 or self.holds_all():
             return
+        for lo, hi in spans:  # given back, a GPU's memory is unmapped: mapped (zeros) before it is written
+            self.paged.ensure(lo, hi)
         group, sends, recvs = self.group, [], []
         holders = [needed(self.n, self.world, m, self.replicas) for m in range(self.world)]
         for r, a, b, tag in self._pieces(spans):
@@ -412,11 +419,13 @@ class HeldParameters:
         given back (its pages go: backward never holds a whole gradient). Raises CommError when a member fails
         (the step is redone)."""
         grad, lo_own = self.engine.grad_view(), owned(self.n, self.world, self.rank)[0]
+        for lo, hi in spans:  # a unit no forward used: its gradient's memory may be given back (read as zeros)
+            self.engine.grad_in(lo, hi)
         sends, recvs, sums = [], [], []
         for r, a, b, tag in self._pieces(spans):
             if r == self.rank:
                 # Fresh: freed once summed (scratch kept from unit to unit would hold W - 1 units' worth for good)
-                pieces = [grad[a:b] if m == r else torch.empty(b - a) for m in range(self.world)]
+                pieces = [grad[a:b] if m == r else torch.empty(b - a, device=grad.device) for m in range(self.world)]
                 recvs += [(pieces[m], m, tag) for m in range(self.world) if m != r]
                 sums.append((a, b, pieces))
             else:
@@ -434,6 +443,7 @@ class HeldParameters:
     def gather_whole(self) -> None:
         """Stage 3: every parameter in (evaluation); ``give_back([(0, n)])`` returns them."""
         if self.world > 1 and not self.holds_all():
+            self.paged.ensure(0, self.n)
             self.group.allgather_flat(self.paged.alias, chunk(self.n, self.world))
 
 

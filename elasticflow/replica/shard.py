@@ -76,12 +76,13 @@ from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, ch
 from .flat_update import FlatUpdate, KeptStep, participation_of  # noqa: F401 - shard.FlatUpdate: tests patch it
 from .frozen_shards import FrozenShards
 from .param_units import HeldParameters
+from .shard_scatter import ScatteredGradient
 from .shard_pieces import CheckpointPieces
 
 log = logging.getLogger("elasticflow")
 
 
-class ShardedState(HeldParameters, CheckpointPieces):
+class ShardedState(HeldParameters, ScatteredGradient, CheckpointPieces):
     """This worker's ranges of the optimizer state and the steps that keep them.
 
     Args:
@@ -109,12 +110,10 @@ class ShardedState(HeldParameters, CheckpointPieces):
         # ... and its frozen float32 parameters in ranges of their own vector (frozen_shards.py)
         self.frozen = FrozenShards(engine, replicas) if self.paged is not None and engine.frozen_pages else None
         self.params = engine.flat_params()
+        self.device = self.params.device  # a GPU's: the slots, the scratch and the pieces live there too
         self.group: Any = None             # the group of the last redistribution (stage 3's fetches use it)
         self.units: Any = None             # stage 3: param_units.ParamUnits (the builder installs them)
         self.layout_version = 0            # counts the redistributions: stage 3's units are all out after one
-        if self.params.is_cuda:
-            raise ElasticFlowError(f"{what} keeps the optimizer's slices in host memory and cannot update GPU "
-                                   "parameters yet", f"pass {instead} on GPUs")
         self.n = int(self.params.numel())
         layout = engine.flat_layout()
         sizes = [int(np.prod(s, dtype=np.int64)) for _, s in layout]
@@ -131,7 +130,7 @@ class ShardedState(HeldParameters, CheckpointPieces):
         self.reproducible = False                      # stage 3: ... summed exactly (the builder sets it)
         self.exact: Any = None                         # ... then in an ExactSum (exact_sum.py), kept from step to step
         self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
-        self._scratch = torch.empty(self._scratch_size(self.n))
+        self._scratch = torch.empty(self._scratch_size(self.n), device=self.device)
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)
         self.serve = serve
         self.layout: Optional[parameter_server.Layout] = None  # parameter_server: this generation's roles
@@ -144,7 +143,10 @@ class ShardedState(HeldParameters, CheckpointPieces):
     # ------------------------------------------------------------------ what is held
     def _fresh(self, lo: int, hi: int) -> Dict[str, torch.Tensor]:
         # Pages mapped only where written: before its first generation a worker "holds" fresh slots for the
-        # whole vector, of which it keeps its slices (the rest is never written, so never in memory).
+        # whole vector, of which it keeps its slices (the rest is never written, so never in memory). A GPU's
+        # are allocated whole (Adam: twice the parameters, until the first generation keeps the slices).
+        if self.device.type != "cpu":
+            return {s: torch.zeros(hi - lo, device=self.device) for s in self.slot_names}
         return {s: pages.zeros(hi - lo) for s in self.slot_names}
 
     def slot_bytes(self) -> int:
@@ -157,6 +159,8 @@ class ShardedState(HeldParameters, CheckpointPieces):
         slots = {k: v for k, v in arrays.items() if k.startswith("optimizer/")}
         rest = {k: v for k, v in arrays.items() if k not in slots}
         if all(n in rest for n in self.param_at):
+            if self.paged is not None:  # stage 3: every parameter is written (keep_local gives back the rest)
+                self.paged.ensure(0, self.n)
             engine.load_state(rest, step)
             self.load_full(slots, at)
             if self.frozen is not None:
@@ -198,7 +202,7 @@ class ShardedState(HeldParameters, CheckpointPieces):
     def _adopt(self, held: Dict[Range, Dict[str, torch.Tensor]], rank: int, world: int, at: int) -> None:
         self.held, self.rank, self.world, self.at = held, rank, world, at
         self.reduced = {}  # a failed attempt's sums: its step is redone
-        self._scratch = torch.empty(self._scratch_size(max((b - a for a, b in held), default=0)))
+        self._scratch = torch.empty(self._scratch_size(max((b - a for a, b in held), default=0)), device=self.device)
         self.layout_version += 1
         if self.paged is not None:
             self.give_back([(0, self.n)])
@@ -286,66 +290,6 @@ class ShardedState(HeldParameters, CheckpointPieces):
         self.reduced = {}
         self.reduced = parameter_server.exchange(group, self.layout, self.n, grad, self._buffer, self.tags)
 
-    def _chunk_into(self, dst: torch.Tensor, grad: torch.Tensor, r: int) -> None:
-        lo, hi = owned(self.n, self.world, r)
-        dst[:hi - lo].copy_(grad[lo:hi])
-        dst[hi - lo:].zero_()
-
-    def start_reduce_scatter(self, group: Any, grad: torch.Tensor, tail: Optional[torch.Tensor] = None) -> Any:
-        """Stage 2: start the reduce-scatter of ``grad``; ``finish_reduce_scatter`` completes it.
-
-        ``tail`` (float32, small gradients): folded in, so one collective does it all: piece r is
-        [chunk r | chunk r - 1 | tail], and each member receives its own chunk, its buddy's and the
-        summed tail (the votes); this costs a copy of the gradient into the pieces, which a small model
-        pays gladly for the round trips it saves (each is a scheduling of every member). Without
-        ``tail`` the pieces are the gradient's own chunks (no copy) and the buddy's chunk travels after.
-        Returns (work, what ``finish_reduce_scatter`` takes).
-        """
-        c, w = chunk(self.n, self.world), self.world
-        if tail is None:
-            pieces = [grad[r * c:(r + 1) * c] for r in range(w)]
-            if pieces[-1].numel() < c:  # the last chunk is short: padded in a scratch copy
-                pad = self._buffer("pad", c)
-                self._chunk_into(pad, grad, w - 1)
-                pieces[-1] = pad
-            out = self._buffer("own", c)
-        else:
-            width = c * (2 if self.replicas else 1) + tail.numel()
-            pieces = [self._buffer(f"piece{r}", width) for r in range(w)]
-            for r, piece in enumerate(pieces):
-                self._chunk_into(piece[:c], grad, r)
-                if self.replicas:
-                    self._chunk_into(piece[c:2 * c], grad, (r - 1) % w)
-                piece[width - tail.numel():].copy_(tail)
-            out = self._buffer("out", width)
-        return group.reduce_scatter_start(pieces, out), (out, tail is not None)
-
-    def finish_reduce_scatter(self, group: Any, started: Any) -> Optional[torch.Tensor]:
-        """Stage 2, once the reduce-scatter finished: this step's reduced ranges (own, buddy's). Unfolded,
-        the own chunk goes to the buddy and the previous rank's comes in; folded, returns the summed tail."""
-        out, folded = started
-        c = chunk(self.n, self.world)
-        own = owned(self.n, self.world, self.rank)
-        self.reduced = {own: out[:own[1] - own[0]]}
-        if not (self.replicas and self.world > 1):
-            return out[c:] if folded else None
-        prev = owned(self.n, self.world, (self.rank - 1) % self.world)
-        if folded:
-            self.reduced[prev] = out[c:c + prev[1] - prev[0]]
-            return out[2 * c:]
-        theirs = self._buffer("buddy", c)[:prev[1] - prev[0]]
-        group.exchange([(self.reduced[own], (self.rank + 1) % self.world, 0)],
-                       [(theirs, (self.rank - 1) % self.world, 0)])
-        self.reduced[prev] = theirs
-        return None
-
-    def _buffer(self, what: str, size: int) -> torch.Tensor:
-        """A float32 scratch of ``size`` kept from step to step (a fresh one would fault its pages in)."""
-        t = self._buffers.get(what)
-        if t is None or t.numel() != size:
-            t = self._buffers[what] = torch.empty(size, dtype=torch.float32)
-        return t
-
     # ------------------------------------------------------------------ a membership change
     def table_row(self, committed: int) -> List[float]:
         """This member's row of ``redistribute``'s table (``shard_plan``'s layout). The held ranges count at
@@ -413,6 +357,8 @@ class ShardedState(HeldParameters, CheckpointPieces):
                     for s, src in zip(self.slot_names, self._held_views(p.lo, p.hi)[1:]):
                         into[s].copy_(src)
                 else:
+                    if self.paged is not None:  # stage 3: the range's memory may have been given back
+                        self.paged.ensure(p.lo, p.hi)
                     recvs += [(t, p.src, i * k + j)
                               for j, t in enumerate([self.params[p.lo:p.hi]] + [into[s] for s in self.slot_names])]
             elif p.src == group.rank:
@@ -467,7 +413,7 @@ class ShardedState(HeldParameters, CheckpointPieces):
             took_part = sat_out = None
             if roll.sends:
                 took = torch.empty(2 * params, dtype=torch.float64)
-                grads = [torch.empty(hi - lo, dtype=torch.float32) for lo, hi in mine]
+                grads = [torch.empty(hi - lo, dtype=torch.float32, device=self.device) for lo, hi in mine]
                 group.exchange([], [(took, roll.giver, tag - 1)] +
                                [(g, roll.giver, tag + i) for i, g in enumerate(grads)])
                 took_part, sat_out = participation_of(took)

@@ -60,4 +60,5 @@ def own_piece(vector: Any, lo: int, hi: int, at: int, shape: Tuple[int, ...], ba
     start, end = max(lo, at), min(hi, at + int(np.prod(shape, dtype=np.int64)))
     if end <= start:
         return Partial(np.zeros(0, np.float32), 0, shape)
-    return Partial(vector[start - base:end - base].numpy(), start - at, shape)
+    # .cpu(): a GPU's copied to the host (on the host, the view itself)
+    return Partial(vector[start - base:end - base].detach().cpu().numpy(), start - at, shape)

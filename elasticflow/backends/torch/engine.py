@@ -301,7 +301,8 @@ class Engine:
 
         ``copy=False`` returns views of the live tensors (no copy, so no stall proportional to the
         model): they change with the next ``apply``/``load_state``, so read them before that (a
-        checkpoint snapshot, a state transfer) and never write to them.
+        checkpoint snapshot, a state transfer) and never write to them. With ``paged_params`` it leaves out
+        the parameters kept in pages (``ShardedState.partials`` has this worker's ranges of them).
         """
         tensors = {n: p for n, p in self.params.items()}
         tensors.update(self.frozen)
@@ -311,6 +312,10 @@ class Engine:
             for slot in self.spec.slots():
                 if slot in slots and slots[slot] is not None:
                     tensors[f"optimizer/{n}/{slot}"] = slots[slot]
+        if self.paged is not None and not copy:
+            # trainer.shard=parameters: a worker holds only its ranges of the paged vectors, which ShardedState's
+            # partials() give; the rest may be given back (a GPU's mirror copy would read unmapped memory)
+            tensors = {n: t for n, t in tensors.items() if n not in self.params and n not in self._paged_frozen}
         if self.device.type != "cpu" and not copy:
             return self._mirror(tensors)
         take = (lambda t: to_numpy(t).copy()) if copy else to_numpy
@@ -408,13 +413,24 @@ class Engine:
         else:
             self.flat_grad[lo:hi].zero_()
 
-    def _paged(self, n: int) -> Any:
-        from ..._util.pages import PagedVector
+    def grad_in(self, lo: int, hi: int) -> None:
+        """trainer.shard=parameters: the gradient's memory over [lo, hi) mapped before backward writes it (a GPU's
+        is unmapped where given back; the host's pages need nothing: ``_util/pages.py``)."""
+        if self.grad_pages is not None:
+            self.grad_pages.ensure(lo, hi)
 
+    def _paged(self, n: int) -> Any:
+        """A flat float32 vector whose memory can be given back in pieces: host pages, or a GPU's granules."""
+        if self.device.type == "cuda":
+            from .device_pages import DeviceVector
+
+            return DeviceVector(n, self.device)
         if self.device.type != "cpu":
-            raise ElasticFlowError("trainer.shard=parameters keeps the parameters in host memory and cannot "
-                                   "shard GPU parameters yet", "pass trainer.shard=gradients on GPUs")
-        return PagedVector(n)
+            raise ElasticFlowError(f"trainer.shard=parameters cannot shard parameters on {self.device.type}",
+                                   "pass trainer.shard=gradients, or train on CPUs or CUDA GPUs")
+        from ..._util.pages import PagedVector, strict_default
+
+        return PagedVector(n, strict=strict_default())
 
     def params_written(self) -> None:
         """Nothing to do: ``flat_params()`` IS the parameters, so writing it wrote the model."""
