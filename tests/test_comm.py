@@ -148,10 +148,11 @@ def test_gpu_point_to_point_pairs_the_same_tags_on_both_sides_as_nccl_matches_by
         def __init__(self):
             self.calls = []
 
-        def _start_coalescing(self, device):
+        # The signatures of torch's Backend (a bare ProcessGroupNCCL), checked below against the installed torch
+        def _start_coalescing(self):
             self.calls.append("start")
 
-        def _end_coalescing(self, device):
+        def _end_coalescing(self):
             self.calls.append("end")
 
         def send(self, tensors, peer, tag):
@@ -177,3 +178,7 @@ def test_gpu_point_to_point_pairs_the_same_tags_on_both_sides_as_nccl_matches_by
     received = [c[2] for c in sides[1].nccl.calls if c[0] == "recv"]
     assert sides[0].nccl.calls[0] == "start" and sides[0].nccl.calls[-1] == "end"
     assert sent == received == [2, 5, 7]
+    # The recorder's signatures are the real backend's: no device argument (ProcessGroup's own wrapper takes one)
+    backend = torch._C._distributed_c10d.Backend
+    assert "(self: torch._C._distributed_c10d.Backend) ->" in backend._start_coalescing.__doc__
+    assert "(self: torch._C._distributed_c10d.Backend) ->" in backend._end_coalescing.__doc__

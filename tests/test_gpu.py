@@ -106,7 +106,8 @@ def test_nccl_survives_a_dead_peer(tmp_path):
 
 # ---------------------------------------------------------------- sharded state on the GPU (issue #46)
 UNITS = MODELS.parent / "tests" / "models" / "units_probe.py"
-UNIT_ARGS = ["trainer.micro_batch_size=8", "+model_args.hidden=512", "optimizer.momentum=0.9", "optimizer.lr=0.02",
+# 2048 wide: the block's weights span whole 2 MiB granules, which stage 3 unmaps and maps again
+UNIT_ARGS = ["trainer.micro_batch_size=8", "+model_args.hidden=2048", "optimizer.momentum=0.9", "optimizer.lr=0.02",
              "trainer.max_steps=24", "checkpoint.interval.steps=10", CUDA]
 
 
@@ -143,6 +144,20 @@ def test_sharded_state_on_the_gpu_three_workers_one_killed_same_model(tmp_path, 
     diff = _max_relative_difference(final(run), final(ref))
     print(f"shard={stage} on the GPU: largest relative difference to one worker {diff:.3g}")
     assert diff <= 1e-5
+
+
+def test_stage_3_reproducible_on_the_gpu_one_killed_same_bits(tmp_path):
+    """trainer.reproducible with stage 3 on the GPU: the owners' exact sums on the device; after the kill the 2
+    survivors each hold everything, and the whole gradient is summed exactly (mapped again after each micro-batch's
+    zero_grad gave it back). Same bits as one worker."""
+    mode = ["trainer.reproducible=true", "trainer.shard=parameters", "optimizer=adamw", "optimizer.lr=0.003",
+            "trainer.grad_clip=0.5"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train_run(ref, *UNIT_ARGS, *mode, model=UNITS)
+    train_run(run, *UNIT_ARGS, *mode, "launcher.workers=3", model=UNITS, env={"EF_UNITS_KILL": "1:9:reduce:3"})
+    got, want = final(run), final(ref)
+    unequal = [n for n in want if not np.array_equal(got[n], want[n])]
+    assert not unequal, f"not one worker's bits: {unequal} (largest relative {_max_relative_difference(got, want):.3g})"
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"NCCL needs a GPU per worker; this machine has {GPUS}")

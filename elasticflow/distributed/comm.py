@@ -75,8 +75,15 @@ class Group:
         if nccl_device is not None and world > 1:
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = datetime.timedelta(seconds=timeout_s)
-            # The communicator itself is made at the first collective (ncclCommInitRank, ~0.1-1 s).
             self.nccl = dist.ProcessGroupNCCL(PrefixStore(f"gen{generation}/nccl/", store), rank, world, nccl_opts)
+            # The communicator made now (ncclCommInitRank, ~0.1-1 s), by every member: made lazily, at the first
+            # NCCL call, it needs every member in that call, and sharded state's first call may be point to point
+            # between some of them (a roll forward, a range's move) while the rest wait in a gloo collective.
+            try:
+                self.nccl.eager_connect_single_device(torch.device(nccl_device))
+            except Exception as exc:
+                self.nccl = None
+                raise CommError(f"connecting the NCCL group of generation {generation} failed: {exc}") from exc
 
     def close(self, flush: bool = True) -> None:
         """Close the group (dropping the last reference destroys the gloo context and closes its sockets).
@@ -237,12 +244,12 @@ class Group:
         """GPU tensors point to point, posted as one NCCL group (ncclGroupStart/End: a pair that sends to each
         other does not deadlock). NCCL matches a pair's messages by their order, not by tag: both sides post
         them in (peer, tag) order, which pairs the same tags, as gloo would."""
-        self.nccl._start_coalescing(device)
+        self.nccl._start_coalescing()  # the backend's own (the ProcessGroup wrapper's takes a device)
         for t, r, _ in sorted([m for m in sends if m[0].numel()], key=lambda m: (m[1], m[2])):
             self.nccl.send([t], r, 0)
         for t, r, _ in sorted([m for m in recvs if m[0].numel()], key=lambda m: (m[1], m[2])):
             self.nccl.recv([t], r, 0)
-        self._nccl_done(self.nccl._end_coalescing(device), device)
+        self._nccl_done(self.nccl._end_coalescing(), device)
 
     def _staged_exchange(self, sends: Sequence[Tuple[torch.Tensor, int, int]],
                          recvs: Sequence[Tuple[torch.Tensor, int, int]]) -> None:

@@ -196,8 +196,6 @@ class ParamUnits:
         self._check_layout()
         self.reducing = self.shards.scatters()
         self.shards.start_step()
-        if not self.reducing:  # the whole gradient is summed and read at the step's end: all of it in memory
-            self.engine.grad_in(0, self.shards.n)
 
     def begin(self) -> None:
         """Before a micro-batch's forward: the root in, the unit counters reset."""
@@ -208,6 +206,8 @@ class ParamUnits:
         self._arrived = [0] * len(self.spans)
         self._reduced = [False] * len(self.spans)
         self.done = []
+        if not self.reducing:  # the whole gradient is summed and read (trainer.reproducible: after each micro-batch,
+            self.engine.grad_in(0, self.shards.n)  # which zero_grad gave back): all of it in memory
         if (self.root or self.frozen_root) and not self.whole:
             self._fetch(-1)
             self.root_in = True
@@ -403,7 +403,7 @@ class HeldParameters:
             if not self.reproducible:
                 self.acc.zero_()
             elif self.exact is None or self.exact.n != self.acc.numel():
-                self.exact = ExactSum(self.acc.numel())
+                self.exact = ExactSum(self.acc.numel(), self.acc.device)
             else:
                 self.exact.clear()
 

@@ -250,6 +250,7 @@ class Replica:
                 sums.allreduce(m.group)  # a CommError: recover() zeroes the gradient, the step is redone
         values = sums.values()
         if head:
+            self.engine.grad_in(0, head)  # stage 3 on one member (or two holding all): zero_grad gave it back
             self.engine.grad_view().copy_(values[:head])  # rounded once, to float32
         else:  # stage 3: each owner's exact sums, rounded once, and the buddy's copy of them
             self.shards.finish_reduce_scatter(m.group, (self.shards.settle_exact(), False))

@@ -145,6 +145,10 @@ class Engine:
             p.data = view
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
+        if self.paged is not None and self.device.type == "cuda":
+            # The module's own parameters were just freed into torch's cache; the device vector's granules come
+            # from the driver (device_pages.py), which cannot use those cached blocks
+            torch.cuda.empty_cache()
         self.optimizer = make_optimizer(spec, plist, self.flat_param, self.flat_grad, self._runs)
         # trainer.shard=parameters: the float32 frozen parameters (a LoRA base) in a paged vector of their own, held
         # in ranges like the trainable ones, with no gradient and no optimizer state (replica/frozen_shards.py)
