@@ -73,3 +73,27 @@ def pytest_collection_modifyitems(config, items):
         return name not in MACHINE_WIDE, LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
 
     items.sort(key=rank)  # stable: each file keeps its order
+
+
+# ---------------------------------------------------------------- where the suite's time goes
+# CI prints each file's total beside --durations' slowest tests (scripts/test.sh): the budget is kept by files,
+# which is how LONG_FIRST and the groups above are chosen, and a worker's total shows an imbalance between them.
+_FILE_SECONDS: dict = {}
+_WORKER_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    name = Path(report.nodeid.split("::", 1)[0]).name
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+    node = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+    _WORKER_SECONDS[node] = _WORKER_SECONDS.get(node, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS or os.environ.get("EF_FILE_DURATIONS", "30") == "0":
+        return
+    top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:int(os.environ.get("EF_FILE_DURATIONS", "30"))]
+    terminalreporter.write_sep("=", f"slowest files (of {len(_FILE_SECONDS)}; setup + call + teardown)")
+    for name, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
+    terminalreporter.write_line("busy: " + ", ".join(f"{w} {s:.0f}s" for w, s in sorted(_WORKER_SECONDS.items())))

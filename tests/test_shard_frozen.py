@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 LORA = MODELS.parent / "tests" / "models" / "lora_probe.py"
 ARGS = ["trainer.micro_batch_size=8", "trainer.shard_units=[net.base_model.model.transformer.h.*]",
         "checkpoint.interval.steps=10", "checkpoint.keep=null"]
-COMMON = ["trainer.global_batch_size=64", "trainer.max_steps=30", "trainer.log_every=1", "trainer.progress=false",
+COMMON = ["trainer.global_batch_size=32", "trainer.max_steps=30", "trainer.log_every=1", "trainer.progress=false",
           "trainer.eval_every=null", "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=10", "elastic.wait_s=60"]
 
 

@@ -28,7 +28,8 @@ from elasticflow.replica.param_units import plan_units
 from elasticflow.train import model_file as modelfile
 
 UNITS = MODELS.parent / "tests" / "models" / "units_probe.py"
-ARGS = ["trainer.micro_batch_size=8", "+model_args.hidden=512", "optimizer.momentum=0.9", "optimizer.lr=0.02",
+# 8 micro-batches of 4 a step (COMMON's 64 samples would double each step's compute, not what is tested)
+ARGS = ["trainer.global_batch_size=32", "trainer.micro_batch_size=4", "+model_args.hidden=512", "optimizer.momentum=0.9", "optimizer.lr=0.02",
         "checkpoint.interval.steps=10", "checkpoint.keep=null"]
 
 
@@ -215,13 +216,14 @@ def test_reproducible_mode_with_clipping_and_a_kill_in_the_gradients_way_to_its_
     """trainer.reproducible with stage 3: each owner sums every micro-batch's gradient of its range exactly
     (replica/exact_sum.py) as the pieces arrive, and clipping's norm is an exact sum of squares over the owners'
     ranges, so 3 workers, one SIGKILLed while a unit's gradient is on its way to its owners, end on the bits of
-    1 worker (AdamW: the parameters, both moments and every step's loss are ==)."""
+    1 worker (AdamW: the parameters, both moments and every step's loss are ==). With strict pages: at 2 members,
+    each holding all, the whole gradient is summed exactly after each micro-batch, which zero_grad gives back."""
     mode = ["trainer.reproducible=true", "trainer.shard=parameters", "trainer.micro_batch_size=8",
             "+model_args.hidden=128", "optimizer=adamw", "optimizer.lr=0.003", "trainer.grad_clip=0.5",
             "trainer.max_steps=24"]
     want = one_worker(*mode, model=UNITS)
     run = tmp_path / "run"
-    train_ok(run, "launcher.workers=3", *mode, model=UNITS, env={"EF_UNITS_KILL": "1:9:reduce:3"})
+    train_ok(run, "launcher.workers=3", *mode, model=UNITS, env={"EF_UNITS_KILL": "1:9:reduce:3", STRICT: "1"})
     assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
     assert sum(r["grad_norm"] > 0.5 for r in metrics(run) if "loss" in r) >= 5  # clipping was at work
     assert_bitwise(run, want)
