@@ -76,3 +76,33 @@ def test_scale_says_when_the_job_ended_first(tmp_path):
     # exit 1 and the job's end, not exit 0 and "still changing after 120s": it saw the end, not its --wait
     assert out.returncode == 1, out.stdout + out.stderr
     assert "the job ended (it finished training)" in out.stderr and "before reaching 4" in out.stderr
+
+
+def test_only_a_member_declared_gone_ends_the_groups_collectives_not_one_that_retires():
+    """The membership poller cuts a group's links (and aborts its NCCL communicator) when the newest generation
+    declares one of its members gone; a member that only retires is missing from the newest generation too, but
+    it hands its sharded state over on this group first, so the group must stay whole (NCCL's included: an abort
+    there once failed every scale-down's hand-off over NCCL)."""
+    from elasticflow.distributed.membership import Membership
+
+    class Group:
+        members, generation, cut = [1, 2, 3], 4, False
+
+        def __init__(self):
+            self.calls = []
+
+        def cut_links(self):
+            self.calls.append("cut")
+
+        def abort(self):
+            self.calls.append("abort")
+
+    def poll(newest):
+        m = Membership.__new__(Membership)
+        m.group, m._gone_read, m.latest_generation, m.nccl_device = Group(), 4, 5, "cuda:0"
+        m._generation = lambda store, g: newest
+        m._abort_if_a_member_left(None)
+        return m.group.calls
+
+    assert poll({"members": [1, 2], "gone": []}) == []  # 3 retires: the hand-off runs on this group
+    assert poll({"members": [1, 2], "gone": [3]}) == ["cut"]  # 3 died: cut (and abort) at once

@@ -155,9 +155,10 @@ class Membership:
 
         gloo: a member the agent declared gone (dead, hung, or its host silent: a newer generation's ``gone``)
         leaves a collective waiting for its timeout if no FIN or RST comes (a host powered off or cut off), so
-        the group's links are cut (``Group.cut_links``). Not for a member that retires: it leaves at a step
-        boundary, on this group. NCCL: a dead peer leaves the collective spinning on the GPU; abort when the
-        newest generation lacks a member of this one."""
+        the group's links are cut (``Group.cut_links``), which also aborts an NCCL communicator (a dead peer
+        leaves its collective spinning on the GPU). Not for a member that retires: it leaves at a step boundary,
+        on this group, after it handed its sharded state over on it (NCCL's as well: aborting for a member merely
+        missing from the newest generation once failed every scale-down's hand-off)."""
         group = self.group
         if group is None or group.cut:
             return
@@ -170,8 +171,6 @@ class Membership:
             if members & set(newest.get("gone", [])):
                 group.cut_links()
                 return
-        if newest is not None and self.nccl_device is not None and not members <= set(newest["members"]):
-            group.abort()
 
     def close(self) -> None:
         self._stop.set()

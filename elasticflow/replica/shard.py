@@ -206,6 +206,8 @@ class ShardedState(HeldParameters, ScatteredGradient, CheckpointPieces):
         self.layout_version += 1
         if self.paged is not None:
             self.give_back([(0, self.n)])
+        if self.device.type == "cuda":  # the whole-vector slots and the engine's optimizer, now freed, go back to the
+            torch.cuda.empty_cache()    # device (torch's cache would keep them from the GPU's other workers)
 
     def _scratch_size(self, largest: int) -> int:
         """Adam's scratch for the largest range: its denominator, and its L2 term when weight decay is L2."""
