@@ -53,12 +53,15 @@ def tf_reference(one_worker):
 # run one at a time, and go first: they are the longest, and the other worker fills in beside them.
 MACHINE_WIDE = {"test_hosts.py", "test_failover.py", "test_topology_hosts.py", "test_slurm.py",
                 "test_slurm_cluster.py", "test_slurm_grow.py", "test_slurm_hosts.py"}
-# Then the files of a minute or more (2026-11-27's `--durations`), longest first, the rest in name order: a long
-# file started last (test_tensorflow*, test_topology* sort late by name) left one worker alone at the end.
-LONG_FIRST = ["test_exact.py", "test_finetune.py", "test_servers.py", "test_elastic.py", "test_chaos.py",
-              "test_tensorflow.py", "test_data_forms.py", "test_shard_checkpoint.py", "test_scale.py", "test_shard.py",
-              "test_hierarchy.py", "test_kubernetes.py", "test_intruder.py", "test_checkpoint_sharded.py",
-              "test_idle_params.py"]
+# Then the files of a minute or more (2026-11-27's `--durations`, and the files added since, from 2026-12-05's),
+# longest first, the rest in name order: a long file started last (test_tensorflow*, test_topology*,
+# test_shard_params, test_weights_topologies sort late by name) left one worker alone at the end. The suite
+# prints each file's total (below): keep this list by it.
+LONG_FIRST = ["test_exact.py", "test_shard_params.py", "test_reproducible.py", "test_finetune.py", "test_servers.py",
+              "test_shard_frozen.py", "test_elastic.py", "test_chaos.py", "test_tensorflow.py", "test_data_forms.py",
+              "test_shard_checkpoint.py", "test_scale.py", "test_shard.py", "test_hierarchy.py", "test_kubernetes.py",
+              "test_intruder.py", "test_token_weights.py", "test_checkpoint_sharded.py", "test_weights_topologies.py",
+              "test_trackers.py", "test_callbacks.py", "test_streams.py", "test_idle_params.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids

@@ -255,7 +255,15 @@ class Group:
                          recvs: Sequence[Tuple[torch.Tensor, int, int]]) -> None:
         """``exchange`` of GPU tensors without an NCCL group: host copies through gloo (sync points)."""
         host_recvs = [(torch.empty(t.shape, dtype=t.dtype) if t.is_cuda else t, r, tag) for t, r, tag in recvs]
-        self.exchange([(t.cpu(), r, tag) for t, r, tag in sends], host_recvs)
+        down: Dict[Tuple[int, int, Any], torch.Tensor] = {}  # one copy of a range sent to several peers (allgather)
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if key not in down:
+                down[key] = t.cpu()
+            return down[key]
+
+        self.exchange([(host(t), r, tag) for t, r, tag in sends], host_recvs)
         for (t, _, _), (h, _, _) in zip(recvs, host_recvs):
             if h is not t:
                 t.copy_(h)
