@@ -11,11 +11,12 @@ A GPU has no such pages: its vector (``backends/torch/device_pages.py``) unmaps 
 there is a fault, so every write into memory that may have been given back is preceded by ``ensure`` (a no-op
 here). ``ELASTICFLOW_STRICT_PAGES=1`` makes this vector keep that protocol too: pages given back are
 ``PROT_NONE`` until ensured, and a touch without ``ensure`` is a segfault, so the CPU suite proves the
-protocol the GPU path relies on (``tests/test_shard_strict.py``).
+protocol the GPU path relies on (``tests/test_shard_params.py`` and ``tests/test_shard_frozen.py`` run strict).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 from typing import Tuple
@@ -43,13 +44,12 @@ class PagedVector:
 
     def __init__(self, n: int, strict: bool = False):
         self.n = int(n)
-        self.strict = bool(strict)
         self._map = mmap.mmap(-1, max(PAGE, self.n * FLOAT), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(self._map, dtype=torch.float32, count=self.n)
         self.alias = torch.frombuffer(self._map, dtype=torch.float32, count=self.n)
         self._base = self.tensor.data_ptr()
         # strict: which pages are given back (PROT_NONE) now
-        self._out = np.zeros(-(-max(PAGE, self.n * FLOAT) // PAGE), dtype=bool) if self.strict else None
+        self._out = np.zeros(-(-max(PAGE, self.n * FLOAT) // PAGE), dtype=bool) if strict else None
 
     def pages(self, lo: int, hi: int) -> Tuple[int, int]:
         """The byte span of the whole pages inside elements [lo, hi) (empty where none is whole)."""
@@ -107,8 +107,9 @@ class PagedVector:
         return resident_bytes(self.tensor.data_ptr(), self.n * FLOAT)
 
 
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+@functools.lru_cache(maxsize=None)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)  # loaded once: mprotect runs per unit given back and brought in
 
 
 def resident_bytes(address: int, nbytes: int) -> int:

@@ -11,8 +11,8 @@ the checkpoints and the ranges see one tensor, as on the host).
 
 Unlike a host page, an unmapped granule is not zeros: a kernel touching it is a fault that ends the process's
 CUDA context. So the callers keep one protocol, which the CPU suite checks with ``ELASTICFLOW_STRICT_PAGES=1``
-(``tests/test_shard_strict.py``): memory that may have been given back is ``ensure``d (mapped, zeroed) before
-it is written or read. ``drop`` first waits for the device's work (a sync point per unit given back): a kernel
+(``tests/test_shard_params.py``, ``tests/test_shard_frozen.py``): memory that may have been given back is
+``ensure``d (mapped, zeroed) before it is written or read. ``drop`` first waits for the device's work (a sync point per unit given back): a kernel
 still reading the granule would fault. ``cuMemCreate`` draws from the driver, not from torch's caching allocator:
 where it runs out, the allocator's cached blocks are given back and it tries once more.
 
