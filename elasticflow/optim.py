@@ -29,21 +29,38 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import ElasticFlowError
 
 
 @dataclass
 class Schedule:
-    """How the learning rate moves with ``step`` (optimizer steps, never micro-batches)."""
-    kind: str = "constant"          # constant | linear | cosine | step
+    """How the learning rate moves with ``step`` (optimizer steps, never micro-batches).
+
+    The config's ``optimizer.schedule`` fills the first seven fields; the rest describe a scheduler that model()
+    returned (``torch.optim.lr_scheduler``, a keras ``LearningRateSchedule``), translated by the backend's
+    ``spec_from_native``. Either way the learning rate is a function of ``step`` alone, so a checkpoint's step
+    and a joining worker's own model() call are all its state.
+    """
+    kind: str = "constant"          # constant | linear | cosine | step | function
     warmup_steps: int = 0
     warmup_from_zero: bool = False  # Hugging Face's warmup: step s at lr * s / warmup_steps (the first at 0)
     decay_steps: Optional[int] = None
     min_lr: float = 0.0
     step_size: int = 1000
     gamma: float = 0.1
+    # torch's LinearLR(start_factor, total_iters=warmup_ramp) as the warmup: lr * (warmup_start + (1 -
+    # warmup_start) * min(s, warmup_ramp) / warmup_ramp) while s < warmup_steps. None: warmup_from_zero's rule.
+    warmup_start: Optional[float] = None
+    warmup_ramp: Optional[int] = None
+    periodic: bool = False          # cosine past decay_steps goes on (torch's CosineAnnealingLR climbs back)
+    fn: Optional[Callable[[int], float]] = None  # kind=function: the spec lr's value after s steps (a LambdaLR's)
+    label: str = ""                 # what the scheduler was, for the banner and the trackers
+
+    def is_constant(self) -> bool:
+        """No schedule at all: the optimizer's lr at every step."""
+        return self.kind == "constant" and not self.warmup_steps and self.fn is None
 
 
 @dataclass
@@ -281,11 +298,20 @@ def lr_at(spec: OptimizerSpec, step: int, total_steps: Optional[int]) -> float:
     ``get_*_schedule_with_warmup``: the first update at 0). Then, over ``horizon = (decay_steps or total
     steps) - W`` and ``progress = min((step - W) / horizon, 1)``: linear ``min_lr + (lr - min_lr) * (1 -
     progress)``, cosine ``min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2``, step ``lr * gamma **
-    ((step - W) // step_size)``: with ``min_lr=0``, Hugging Face's linear and cosine schedules."""
+    ((step - W) // step_size)``: with ``min_lr=0``, Hugging Face's linear and cosine schedules.
+
+    A translated scheduler (``Schedule``'s last fields): ``warmup_start`` rises as torch's LinearLR, ``periodic``
+    lets cosine's progress pass 1 (torch's CosineAnnealingLR), and ``fn`` is the value itself (a LambdaLR's
+    ``lr * lambda(step)``, a keras schedule's ``schedule(step)``)."""
     s = spec.schedule
     base = spec.lr
+    if s.fn is not None:
+        return float(s.fn(step))
     if s.warmup_steps and step < s.warmup_steps:
-        return base * (step + (0 if s.warmup_from_zero else 1)) / s.warmup_steps
+        if s.warmup_start is None:
+            return base * (step + (0 if s.warmup_from_zero else 1)) / s.warmup_steps
+        ramp = s.warmup_ramp or s.warmup_steps
+        return base * (s.warmup_start + (1.0 - s.warmup_start) * min(step, ramp) / ramp)
     if s.kind == "constant":
         return base
     if s.kind == "step":
@@ -293,10 +319,85 @@ def lr_at(spec: OptimizerSpec, step: int, total_steps: Optional[int]) -> float:
     horizon = (s.decay_steps or total_steps or 0) - s.warmup_steps
     if horizon <= 0:
         return base
-    progress = min(max(step - s.warmup_steps, 0) / horizon, 1.0)
+    progress = max(step - s.warmup_steps, 0) / horizon
+    if not (s.periodic and s.kind == "cosine"):
+        progress = min(progress, 1.0)
     if s.kind == "linear":
         return s.min_lr + (base - s.min_lr) * (1.0 - progress)
     return s.min_lr + (base - s.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def with_schedule(spec: OptimizerSpec, schedule: Schedule) -> OptimizerSpec:
+    """``spec`` (an optimizer model() returned) driven by the config's ``schedule`` as well, where one says
+    anything: the two cannot both hold, so a second schedule is refused in one line, never one of them dropped.
+    The config's ``min_lr`` is of ``spec.lr``; each parameter group's lr moves in proportion (torch's
+    schedulers scale each group's own lr alike)."""
+    if schedule.is_constant() or schedule == spec.schedule:
+        return spec
+    if not spec.schedule.is_constant():
+        raise ElasticFlowError(
+            f"model() gives its optimizer a schedule ({describe_schedule(spec.schedule)}) and the config asks for "
+            f"optimizer.schedule={describe_schedule(schedule)}: only one can set the learning rate",
+            "keep one: leave optimizer.schedule and optimizer.warmup_steps at their defaults, or return no "
+            "lr_scheduler (and no keras LearningRateSchedule) from model()")
+    if schedule.kind in ("linear", "cosine") and schedule.min_lr > spec.lr:
+        raise ElasticFlowError(f"optimizer.min_lr={schedule.min_lr:g} is more than the lr of model()'s optimizer "
+                               f"({spec.lr:g})", "the schedule decays from the optimizer's lr down to "
+                               "optimizer.min_lr: lower optimizer.min_lr, e.g. optimizer.min_lr=0")
+    spec.schedule = schedule
+    return spec
+
+
+def describe_schedule(s: Schedule) -> str:
+    """``cosine(warmup_steps=20, decay_steps=all, min_lr=0)``: what the banner, the trackers and status say."""
+    if s.fn is not None:
+        return s.label or "function"
+    parts: List[str] = []
+    if s.warmup_steps:
+        parts.append(f"warmup_steps={s.warmup_steps}")
+        if s.warmup_start is not None:
+            parts.append(f"warmup_start={s.warmup_start:g}, warmup_ramp={s.warmup_ramp or s.warmup_steps}")
+        elif s.warmup_from_zero:
+            parts.append("warmup_from_zero=True")
+    if s.kind in ("linear", "cosine"):
+        parts.append(f"decay_steps={s.decay_steps if s.decay_steps is not None else 'all'}, min_lr={s.min_lr:g}")
+        if s.periodic and s.kind == "cosine":
+            parts.append("periodic=True")
+    elif s.kind == "step":
+        parts.append(f"step_size={s.step_size}, gamma={s.gamma:g}")
+    return f"{s.kind}({', '.join(parts)})" if parts else s.kind
+
+
+def summary(spec: OptimizerSpec, from_model: bool = False) -> Dict[str, Any]:
+    """The optimizer that trains, as flat plain values (``{"name": "adamw", "lr": 0.003, "schedule":
+    "cosine", ...}``): what the trackers record as ``optimizer.*`` in place of the config's, and `status` shows.
+    ``from_model``: model() gave the optimizer (the config group's own settings then do not train)."""
+    out: Dict[str, Any] = {"name": spec.name, "lr": spec.lr, "weight_decay": spec.weight_decay}
+    if isinstance(spec, SGD):
+        out.update(momentum=spec.momentum, nesterov=spec.nesterov)
+    elif isinstance(spec, Adam):
+        out.update(betas=list(spec.betas), eps=spec.eps)
+    s = spec.schedule
+    out["schedule"] = s.label if s.fn is not None else s.kind
+    if s.fn is None:
+        out["warmup_steps"] = s.warmup_steps
+        if s.warmup_steps:
+            out["warmup_from_zero"] = s.warmup_from_zero
+            if s.warmup_start is not None:
+                out.update(warmup_start=s.warmup_start, warmup_ramp=s.warmup_ramp or s.warmup_steps)
+        if s.kind in ("linear", "cosine"):
+            out.update(decay_steps=s.decay_steps, min_lr=s.min_lr)
+        elif s.kind == "step":
+            out.update(step_size=s.step_size, gamma=s.gamma)
+    out["schedule_detail"] = describe_schedule(s)
+    if spec.no_decay:
+        out["no_decay"] = list(spec.no_decay)
+    if spec.groups:
+        out["groups"] = [{"lr": g.lr if g.lr is not None else spec.lr,
+                          "weight_decay": g.weight_decay if g.weight_decay is not None else spec.weight_decay}
+                         for g in spec.groups]
+    out["source"] = "model file" if from_model else "config"
+    return out
 
 
 def describe(spec: OptimizerSpec) -> str:
@@ -306,7 +407,7 @@ def describe(spec: OptimizerSpec) -> str:
     elif isinstance(spec, Adam):
         extra = {"betas": spec.betas, "eps": spec.eps}
     parts = ", ".join(f"{k}={v}" for k, v in {"lr": spec.lr, **extra, "weight_decay": spec.weight_decay}.items())
-    sched = "" if spec.schedule.kind == "constant" and not spec.schedule.warmup_steps else f", schedule={spec.schedule.kind}"
+    sched = "" if spec.schedule.is_constant() else f", schedule={describe_schedule(spec.schedule)}"
     if spec.no_decay:
         sched += f", no_decay={list(spec.no_decay)}"
     if spec.groups:

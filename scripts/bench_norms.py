@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elasticflow._util.norms import sum_squares  # noqa: E402
-from elasticflow.replica.exact_sum import sum_squares_exactly  # noqa: E402
+from elasticflow.replica.exact_sum import sum_squares_reproducibly  # noqa: E402
 
 KINDS = {
     "float32 blocks": lambda t: sum_squares(t),
     "float64 blocks": lambda t: sum_squares(t, 0, precise=True),
-    "exact": lambda t: float(sum_squares_exactly(t).values()[0]),
+    "exact": lambda t: float(sum_squares_reproducibly(t).values()[0]),
 }
 
 

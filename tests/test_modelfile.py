@@ -180,3 +180,63 @@ def test_a_dict_that_mixes_a_module_with_arrays_is_one_line(write_model, tmp_pat
         prepare(write_model(source), tmp_path)
     assert info.value.message == "model() returned a dict that mixes a torch model ('net') with other entries"
     assert "modules only" in info.value.hint
+
+
+SCHEDULED = '''
+import numpy as np
+import torch
+from elasticflow import optim
+
+
+def model(cfg):
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if cfg.model_args.get("alone"):
+        return {"net": net, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2)}
+    return {"net": net, "optimizer": optim.AdamW(3e-3)}
+
+
+def forward(x, y, net):
+    return ((net["net"](x) - y) ** 2).mean()
+
+
+def data(cfg):
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    return x, x[:, :1] * 2
+'''
+
+
+def test_an_lr_scheduler_without_its_optimizer_is_one_line(write_model, tmp_path):
+    with pytest.raises(ElasticFlowError) as info:
+        prepare(write_model(SCHEDULED), tmp_path, "+model_args.alone=true")
+    assert info.value.message == "model() returns an 'lr_scheduler' without the 'optimizer' it steps"
+
+
+def test_the_configs_schedule_drives_an_optimizer_spec_from_model(write_model, tmp_path):
+    """optim.AdamW(3e-3) from model() and optimizer.schedule=cosine: the schedule applies to the model's lr (it was
+    dropped), and the config's optimizer.min_lr is checked against that lr, not the config's unused 0.1."""
+    from elasticflow import optim
+
+    trainer = prepare(write_model(SCHEDULED), tmp_path, "optimizer.schedule=cosine", "optimizer.warmup_steps=2",
+                      "optimizer.decay_steps=10")
+    assert (trainer.spec.name, trainer.spec.schedule.kind, trainer.spec.schedule.warmup_steps) == ("adamw", "cosine", 2)
+    assert optim.lr_at(trainer.spec, 0, 10) == pytest.approx(1.5e-3) and optim.lr_at(trainer.spec, 10, 10) == 0.0
+    with pytest.raises(ElasticFlowError) as info:
+        prepare(write_model(SCHEDULED), tmp_path, "optimizer.schedule=cosine", "optimizer.min_lr=0.01")
+    assert info.value.message == "optimizer.min_lr=0.01 is more than the lr of model()'s optimizer (0.003)"
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["optimizer=adamw"], "optimizer=adamw"),
+    (["optimizer.lr=0.5", "optimizer.groups=[{params:[weight],lr:0.01}]"],
+     "optimizer.lr=0.5, optimizer.groups=[{'params': ['weight'], 'lr': 0.01, 'weight_decay': None}]"),
+])
+def test_config_optimizer_settings_beside_models_own_optimizer_are_refused_not_dropped(write_model, tmp_path,
+                                                                                      overrides, said):
+    """model() returns its optimizer: the config's optimizer group (but for its schedule) would go unused. A user
+    who set it meant it: one line, not a run with another optimizer than the one asked for."""
+    with pytest.raises(ElasticFlowError) as info:
+        prepare(write_model(SCHEDULED), tmp_path, *overrides)
+    assert info.value.message == f"model() returns its own optimizer, so {said} would not be used"
+    assert "optimizer.schedule applies to either" in info.value.hint
+    prepare(write_model(SCHEDULED), tmp_path / "plain", "optimizer.lr=0.1")  # the default, said or not: taken

@@ -120,7 +120,7 @@ def test_config_group_optimizer_matches_torch_optim(tmp_path, write_model, case)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
 
-# model()["optimizer"] wins over the optimizer config group (here a conflicting optimizer.lr=5.0).
+# model()["optimizer"] trains; a config optimizer setting beside it is refused (test_modelfile.py).
 SPEC_CASES = {
     "adam": lambda p: torch.optim.Adam(p, lr=0.02, betas=(0.8, 0.99), eps=1e-6),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.02, weight_decay=0.2),
@@ -131,7 +131,8 @@ SPEC_CASES = {
 @pytest.mark.parametrize("spec", sorted(SPEC_CASES))
 def test_model_file_optimizer_spec_matches_torch_optim(tmp_path, write_model, spec):
     path = write_model(MLP)
-    state, records = fit(path, tmp_path / "run", f"+model_args.spec={spec}", "optimizer.lr=5.0")
+    # (the config's optimizer.lr beside it is refused: test_modelfile.py's ..._refused_not_dropped)
+    state, records = fit(path, tmp_path / "run", f"+model_args.spec={spec}")
     expected, init = reference(path, SPEC_CASES[spec])
     assert_same_params(state, expected, init)
     assert {r["lr"] for r in records} == {0.02 if spec.startswith("adam") else 0.05}
@@ -357,3 +358,306 @@ def test_flat_sgd_on_a_module_is_torch_optim_bit_for_bit_and_resumes_from_its_st
         for name, want in final.items():
             np.testing.assert_array_equal(got[name], want, err_msg=name)
     assert _moved(final, init) > 1e-3
+
+
+# ---------------------------------------------------------------- a native optimizer and its schedule
+NATIVE = '''
+import numpy as np
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as L
+
+SCHEDULERS = {  # model_args.sched: what model() returns beside its optimizer
+    "sequential": lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.2, total_iters=2),
+                                               L.CosineAnnealingLR(o, T_max=4)], milestones=[3]),
+    "lightning": lambda o: {"scheduler": L.StepLR(o, 2, 0.5), "interval": "step"},
+    "plateau": lambda o: L.ReduceLROnPlateau(o),
+    "epoch": lambda o: {"scheduler": L.StepLR(o, 2, 0.5)},
+    "cosine": lambda o: L.CosineAnnealingLR(o, T_max=4),
+}
+
+
+def model(cfg):
+    torch.manual_seed(cfg.seed + 3)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
+    opt = torch.optim.AdamW([{"params": weights}, {"params": biases, "lr": 0.04, "weight_decay": 0.0}],
+                            lr=0.02, weight_decay=0.1)
+    out = {"net": net, "optimizer": opt}
+    sched = cfg.model_args.get("sched")
+    if sched == "unreturned":
+        L.StepLR(opt, 2)  # built on the optimizer, then forgotten
+    elif sched:
+        out["lr_scheduler"] = SCHEDULERS[sched](opt)
+    return out
+
+
+def forward(x, y, model):
+    return nn.functional.mse_loss(model["net"](x), y)
+
+
+def data(cfg):
+    rng = np.random.default_rng(99)
+    x = rng.normal(size=(%d, 4)).astype(np.float32)
+    y = np.stack([np.sin(x[:, 0]), x[:, 1] * x[:, 2], x[:, 3] ** 2], axis=1).astype(np.float32)
+    return x, y
+''' % SAMPLES
+
+
+def torch_loop(model_path, scheduler=None, sched_arg=None):
+    """The plain torch loop: model()'s own net and torch.optim.AdamW, its lr moved by torch's own scheduler
+    (``scheduler(opt)``, or the one model() returned), STEPS steps on the trainer's global batches. Returns
+    ({name: array}, the lr of each step's first group, the initial parameters)."""
+    cfg = OmegaConf.create({"seed": 0, "model_args": {"sched": sched_arg}})
+    mf = load_model_file(str(model_path))
+    built = mf.model(cfg)
+    net, opt = built["net"], built["optimizer"]
+    sched = built.get("lr_scheduler") or scheduler(opt)
+    sched = sched["scheduler"] if isinstance(sched, dict) else sched
+    init = {f"net.{k}": v.detach().numpy().copy() for k, v in net.named_parameters()}
+    x, y = mf.data(cfg)
+    lrs = []
+    for step in range(STEPS):
+        epoch, k = divmod(step, SAMPLES // BATCH)
+        idx = data.permutation(SAMPLES, 0, epoch)[k * BATCH:(k + 1) * BATCH]
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad()
+        mf.forward(torch.from_numpy(x[idx]), torch.from_numpy(y[idx]), params={"net": net}).backward()
+        opt.step()
+        sched.step()
+    return {f"net.{k}": v.detach().numpy() for k, v in net.named_parameters()}, lrs, init
+
+
+def test_a_native_adamw_follows_the_configs_cosine_schedule_as_torchs_schedulers_move_it(tmp_path, write_model):
+    """model() returns torch.optim.AdamW with two param groups (lr 0.02 and 0.04); the config asks for
+    schedule=cosine with 2 warmup steps. The logged lr and the weights are the plain torch loop's with torch's
+    own schedulers (LinearLR warmup, then CosineAnnealingLR: each group's lr scaled alike), and the banner's
+    description names the schedule."""
+    path = write_model(NATIVE)
+    state, records = fit(path, tmp_path / "run", "optimizer.schedule=cosine", "optimizer.warmup_steps=2")
+    W = 2
+    expected, lrs, init = torch_loop(path, lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, 1 / W, total_iters=W - 1),
+            torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS - W)], milestones=[W]))
+    hand = [0.02 * (s + 1) / W for s in range(W)] + \
+           [0.01 * (1 + math.cos(math.pi * (s - W) / (STEPS - W))) for s in range(W, STEPS)]
+    assert lrs == pytest.approx(hand, rel=1e-12)  # torch's schedulers are the formula
+    assert [r["lr"] for r in records] == pytest.approx(lrs, rel=1e-12)
+    assert_same_params(state, expected, init)
+
+
+def test_a_returned_lr_scheduler_is_stepped_per_step_and_resumes_as_torch_steps_it(tmp_path, write_model):
+    """{"optimizer": opt, "lr_scheduler": SequentialLR(LinearLR warmup, CosineAnnealingLR)}: trained to step 4 in
+    this process, then resumed to 7 by the CLI; the lr of every step and the weights are torch's own loop's.
+    MLflow's params, the banner and `elasticflow status` name the AdamW, its lr and the schedule that trained,
+    not the config's unused sgd at 0.1."""
+    import mlflow
+
+    from elasticflow.observability.trackers import MlflowTracker
+    from harness import cli, fit_here, train
+
+    path = write_model(NATIVE)
+    run = tmp_path / "run"
+    common = [f"trainer.global_batch_size={BATCH}", "trainer.log_every=1", "+model_args.sched=sequential"]
+    fit_here(path, run, *common, "trainer.max_steps=4", "trainer.loggers=[]", "trainer.progress=false")
+    # csv: the sidecar's cheapest tracker; every tracker gets the same params (.elasticflow/params.json)
+    second = train(path, run, *common, f"trainer.max_steps={STEPS}", "trainer.loggers=[csv]")
+    assert "optimizer adamw(lr=0.02" in second.stderr + second.stdout
+    assert "schedule=cosine(warmup_steps=3, warmup_start=0.2, warmup_ramp=2, decay_steps=7" in \
+        second.stderr + second.stdout
+    expected, lrs, init = torch_loop(path, sched_arg="sequential")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records if "loss" in r] == pytest.approx(lrs, rel=1e-12)
+    assert_same_params(ckpt.load(ckpt.latest(run / "checkpoints")), expected, init)
+
+    # Those params into MLflow as the sidecar hands them over (its own process costs ~20 s of MLflow start-up here;
+    # test_trackers.py runs that path), read back as MLflow's users do.
+    MlflowTracker(run, json.loads((run / ".elasticflow" / "params.json").read_text())).close()
+    mlflow.set_tracking_uri(f"sqlite:///{run / 'mlflow.db'}")
+    params = mlflow.search_runs(experiment_names=["elasticflow"], output_format="list")[0].data.params
+    assert (params["optimizer.name"], params["optimizer.lr"], params["optimizer.schedule"]) == \
+        ("adamw", "0.02", "cosine")
+    assert params["optimizer.source"] == "model file" and params["optimizer.warmup_steps"] == "3"
+    assert "optimizer.momentum" not in params  # the config group's sgd setting never trained
+    shown = cli(["status", run]).stdout
+    assert "optimizer adamw  lr 0.02  schedule cosine(warmup_steps=3" in shown and "(from the model file)" in shown
+
+
+@pytest.mark.parametrize("sched, said", [
+    ("plateau", "model()['lr_scheduler'] is a ReduceLROnPlateau (it follows a metric, not the step), which "
+                "ElasticFlow cannot compute"),
+    ("epoch", "model()['lr_scheduler'] asks for interval='epoch' (Lightning's default), frequency=1: ElasticFlow "
+              "steps a scheduler once per optimizer step"),
+    ("unreturned", "model()'s torch.optim.AdamW has a learning-rate scheduler built on it that model() did not "
+                   "return: it would train at the scheduler's first lr (0.02) for every step"),
+    ("cosine", "model() gives its optimizer a schedule (cosine(decay_steps=4, min_lr=0, periodic=True)) and the "
+               "config asks for optimizer.schedule=linear(decay_steps=all, min_lr=0): only one can set the "
+               "learning rate"),
+])
+def test_a_schedule_that_would_not_be_applied_is_one_line_before_training(tmp_path, write_model, sched, said):
+    from harness import train_in_process
+
+    path = write_model(NATIVE)
+    out = train_in_process(path, tmp_path / "run", f"+model_args.sched={sched}", "optimizer.schedule=linear"
+                           if sched == "cosine" else "trainer.max_steps=1")
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {said}"], out.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_lightnings_step_interval_dict_is_honoured():
+    """{"scheduler": StepLR, "interval": "step"}: the spec's schedule is StepLR's, each group in proportion."""
+    from elasticflow.backends.torch.optim import spec_from_native
+    from elasticflow.train.model_file import _scheduler
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.3}], lr=0.1)
+    spec = spec_from_native(opt, _scheduler({"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+                                             "interval": "step"}))
+    assert [optim.lr_at(spec, s, None) for s in range(5)] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
+    assert [g.lr for g in spec.groups] == [0.1, 0.3]  # the groups' own lrs, not what StepLR's start left there
+
+
+@pytest.mark.parametrize("make", [
+    "CosineAnnealingLR(o, T_max=5)",  # past T_max torch's cosine climbs back: so does the translation
+    "CosineAnnealingLR(o, T_max=5, eta_min=0.01)",
+    "LinearLR(o, start_factor=0.25, total_iters=4)",
+    "LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=6)",
+    "StepLR(o, 3, 0.5)",
+    "ExponentialLR(o, 0.9)",
+    "PolynomialLR(o, total_iters=8, power=1.0)",
+    "LambdaLR(o, lambda s: 1 / (1 + s))",
+    "SequentialLR(o, [LinearLR(o, 0.1, total_iters=2), CosineAnnealingLR(o, T_max=6)], milestones=[3])",
+    "SequentialLR(o, [LinearLR(o, 0.5, total_iters=3), StepLR(o, 2, 0.5)], milestones=[3])",
+    "transformers.get_cosine_schedule_with_warmup(o, 3, 12)",
+])
+def test_each_translated_torch_scheduler_gives_torchs_lr_for_20_steps(make):
+    import transformers  # noqa: F401 - named by a case
+    from torch.optim.lr_scheduler import (CosineAnnealingLR, ExponentialLR, LambdaLR, LinearLR,  # noqa: F401
+                                          PolynomialLR, SequentialLR, StepLR)
+
+    from elasticflow.backends.torch.optim import spec_from_native
+
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))]}]
+    if "eta_min" not in make:  # eta_min is absolute in torch: in proportion only over one lr
+        groups.append({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.05})
+    o = torch.optim.SGD(groups, lr=0.1)
+    sched = eval(make)
+    spec = spec_from_native(o, sched)
+    for step in range(20):
+        ours = [optim.lr_at(spec, step, 20) * g.lr / spec.lr for g in spec.groups]
+        assert ours == pytest.approx([g["lr"] for g in o.param_groups], rel=1e-12, abs=1e-15), step
+        o.step()
+        sched.step()
+
+
+@pytest.mark.parametrize("make, why", [
+    ("ConstantLR(o, factor=0.5)", "ConstantLR"),
+    ("MultiStepLR(o, [2, 5])", "MultiStepLR"),
+    ("OneCycleLR(o, max_lr=0.1, total_steps=10)", "OneCycleLR"),
+    ("LinearLR(o, start_factor=0.5, end_factor=0.2)", "LinearLR from 0.5 to 0.2"),
+    ("CosineAnnealingLR(o, T_max=5, eta_min=0.01)", "CosineAnnealingLR with eta_min=0.01 over param groups"),
+])
+def test_a_scheduler_that_cannot_be_computed_is_refused(make, why):
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, MultiStepLR, OneCycleLR  # noqa: F401
+
+    from elasticflow.backends.torch.optim import spec_from_native
+    from elasticflow.errors import ElasticFlowError
+
+    o = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]},
+                         {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.05}], lr=0.1, momentum=0.9)
+    with pytest.raises(ElasticFlowError, match=why) as info:
+        spec_from_native(o, eval(make))
+    assert "optimizer.schedule" in info.value.hint
+
+
+# ---------------------------------------------------------------- TensorFlow: a keras optimizer and its schedule
+KERAS = '''
+import numpy as np
+from elasticflow import ops
+
+N = 16
+
+
+def model(cfg):
+    import keras
+
+    keras.utils.set_random_seed(cfg.seed)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh", name="hidden"),
+                            keras.layers.Dense(2, name="out")], name="net")
+    net.compile(optimizer=OPTIMIZERS[cfg.model_args.how](keras), loss="mse")
+    return net
+
+
+OPTIMIZERS = {  # model_args.how: the optimizer model() compiles in, and the same as keras runs it in the test
+    "schedule": lambda keras: keras.optimizers.SGD(keras.optimizers.schedules.CosineDecay(0.2, 4, alpha=0.1),
+                                                   momentum=0.5),
+    "config": lambda keras: keras.optimizers.Adam(0.05),  # the test's config: schedule=linear, decay_steps=5
+    "config_as_keras": lambda keras: keras.optimizers.Adam(keras.optimizers.schedules.PolynomialDecay(0.05, 5, 0.0)),
+}
+
+
+def forward(x, y, net):
+    return ops.mse(net(x), y)
+
+
+def data(cfg):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(N, 4)).astype(np.float32)
+    return x, np.stack([x[:, 0] * x[:, 1], np.sin(x[:, 2])], 1).astype(np.float32)
+'''
+
+
+@pytest.mark.parametrize("how, overrides, oracle", [
+    ("schedule", [], "schedule"),  # a keras LearningRateSchedule: keras's own lr each step
+    ("config", ["optimizer.schedule=linear", "optimizer.decay_steps=5"], "config_as_keras"),  # the config's drives it
+])
+def test_a_keras_optimizers_schedule_or_the_configs_drives_it_as_fit_does(tmp_path, write_model, how, overrides,
+                                                                          oracle):
+    """A keras model compiled with SGD(CosineDecay), or with Adam(0.05) and the config's linear schedule: the
+    logged lr of each step is keras's schedule's, and the weights are model.fit's with that schedule (full-batch
+    steps, so the order within a batch is all that differs)."""
+    pytest.importorskip("tensorflow")
+    import keras
+
+    from harness import fit_here
+
+    path = write_model(KERAS)
+    run = tmp_path / "run"
+    fit_here(path, run, "backend=tensorflow", "backend.threads=1", "trainer.global_batch_size=16",
+             "trainer.max_steps=5", "trainer.log_every=1", "trainer.progress=false", f"+model_args.how={how}",
+             *overrides)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    mf = load_model_file(str(path))
+    cfg = OmegaConf.create({"seed": 0, "model_args": {"how": oracle}})
+    reference = mf.model(cfg)
+    x, y = mf.data(cfg)
+    lrs = [float(reference.optimizer._learning_rate(s)) for s in range(5)]
+    assert [r["lr"] for r in records if "loss" in r] == pytest.approx(lrs, rel=1e-6)
+    assert len(set(lrs)) == 5  # the lr moved every step
+    reference.fit(x, y, batch_size=16, epochs=5, shuffle=False, verbose=0)
+    state = ckpt.load(ckpt.latest(run / "checkpoints"))
+    start = mf.model(cfg)
+    for v, v0 in zip(reference.trainable_weights, start.trainable_weights):
+        name = v.path.split("/", 1)[1]  # the trainer names a weight by its path inside the model
+        np.testing.assert_allclose(state[name], v.numpy(), rtol=0, atol=1e-5, err_msg=name)
+        assert np.abs(v.numpy() - v0.numpy()).max() > 1e-3  # not vacuous: it trained
+
+
+def test_what_a_keras_optimizer_cannot_take_as_its_schedule_is_one_line():
+    """A torch-style lr_scheduler beside a keras optimizer, and a learning rate that is a function of nothing,
+    are refused naming the schedule, never trained at a constant lr."""
+    pytest.importorskip("tensorflow")
+    import keras
+
+    from elasticflow.backends.tensorflow.optim import spec_from_native
+    from elasticflow.errors import ElasticFlowError
+
+    with pytest.raises(ElasticFlowError, match=r"model\(\)\['lr_scheduler'\] \(StepLR\) is given beside a keras SGD"):
+        spec_from_native(keras.optimizers.SGD(0.1), torch.optim.lr_scheduler.StepLR(
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), 2))
+    with pytest.raises(ElasticFlowError, match="with a learning-rate function") as info:
+        spec_from_native(keras.optimizers.Adam(lambda: 0.1))
+    assert "LearningRateSchedule" in info.value.hint

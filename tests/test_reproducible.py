@@ -18,7 +18,7 @@ import torch
 from harness import (EXACT, EXACT_COMMON, Limit, assert_bitwise, cli, events, exact_overrides, finish,
                      lose_join_retire, metrics, start, start_exact, train_exact, wait_for, world_sizes)
 
-from elasticflow.replica.exact_sum import ExactSum
+from elasticflow.replica.exact_sum import ReproducibleSum
 
 # 30 steps, not the exactness tests' 60: any bit that differs at any step is still there at the end (the long
 # horizon, 2,000 steps under kills, is scripts/long_exact.py's and scripts/chaos.py --reproducible's)
@@ -42,7 +42,7 @@ def _grouped(terms: list, groups: list) -> torch.Tensor:
     """Each group added into an accumulator of its own, then the accumulators combined as members combine them."""
     parts = []
     for group in groups:
-        part = ExactSum(terms[0].numel())
+        part = ReproducibleSum(terms[0].numel())
         for i in group:
             part.add(terms[i])
         parts.append(part)
@@ -74,31 +74,67 @@ def test_exact_sums_are_the_same_bits_in_any_order_and_grouping_and_closer_than_
     assert error.max() < float32_error.max() / 50 and error.mean() < float32_error.mean() / 50
 
 
-def test_the_compiled_deposit_gives_the_eager_bits(monkeypatch):
-    """A large gradient's terms go through deposit_float32 compiled (one loop), a small one's eager: the same
-    integer arithmetic, the same bits, also for zeros, subnormals, infinities and NaNs."""
+def _built() -> None:
+    """The compiled kernels on disk (the background builder's work, done here and waited for; cached per machine)."""
     from elasticflow.replica import exact_sum
 
+    folder = exact_sum._Kernels.folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    exact_sum.build(folder, exact_sum._Kernels.key())
+
+
+def test_the_compiled_deposit_gives_the_eager_bits(monkeypatch):
+    """A large gradient's terms go through deposit_float32 compiled ahead of time (one loop, any size), a small
+    one's eager: the same integer arithmetic, the same bits, also for zeros, subnormals, infinities and NaNs."""
+    from elasticflow.replica import exact_sum
+
+    _built()
+    monkeypatch.setattr(exact_sum, "_kernels", exact_sum._Kernels())
     g = torch.Generator().manual_seed(2)
-    terms = [(torch.randn(4096, generator=g) * torch.exp2(torch.randint(-140, 100, (4096,), generator=g).float()))
-             for _ in range(5)]
-    terms[0][:40] = 0.0
-    terms[1][40:50] = float("inf")
-    terms[2][50:60] = float("nan")
-    terms[3][60:70] = 1e-45
-    eager, compiled = ExactSum(4096), ExactSum(4096)
-    for t in terms:
-        eager.add(t.float())
+    for n in (4096, 5000):  # two sizes, one package
+        terms = [(torch.randn(n, generator=g) * torch.exp2(torch.randint(-140, 100, (n,), generator=g).float()))
+                 for _ in range(5)]
+        terms[0][:40] = 0.0
+        terms[1][40:50] = float("inf")
+        terms[2][50:60] = float("nan")
+        terms[3][60:70] = 1e-45
+        eager, compiled = ReproducibleSum(n), ReproducibleSum(n)
+        monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1 << 40)
+        for t in terms:
+            eager.add(t.float())
+        want = eager.values()
+        monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1024)
+        for t in terms:
+            compiled.add(t.float())
+        assert torch.equal(compiled.bins, eager.bins) and torch.equal(compiled.window, eager.window)
+        assert torch.equal(compiled.values().nan_to_num(7.0), want.nan_to_num(7.0))
+        assert exact_sum._kernels.loaded.keys() >= {"deposit_float32_", "sums_float64"}, "no compiled kernel ran"
+
+
+def test_no_compilation_on_the_step_path_without_a_built_kernel(monkeypatch, tmp_path):
+    """Where no kernel is built yet, a large sum runs eager at once (the same bits) and starts one build in the
+    background, once per process; a failed build leaves the process eager for good."""
+    from elasticflow.replica import exact_sum
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(exact_sum, "_kernels", exact_sum._Kernels())
     monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1024)
-    for t in terms:
-        compiled.add(t.float())
-    assert exact_sum._compiled.get(exact_sum.deposit_float32_), "the deposit did not compile"
-    assert torch.equal(compiled.bins, eager.bins) and torch.equal(compiled.window, eager.window)
-    assert torch.equal(compiled.values().nan_to_num(7.0), eager.values().nan_to_num(7.0))
+    started = []
+    monkeypatch.setattr(exact_sum, "start_build", lambda folder, key: started.append((folder, key)))
+    acc = ReproducibleSum(4096)
+    for _ in range(3):
+        acc.add(torch.ones(4096))
+    assert started == [(tmp_path / "elasticflow_sums", exact_sum._Kernels.key())]
+    assert (acc.values() == 3.0).all() and not exact_sum._kernels.loaded
+    for name in exact_sum._Kernels.names:  # what the builder leaves when it cannot compile
+        exact_sum._kernels.path(name).with_suffix(".failed").parent.mkdir(parents=True, exist_ok=True)
+        exact_sum._kernels.path(name).with_suffix(".failed").write_text("the kernels' build failed: no compiler")
+    acc.add(torch.ones(4096))
+    assert exact_sum._kernels.off and (acc.values() == 4.0).all() and len(started) == 1
 
 
 def test_a_non_finite_term_makes_its_element_nan_and_no_other():
-    acc = ExactSum(3)
+    acc = ReproducibleSum(3)
     acc.add(torch.tensor([1.0, float("inf"), 2.0]))
     acc.add(torch.tensor([1e30, 1.0, float("nan")]))
     got = acc.values()
@@ -118,7 +154,7 @@ def test_members_summing_over_a_real_group_get_one_accumulators_bits():
     def member(rank: int) -> None:
         peer = TCPStore("127.0.0.1", store.port, world + 1, False)
         group = Group(peer, 0, rank, world, timeout_s=60)
-        acc = ExactSum(3000)
+        acc = ReproducibleSum(3000)
         for t in terms[rank * 3:rank * 3 + 3][::-1]:  # another order within each member, too
             acc.add(t)
         acc.allreduce(group)

@@ -89,3 +89,26 @@ def test_csv_mlflow_and_wandb_get_every_step_the_world_size_and_the_events_and_a
     assert [row["_step"] for row in _wandb_history(files[1]) if "train/loss" in row] == list(range(61, 81))
     with open(run / "metrics.csv", newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]] == list(range(1, 81))
+
+
+def test_the_trackers_params_name_the_optimizer_that_trains_not_the_configs_defaults():
+    """model() gave AdamW 3e-3 with a cosine schedule: optimizer.* is that optimizer's (MLflow and W&B take
+    these params), and none of the config group's unused sgd settings is left beside it."""
+    import torch
+
+    from elasticflow import optim
+    from elasticflow.backends.torch.optim import spec_from_native
+    from elasticflow.config.schema import compose
+    from elasticflow.observability.trackers import params_of
+    from harness import PROBE
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)
+    spec = optim.with_schedule(spec_from_native(opt), optim.Schedule("cosine", warmup_steps=20))
+    params = params_of(compose(str(PROBE), []), optim.summary(spec, from_model=True))
+    assert {k: v for k, v in params.items() if k.startswith("optimizer.")} == {
+        "optimizer.name": "adamw", "optimizer.lr": 3e-3, "optimizer.weight_decay": 0.01,
+        "optimizer.betas": "[0.9, 0.999]", "optimizer.eps": 1e-8, "optimizer.schedule": "cosine",
+        "optimizer.warmup_steps": 20, "optimizer.warmup_from_zero": False, "optimizer.decay_steps": None,
+        "optimizer.min_lr": 0.0, "optimizer.schedule_detail": "cosine(warmup_steps=20, decay_steps=all, min_lr=0)",
+        "optimizer.groups": "[{'lr': 0.003, 'weight_decay': 0.01}]", "optimizer.source": "model file"}
+    assert params["launcher.workers"] == 1  # the rest of the config as it was

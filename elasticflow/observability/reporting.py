@@ -13,10 +13,11 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from ..data.order import deal, split_evenly
 from .._util import untrusted
-from .._util.fileio import append_event, open_append
+from .._util.fileio import append_event, open_append, write_atomic
 from .._util.memory import rss_mib  # also re-exported: the trainer reads it from here
 
 log = logging.getLogger("elasticflow")
+OPTIMIZER = "optimizer.json"  # RUN_DIR/.elasticflow/optimizer.json: the optimizer that trains (RunLog.trains_with)
 
 
 def _plain(value: Any) -> Any:
@@ -79,6 +80,8 @@ class RunLog:
         self._writer: Optional[MetricsWriter] = None
         self._written = -1  # samples_seen of the newest record in metrics.jsonl
         self._board = None
+        self.optimizer: Dict[str, Any] = {}  # optim.summary of the optimizer that trains (trains_with)
+        self._said_optimizer = False
         if loggers:
             from .sidecar import Sidecar
 
@@ -89,6 +92,14 @@ class RunLog:
         if self._writer is None:
             self._writer = MetricsWriter(self.run_dir / "metrics.jsonl")
         return self._writer
+
+    def trains_with(self, optimizer: Dict[str, Any]) -> None:
+        """The optimizer, lr and schedule that train (``optim.summary``), once built: the trackers record them in
+        place of the config's ``optimizer.*``, and rank 0 leaves them for `elasticflow status`
+        (RUN_DIR/.elasticflow/optimizer.json, ``OPTIMIZER``)."""
+        self.optimizer = dict(optimizer)
+        if self._board is not None:
+            self._board.optimizer = self.optimizer
 
     def take_over(self) -> None:
         """This worker became rank 0 in place of one that left: it may have logged steps we have not."""
@@ -104,6 +115,10 @@ class RunLog:
             return
         self._metrics().write(record)
         self._written = record["samples_seen"]
+        if self.optimizer and not self._said_optimizer:  # rank 0's first record: once a job
+            self._said_optimizer = True
+            (self.run_dir / ".elasticflow").mkdir(parents=True, exist_ok=True)
+            write_atomic(self.run_dir / ".elasticflow" / OPTIMIZER, json.dumps(self.optimizer, default=str))
         if self._board is not None and self._board.proc is None:
             self._board.start()
 

@@ -63,16 +63,17 @@ class Sidecar:
     """The trainer's handle on the sidecar: ``start`` once (rank 0), ``close`` at the end.
 
     ``loggers``: the tracker names (trainer.loggers); ``config``: the run's, which trackers record as its
-    parameters."""
+    parameters, with ``optimizer`` (``optim.summary`` of the one that trains, once built) for its ``optimizer.*``."""
 
     def __init__(self, run_dir: Path, loggers: List[str], config: Any = None):
         self.run_dir, self.loggers, self.config = Path(run_dir), list(loggers), config
+        self.optimizer: Dict[str, Any] = {}
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
         if self.proc is None:
             (self.run_dir / ".elasticflow").mkdir(parents=True, exist_ok=True)
-            params = params_of(self.config) if self.config is not None else {}
+            params = params_of(self.config, self.optimizer) if self.config is not None else {}
             write_atomic(self.run_dir / ".elasticflow" / PARAMS, json.dumps(params, default=str))
             # Its stdin is the stop request: closed by close(), or by the kernel when this process dies.
             # (Not a signal: one sent while the sidecar is still starting would kill it before it wrote.)

@@ -1,7 +1,8 @@
 """`elasticflow status RUN_DIR [--json]`: a run at a glance, running or not, from its own records.
 
 Generation, members (and, while the job runs, each one's device, asked of its agent's store by
-``distributed.control``), the newest step, recent membership events and the goodput ledger.
+``distributed.control``), the newest step and its lr, the optimizer and schedule that train (not the config's
+defaults where model() gave its own), recent membership events and the goodput ledger.
 Rendering is the CLI's side: the distributed layer only answers what the running job knows.
 """
 from __future__ import annotations
@@ -42,6 +43,17 @@ def _last_step(run_dir: Path) -> dict:
     return last
 
 
+def _optimizer(run_dir: Path) -> dict:
+    """The optimizer, lr and schedule that train (``RunLog.trains_with``: rank 0's, from its first step), {} before."""
+    from .reporting import OPTIMIZER
+
+    try:
+        found = untrusted.loads((run_dir / ".elasticflow" / OPTIMIZER).read_text(), max_bytes=1 << 16)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def _recent_events(run_dir: Path, events: int) -> Tuple[List[dict], int]:
     """The newest ``events`` membership events (the goodput ledger's own records left out), and how many lines
     of events.jsonl were skipped as unreadable (torn, or crafted)."""
@@ -60,7 +72,8 @@ def status_record(run_dir: Path, events: int = 8) -> dict:
     workers = run_dir / "workers.json"
     return {"run_dir": str(run_dir), "running": protocol.agent_file(run_dir).is_file(),
             "workers": json.loads(workers.read_text()) if workers.is_file() else None,
-            "last_step": _last_step(run_dir) or None, "recent_events": _recent_events(run_dir, events)[0],
+            "last_step": _last_step(run_dir) or None, "optimizer": _optimizer(run_dir) or None,
+            "recent_events": _recent_events(run_dir, events)[0],
             "goodput": goodput.load(run_dir)}
 
 
@@ -91,8 +104,14 @@ def status(run_dir: Path, events: int = 8) -> str:
                 lines.append(f"  worker {m['worker_id']}: {where}, {devices[m['worker_id']]}")
     last = _last_step(run_dir)
     if last:
+        lr = f"  lr {last['lr']:.4g}" if untrusted.number(last.get("lr")) else ""
         lines.append(f"step {last['step']}  epoch {last.get('epoch')}  samples consumed {last.get('samples_seen')}  "
-                     f"loss {last.get('loss', float('nan')):.5g}")
+                     f"loss {last.get('loss', float('nan')):.5g}{lr}")
+    o = _optimizer(run_dir)
+    if o:
+        schedule = o.get("schedule_detail", o.get("schedule"))
+        lines.append(f"optimizer {o.get('name')}  lr {o.get('lr')}  schedule {schedule}  (from the "
+                     f"{o.get('source', 'config')})")
     recent, skipped = _recent_events(run_dir, events)
     if recent:
         lines.append("recent events:")
@@ -104,7 +123,7 @@ def status(run_dir: Path, events: int = 8) -> str:
     if skipped:
         lines.append(f"  ({skipped} unreadable line{'s' if skipped != 1 else ''} of events.jsonl skipped)")
     ledger = goodput.load(run_dir)
-    if ledger is not None:
-        lines.append(("so far: " if running else "") + goodput.render(ledger))
+    if ledger is not None:  # one line each: printable() below would show a newline as a literal \n
+        lines.extend((("so far: " if running else "") + goodput.render(ledger)).splitlines())
     # Hosts, devices and reasons come from workers and requests: printed as text, never as terminal escapes.
     return "\n".join(printable(line, limit=4000) for line in lines)

@@ -6,7 +6,8 @@
     wandb        a Weights & Biases run under RUN_DIR/wandb/, offline unless $WANDB_MODE says otherwise
 
 Each is written by the sidecar (observability/sidecar.py) from the run's own records, never by the training
-thread, and each library is imported only when named. Every tracker records the config as parameters, each
+thread, and each library is imported only when named. Every tracker records the config as parameters (its
+``optimizer.*`` replaced by the optimizer and schedule that train: ``optim.summary``), each
 step's scalars by step (loss, lr, eval metrics, samples/s, world size, generation, memory), and the elastic
 events (a worker left or joined, a recovery and what it cost) as metrics under ``event/<kind>/<field>``.
 
@@ -61,8 +62,11 @@ def open_trackers(names: List[str], run_dir: Path, params: Dict[str, Any]) -> Li
     return out
 
 
-def params_of(cfg: Any) -> Dict[str, Any]:
-    """The config as flat ``{"optimizer.lr": 0.1, ...}``, what trackers record as a run's parameters."""
+def params_of(cfg: Any, optimizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The config as flat ``{"optimizer.lr": 0.1, ...}``, what trackers record as a run's parameters.
+
+    ``optimizer``: the optimizer that trains (``optim.summary``), which replaces the config's ``optimizer.*``:
+    where model() gives the optimizer, the config group's settings (sgd, lr 0.1) never train and are not shown."""
     from omegaconf import OmegaConf
 
     out: Dict[str, Any] = {}
@@ -75,6 +79,10 @@ def params_of(cfg: Any) -> Dict[str, Any]:
             out[prefix[:-1]] = node if isinstance(node, (int, float, str, bool)) or node is None else str(node)
 
     walk(OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg), "")
+    if optimizer:
+        out = {k: v for k, v in out.items() if not k.startswith("optimizer.")}
+        for k, v in optimizer.items():
+            out[f"optimizer.{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
     return out
 
 

@@ -50,8 +50,10 @@ class FlatUpdate:
     that crosses groups is updated stretch by stretch.
     """
 
-    def __init__(self, spec: OptimizerSpec, runs: Sequence[Tuple[int, int, Any]], sizes: Sequence[int]):
+    def __init__(self, spec: OptimizerSpec, runs: Sequence[Tuple[int, int, Any]], sizes: Sequence[int],
+                 exact_sqrt: bool = False):
         self.spec = spec
+        self.exact_sqrt = exact_sqrt  # Adam's root as the engine takes it (the TensorFlow engine: correctly rounded)
         self.runs = list(runs)
         self.sizes = list(sizes)  # each parameter's elements, in the flat order
         self.slots = spec.slots()
@@ -83,7 +85,8 @@ class FlatUpdate:
         if self.adam:
             k = param.numel()  # scratch: the denominator, then Adam's L2 term (grad + wd * param)
             adam_update(param, grad, slots["exp_avg"], slots["exp_avg_sq"], scratch[:k], lr, s.betas, s.eps,
-                        weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None)
+                        weight_decay, self.decoupled, step, l2_out=scratch[k:2 * k] if self.l2 else None,
+                        exact_sqrt=self.exact_sqrt)
             return
         # torch.optim.SGD's step, as the engine's. The buffer starts at zero instead of taking the first
         # gradient (first=False): 0 * m + g == g, but for the sign of a zero.

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from ..checkpoint.format import Partial, Sharded
-from .param_units import HeldParameters, merge
+from .held_params import HeldParameters
+from .param_units import merge
 from .shard_pieces import own_piece
 from .shard_plan import KEPT, Range, held_row, needed, owned, plan_moves
 

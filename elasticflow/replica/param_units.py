@@ -12,11 +12,25 @@ set of spans of the flat parameter vector
 **Forward.** A unit's forward pre-hook brings its spans in (``ShardedState.fetch``: each owner sends its piece to
 every member that does not hold it); its forward hook gives them back.
 
-**Backward** uses a parameter only through the tensors autograd saved in forward, so a
-``saved_tensors_hooks`` pair sees every use: a saved view of the vector is packed with its unit, and unpacking
-it brings the unit in again if it is out. Once a unit's saved tensors have all been unpacked and backward has
-moved on to another unit's, it is given back (the CPU's autograd runs one node at a time: a node's unpacks come
-before its work, and the next node's after it).
+**Backward** brings a unit in before its first node runs: its forward hook puts a hook on each output that
+requires a gradient, and the first of them to receive its gradient fetches the unit (FSDP2's pre-backward).
+That is also what makes activation checkpointing right: a recompute runs inside the unit's backward, after
+that fetch, whichever way it calls the unit's code: ``checkpoint(unit, h)``, ``checkpoint(unit.forward, h)``,
+a ``forward`` that checkpoints its own body (transformers' ``GradientCheckpointingLayer``), reentrant or not.
+(torch.utils.checkpoint's own ``saved_tensors_hooks`` replace ours inside the checkpoint, so the unpack below
+never sees what a recompute reads; and a recompute that calls ``forward`` directly skips the pre-hook.) A unit
+whose every trainable parameter has accumulated its gradient of the micro-batch is given back there: autograd
+runs a parameter's accumulation only after every node that took it as an input, so no later node of this
+backward reads it. Frozen parameters have no such signal: a unit holding some passes its inputs that require a
+gradient through ``AfterBackward`` in forward, whose backward runs once their gradients are computed (FSDP2's
+post-backward), and goes once that and its trainable parameters' gradients are done. Where forward runs a
+unit's ``forward`` without ``__call__`` (``checkpoint(unit.forward, h)``), the unit's ``forward`` attribute, which
+the ParamUnits replace with a wrapper, brings it in and gives it back the same way.
+
+A ``saved_tensors_hooks`` pair sees every other use of a parameter in backward: a saved view of the vector is
+packed with its unit, and unpacking it brings the unit in again if it is out. A unit with frozen parameters whose
+saved tensors have all been unpacked is given back too once backward has moved on to another unit's (the CPU's
+autograd runs one node at a time: a node's unpacks come before its work, and the next node's after it).
 
 **The gradient** of a unit goes to its owners once each of its parameters has accumulated its gradient of the
 micro-batch (autograd's post-accumulate hook): each member sends its piece to the piece's owner, who adds every
@@ -36,18 +50,21 @@ micro-batch; data-dependent skipping of a unit (a mixture of experts routing no 
 
 Note: a parameter read in forward outside its unit's own forward (``self.head.weight`` used in the parent's
 forward) is read while out; where autograd saves it, the pack hook catches that and says so.
+Inside a non-reentrant checkpoint autograd saves with the checkpoint's hooks, not ours: such a read there (or
+``type(unit).forward(unit, h)`` called from outside the unit) is not caught. ``torch.compile(fullgraph=True)``
+cannot trace the hooks and is refused when the ParamUnits are built, before training.
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..errors import ElasticFlowError
-from .exact_sum import ExactSum
-from .shard_plan import Range, chunk, covers, needed, owned
+from .unit_hooks import AfterBackward, fullgraph, tensors, wrap_forward
 
 Span = Tuple[int, int]
 
@@ -152,6 +169,11 @@ class ParamUnits:
         module, params = engine.parameter_units()
         plan = plan_units(module, params, patterns, engine.frozen_units() if self.frozen is not None else ())
         self.spans, self.root, self.names = plan.spans, plan.root, plan.names
+        if self.names and fullgraph(getattr(engine, "view", None), module):
+            raise ElasticFlowError("trainer.shard=parameters brings each unit in from Python hooks, which "
+                                   "torch.compile(fullgraph=True) cannot trace (it stops at the first one)",
+                                   "compile without fullgraph=True (each hook is then a graph break between "
+                                   "compiled pieces), or pass trainer.shard=gradients")
         self.frozen_spans, self.frozen_root = plan.frozen, plan.frozen_root
         self.resident = [False] * len(self.spans)
         self.root_in = False
@@ -175,8 +197,11 @@ class ParamUnits:
             self._param_unit.append(self._where[0].unit(at))
             at += p.numel()
         self._params_of = [self._param_unit.count(u) for u in range(len(self.spans))]
+        # Given back in backward once its parameters have their gradients (not with frozen ones: no such signal)
+        self._after_grads = [self._params_of[u] > 0 and not self.frozen_spans[u] for u in range(len(self.spans))]
         self._arrived = [0] * len(self.spans)
         self._reduced = [False] * len(self.spans)
+        self._inputs_due = [0] * len(self.spans)  # a unit with frozen parameters: its calls' input gradients to come
         self._hooks = []
         for p, u in zip(params, self._param_unit):
             if u >= 0:
@@ -185,8 +210,10 @@ class ParamUnits:
             children = dict(unit_modules(module, patterns))
             for u, name in enumerate(self.names):
                 child = children[name]
-                self._hooks.append(child.register_forward_pre_hook(lambda _m, _a, u=u: self._forward_in(u)))
-                self._hooks.append(child.register_forward_hook(lambda _m, _a, _o, u=u: self._forward_out(u)))
+                self._hooks.append(child.register_forward_pre_hook(
+                    lambda _m, args, kwargs, u=u: self._forward_in(u, args, kwargs), with_kwargs=True))
+                self._hooks.append(child.register_forward_hook(lambda _m, _a, out, u=u: self._forward_out(u, out)))
+                wrap_forward(child, self, u)
         self.device = shards.params.device  # a saved tensor elsewhere is not a parameter view
         self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -205,6 +232,7 @@ class ParamUnits:
         self.unpacks = [0] * len(self.spans)
         self._arrived = [0] * len(self.spans)
         self._reduced = [False] * len(self.spans)
+        self._inputs_due = [0] * len(self.spans)
         self.done = []
         if not self.reducing:  # the whole gradient is summed and read (trainer.reproducible: after each micro-batch,
             self.engine.grad_in(0, self.shards.n)  # which zero_grad gave back): all of it in memory
@@ -247,15 +275,68 @@ class ParamUnits:
                     self.shards.reduce_grad(self.root if u < 0 else self.spans[u])
 
     # ------------------------------------------------------------------ the hooks
-    def _forward_in(self, u: int) -> None:
+    def _forward_in(self, u: int, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if self.whole:
+            return None
+        if not self.resident[u]:
+            self._fetch(u)
+        return self._watch_inputs(u, args, kwargs or {})
+
+    def _watch_inputs(self, u: int, args: tuple, kwargs: dict) -> Any:
+        """A unit with frozen parameters: its inputs that require a gradient pass through ``AfterBackward``, whose
+        backward says when their gradients, and so the nodes of the unit that read its frozen weights for them,
+        are done (FSDP2's post-backward). None where nothing is to watch (the args stay as they are)."""
+        if self._after_grads[u] or not self.frozen_spans[u] or not torch.is_grad_enabled() or \
+                torch._C._current_graph_task_id() != -1:
+            return None
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not at and not keys:
+            return None
+        self._inputs_due[u] += 1
+        out = AfterBackward.apply(self, u, *[args[i] for i in at], *[kwargs[k] for k in keys])
+        args, kwargs = list(args), dict(kwargs)
+        for i, t in zip(at + keys, out):
+            if isinstance(i, int):
+                args[i] = t
+            else:
+                kwargs[i] = t
+        return tuple(args), kwargs
+
+    def inputs_done(self, u: int) -> None:
+        """``AfterBackward``: the gradients of one call's inputs of unit ``u`` are computed."""
+        self._inputs_due[u] -= 1
+        if self._inputs_due[u] == 0 and self._arrived[u] == self._params_of[u] and self.resident[u] \
+                and not self.whole:
+            self._give_back(u)
+
+    def _forward_out(self, u: int, out: Any) -> None:
+        # Not inside backward: activation checkpointing runs the unit's forward again there, and its recomputed
+        # ops use it next (kept until its parameters have their gradients: _grad_ready).
+        if self.whole or torch._C._current_graph_task_id() != -1:
+            return
+        if self.resident[u]:
+            self._give_back(u)
+        if torch.is_grad_enabled():  # its backward brings it in first (a reentrant checkpoint's recompute: no grad)
+            fetch = functools.partial(self._backward_in, u)
+            for t in tensors(out):
+                if t.requires_grad:
+                    t.register_hook(fetch)
+
+    def _backward_in(self, u: int, _grad: Any = None) -> None:
+        """The unit's backward starts (a gradient reached one of its outputs): in, before any of its nodes runs,
+        and so before a checkpoint recomputes its forward."""
         if not self.whole and not self.resident[u]:
             self._fetch(u)
 
-    def _forward_out(self, u: int) -> None:
-        # Backward brings it in again where it saved some of it. Not inside backward: activation checkpointing
-        # runs the unit's forward again there, and its recomputed ops use it next (kept: no second fetch).
-        if not self.whole and self.resident[u] and torch._C._current_graph_task_id() == -1:
-            self._give_back(u)
+    def direct_forward(self, u: int, forward: Any, args: tuple, kwargs: dict) -> Any:
+        """The unit's ``forward`` called without ``__call__`` (no hooks ran): in for the call, out after it."""
+        if self.whole or self.resident[u]:
+            return forward(*args, **kwargs)  # __call__'s pre-hook brought it in, or backward did (a recompute)
+        args, kwargs = self._forward_in(u, args, kwargs) or (args, kwargs)
+        out = forward(*args, **kwargs)
+        self._forward_out(u, out)
+        return out
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self.whole or not isinstance(t, torch.Tensor) or t.device != self.device or not self.names:
@@ -287,15 +368,21 @@ class ParamUnits:
         if not self.resident[u]:
             self._fetch(u)
         self.unpacks[u] += 1
-        if self.unpacks[u] == self.packs[u]:
-            self.done.append(u)
+        if self.unpacks[u] == self.packs[u] and not self._after_grads[u] and not self._inputs_due[u]:
+            self.done.append(u)  # (not before the units' own signals: a recompute's reads are not unpacked here)
         return t
 
     def _grad_ready(self, u: int) -> None:
         """A parameter of unit ``u`` accumulated its gradient (autograd's hook): the unit's last sends it on."""
         self._arrived[u] += 1
-        if self.reducing and not self.whole and self._arrived[u] == self._params_of[u] and not self._reduced[u]:
+        if self.whole or self._arrived[u] != self._params_of[u]:
+            return
+        if self.reducing and not self._reduced[u]:
             self._reduce(u)
+        if self._after_grads[u] and self.resident[u]:  # no later node of this backward reads it (the docstring)
+            self._give_back(u)
+        elif self.frozen_spans[u] and self._inputs_due[u] == 0 and self.resident[u]:  # its inputs' are done too
+            self._give_back(u)
 
     # ------------------------------------------------------------------ in and out
     def _reduce(self, u: int) -> None:
@@ -335,116 +422,6 @@ class ParamUnits:
             self.layout = self.shards.layout_version
             self.resident = [False] * len(self.spans)
             self.root_in = False
-
-
-class HeldParameters:
-    """``ShardedState``'s part for stage 3: the parameters outside the held ranges given back, and fetched per unit.
-    Uses the state's ``n``, ``world``, ``rank``, ``replicas``, ``held``, ``group``, ``paged``, ``_fetches``,
-    ``reproducible`` and ``exact``."""
-
-    def holds_all(self) -> bool:
-        return covers(list(self.held), self.n)
-
-    def give_back(self, spans: Sequence[Range]) -> None:
-        """Stage 3: return the memory of ``spans`` outside the held ranges (whole pages only; ``PagedVector``)."""
-        if self.paged is None:
-            return
-        held = sorted(self.held)
-        for lo, hi in spans:
-            at = lo
-            for a, b in held:
-                if b <= at or a >= hi:
-                    continue
-                if a > at:
-                    self.paged.drop(at, a)
-                at = max(at, b)
-            if at < hi:
-                self.paged.drop(at, hi)
-
-    def fetch(self, spans: Sequence[Range]) -> None:
-        """Stage 3: bring ``spans`` of the parameters in: each owner sends its piece to every member not holding
-        it, point to point. Written through the vector's alias (``PagedVector``): not an in-place change of
-        the parameters autograd saved. Raises CommError when a member fails (the step is redone)."""
-        if self.world == 1 or self.holds_all():
-            return
-        for lo, hi in spans:  # given back, a GPU's memory is unmapped: mapped (zeros) before it is written
-            self.paged.ensure(lo, hi)
-        group, sends, recvs = self.group, [], []
-        holders = [needed(self.n, self.world, m, self.replicas) for m in range(self.world)]
-        for r, a, b, tag in self._pieces(spans):
-            if r == self.rank:
-                sends += [(self.paged.alias[a:b], m, tag) for m in range(self.world)
-                          if m != r and not any(x <= a and b <= y for x, y in holders[m])]
-            elif not any(x <= a and b <= y for x, y in self.held):
-                recvs.append((self.paged.alias[a:b], r, tag))
-        group.exchange(sends, recvs)
-
-    def _pieces(self, spans: Sequence[Range]) -> List[Tuple[int, int, int, int]]:
-        """(owner, lo, hi, tag) of each owner's piece of each span; a tag per span, the same on every member (gloo
-        matches a message by its source and tag; every member makes the same calls in the same order)."""
-        out = []
-        for lo, hi in spans:
-            for r in range(self.world):
-                a, b = owned(self.n, self.world, r)
-                if min(b, hi) > max(a, lo):
-                    out.append((r, max(a, lo), min(b, hi), self._fetches % (1 << 30)))
-            self._fetches += 1
-        return out
-
-    def reduced_in_backward(self) -> bool:
-        """Stage 3 when the step scatters: each unit's gradient went to its owners during backward."""
-        return self.paged is not None and self.scatters()
-
-    def start_step(self) -> None:
-        """Stage 3: the step's sums of this member's own range (``acc``; ``exact`` under ``trainer.reproducible``)
-        start at zero."""
-        if self.reduced_in_backward():
-            self.acc = self._buffer("own", chunk(self.n, self.world))
-            if not self.reproducible:
-                self.acc.zero_()
-            elif self.exact is None or self.exact.n != self.acc.numel():
-                self.exact = ExactSum(self.acc.numel(), self.acc.device)
-            else:
-                self.exact.clear()
-
-    def settle_exact(self) -> torch.Tensor:
-        """Stage 3 under ``trainer.reproducible``: ``acc`` from the exact sums, each rounded once to float32."""
-        self.acc.copy_(self.exact.values())
-        return self.acc
-
-    def reduce_grad(self, spans: Sequence[Range]) -> None:
-        """Stage 3: this micro-batch's gradient of ``spans`` to the owners, point to point; each owner adds every
-        member's piece (in rank order) into ``acc``, or, under ``trainer.reproducible``, into its exact sums (any
-        order: the same bits as one worker's sums of the same micro-batches). The local gradient there is then
-        given back (its pages go: backward never holds a whole gradient). Raises CommError when a member fails
-        (the step is redone)."""
-        grad, lo_own = self.engine.grad_view(), owned(self.n, self.world, self.rank)[0]
-        for lo, hi in spans:  # a unit no forward used: its gradient's memory may be given back (read as zeros)
-            self.engine.grad_in(lo, hi)
-        sends, recvs, sums = [], [], []
-        for r, a, b, tag in self._pieces(spans):
-            if r == self.rank:
-                # Fresh: freed once summed (scratch kept from unit to unit would hold W - 1 units' worth for good)
-                pieces = [grad[a:b] if m == r else torch.empty(b - a, device=grad.device) for m in range(self.world)]
-                recvs += [(pieces[m], m, tag) for m in range(self.world) if m != r]
-                sums.append((a, b, pieces))
-            else:
-                sends.append((grad[a:b], r, tag))
-        self.group.exchange(sends, recvs)
-        for a, b, pieces in sums:
-            for piece in pieces:
-                if self.reproducible:
-                    self.exact.add(piece, at=a - lo_own)
-                else:
-                    self.acc[a - lo_own:b - lo_own].add_(piece)
-        for lo, hi in spans:
-            self.engine.zero_grad_range(lo, hi)
-
-    def gather_whole(self) -> None:
-        """Stage 3: every parameter in (evaluation); ``give_back([(0, n)])`` returns them."""
-        if self.world > 1 and not self.holds_all():
-            self.paged.ensure(0, self.n)
-            self.group.allgather_flat(self.paged.alias, chunk(self.n, self.world))
 
 
 class _Saved:

@@ -39,7 +39,7 @@ import numpy as np
 
 from .bucketing import Buckets
 from .outcomes import Agreed, Joined, Recovery, Reduction, agreed
-from .exact_sum import ExactSum
+from .exact_sum import ReproducibleSum
 from ..distributed import protocol
 
 log = logging.getLogger("elasticflow")
@@ -68,7 +68,7 @@ class Replica:
         self.finish_asked = False              # a rank-0 callback's stop, voted in the next step's reduction
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.buckets = Buckets(engine, int(bucket_mb * (1 << 20)) if bucket_mb else 0)
-        self._exact: Optional[ExactSum] = None  # trainer.reproducible: the step's sums, kept between steps
+        self._exact: Optional[ReproducibleSum] = None  # trainer.reproducible: the step's sums, kept between steps
 
     @property
     def rank(self) -> int:
@@ -227,18 +227,18 @@ class Replica:
         owners summed each micro-batch's gradient of their ranges exactly during backward (``reduce_grad``)."""
         return 0 if self.shards is not None and self.shards.reduced_in_backward() else self.engine.num_params
 
-    def exact_sum(self, scalars: int, buffers: int) -> ExactSum:
+    def exact_sum(self, scalars: int, buffers: int) -> ReproducibleSum:
         """trainer.reproducible: the step's exact sums, cleared, laid out as ``start_exact`` reads them: the flat
         gradient (``exact_head``), ``scalars`` (loss, metrics, per-parameter flags), four votes, ``buffers``."""
         grad = self.engine.grad_view()
         n = self.exact_head() + scalars + 4 + buffers
         if self._exact is None or self._exact.n != n:
-            self._exact = ExactSum(n, grad.device)
+            self._exact = ReproducibleSum(n, grad.device)
         else:
             self._exact.clear()
         return self._exact
 
-    def start_exact(self, sums: ExactSum, scalars: int, interrupt: bool, buffers: bool) -> "Reduction":
+    def start_exact(self, sums: ReproducibleSum, scalars: int, interrupt: bool, buffers: bool) -> "Reduction":
         """trainer.reproducible: ``start_reduce`` over the exact sums the step filled (``exact_sum``): the votes
         added, summed over the members, the gradient written back in float32. Done at once: its result is in
         the returned Reduction, for ``finish_reduce``."""
@@ -253,7 +253,7 @@ class Replica:
             self.engine.grad_in(0, head)  # stage 3 on one member (or two holding all): zero_grad gave it back
             self.engine.grad_view().copy_(values[:head])  # rounded once, to float32
         else:  # stage 3: each owner's exact sums, rounded once, and the buddy's copy of them
-            self.shards.finish_reduce_scatter(m.group, (self.shards.settle_exact(), False))
+            self.shards.finish_reduce_scatter(m.group, (self.shards.settle_reproducible(), False))
         tail = values[head:].cpu()
         said = tail[scalars:scalars + 4].tolist()
         agreement = Agreed(interrupt=interrupt, finish=self.finish_asked) if m is None else \
@@ -301,8 +301,8 @@ class Replica:
         buffers = tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
         return out[:k], agreed(out[k:], r.generation, r.world), buffers
 
-    def allreduce_exact(self, sums: ExactSum) -> ExactSum:
-        """``sums`` (an ``ExactSum``) added over the members, in place; returned."""
+    def allreduce_exact(self, sums: ReproducibleSum) -> ReproducibleSum:
+        """``sums`` (a ``ReproducibleSum``) added over the members, in place; returned."""
         if self.membership is not None and self.world > 1:
             sums.allreduce(self.membership.group)
         return sums
@@ -310,7 +310,7 @@ class Replica:
     def sum_exactly(self, rows: List[List[float]], width: int) -> List[float]:
         """The exact sum over the members of every row of every member (``width`` values each): the same bits
         however the rows are spread (trainer.reproducible's evaluation)."""
-        sums = ExactSum(width)
+        sums = ReproducibleSum(width)
         sums.add_rows(np.asarray(rows, np.float64).reshape(-1, width))
         return self.allreduce_exact(sums).values().tolist()
 

@@ -75,7 +75,7 @@ from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, ch
                          held_row, needed, owned, plan_moves, plan_roll)
 from .flat_update import FlatUpdate, KeptStep, participation_of  # noqa: F401 - shard.FlatUpdate: tests patch it
 from .frozen_shards import FrozenShards
-from .param_units import HeldParameters
+from .held_params import HeldParameters
 from .shard_scatter import ScatteredGradient
 from .shard_pieces import CheckpointPieces
 
@@ -117,7 +117,8 @@ class ShardedState(HeldParameters, ScatteredGradient, CheckpointPieces):
         self.n = int(self.params.numel())
         layout = engine.flat_layout()
         sizes = [int(np.prod(s, dtype=np.int64)) for _, s in layout]
-        self.update_fn = FlatUpdate(spec, engine.flat_runs(), sizes)
+        self.update_fn = FlatUpdate(spec, engine.flat_runs(), sizes,
+                                    exact_sqrt=getattr(engine, "EXACT_SQRT", False))  # a TensorFlow engine's root
         self.slot_names = self.update_fn.slots
         offsets = np.cumsum([0] + sizes).tolist()
         self.param_at = {name: (offsets[i], tuple(shape)) for i, (name, shape) in enumerate(layout)}
@@ -128,7 +129,7 @@ class ShardedState(HeldParameters, ScatteredGradient, CheckpointPieces):
         self._fetches = 0                              # stage 3: fetches in this generation (their tags)
         self.acc: Optional[torch.Tensor] = None        # stage 3: this step's sums of the own range (reduce_grad)
         self.reproducible = False                      # stage 3: ... summed exactly (the builder sets it)
-        self.exact: Any = None                         # ... then in an ExactSum (exact_sum.py), kept from step to step
+        self.exact: Any = None                         # ... then in a ReproducibleSum (exact_sum.py), kept from step to step
         self.last: Optional[KeptStep] = None          # the newest step, until its allgather completed
         self._scratch = torch.empty(self._scratch_size(self.n), device=self.device)
         self._buffers: Dict[str, torch.Tensor] = {}   # stage 2's scratch: pieces, reduced chunks (_buffer)

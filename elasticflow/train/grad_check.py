@@ -9,7 +9,7 @@ import math
 from typing import Any, Callable, NamedTuple, Optional
 
 from ..errors import ElasticFlowError
-from ..replica.exact_sum import sum_squares_exactly
+from ..replica.exact_sum import sum_squares_reproducibly
 
 
 class Verdict(NamedTuple):
@@ -91,7 +91,7 @@ class ScatteredSums:
     def __init__(self, shards: Any, reduce_sum: Callable[[list], list],
                  allreduce_exact: Optional[Callable[[Any], Any]] = None, precise: bool = False):
         self.shards, self.reduce_sum = shards, reduce_sum
-        self.allreduce_exact = allreduce_exact  # trainer.reproducible: the norm's sum exact (Replica.allreduce_exact)
+        self.allreduce_exact = allreduce_exact  # trainer.reproducible: the squares' sum exact (Replica.allreduce_exact)
         self.precise = precise  # float16's loss scaling: blocks in float64 (norms.sum_squares)
 
     def grad_finite(self) -> bool:
@@ -104,8 +104,9 @@ class ScatteredSums:
         from .._util.norms import sum_squares  # torch's: the shards' sums are torch tensors on either backend
 
         lo, hi = self.shards.own_range()
-        if self.allreduce_exact is not None:
-            return math.sqrt(float(self.allreduce_exact(sum_squares_exactly(self.shards.reduced[(lo, hi)])).values()[0]))
+        if self.allreduce_exact is not None:  # exact, then rounded once to float64: the same at any cut and scale
+            squares = sum_squares_reproducibly(self.shards.reduced[(lo, hi)])
+            return math.sqrt(float(self.allreduce_exact(squares).values()[0]))
         return math.sqrt(self.reduce_sum([sum_squares(self.shards.reduced[(lo, hi)], lo, self.precise)])[0])
 
     def scale_grad(self, factor: float) -> None:
@@ -116,7 +117,8 @@ class ScatteredSums:
 class WholeNorm:
     """The engine's whole summed gradient with the norm ``ScatteredSums`` takes of it cut among owners
     (trainer.shard=gradients|parameters), where the engine's own norm rounds by its float32 blocks: summed
-    exactly (``exact``: trainer.reproducible, the same bits), else with float64 blocks (float16's loss scaling)."""
+    exactly and rounded once (``exact``: trainer.reproducible, the same bits), else with float64 blocks (float16's
+    loss scaling)."""
 
     def __init__(self, engine: Any, exact: bool):
         self.engine, self.exact = engine, exact
@@ -131,7 +133,7 @@ class WholeNorm:
 
         grad = torch.as_tensor(self.engine.grad_view())
         if self.exact:
-            return math.sqrt(float(sum_squares_exactly(grad).values()[0]))
+            return math.sqrt(float(sum_squares_reproducibly(grad).values()[0]))
         return math.sqrt(sum_squares(grad, 0, precise=True))
 
     def scale_grad(self, factor: float) -> None:

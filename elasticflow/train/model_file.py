@@ -134,6 +134,24 @@ def load(path: str) -> ModelFile:
 MODEL_NAMES = ("model", "net", "params", "module", "network")
 
 
+def _scheduler(entry: Any) -> Any:
+    """model()'s ``"lr_scheduler"``: a scheduler, or Lightning's ``{"scheduler": s, "interval": "step"}``. It is
+    stepped once per optimizer step; Lightning's default interval, an epoch, is refused rather than changed."""
+    if not isinstance(entry, dict):
+        return entry
+    if "scheduler" not in entry:
+        raise ElasticFlowError("model()['lr_scheduler'] is a dict without a 'scheduler'",
+                               "return {'scheduler': sched, 'interval': 'step'} (Lightning's form) or the scheduler")
+    interval, frequency = entry.get("interval", "epoch"), entry.get("frequency", 1)
+    if interval != "step" or frequency != 1:
+        said = f"interval={interval!r}" + ("" if "interval" in entry else " (Lightning's default)")
+        raise ElasticFlowError(f"model()['lr_scheduler'] asks for {said}, frequency={frequency}: ElasticFlow steps "
+                               "a scheduler once per optimizer step",
+                               "return {'scheduler': sched, 'interval': 'step'} with its length counted in "
+                               "optimizer steps (trainer.max_steps, or steps per epoch x epochs)")
+    return entry["scheduler"]
+
+
 def _model_argument(forward: Callable[..., Any], path: str) -> Callable[..., Any]:
     """forward() as the engines call it, ``forward(*batch, params=model)``, whatever the user named the
     model's parameter: a keyword-only ``params`` (``def forward(*batch, params)``) takes it by name,
@@ -171,16 +189,59 @@ class Built:
     optimizer_from_model: bool  # model() returned an "optimizer" entry (it wins over the config group)
 
 
+# The keys of the config's optimizer group that model()'s own optimizer replaces (not the schedule's: the config's
+# schedule drives model()'s optimizer too), and what a group's file leaves them at when the run does not say.
+_REPLACED = {"lr": None, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8,
+             "no_decay": [], "groups": []}
+
+
+def _refuse_unused(group: Any) -> None:
+    """Refuse the config's optimizer settings that model()'s own optimizer would leave unused (a run with another
+    optimizer than the one asked for). An optimizer group other than the default sgd is one setting; within a
+    group, each key set away from the group's file."""
+    from omegaconf import OmegaConf
+
+    from .._util.paths import conf_dir
+
+    name = str(group.get("name", "sgd"))
+    if name != "sgd":
+        said = [f"optimizer={name}"]
+    else:
+        chosen = OmegaConf.to_container(group, resolve=True)
+        file = OmegaConf.to_container(OmegaConf.load(conf_dir() / "optimizer" / "sgd.yaml"))
+        said = [f"optimizer.{key}={chosen.get(key)}" for key, default in _REPLACED.items()
+                if chosen.get(key) != file.get(key, default)]
+    if said:
+        raise ElasticFlowError(f"model() returns its own optimizer, so {', '.join(said)} would not be used",
+                               "set them on the optimizer model() returns (its lr, its param_groups), or drop "
+                               "model()'s optimizer to train with the config's; optimizer.schedule applies to either")
+
+
 def build(model_file: ModelFile, cfg: Any, backend: Any) -> Built:
-    """Call ``model(cfg)`` and check what it returned against ``backend`` (the backend module)."""
+    """Call ``model(cfg)`` and check what it returned against ``backend`` (the backend module).
+
+    The optimizer is the config group's, or the one model() gives (under ``"optimizer"``, or a keras model's
+    compiled one), with its scheduler (``"lr_scheduler"``, as Lightning's ``configure_optimizers`` returns it,
+    or a keras ``LearningRateSchedule``). The config's ``optimizer.schedule`` drives a model()'s optimizer that
+    has no schedule of its own; two schedules, or one that will not be applied, are refused in one line."""
     built = model_file.call("model", cfg)
-    spec = optim.from_config(cfg.optimizer)
+    config_spec = optim.from_config(cfg.optimizer)
+    spec = config_spec
     from_model = isinstance(built, dict) and "optimizer" in built
+    scheduler = None
+    if isinstance(built, dict) and "lr_scheduler" in built:
+        built = dict(built)
+        scheduler = _scheduler(built.pop("lr_scheduler"))
+        if not from_model:
+            raise ElasticFlowError("model() returns an 'lr_scheduler' without the 'optimizer' it steps",
+                                   "return both, {'optimizer': opt, 'lr_scheduler': sched}, or drop the scheduler "
+                                   "and set optimizer.schedule in the config")
     if from_model:
         built = dict(built)
         spec = built.pop("optimizer")
-        if not isinstance(spec, optim.OptimizerSpec):
-            native = backend.spec_from_native(spec)  # a torch.optim optimizer built on the model's groups
+        if not isinstance(spec, optim.OptimizerSpec) or scheduler is not None:
+            # a torch.optim optimizer built on the model's groups (and its scheduler), or a keras one
+            native = backend.spec_from_native(spec, scheduler)
             if native is None:
                 raise ElasticFlowError(f"model()['optimizer'] is a {type(spec).__name__}, not an optimizer spec",
                                        "use elasticflow.optim.SGD(lr), Adam(lr) or AdamW(lr), or a torch.optim "
@@ -190,6 +251,9 @@ def build(model_file: ModelFile, cfg: Any, backend: Any) -> Built:
         compiled = backend.spec_from_native(built)  # a keras model compiled with an optimizer trains with it
         if compiled is not None:
             spec, from_model = compiled, True
+    if from_model:  # the config's schedule drives model()'s optimizer too, or is refused beside another
+        _refuse_unused(cfg.optimizer)
+        spec = optim.with_schedule(spec, config_spec.schedule)
     foreign = backend.native_kind(built)
     if foreign:
         raise ElasticFlowError(f"model() returned {foreign}, which backend={backend.NAME} cannot train",

@@ -1,7 +1,19 @@
 """An nn.Module on the digits with four submodules, for trainer.shard=parameters (ZeRO stage 3): each top-level
 submodule is a unit its workers bring in for forward and backward. The kills and records of digits_probe.py
-(its EF_PROBE_* environment) apply here too. ``model_args.hidden`` sets the width (default 96);
-``model_args.checkpointing=1`` recomputes the block in backward (torch.utils.checkpoint).
+(its EF_PROBE_* environment) apply here too. ``model_args.hidden`` sets the width (default 96).
+
+``model_args.checkpointing`` recomputes the block in backward (torch.utils.checkpoint), in one of the ways users
+write it; the model computes the same values in each:
+    call             checkpoint(self.block, h): its __call__, hooks and all (1 says the same)
+    forward          checkpoint(self.block.forward, h): its forward alone, no module hook runs
+    reentrant        the same with use_reentrant=True (forward under no_grad; the recompute in backward)
+    layer            the block's own forward checkpoints its body (transformers' GradientCheckpointingLayer,
+                     FSDP2's convention): __call__ runs once, the recompute runs the body without hooks
+    layer-reentrant  the same with use_reentrant=True
+``model_args.frozen=1`` freezes the block's first weight (requires_grad=False: the block holds frozen parameters,
+as a LoRA base does). ``model_args.compile``: "model" returns torch.compile(net) from model(); "block" compiles the
+block in place (``nn.Module.compile``: its __call__, hooks included); "fullgraph": torch.compile(net,
+fullgraph=True).
 
     EF_UNITS_KILL_BACKWARD  "worker:step": that worker SIGKILLs itself in the first backward of that step (generation
                             0), once the head, norm and block units were brought back in for it and before embed.
@@ -16,13 +28,15 @@ submodule is a unit its workers bring in for forward and backward. The kills and
                             appends {worker, step, world, what: "params", resident, total} to <dir>/<pid>.jsonl: the
                             bytes of the flat parameter vector in memory (/proc/self/pagemap) and its size; and in
                             that micro-batch's backward, once head, norm and block have their gradients (before
-                            embed's), the same of the flat gradient (what: "grads").
+                            embed's), the same of the flat gradient (what: "grads") and of the flat parameter
+                            vector (what: "params_backward": those three units given back, embed not yet in).
 """
 import json
 import os
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import digits_probe
@@ -33,29 +47,47 @@ import elasticflow
 from elasticflow._util.pages import resident_bytes
 
 
+class Block(nn.Sequential):
+    """Linear, tanh, linear; ``layer`` ("layer", "layer-reentrant"): its forward checkpoints its own body."""
+    layer = ""
+
+    def forward(self, h):
+        if self.layer and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(super().forward, h, use_reentrant=self.layer != "layer")
+        return super().forward(h)
+
+
+STYLES = {"1": "call", "call": "call", "forward": "forward", "reentrant": "reentrant", "layer": "layer",
+          "layer-reentrant": "layer-reentrant"}
+
+
 class Net(nn.Module):
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, checkpointing: str = ""):
         super().__init__()
         self.embed = nn.Linear(64, hidden)
-        self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+        self.block = Block(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, 10)
-        self.recompute = False
+        self.recompute = checkpointing if checkpointing in ("call", "forward", "reentrant") else ""
+        self.block.layer = checkpointing if checkpointing.startswith("layer") else ""
 
     def forward(self, x):
         h = torch.relu(self.embed(x))
-        if self.recompute:  # activation checkpointing: the block's forward runs again in backward
-            block = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
-            return self.head(self.norm(h + block))
         if BACKWARD_KILL and torch.is_grad_enabled():
             ctx = elasticflow.context()
             if (digits_probe.WORKER, ctx.step, ctx.generation) == (*BACKWARD_KILL, 0):
                 h.register_hook(lambda _grad: digits_probe._kill_self())  # after the units above h, before embed
         if RESIDENT and torch.is_grad_enabled() and elasticflow.context().step not in _grads_seen:
             _grads_seen.add(elasticflow.context().step)
-            grad = self.embed.weight.grad
+            grad, param = self.embed.weight.grad, self.embed.weight
             h.register_hook(lambda _grad: _record_resident(elasticflow.context(), grad, "grads"))
-        return self.head(self.norm(h + self.block(h)))
+            h.register_hook(lambda _grad: _record_resident(elasticflow.context(), param, "params_backward"))
+        if self.recompute:  # activation checkpointing: the block's forward runs again in backward
+            run = self.block if self.recompute == "call" else self.block.forward
+            block = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=self.recompute == "reentrant")
+        else:
+            block = self.block(h)
+        return self.head(self.norm(h + block))
 
 
 BACKWARD_KILL = tuple(int(v) for v in os.environ["EF_UNITS_KILL_BACKWARD"].split(":")) \
@@ -64,9 +96,18 @@ BACKWARD_KILL = tuple(int(v) for v in os.environ["EF_UNITS_KILL_BACKWARD"].split
 
 def model(cfg):
     torch.manual_seed(cfg.seed)
-    net = Net(int(cfg.model_args.get("hidden", 96)))
-    net.recompute = bool(cfg.model_args.get("checkpointing", 0))
-    return net
+    style = str(cfg.model_args.get("checkpointing", "0"))
+    net = Net(int(cfg.model_args.get("hidden", 96)), STYLES.get(style, ""))
+    if style not in STYLES and style not in ("0", ""):
+        raise ValueError(f"model_args.checkpointing={style!r}: one of {sorted(STYLES)}")
+    if int(cfg.model_args.get("frozen", 0)):
+        net.block[0].weight.requires_grad_(False)
+    compiled = str(cfg.model_args.get("compile", ""))
+    if compiled == "block":
+        net.block.compile()
+    if compiled == "fullgraph":
+        return torch.compile(net, fullgraph=True)
+    return torch.compile(net) if compiled == "model" else net
 
 
 def forward(x, y, params):
@@ -99,9 +140,9 @@ def _die_in(phase):
 
 
 if PHASE_KILLS:
-    from elasticflow.replica import flat_update, param_units
+    from elasticflow.replica import flat_update, held_params
 
-    _fetch, _reduce, _update = (param_units.HeldParameters.fetch, param_units.HeldParameters.reduce_grad,
+    _fetch, _reduce, _update = (held_params.HeldParameters.fetch, held_params.HeldParameters.reduce_grad,
                                 flat_update.FlatUpdate.__call__)
 
     def _dying_fetch(self, spans):
@@ -116,8 +157,8 @@ if PHASE_KILLS:
         _die_in("update")
         return _update(self, *args, **kwargs)
 
-    param_units.HeldParameters.fetch = _dying_fetch
-    param_units.HeldParameters.reduce_grad = _dying_reduce
+    held_params.HeldParameters.fetch = _dying_fetch
+    held_params.HeldParameters.reduce_grad = _dying_reduce
     flat_update.FlatUpdate.__call__ = _dying_update
 _resident_seen, _grads_seen = set(), set()
 

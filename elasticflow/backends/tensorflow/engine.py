@@ -93,6 +93,7 @@ class Engine(WholeParameters):
     not promote dtypes: a float32 tensor forward() makes itself needs ``ops.cast(t, "float32")``,
     which then means the compute dtype. A ``tf.Module`` computes in its variables' dtype: float32 only.
     """
+    EXACT_SQRT = True  # a sharded update (replica/flat_update.py) takes Adam's root correctly rounded, as optim.py
 
     def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True,
                  placement: Placement = None):

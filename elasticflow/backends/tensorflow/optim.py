@@ -8,7 +8,8 @@ A keras SGD, Adam or AdamW that model() returns (a model compiled with it, or un
 with keras's own formulas instead, as ``model.fit`` would (``KerasSGD``, ``KerasAdam``): keras's Adam adds
 epsilon to the root of the uncorrected second moment and folds both bias corrections into the step size, its
 momentum holds ``lr * gradient``, and its weight decay (any optimizer's) is decoupled. Other keras optimizers
-and options (clipping, EMA, a schedule, amsgrad) are refused in one line, never approximated.
+and options (clipping, EMA, a learning-rate function, amsgrad) are refused in one line, never approximated; a
+keras ``LearningRateSchedule`` drives the lr, stepped as keras steps it (``_keras_schedule``).
 
 Parameter groups (``optimizer.groups``, ``optimizer.no_decay``) are torch.optim's: each group's lr and
 weight decay in its own row of scalars. ``Groups`` orders the parameters so a group is contiguous in the
@@ -120,11 +121,12 @@ def scalars(spec: OptimizerSpec, lr: float, step: int, weight_decay: float = Non
     ``weight_decay``: a group's (None: the spec's).
     """
     wd = spec.weight_decay if weight_decay is None else weight_decay
-    if spec.formulas == "keras":  # (step size, momentum or eps, [1 - b1, 1 - b2,] lr * wd)
+    if spec.formulas == "keras":  # (lr, momentum or eps, [1 - b1, 1 - b2, step,] wd): _keras_update computes
+        # the rest in float32 as keras does (Adam's step size from float32 betas, lr * wd rounded twice)
         if isinstance(spec, SGD):
-            return (lr, spec.momentum, lr * wd)
+            return (lr, spec.momentum, wd)
         b1, b2 = spec.betas
-        return (lr * (1 - b2 ** step) ** 0.5 / (1 - b1 ** step), spec.eps, 1 - b1, 1 - b2, lr * wd)
+        return (lr, spec.eps, 1 - b1, 1 - b2, step, wd)
     if isinstance(spec, SGD):
         return (lr, wd, spec.momentum)
     b1, b2 = spec.betas
@@ -141,29 +143,49 @@ def update(spec: OptimizerSpec, k: Sequence[tf.Tensor], w: tf.Tensor, g: tf.Tens
     if isinstance(spec, SGD):
         new: Dict[str, tf.Tensor] = {}
         if decay:
-            g = g + k[1] * w
+            g = _fused(g, k[1], w)                 # torch: torch.add(g, w, alpha=weight_decay)
         if spec.momentum:
             buf = slots["momentum_buffer"] * k[2] + g  # torch: buf.mul_(momentum).add_(g)
             new["momentum_buffer"] = buf
-            g = g + k[2] * buf if spec.nesterov else buf
-        return w - k[0] * g, new  # the rounding of torch's in-place param.add_(g, alpha=-lr)
+            g = _fused(g, k[2], buf) if spec.nesterov else buf  # torch: torch.add(g, buf, alpha=momentum)
+        return _fused(w, -k[0], g), new           # torch: param.add_(g, alpha=-lr)
     if decay:
         if isinstance(spec, AdamW):
             w = w * k[7]  # decoupled: param *= 1 - lr * weight_decay
         else:
-            g = g + k[6] * w
+            g = _fused(g, k[6], w)
     m, v = slots["exp_avg"], slots["exp_avg_sq"]
-    m_new = m + k[3] * (g - m)                 # torch: exp_avg.lerp_(grad, 1 - beta1)
-    v_new = v * k[4] + k[5] * g * g            # torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-    denom = tf.math.sqrt(v_new) / k[1] + k[2]  # sqrt(v) / sqrt(bias_correction2) + eps
-    return w - k[0] * (m_new / denom), {"exp_avg": m_new, "exp_avg_sq": v_new}  # step_size = lr / bias_correction1
+    if 1 - spec.betas[0] < 0.5:                # torch: exp_avg.lerp_(grad, 1 - beta1), from the nearer end
+        m_new = _fused(m, k[3], g - m)
+    else:
+        m_new = _fused(g, k[3] - 1, g - m)
+    v_new = _fused(v * k[4], k[5] * g, g)      # torch: exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+    denom = _sqrt(v_new) / k[1] + k[2]         # sqrt(v) / sqrt(bias_correction2) + eps
+    return w + (-k[0] * m_new) / denom, {"exp_avg": m_new, "exp_avg_sq": v_new}  # torch: addcdiv_(value=-lr/bc1)
+
+
+def _sqrt(v: tf.Tensor) -> tf.Tensor:
+    """The float32 square root correctly rounded, as torch's: TensorFlow's CPU kernel (Eigen's fast math) is off by
+    an ulp for some elements; float64's, rounded to float32, is exact (53 >= 2 * 24 + 2 bits)."""
+    return tf.cast(tf.math.sqrt(tf.cast(v, tf.float64)), tf.float32)
+
+
+def _fused(a: tf.Tensor, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """``a + x * y`` rounded once to float32, as torch's fused CPU kernels round it (``add`` with ``alpha``,
+    ``lerp``, ``addcmul``'s last step): the product is exact in float64 and the sum rounds there first, which
+    differs from one rounding only where the float64 sum falls exactly halfway between two float32s. Two float32
+    roundings (TensorFlow's ``a + x * y``) differ from torch's in ~10% of elements, and a sharded update
+    (``replica/flat_update.py``, torch's ops) must give the bits this update gives (tests/test_combinations.py:
+    bf16 turned that last bit into 3e-3 in 6 steps)."""
+    d = tf.float64
+    return tf.cast(tf.cast(a, d) + tf.cast(x, d) * tf.cast(y, d), tf.float32)
 
 
 def _keras_update(spec: OptimizerSpec, k: Sequence[tf.Tensor], w: tf.Tensor, g: tf.Tensor, slots: Dict[str, tf.Tensor],
                   decay: bool) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """``update`` with keras's formulas (keras/src/optimizers: sgd.py, adam.py, base_optimizer's weight decay)."""
     if decay:
-        w = w - w * k[-1]  # keras: variable - variable * wd * lr, before the step
+        w = w - w * k[-1] * k[0]  # keras: variable - variable * wd * lr, before the step
     if isinstance(spec, SGD):
         if not spec.momentum:
             return w - g * k[0], {}
@@ -171,7 +193,12 @@ def _keras_update(spec: OptimizerSpec, k: Sequence[tf.Tensor], w: tf.Tensor, g: 
         return w + (m * k[1] - g * k[0] if spec.nesterov else m), {"momentum": m}
     m = slots["exp_avg"] + (g - slots["exp_avg"]) * k[2]
     v = slots["exp_avg_sq"] + (g * g - slots["exp_avg_sq"]) * k[3]
-    return w - (m * k[0]) / (tf.math.sqrt(v) + k[1]), {"exp_avg": m, "exp_avg_sq": v}
+    # The step size as keras's graph computes it, from float32 betas: in doubles from the exact betas it is ~6e-6
+    # (relative) away in early steps (float32(0.999) is 1.3e-8 off, and 1 - beta_2^t cancels), which Adam carries
+    # (issue 63 saw 3e-3 from model.fit). Six scalar ops per variable, as in keras's own update.
+    b1, b2 = (tf.constant(b, tf.float32) for b in spec.betas)
+    alpha = k[0] * tf.math.sqrt(1 - tf.pow(b2, k[4])) / (1 - tf.pow(b1, k[4]))
+    return w - (m * alpha) / (tf.math.sqrt(v) + k[1]), {"exp_avg": m, "exp_avg_sq": v}
 
 
 def apply(spec: OptimizerSpec, ks: Sequence[Sequence[tf.Tensor]], params: List[tf.Variable], grads: List[tf.Tensor],
@@ -206,36 +233,77 @@ def apply_runs(spec: OptimizerSpec, ks: Sequence[Sequence[tf.Tensor]], param: tf
     param.assign(tf.concat([w for w, _ in done], 0))
 
 
-def spec_from_native(opt: Any) -> Optional[OptimizerSpec]:
+def spec_from_native(opt: Any, scheduler: Any = None) -> Optional[OptimizerSpec]:
     """The spec of a keras SGD, Adam or AdamW, given itself or a keras model compiled with it (``KerasSGD``,
-    ``KerasAdam``: keras's formulas); None for anything else. Another keras optimizer, or an option the update
-    does not compute (clipping, EMA, a learning-rate schedule, amsgrad, weight-decay exclusions), is refused in
-    one line."""
+    ``KerasAdam``: keras's formulas); None for anything else. Its ``LearningRateSchedule`` drives the lr
+    (``schedule(step)`` after ``step`` updates, as keras reads it at ``optimizer.iterations``). Another keras
+    optimizer, or an option the update does not compute (clipping, EMA, a learning-rate function, amsgrad,
+    weight-decay exclusions), or a torch-style ``scheduler`` beside it, is refused in one line."""
     if not is_keras_optimizer(opt):
         opt = getattr(opt, "optimizer", None) if _is_keras_model(opt) else None
         if opt is None or not is_keras_optimizer(opt):
+            if scheduler is not None:
+                raise ElasticFlowError("model()['lr_scheduler'] is given beside an optimizer that is not a keras "
+                                       "one", "give a keras optimizer its schedule as learning_rate="
+                                       "keras.optimizers.schedules..., or set optimizer.schedule in the config")
             return None
+    if scheduler is not None:
+        raise ElasticFlowError(f"model()['lr_scheduler'] ({type(scheduler).__name__}) is given beside a keras "
+                               f"{type(opt).__name__}: keras optimizers take their schedule as learning_rate",
+                               f"build it as keras.optimizers.{type(opt).__name__}(learning_rate=keras.optimizers."
+                               "schedules.CosineDecay(...)), or set optimizer.schedule in the config")
+    if type(opt).__name__ == "LossScaleOptimizer":  # keras's wrap of a model compiled under mixed_float16: the
+        opt = opt.inner_optimizer  # update is the inner one's; trainer.precision=16 scales the loss itself
+    # learning_rate is a schedule's value at the current iteration; the optimizer keeps the schedule itself here.
+    kept = getattr(opt, "_learning_rate", None)
+    schedule = None
+    if any(c.__name__ == "LearningRateSchedule" for c in type(kept).__mro__):
+        schedule = _keras_schedule(kept)
+    elif callable(kept):  # a function of nothing: what it returns may change any time (get_config cannot say it)
+        refuse_keras_optimizer(opt, ["a learning-rate function"])
     cfg, kind = opt.get_config(), type(opt).__name__
     options = [k for k in ("clipnorm", "global_clipnorm", "clipvalue", "use_ema", "loss_scale_factor",
                            "gradient_accumulation_steps", "amsgrad") if cfg.get(k)]
     if getattr(opt, "_exclude_from_weight_decay", None) or getattr(opt, "_exclude_from_weight_decay_pattern", None):
         options.append("exclude_from_weight_decay")
-    # learning_rate is a schedule's value at the current iteration; the optimizer keeps the schedule itself here.
-    kept = getattr(opt, "_learning_rate", None)
-    if callable(kept) or any(c.__name__ == "LearningRateSchedule" for c in type(kept).__mro__):
-        options.append("a learning-rate schedule")
-    lr = float(opt.learning_rate)
     if kind not in ("SGD", "Adam", "AdamW") or options:
         refuse_keras_optimizer(opt, options)
+    lr = float(opt.learning_rate) if schedule is None else _initial_lr(kept)
     wd = float(cfg.get("weight_decay") or 0.0)
     if kind == "SGD":
         spec: OptimizerSpec = KerasSGD(lr, momentum=float(cfg["momentum"]), nesterov=bool(cfg["nesterov"]),
-                                       weight_decay=wd)
+                                       weight_decay=wd, schedule=schedule)
     else:
         spec = KerasAdam(lr, betas=(float(cfg["beta_1"]), float(cfg["beta_2"])), eps=float(cfg["epsilon"]),
-                         weight_decay=wd)
+                         weight_decay=wd, schedule=schedule)
     spec.name = f"keras_{kind.lower()}"
     return spec
+
+
+def _keras_schedule(schedule: Any) -> optim.Schedule:
+    """A keras ``LearningRateSchedule`` as the spec's schedule: keras computes each step's lr itself (its own
+    float32 arithmetic), called with the count of updates done, a function of the step alone."""
+    try:
+        float(schedule(0))
+    except Exception as exc:  # noqa: BLE001 - a user's schedule class: say which and why in one line
+        raise ElasticFlowError(f"the keras learning-rate schedule {type(schedule).__name__} cannot be evaluated at "
+                               f"step 0 ({type(exc).__name__}: {exc})",
+                               "a LearningRateSchedule's __call__(step) must return the lr for an integer "
+                               "step") from None
+    try:
+        shown = ", ".join(f"{k}={v}" for k, v in schedule.get_config().items() if k != "name" and v is not None)
+    except Exception:  # noqa: BLE001 - a subclass without get_config() is still a schedule
+        shown = ""
+    return optim.Schedule("function", fn=lambda step: float(schedule(step)),
+                          label=f"{type(schedule).__name__}({shown})")
+
+
+def _initial_lr(schedule: Any) -> float:
+    """The lr a keras schedule starts from (its ``initial_learning_rate``, else its value at step 0)."""
+    try:
+        return float(schedule.get_config()["initial_learning_rate"])
+    except Exception:  # noqa: BLE001 - not every schedule names one
+        return float(schedule(0))
 
 
 def note_sparse(spec: OptimizerSpec, names: Sequence[str]) -> None:
@@ -264,10 +332,13 @@ def is_keras_optimizer(opt: Any) -> bool:
 def refuse_keras_optimizer(opt: Any, options: Sequence[str]) -> None:
     """One line instead of training with another optimizer than the user's: what keras does that the update
     does not compute is neither dropped silently nor approximated."""
-    lr = "" if "a learning-rate schedule" in options else f"(learning_rate={float(opt.learning_rate):g})"
+    lr = "" if "a learning-rate function" in options else f"(learning_rate={float(opt.learning_rate):g})"
     name = type(opt).__name__
     what = f"with {', '.join(options)}" if options else "(ElasticFlow computes keras's SGD, Adam and AdamW)"
     choice = name.lower() if name.lower() in ("sgd", "adam", "adamw") else "adam"
+    schedule = ("; a learning rate that moves: a keras.optimizers.schedules.LearningRateSchedule, or "
+                "optimizer.schedule in the config") if "a learning-rate function" in options else ""
     raise ElasticFlowError(f"model() gives a keras {name}{lr} {what}, which ElasticFlow's update does not compute",
                            f"compile with keras.optimizers.SGD, Adam or AdamW and no such option (gradient clipping: "
-                           f"trainer.grad_clip), or choose the optimizer in the config, e.g. optimizer={choice}")
+                           f"trainer.grad_clip), or choose the optimizer in the config, e.g. optimizer={choice}"
+                           f"{schedule}")

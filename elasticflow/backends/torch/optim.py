@@ -26,7 +26,7 @@ import torch
 
 from ..._util import pages
 from ...errors import ElasticFlowError
-from ...optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec, Stretch
+from ...optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec, Schedule, Stretch
 
 Run = Tuple[int, int, Hyper]  # a stretch [lo, hi) of the flat buffers and its group's hyperparameters
 
@@ -190,9 +190,11 @@ def sgd_update(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optiona
 @torch.no_grad()
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 denom: torch.Tensor, lr: float, betas, eps: float, weight_decay: float, decoupled: bool,
-                steps: int, l2_out=None) -> None:
+                steps: int, l2_out=None, exact_sqrt: bool = False) -> None:
     """One Adam/AdamW update of flat (or sliced: elementwise, so any range alone gets the same values)
-    buffers in place. ``denom``: scratch of param's size; ``l2_out``: scratch for Adam's L2 term."""
+    buffers in place. ``denom``: scratch of param's size; ``l2_out``: scratch for Adam's L2 term.
+    ``exact_sqrt``: the square root correctly rounded (through float64), as TensorFlow's update takes it, for a
+    TensorFlow engine's sharded update; torch's own float32 sqrt on a CPU is an ulp off in ~20% of elements."""
     beta1, beta2 = betas
     step = float(steps)  # torch.optim keeps a float32 tensor and reads it back: the same value below 2**24
     if weight_decay != 0:
@@ -206,7 +208,10 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     bias_correction2 = 1 - beta2 ** step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2 ** 0.5
-    denom = torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(eps)
+    if exact_sqrt:
+        denom = denom.copy_(exp_avg_sq.double().sqrt_()).div_(bias_correction2_sqrt).add_(eps)
+    else:
+        denom = torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
@@ -220,17 +225,28 @@ _NATIVE = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}
 _PER_GROUP = ("lr", "weight_decay")  # what a group may change; other per-group settings are refused
 
 
-def spec_from_native(opt: Any) -> Optional[OptimizerSpec]:
+def spec_from_native(opt: Any, scheduler: Any = None) -> Optional[OptimizerSpec]:
     """The spec of a ``torch.optim`` SGD, Adam or AdamW that model() built (its param groups become
-    ``Group``s of the tensors); None for anything that is not a torch optimizer.
+    ``Group``s of the tensors), driven by ``scheduler`` (a ``torch.optim.lr_scheduler`` on it, model()'s
+    ``"lr_scheduler"``) where one is given; None for anything that is not a torch optimizer.
 
     Example (model() of a fine-tune, the Hugging Face habit):
         >>> decay = [p for n, p in net.named_parameters() if not n.endswith("bias")]
         >>> rest = [p for n, p in net.named_parameters() if n.endswith("bias")]
-        >>> return {"net": net, "optimizer": torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-        ...                                                     {"params": rest, "weight_decay": 0.0}], lr=1e-3)}
+        >>> opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+        ...                          {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+        >>> return {"net": net, "optimizer": opt, "lr_scheduler": CosineAnnealingLR(opt, T_max=1000)}
+
+    Note: the scheduler is translated into the spec's ``Schedule`` (``schedule_from_native``), stepped once per
+    optimizer step; a scheduler it cannot compute, or one built on the optimizer and not returned, is refused.
     """
     if not isinstance(opt, torch.optim.Optimizer):
+        if scheduler is not None:
+            raise ElasticFlowError(f"model()['lr_scheduler'] is given beside model()['optimizer'], a "
+                                   f"{type(opt).__name__}: a torch scheduler needs the torch.optim optimizer it "
+                                   "was built on",
+                                   "return {'optimizer': opt, 'lr_scheduler': sched} with sched built on that "
+                                   "torch.optim optimizer, or set optimizer.schedule in the config")
         return None
     kind = type(opt).__name__
     d = opt.defaults
@@ -241,19 +257,120 @@ def spec_from_native(opt: Any) -> Optional[OptimizerSpec]:
                                "use torch.optim.SGD, Adam or AdamW with their default options, or elasticflow.optim")
     if kind == "Adam" and d.get("decoupled_weight_decay"):
         kind = "AdamW"
+    # A scheduler's constructor set each group's "lr" to its first value and kept the group's own in "initial_lr".
+    base_lrs = [float(g.get("initial_lr", g["lr"])) for g in opt.param_groups]
+    lr, wd = float(d["lr"]), float(d.get("weight_decay", 0.0))
+    # First: a scheduler that moves more than the lr (OneCycleLR's momentum) is refused as a scheduler.
+    schedule = None if scheduler is None else schedule_from_native(scheduler, opt, lr, base_lrs)
     for i, g in enumerate(opt.param_groups):
         other = [k for k, v in g.items() if k not in ("params", *_PER_GROUP) and k in d and _differs(v, d[k])]
         if other:
             raise ElasticFlowError(f"torch.optim.{kind} param group {i} sets its own {', '.join(other)}",
                                    "a group may change lr and weight_decay; set the others on the optimizer")
-    groups = [Group(tuple(g["params"]), lr=float(g["lr"]), weight_decay=float(g["weight_decay"]))
-              for g in opt.param_groups]
-    lr, wd = float(d["lr"]), float(d.get("weight_decay", 0.0))
+    if scheduler is None and any("initial_lr" in g for g in opt.param_groups):
+        raise ElasticFlowError(f"model()'s torch.optim.{kind} has a learning-rate scheduler built on it that "
+                               "model() did not return: it would train at the scheduler's first lr "
+                               f"({float(opt.param_groups[0]['lr']):g}) for every step",
+                               "return it beside the optimizer: {'optimizer': opt, 'lr_scheduler': sched}, or "
+                               "build no scheduler and set optimizer.schedule in the config")
+    groups = [Group(tuple(g["params"]), lr=lr, weight_decay=float(g["weight_decay"]))
+              for g, lr in zip(opt.param_groups, base_lrs)]
     if kind == "SGD":
         return SGD(lr, momentum=float(d.get("momentum", 0.0)), nesterov=bool(d.get("nesterov")), weight_decay=wd,
-                   groups=groups)
+                   groups=groups, schedule=schedule)
     return _NATIVE[kind](lr, betas=tuple(float(b) for b in d["betas"]), eps=float(d["eps"]), weight_decay=wd,
-                         groups=groups)
+                         groups=groups, schedule=schedule)
+
+
+SCHEDULERS_HINT = ("return a CosineAnnealingLR, LinearLR, StepLR, ExponentialLR, PolynomialLR(power=1) or LambdaLR, "
+                   "or a SequentialLR of a LinearLR warmup and one of them; or return none and set "
+                   "optimizer.schedule=linear|cosine|step with optimizer.warmup_steps in the config")
+
+
+def schedule_from_native(sched: Any, opt: Any, lr: float, base_lrs: Sequence[float]) -> Schedule:
+    """The ``Schedule`` that gives each update the lr ``sched`` would (stepped once after each optimizer step,
+    from its first value: torch's closed forms), for the spec's ``lr`` (the optimizer's default) and the groups'
+    own ``base_lrs``, which the engine scales in proportion as torch's schedulers do.
+
+    Translated: CosineAnnealingLR (``periodic``: past T_max it climbs back, as torch's), LinearLR (a warmup
+    when end_factor is 1, a linear decay when start_factor is 1), StepLR, ExponentialLR, PolynomialLR of power 1,
+    LambdaLR (its function, called with the step: one function for every group), and SequentialLR of a LinearLR
+    warmup followed by one of these. Anything else is refused in one line (``SCHEDULERS_HINT``)."""
+    from torch.optim import lr_scheduler as L
+
+    name = type(sched).__name__
+    if not isinstance(sched, L.LRScheduler if hasattr(L, "LRScheduler") else L._LRScheduler):
+        what = "ReduceLROnPlateau (it follows a metric, not the step)" if name == "ReduceLROnPlateau" else \
+            f"a {name}, not a torch.optim.lr_scheduler"
+        raise ElasticFlowError(f"model()['lr_scheduler'] is {what}, which ElasticFlow cannot compute from the step",
+                               SCHEDULERS_HINT)
+    if getattr(sched, "optimizer", None) is not opt:
+        raise ElasticFlowError(f"model()['lr_scheduler'] ({name}) was built on another optimizer than "
+                               "model()['optimizer']", "build the scheduler on the optimizer model() returns")
+    if getattr(sched, "last_epoch", 0) != 0:
+        raise ElasticFlowError(f"model()['lr_scheduler'] ({name}) has been stepped {sched.last_epoch} time(s) "
+                               "already; ElasticFlow steps it from the start", "return a freshly built scheduler")
+
+    def refuse(why: str) -> ElasticFlowError:
+        return ElasticFlowError(f"model()['lr_scheduler'] is a {why}, which ElasticFlow cannot compute",
+                                SCHEDULERS_HINT)
+
+    def one(s: Any) -> Schedule:
+        kind = type(s).__name__
+        if isinstance(s, L.CosineAnnealingLR):
+            if s.eta_min and len(set(base_lrs)) > 1:  # torch: eta_min + (lr_g - eta_min) * c, not in proportion
+                raise refuse(f"CosineAnnealingLR with eta_min={s.eta_min:g} over param groups of different lr")
+            return Schedule("cosine", decay_steps=int(s.T_max), min_lr=float(s.eta_min) * lr / base_lrs[0],
+                            periodic=True)
+        if isinstance(s, L.LinearLR):
+            start, end, iters = float(s.start_factor), float(s.end_factor), int(s.total_iters)
+            if end == 1.0:
+                return Schedule("constant", warmup_steps=iters, warmup_start=start, warmup_ramp=iters)
+            if start == 1.0:
+                return Schedule("linear", decay_steps=iters, min_lr=end * lr)
+            raise refuse(f"LinearLR from {start:g} to {end:g} (neither a warmup to 1 nor a decay from 1)")
+        if isinstance(s, L.StepLR):
+            return Schedule("step", step_size=int(s.step_size), gamma=float(s.gamma))
+        if isinstance(s, L.ExponentialLR):
+            return Schedule("step", step_size=1, gamma=float(s.gamma))
+        if isinstance(s, L.PolynomialLR) and float(s.power) == 1.0:
+            return Schedule("linear", decay_steps=int(s.total_iters), min_lr=0.0)
+        if isinstance(s, L.LambdaLR):
+            fns = {id(f): f for f in s.lr_lambdas}
+            if len(fns) > 1:
+                raise refuse("LambdaLR with a function per param group")
+            fn = s.lr_lambdas[0]
+            return Schedule("function", fn=lambda step: lr * fn(step), label=f"LambdaLR({_named(fn)})")
+        if kind == "ReduceLROnPlateau":
+            raise refuse("ReduceLROnPlateau (it follows a metric, not the step)")
+        if kind == "PolynomialLR":
+            raise refuse(f"PolynomialLR of power {float(s.power):g}")
+        raise refuse(kind)
+
+    if isinstance(sched, L.SequentialLR):
+        children, milestones = list(sched._schedulers), list(sched._milestones)
+        if len(children) != 2 or not isinstance(children[0], L.LinearLR) or float(children[0].end_factor) != 1.0:
+            raise refuse(f"SequentialLR of {', '.join(type(c).__name__ for c in children)}")
+        warm, main = one(children[0]), one(children[1])
+        at = int(milestones[0])
+        if warm.warmup_ramp > at or main.warmup_steps or main.fn is not None:
+            raise refuse(f"SequentialLR of {', '.join(type(c).__name__ for c in children)} at step {at}")
+        main.warmup_steps, main.warmup_start, main.warmup_ramp = at, warm.warmup_start, warm.warmup_ramp
+        if main.decay_steps is not None:
+            main.decay_steps += at  # the config's decay_steps count from step 0, the warmup's included
+        main.label = f"SequentialLR({', '.join(type(c).__name__ for c in children)})"
+        return main
+    out = one(sched)
+    out.label = out.label or name
+    return out
+
+
+def _named(fn: Any) -> str:
+    """A LambdaLR's function by its name, and a functools.partial's keywords (Hugging Face's schedules)."""
+    keywords = getattr(fn, "keywords", None)
+    inner = getattr(fn, "func", fn)
+    name = getattr(inner, "__name__", type(inner).__name__)
+    return f"{name}({', '.join(f'{k}={v}' for k, v in keywords.items())})" if keywords else name
 
 
 def _differs(a: Any, b: Any) -> bool:
