@@ -27,6 +27,8 @@ from harness import COMMON, assert_equivalent, final_state, finish, metrics, sta
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 import moe_probe  # noqa: E402
 
+from elasticflow._util.pages import ENV_STRICT  # noqa: E402
+
 MOE = Path(moe_probe.__file__)
 STEPS, BATCH, MICRO = 60, 64, 16
 MOE_COMMON = [c for c in COMMON if not c.startswith("optimizer.")] + [f"trainer.micro_batch_size={MICRO}"]
@@ -137,14 +139,17 @@ def test_one_worker_is_the_hand_loop_to_the_bit_and_resumes_its_step_counts(tmp_
     assert len(skipped) == STEPS and all(s >= 2 for s in skipped)  # the spare head's two tensors, every step
 
 
-@pytest.mark.parametrize("shard", ["none", "optimizer"])
+@pytest.mark.parametrize("shard", ["none", "optimizer", "parameters"])
 def test_three_workers_one_killed_end_on_the_one_worker_model(tmp_path, one_worker, shard):
     """3 workers, worker 1 SIGKILLed at step 20, against 1 worker: the same model to float32 rounding (the
-    micro-batch sums come in another order), idle experts skipped the same way on every member."""
+    micro-batch sums come in another order), idle experts skipped the same way on every member. Under
+    trainer.shard=parameters the experts' ModuleList is one unit that nobody calls: the first expert called brings
+    it in (param_units: a container's members carry its hooks), with strict pages (a read of a given-back page
+    ends the run; before, the experts' weights were read while out)."""
     reference = one_worker(model=MOE, common=MOE_COMMON)
     run = tmp_path / "run"
-    proc = start(run, "launcher.workers=3", f"trainer.shard={shard}", env={"EF_PROBE_KILL": "1:20:forward"},
-                 model=MOE, common=MOE_COMMON)
+    proc = start(run, "launcher.workers=3", f"trainer.shard={shard}", model=MOE, common=MOE_COMMON,
+                 env={"EF_PROBE_KILL": "1:20:forward", ENV_STRICT: "1"})
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert [r["world_size"] for r in metrics(run) if "loss" in r][-1] == 2

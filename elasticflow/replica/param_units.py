@@ -47,6 +47,8 @@ fetch the same units in the same order: each one records the units one micro-bat
 member dealt fewer micro-batches than another replays that trace for each one it lacks (``replay``), sending
 its pieces and receiving (into memory it gives back at once). So a model must run the same submodules for every
 micro-batch; data-dependent skipping of a unit (a mixture of experts routing no token to one) is not supported.
+A container unit (the experts' ModuleList: never called itself) is brought in by the first of its members that
+is called, and kept until its parameters have their gradients: any expert may go unused as long as one is called.
 
 Note: a parameter read in forward outside its unit's own forward (``self.head.weight`` used in the parent's
 forward) is read while out; where autograd saves it, the pack hook catches that and says so.
@@ -210,6 +212,11 @@ class ParamUnits:
             children = dict(unit_modules(module, patterns))
             for u, name in enumerate(self.names):
                 child = children[name]
+                if type(child).forward is torch.nn.Module.forward:  # a ModuleList or ModuleDict: never called, its
+                    self._hooks += [sub.register_forward_pre_hook(lambda _m, _a, u=u: self._member_in(u))  # members
+                                    for sub in child.modules()  # are: the first brings the unit in
+                                    if type(sub).forward is not torch.nn.Module.forward]
+                    continue
                 self._hooks.append(child.register_forward_pre_hook(
                     lambda _m, args, kwargs, u=u: self._forward_in(u, args, kwargs), with_kwargs=True))
                 self._hooks.append(child.register_forward_hook(lambda _m, _a, out, u=u: self._forward_out(u, out)))
@@ -281,6 +288,12 @@ class ParamUnits:
         if not self.resident[u]:
             self._fetch(u)
         return self._watch_inputs(u, args, kwargs or {})
+
+    def _member_in(self, u: int) -> None:
+        """A module inside container unit ``u`` (the experts of a ModuleList) is called: the unit in, and kept (no
+        forward hook of the container fires) until its parameters have their gradients or the micro-batch ends."""
+        if not self.whole and not self.resident[u]:
+            self._fetch(u)
 
     def _watch_inputs(self, u: int, args: tuple, kwargs: dict) -> Any:
         """A unit with frozen parameters: its inputs that require a gradient pass through ``AfterBackward``, whose
