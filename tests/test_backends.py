@@ -49,7 +49,7 @@ def test_the_contract_lists_what_the_trainer_calls():
             "state", "load_state", "state_names", "seed", "buffer_rules", "buffer_arrays", "set_buffers",
             "buckets", "arm", "fold_buffer", "flat_params", "params_written", "flat_layout", "flat_runs",
             "release_optimizer", "took_part"} <= set(METHODS)
-    assert ATTRIBUTES == ["compiling", "frozen_pages", "grad_scale", "num_params", "placement"]
+    assert ATTRIBUTES == ["EXACT_SQRT", "compiling", "frozen_pages", "grad_scale", "num_params", "placement"]
     assert _problems(inspect.signature(Contract.state), inspect.signature(lambda self: None)) == [
         "no argument 'copy'"]
     assert _problems(inspect.signature(Contract.apply), inspect.signature(

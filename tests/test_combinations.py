@@ -42,6 +42,7 @@ FACTORS: Dict[str, tuple] = {
     "topology": ("ring", "hierarchical", "parameter_server"),
     "precision": ("32", "bf16", "16"),
     "grad_clip": (False, True),
+    "schedule": ("constant", "cosine"),
     "groups": (False, True),
     "frozen": (False, True),
     "checkpointing": ("none", "call", "forward"),
@@ -171,6 +172,8 @@ def _overrides(row: Dict[str, object], distributed: bool) -> List[str]:
         out.append("trainer.reproducible=true")
     if row["grad_clip"]:
         out.append("trainer.grad_clip=0.5")
+    if row["schedule"] != "constant":  # on the config's optimizer or the model's own (issue 63 item 2)
+        out += [f"optimizer.schedule={row['schedule']}", "optimizer.warmup_steps=2"]
     if row["groups"]:
         out.append("optimizer.groups=[{params:[block],lr:0.01}]")  # LoRA's adapters are in the block too
     for key in ("frozen", "compile", "lora", "dropout", "moe"):

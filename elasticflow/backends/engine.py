@@ -43,6 +43,9 @@ class Engine(Protocol):
 
     compiling: bool  # forward() is compiled at its first call (torch.compile): the banner says the wait is expected
 
+    EXACT_SQRT: bool  # its Adam takes the root correctly rounded (TensorFlow), not torch's float32 sqrt: a sharded
+    # update (replica/flat_update.py) takes it the same way
+
     def __init__(self, model: Any, forward: Callable[..., Any], spec: OptimizerSpec, jit: bool = True,
                  placement: Any = None) -> None:
         """Build from what ``model(cfg)`` returned (params dict or native model), ``forward`` and the optimizer

@@ -165,13 +165,15 @@ class ParamUnits:
     """The hooks that bring units in and give them back, on the engine's module, for a ``ShardedState`` of stage
     ``parameters``. ``begin``/``end`` bracket each micro-batch's forward and backward (``Stepper``)."""
 
-    def __init__(self, engine: Any, shards: Any, patterns: Sequence[str] = ()):
+    def __init__(self, engine: Any, shards: Any, patterns: Sequence[str] = (), model: Any = None):
+        """``model``: what model() returned (a module, a compiled wrapper, a dict of them): checked for a
+        ``fullgraph`` compile."""
         self.shards, self.engine = shards, engine
         self.frozen = shards.frozen  # frozen_shards.FrozenShards, or None
         module, params = engine.parameter_units()
         plan = plan_units(module, params, patterns, engine.frozen_units() if self.frozen is not None else ())
         self.spans, self.root, self.names = plan.spans, plan.root, plan.names
-        if self.names and fullgraph(getattr(engine, "view", None), module):
+        if self.names and fullgraph(model, module):
             raise ElasticFlowError("trainer.shard=parameters brings each unit in from Python hooks, which "
                                    "torch.compile(fullgraph=True) cannot trace (it stops at the first one)",
                                    "compile without fullgraph=True (each hook is then a graph break between "

@@ -118,7 +118,7 @@ class ShardedState(HeldParameters, ScatteredGradient, CheckpointPieces):
         layout = engine.flat_layout()
         sizes = [int(np.prod(s, dtype=np.int64)) for _, s in layout]
         self.update_fn = FlatUpdate(spec, engine.flat_runs(), sizes,
-                                    exact_sqrt=getattr(engine, "EXACT_SQRT", False))  # a TensorFlow engine's root
+                                    exact_sqrt=engine.EXACT_SQRT)
         self.slot_names = self.update_fn.slots
         offsets = np.cumsum([0] + sizes).tolist()
         self.param_at = {name: (offsets[i], tuple(shape)) for i, (name, shape) in enumerate(layout)}

@@ -76,7 +76,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
         if t.shard == "parameters":  # stage 3: units brought in for forward and backward (param_units.py)
             from ..replica.param_units import ParamUnits
 
-            shards.units = ParamUnits(engine, shards, list(t.shard_units))
+            shards.units = ParamUnits(engine, shards, list(t.shard_units), model=built.model)
     elif kind == "parameter_server":  # the aggregators keep the shards (replica/parameter_server.py)
         from ..distributed.hierarchy import tag_hash
         from ..replica.shard import ShardedState

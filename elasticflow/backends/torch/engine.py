@@ -64,6 +64,7 @@ class Engine:
     ``grad_scale`` multiplies the loss before backward (float16's loss scale; the trainer sets it and
     unscales the reduced gradient with ``scale_grad``).
     """
+    EXACT_SQRT = False  # Adam's root is torch's own float32 sqrt (the flat update and torch.optim's)
 
     def __init__(self, model: Any, forward, spec: OptimizerSpec, jit: bool = True,
                  placement: Optional[Placement] = None, paged_params: bool = False):
