@@ -68,6 +68,7 @@ def test_a_member_one_step_behind_rolls_forward_with_the_kept_step():
 
 class _Engine:
     """What ShardedState needs of an engine: a flat parameter vector of one parameter group."""
+    EXACT_SQRT = False  # Adam's root as torch's (backends/engine.py)
 
     def __init__(self, params):
         self.p = params
