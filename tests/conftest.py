@@ -21,6 +21,19 @@ def write_model(tmp_path):
     return _write
 
 
+@pytest.fixture(autouse=True)
+def mlflow_uri_stays_in_its_test():
+    """``mlflow.set_tracking_uri`` (how a test reads a run back) also sets $MLFLOW_TRACKING_URI in this process, and
+    every job a later test starts inherits it: its sidecar then logged into that earlier test's store, and the
+    later test found no run (test_trackers.py after test_optim.py in one xdist worker). Put back after each test."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="session")
 def one_worker(tmp_path_factory):
     """``one_worker(*overrides, model=PROBE, common=COMMON, record=False)``: the 1-worker run of that job,
