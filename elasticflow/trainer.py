@@ -24,7 +24,6 @@ from .config.schema import TrainerConfig, compose
 from .data.order import GlobalBatch
 from .distributed import protocol
 from .errors import ElasticFlowError, TrainingInterrupted
-from . import optim
 from .observability.goodput import Meter
 from ._util.paths import checkpoint_dir
 from .train.regroup import Regrouper, collective
@@ -96,11 +95,10 @@ class ElasticTrainer:
         cfg, t = self.cfg, self.tcfg
         p = builder.build(cfg, t, self.model_file)  # the parts the loop reads, each by its name
         self.model_file, self.backend, self.placement, self.spec = p.model_file, p.backend, p.placement, p.spec
-        self.run_log.trains_with(optim.summary(p.spec, p.built.optimizer_from_model))  # trackers, status
         self.local_workers, self.engine, self.reconciler = p.local_workers, p.engine, p.reconciler
         self.shards, self.outer = p.shards, p.outer  # trainer.shard's state; topology=local_sgd|diloco's
         self.source, self.prefetch, self.schedule, self.eval_dataset = p.source, p.prefetch, p.schedule, p.eval_dataset
-        self.step_log.total_steps = self.schedule.total_steps
+        self.step_log.built(self.schedule.total_steps, p.trains)
         self.callbacks = callbacks.from_config(cfg, self.model_file)  # before resuming: checkpoints hold their state
         self.replica = Replica(self.membership, self.engine, self.state_dict, self.load_state_dict,
                                cfg.comm.bucket_mb, self.shards)

@@ -188,6 +188,12 @@ class StepLog:
         self._recent: deque = deque(maxlen=2)
         self._shown: Optional[tuple] = None  # (step, time) of the last step line: its interval's mean
 
+    def built(self, total_steps: Optional[int], optimizer: Dict[str, Any]) -> None:
+        """What the logs learn once the run's parts are built: the schedule's last step, and the optimizer that
+        trains (``optim.summary``: ``RunLog.trains_with``)."""
+        self.total_steps = total_steps
+        self.run_log.trains_with(optimizer)
+
     def due(self, record: Dict[str, Any]) -> bool:
         """Whether ``record``'s step is written to metrics.jsonl (every ``log_every`` steps, and the last)."""
         return record["step"] % self.log_every == 0 or record["step"] == self.total_steps

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -36,6 +36,7 @@ class Parts:
     model_file: model_file.ModelFile
     built: model_file.Built          # what model() returned, checked
     spec: optim.OptimizerSpec
+    trains: Dict[str, Any]          # optim.summary: the optimizer, lr and schedule that train (trackers, status)
     engine: Any                     # the backend's Engine
     seed: int                       # read every micro-batch: a plain int, not an OmegaConf read (40-100 us)
     reconciler: Optional[Reconciler]  # buffers (BatchNorm statistics) reconciled across workers; None without
@@ -95,7 +96,8 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
     data.check_size(len(source), t.global_batch_size)
     d = cfg.data
     return Parts(backend=backend, placement=placement, local_workers=local_workers, model_file=mf, built=built,
-                 spec=built.optimizer, engine=engine, seed=seed, reconciler=Reconciler(rules) if rules else None,
+                 spec=built.optimizer, trains=optim.summary(built.optimizer, built.optimizer_from_model),
+                 engine=engine, seed=seed, reconciler=Reconciler(rules) if rules else None,
                  shards=shards, outer=outer, source=source,
                  prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type, d.shuffle),
                  schedule=data.Schedule(len(source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs),
