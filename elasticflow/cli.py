@@ -188,7 +188,7 @@ def export_command(args: List[str]) -> None:
 def scale_command(args: List[str]) -> None:
     import argparse
 
-    from .distributed.control import scale
+    from .distributed.agent.control import scale
     from .launchers.kubernetes import is_kubernetes_run, scale as scale_kubernetes
 
     parser = argparse.ArgumentParser(prog="elasticflow scale", description="grow or shrink a running job")

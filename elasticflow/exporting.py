@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .train import model_file
-from . import ops
+from .train import ops
 from .checkpoint.format import HINT_PATH, METADATA, read_metadata, resolve
 from .checkpoint.validate import check_metadata
 from .checkpoint.load import compare_names, load

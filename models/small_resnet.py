@@ -11,7 +11,7 @@ average pooling and a linear head: ResNet-8 in the CIFAR family, 9 BatchNorm lay
 The data is synthetic and offline (no download): ``model_args.samples`` images (default 2048) of 10
 classes, each a class's smooth random pattern under a random brightness and noise, from a fixed seed
 (independent of the training seed), so every process that calls data() gets the same arrays.
-scripts/bench_elastic.py trains it against torchrun + DDP (scripts/bench/ddp_resnet.py).
+scripts/bench/bench_elastic.py trains it against torchrun + DDP (scripts/bench/baselines/ddp_resnet.py).
 
 Set ``trainer.micro_batch_size``: then BatchNorm's batch statistics are those of fixed micro-batches,
 whatever the number of workers (README, "BatchNorm").

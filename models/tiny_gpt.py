@@ -2,7 +2,7 @@
 
 Pre-norm blocks (causal ``nn.MultiheadAttention``, GELU MLP, LayerNorm) over learned token and
 position embeddings, with the output head tied to the token embedding as in GPT-2. It stands in for
-``transformers``' GPT-2 (not installed here) in scripts/bench_models.py: the same parameter layout
+``transformers``' GPT-2 (not installed here) in scripts/bench/bench_models.py: the same parameter layout
 (12 tensors a block, a tied embedding), so the optimizer walks as many tensors as it does there.
 The data are uniform random tokens, so the loss only falls toward log(vocab); it is for timing.
 

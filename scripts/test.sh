@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The full test suite (unit + end-to-end CLI runs in subprocesses). Extra arguments go to pytest.
+# --quick: the inner loop, a few minutes: the unit tests and one end-to-end kill per backend (tests/conftest.py's
+# QUICK_FILES and QUICK_TESTS); CI runs the whole suite.
 # Two pytest-xdist workers by default (EF_TEST_WORKERS=0: one process). tests/conftest.py groups them: a file
 # in one worker, and the files that use machine-wide resources (SLURM's daemons, network namespaces) together,
 # one at a time, first. The serial suite leaves ~a third of the 2 cores idle while jobs wait on timeouts.

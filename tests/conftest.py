@@ -78,8 +78,34 @@ LONG_FIRST = ["test_combinations.py", "test_exact.py", "test_shard_params.py", "
               "test_trackers.py", "test_callbacks.py", "test_streams.py", "test_idle_params.py"]
 
 
+# ---------------------------------------------------------------- the inner loop: scripts/test.sh --quick
+# The unit tests (files that start no job, or one or two short ones) and one end-to-end kill per backend: a
+# few minutes, for the edit-test loop. CI runs everything. A unit test file joins QUICK_FILES when its total
+# (the suite's per-file table) stays a few seconds.
+QUICK_FILES = {"test_accumulation.py", "test_affinity.py", "test_agent.py", "test_backends.py", "test_buffers.py",
+               "test_checkpoint_crafted.py", "test_comm.py", "test_config.py", "test_data.py", "test_fileio.py",
+               "test_grad_check.py", "test_imports.py", "test_links.py", "test_modelfile.py", "test_module_size.py",
+               "test_ops.py", "test_randomness.py", "test_rendezvous.py", "test_reporting.py", "test_roster.py",
+               "test_rounds.py", "test_sealing.py", "test_signals.py", "test_smoke.py", "test_state.py",
+               "test_topology_schema.py", "test_trainer.py", "test_worker.py"}
+QUICK_TESTS = {"test_elastic.py::test_kill_one_of_three_by_pid_from_workers_json",
+               "test_elastic.py::test_tensorflow_kill_matches_single_worker[one-reduction]"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help="only the unit tests and one end-to-end kill per backend (conftest.QUICK_FILES, QUICK_TESTS)")
+
+
+def _quick(item) -> bool:
+    return item.path.name in QUICK_FILES or f"{item.path.name}::{item.name}" in QUICK_TESTS
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--quick"):
+        config.hook.pytest_deselected(items=[item for item in items if not _quick(item)])
+        items[:] = [item for item in items if _quick(item)]
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:

@@ -24,7 +24,7 @@ import pytest
 CLIENT_PORT, PEER_PORT = 2379, 2380
 READY = """
 import datetime, json, sys, time
-from elasticflow.distributed.etcd_store import EtcdStore, address
+from elasticflow.distributed.store.etcd import EtcdStore, address
 tls = json.loads(sys.argv[2])
 store = EtcdStore(address([sys.argv[1]], "ready/", tls["ca"], tls["cert"], tls["key"]), datetime.timedelta(seconds=5))
 deadline = time.monotonic() + float(sys.argv[3])

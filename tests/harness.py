@@ -8,7 +8,7 @@ another test file.
     assert_equivalent(run, reference)                     # `reference`: conftest's cached 1-worker run
 
 Every wait is for an event or a file, with a deadline, and every process started here is reaped: the clock
-bounds a wait, it never decides a test (timings belong in scripts/bench_*.py).
+bounds a wait, it never decides a test (timings belong in scripts/bench/bench_*.py).
 """
 from __future__ import annotations
 

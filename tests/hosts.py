@@ -1,4 +1,4 @@
-"""Several hosts on this machine for tests: the fixture ``hosts`` over scripts/hosts.sh.
+"""Several hosts on this machine for tests: the fixture ``hosts`` over scripts/ops/hosts.sh.
 
 Each host is a network namespace with its own hostname, process tree and address on a private subnet,
 joined to the others by a bridge (the script's header has the details). A test gets a factory:
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "hosts.sh"
+SCRIPT = REPO / "scripts" / "ops" / "hosts.sh"
 ELASTICFLOW = [sys.executable, "-m", "elasticflow.cli"]
 
 

@@ -1,6 +1,6 @@
 """A real SLURM cluster on this machine for tests: the session fixture `slurm_cluster`.
 
-`scripts/slurm-local.sh start` runs once per test session (installing SLURM from apt if needed, about 25 s the
+`scripts/ops/slurm-local.sh start` runs once per test session (installing SLURM from apt if needed, about 25 s the
 first time, then about 1 s to idle nodes) and `stop` at the end, unless the cluster was already up before the
 session, in which case it is left running. Where SLURM cannot be started (not root, no apt, a start that fails)
 every test using the fixture is skipped with the reason, the script's own error included; set
@@ -17,7 +17,7 @@ database, so no `sacct`: `job_info` (scontrol, kept for 1 h after a job ends) an
 log) stand in for it.
 
 Several hosts: `slurm_hosts_cluster` (session) and `slurm_hosts` (per test) are a second cluster, of
-HOSTS namespace hosts h1, h2 (`SLURM_LOCAL_HOSTS=2 scripts/slurm-local.sh start`: each host has its own
+HOSTS namespace hosts h1, h2 (`SLURM_LOCAL_HOSTS=2 scripts/ops/slurm-local.sh start`: each host has its own
 network, hostname, processes, munged and slurmd; slurmctld runs on h1). It has its own state directory and
 namespaces (prefix efs, subnet 10.232.0), so it runs beside `slurm_cluster`. A `SlurmHosts` runs every
 client command on h1, the cluster's login node (`run`, `sbatch`, ... as above; `on(host, *argv)` is the
@@ -39,8 +39,8 @@ from typing import Dict, Iterable, List, Optional, Union
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "slurm-local.sh"
-HOSTS_SH = REPO / "scripts" / "hosts.sh"
+SCRIPT = REPO / "scripts" / "ops" / "slurm-local.sh"
+HOSTS_SH = REPO / "scripts" / "ops" / "hosts.sh"
 DEFAULT_NODES = "2"
 HOSTS = 2
 # The hosts cluster's own namespaces and state: other tests' hosts use hosts.sh's defaults (ef, 10.231.0).
@@ -313,16 +313,16 @@ def _start_or_skip(extra_env: Optional[Dict[str, str]] = None) -> bool:
         pytest.skip(reason)
 
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        unavailable("the local SLURM cluster needs root (scripts/slurm-local.sh runs the daemons as root)")
+        unavailable("the local SLURM cluster needs root (scripts/ops/slurm-local.sh runs the daemons as root)")
     env = {**os.environ, "SLURM_LOCAL_NODES": os.environ.get("SLURM_LOCAL_NODES", DEFAULT_NODES), **(extra_env or {})}
     try:
         proc = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=900,
                               env=env, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
-        unavailable(f"scripts/slurm-local.sh start did not finish: {e}")
+        unavailable(f"scripts/ops/slurm-local.sh start did not finish: {e}")
     if proc.returncode != 0:
         err = (proc.stderr.strip() or proc.stdout.strip())[-1500:]
-        unavailable(f"scripts/slurm-local.sh start failed (exit {proc.returncode}): {err}")
+        unavailable(f"scripts/ops/slurm-local.sh start failed (exit {proc.returncode}): {err}")
     return "already running" not in proc.stdout
 
 

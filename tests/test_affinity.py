@@ -45,7 +45,7 @@ import datetime, json, os
 from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 from elasticflow._util import affinity
-from elasticflow.distributed.comm import Group
+from elasticflow.distributed.comm.comm import Group
 
 affinity.pin([0])
 group = Group(dist.HashStore(), 0, 0, 1, timeout_s=5)   # gloo's threads start here, in C++

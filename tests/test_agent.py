@@ -6,7 +6,7 @@ import pytest
 
 from elasticflow.config.schema import compose
 from elasticflow.distributed import protocol
-from elasticflow.distributed.agent import Agent
+from elasticflow.distributed.agent.agent import Agent
 from elasticflow.errors import ElasticFlowError
 
 
@@ -30,21 +30,22 @@ def test_a_replacement_takes_the_local_slot_of_the_worker_it_replaces(tmp_path):
         return procs[-1]
 
     agent = Agent(cfg, tmp_path, launch=launch)
+    state = agent.state
     try:
         for _ in range(3):
-            agent.spawn()
+            agent.processes.spawn()
         assert [e[protocol.ENV_LOCAL_SLOT] for e in envs] == ["0", "1", "2"]
-        agent.roster.move_all(list(agent.joining.values()), "admitted")  # all three joined
-        agent.publish()
+        state.roster.move_all(list(state.joining.values()), "admitted")  # all three joined
+        agent.generations.publish()
         procs[1].rc = -9  # the worker in slot 1 is SIGKILLed
-        assert agent._reap() is None
+        assert agent.processes.reap() is None
         assert len(envs) == 4, "no replacement was spawned"
         assert envs[3][protocol.ENV_WORKER_ID] == "3" and envs[3][protocol.ENV_LOCAL_SLOT] == "1"
         restart = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()][-1]
         assert restart["event"] == "restart" and restart["replacing"] == 1 and restart["worker"] == 3
         # Two gone at once: their replacements take the two free slots, lowest first.
         procs[0].rc = procs[2].rc = -9
-        agent._reap()
+        agent.processes.reap()
         assert [e[protocol.ENV_LOCAL_SLOT] for e in envs[4:]] == ["0", "2"]
     finally:
         agent._stop_serving()
@@ -69,27 +70,26 @@ def test_every_worker_dying_before_the_first_generation_ends_the_job(tmp_path):
 def test_a_join_asked_again_gets_the_same_id_not_a_second_worker(tmp_path):
     """A worker whose verdict came late (a stalled store) asks again under a new number: the agent answers with
     the id it already gave. It used to mint a second id, so the first stayed admitted and the first generation
-    waited for a worker that would never come (scripts/bench_control_plane.py, "Connections")."""
-    from elasticflow.distributed import admission
-
+    waited for a worker that would never come (scripts/bench/bench_control_plane.py, "Connections")."""
     cfg = compose("models/linear.py", ["launcher.workers=1"])
     agent = Agent(cfg, tmp_path, launch=lambda env: FakeProc(10_000))
+    state, admission = agent.state, agent.admission
     try:
-        spawned = agent.spawn()
+        spawned = agent.processes.spawn()
 
         def request(n, nonce):
             fields = (n, spawned.id, spawned.pid, None, "10.0.0.5", nonce)
             return {"id": spawned.id, "pid": spawned.pid, "node": None, "host": "10.0.0.5", "nonce": nonce,
-                    "mac": protocol.sign(agent.token, protocol.join_message(*fields))}
+                    "mac": protocol.sign(state.token, protocol.join_message(*fields))}
 
-        first = admission.judge(agent, 1, request(1, "a"))
-        again = admission.judge(agent, 2, request(2, "b"))
+        first = admission.judge(1, request(1, "a"))
+        again = admission.judge(2, request(2, "b"))
         assert first["ok"] and again == first
-        assert [w.id for w in agent.admitted] == [spawned.id] and not agent.joining
+        assert [w.id for w in state.admitted] == [spawned.id] and not state.joining
         by_hand = {"id": -1, "pid": 4242, "node": None, "host": "10.0.0.6", "nonce": "c"}
-        by_hand["mac"] = protocol.sign(agent.token, protocol.join_message(3, -1, 4242, None, "10.0.0.6", "c"))
-        fresh = admission.judge(agent, 3, by_hand)
-        assert fresh["ok"] and fresh["id"] != spawned.id and len(agent.admitted) == 2  # another process: its own
+        by_hand["mac"] = protocol.sign(state.token, protocol.join_message(3, -1, 4242, None, "10.0.0.6", "c"))
+        fresh = admission.judge(3, by_hand)
+        assert fresh["ok"] and fresh["id"] != spawned.id and len(state.admitted) == 2  # another process: its own
     finally:
         agent._stop_serving()
 
@@ -98,26 +98,27 @@ def test_every_worker_of_a_large_start_is_answered_though_all_ask_at_once(tmp_pa
     """600 workers asking in one burst (a job starting at scale): one admission round answers them all, and
     workers.json is written once for the round. The join inbox's backlog was 256: the older requests of a
     burst were dropped unread, their workers asked again 5 s later, and at 1,024 some gave up."""
-    from elasticflow.distributed import admission, workers_json
+    from elasticflow.distributed.agent import workers_json
 
     n = 600
     cfg = compose("models/linear.py", [f"launcher.workers={n}"])
     agent = Agent(cfg, tmp_path, launch=lambda env: FakeProc(10_000))
+    state = agent.state
     writes = []
     real_write = workers_json.write
     monkeypatch.setattr(workers_json, "write", lambda *a, **k: (writes.append(1), real_write(*a, **k)))
     try:
-        spawned = [agent.spawn() for _ in range(n)]
+        spawned = [agent.processes.spawn() for _ in range(n)]
         for k, w in enumerate(spawned, start=1):  # as Membership.join: count, then write the request
-            assert agent.store.add("join/count", 1) == k
+            assert state.store.add("join/count", 1) == k
             fields = (k, w.id, w.pid, None, "10.0.0.5", f"nonce{k}")
-            agent.store.set(f"join/request/{k}", json.dumps(
+            state.store.set(f"join/request/{k}", json.dumps(
                 {"id": w.id, "pid": w.pid, "node": None, "host": "10.0.0.5", "nonce": f"nonce{k}",
-                 "mac": protocol.sign(agent.token, protocol.join_message(*fields))}))
+                 "mac": protocol.sign(state.token, protocol.join_message(*fields))}))
         writes.clear()
-        admission.admit(agent)
-        answered = [k for k in range(1, n + 1) if agent.store.check([protocol.verdict_key(k)])]
-        assert len(answered) == n and len(agent.admitted) == n and not agent.joining
+        agent.admission.admit()
+        answered = [k for k in range(1, n + 1) if state.store.check([protocol.verdict_key(k)])]
+        assert len(answered) == n and len(state.admitted) == n and not state.joining
         assert len(writes) == 1
     finally:
         agent._stop_serving()

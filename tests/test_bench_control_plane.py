@@ -1,4 +1,4 @@
-"""scripts/bench_control_plane.py at 4 members: a real agent and store, real Membership objects, and every phase
+"""scripts/bench/bench_control_plane.py at 4 members: a real agent and store, real Membership objects, and every phase
 the script times (the first generation, a join, a kill) reached, so the load script cannot rot unnoticed. No
 figure is asserted as a time: timings are the script's to print."""
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 from harness import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import bench_control_plane  # noqa: E402
 
 

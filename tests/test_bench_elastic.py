@@ -1,4 +1,4 @@
-"""scripts/bench_elastic.py's --baseline-tree: a before/after is only worth reading if the "before" arm
+"""scripts/bench/bench_elastic.py's --baseline-tree: a before/after is only worth reading if the "before" arm
 really imports the other tree. Until 2026-11-25 it did not (``python -m`` in this repository put this
 repository's package first, whatever PYTHONPATH said), and every A/B it printed timed one tree twice."""
 import shutil
@@ -9,7 +9,7 @@ import pytest
 
 from harness import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import bench_elastic  # noqa: E402
 
 
@@ -30,6 +30,6 @@ def test_a_tree_arm_imports_the_tree(tmp_path):
 def test_a_directory_without_the_package_is_refused(tmp_path):
     with pytest.raises(bench_elastic.BenchError, match="no elasticflow/ package there"):
         bench_elastic.check_tree(str(tmp_path))
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_elastic.py"), "--parts", "1",
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_elastic.py"), "--parts", "1",
                            "--baseline-tree", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: --baseline-tree {tmp_path}: no elasticflow/")

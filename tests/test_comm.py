@@ -18,7 +18,7 @@ RANK = r"""
 import datetime, hashlib, json, os, signal, sys, time
 import numpy as np, torch
 import torch.distributed as dist
-from elasticflow.distributed.comm import Group, SumByExchange
+from elasticflow.distributed.comm.comm import Group, SumByExchange
 from elasticflow.distributed.protocol import CommError
 
 rank, world, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -141,8 +141,8 @@ def test_a_member_killed_before_an_exchanged_sum_is_a_comm_error(tmp_path):
 def test_gpu_point_to_point_pairs_the_same_tags_on_both_sides_as_nccl_matches_by_order():
     """NCCL ignores tags and matches a pair's messages by order: exchange posts each side's GPU messages in
     (peer, tag) order inside one NCCL group, so a sender listing its pieces in any order still pairs each with
-    the receive of the same tag. (The NCCL calls themselves need a GPU: scripts/gpu_check.sh.)"""
-    from elasticflow.distributed.comm import Group
+    the receive of the same tag. (The NCCL calls themselves need a GPU: scripts/ops/gpu_check.sh.)"""
+    from elasticflow.distributed.comm.comm import Group
 
     class Recorder:
         def __init__(self):

@@ -125,7 +125,7 @@ def test_the_survivors_regroup_at_once_not_at_the_group_timeout(tmp_path):
     # mostly in a reduction), each SIGKILLed from outside at step 100 as bench_elastic does (ranks 1, 2, 0):
     # each survivor's reduction fails because the dead peer's socket closed, not by the timeout. A second cause,
     # 1 run in 8 under load: a survivor waited for its own send to the dead peer, which gloo never failed
-    # (comm.SumByExchange now leaves its sends to the next sum). (The regroup's cost: scripts/bench_elastic.py.)
+    # (comm.SumByExchange now leaves its sends to the next sum). (The regroup's cost: scripts/bench/bench_elastic.py.)
     model = REPO / "models" / "digits_mlp.py"
     for k in range(3):
         run = tmp_path / f"run{k}"

@@ -1,4 +1,4 @@
-"""distributed/etcd_store.py and leadership.py against a real one-member etcd on loopback with mutual TLS
+"""distributed/store/etcd.py and agent/leadership.py against a real one-member etcd on loopback with mutual TLS
 (tests/etcd_cluster.py): the Store's semantics under the job's prefix, a dead endpoint passed over, the leader
 key held by a lease, and a fenced client that can write nothing once its lease is gone."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import subprocess
 import pytest
 from etcd_cluster import EtcdCluster
 
-from elasticflow.distributed import stores
-from elasticflow.distributed.etcd_store import Deposed, EtcdStore, address
-from elasticflow.distributed.leadership import Leadership
+from elasticflow.distributed.agent.leadership import Leadership
+from elasticflow.distributed.store import stores
+from elasticflow.distributed.store.etcd import Deposed, EtcdStore, address
 
 TOKEN = "5a1e" * 8
 

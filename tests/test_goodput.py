@@ -2,7 +2,7 @@
 
 The ledger's arithmetic is checked exactly (its parts add up to the wall; each cost is booked where its
 record says); how close a measured cost comes to what it stands for (a redone step's compute, the agent's
-wait below min_workers) is a timing, printed by scripts/bench_goodput.py.
+wait below min_workers) is a timing, printed by scripts/bench/bench_goodput.py.
 """
 import json
 import signal
@@ -60,7 +60,7 @@ def test_a_kill_is_charged_to_recovery_and_the_redone_step(killed):
     assert led["recoveries"] == 1 and led["steps_redone"] == 1 and len(events(run, "left")) == 1
     assert s["detection"] + s["rebuild"] + s["transfer"] > 0
     # The redone step is booked from the recovery's own record (how close it comes to the attempt's compute:
-    # scripts/bench_goodput.py).
+    # scripts/bench/bench_goodput.py).
     assert s["redone"] == pytest.approx(sum(e["redone_s"] for e in events(run, "recovered")), abs=1e-3)
     assert s["redone"] > 0 and s["productive"] > 0 and s["startup"] > 0 and s["checkpoint"] > 0
     assert led["failures_s"] == pytest.approx(s["redone"] + s["detection"] + s["rebuild"] + s["transfer"], abs=1e-3)

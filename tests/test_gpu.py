@@ -1,6 +1,6 @@
 """ElasticFlow on a GPU (issue #16): skipped, with the reason, where torch sees no CUDA device.
 
-Run them with ``scripts/gpu_check.sh`` on a GPU machine (it also runs scripts/bench_gpu.py). What one
+Run them with ``scripts/ops/gpu_check.sh`` on a GPU machine (it also runs scripts/bench/bench_gpu.py). What one
 GPU allows: training in bf16 and float16, workers sharing the GPU over gloo with a kill and recovery,
 the model one worker trains (BatchNorm, dropout) on the GPU, a GPU checkpoint resumed on the CPU, and sharded
 state (``trainer.shard``, all three stages) with a kill. NCCL's recovery needs two GPUs or more.
@@ -22,7 +22,7 @@ final = functools.partial(final_state, rng=False)
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(GPUS == 0, reason="no CUDA device: run scripts/gpu_check.sh on a GPU machine")]
+              pytest.mark.skipif(GPUS == 0, reason="no CUDA device: run scripts/ops/gpu_check.sh on a GPU machine")]
 CUDA = "trainer.device=cuda"
 
 

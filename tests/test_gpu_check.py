@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh end to end on the CPU (issue #41): a session with an accelerator gets one try at it,
+"""scripts/ops/gpu_check.sh end to end on the CPU (issue #41): a session with an accelerator gets one try at it,
 so it must work the first time. Here the GPU tests skip with their reason and tests/test_precision.py runs
 for real; the script must report that, exit with pytest's status, and leave the checkout as it found it.
 """
@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="a GPU is visible: run scripts/gpu_check.sh itself, which runs the GPU tests")
+                                reason="a GPU is visible: run scripts/ops/gpu_check.sh, which runs the GPU tests itself")
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_check.sh"
+SCRIPT = REPO / "scripts" / "ops" / "gpu_check.sh"
 
 
 def _gpu_check(out_dir, *args, timeout=540):
@@ -38,7 +38,7 @@ def test_tests_only_reports_and_leaves_the_checkout_alone(tmp_path):
     lines = report.splitlines()
     assert lines[0].startswith("# elasticflow GPU check, "), report[:500]
     assert any(line.startswith(f"torch {torch.__version__} | CUDA") for line in lines), report[:500]
-    assert "SKIPPED" in report and "no CUDA device: run scripts/gpu_check.sh on a GPU machine" in report, report
+    assert "SKIPPED" in report and "no CUDA device: run scripts/ops/gpu_check.sh on a GPU machine" in report, report
     summary = [line for line in lines if " passed" in line and " skipped" in line and " in " in line]
     assert summary and "failed" not in summary[-1], report[-2000:]  # test_precision.py ran, the GPU tests skipped
     assert lines[-1] == f"gpu_check: exit 0; report in {tmp_path}/gpu_report.txt"

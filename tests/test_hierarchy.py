@@ -15,8 +15,8 @@ RANK = r"""
 import datetime, hashlib, json, os, signal, sys, time
 import numpy as np, torch
 import torch.distributed as dist
-from elasticflow.distributed import hierarchy
-from elasticflow.distributed.comm import Group
+from elasticflow.distributed.comm import hierarchy
+from elasticflow.distributed.comm.comm import Group
 from elasticflow.distributed.protocol import CommError
 
 rank, world, port, tags, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), sys.argv[5]

@@ -29,7 +29,7 @@ def worker_hosts(run: Path) -> Counter:
 STRANGER = r"""
 import datetime, socket, struct, sys
 from torch.distributed import TCPStore
-from elasticflow.distributed.stores import connect
+from elasticflow.distributed.store.stores import connect
 # A stranger on the job's network: it knows the endpoint (a port scan would find it), not the token. Each attack
 # of issue #42 needs a connection first: a TCPStore client's and ours under a wrong token are refused, so none
 # is ever tried (each would print "served"). Then a request sent before any handshake, and a flood of
@@ -277,7 +277,7 @@ def test_a_slow_link_where_a_step_outlasts_the_heartbeat_timeout_cuts_no_one(hos
 
 
 NETIF_PROBE = """
-from elasticflow.distributed import netif
+from elasticflow.distributed.comm import netif
 from elasticflow.errors import ElasticFlowError
 print("default", netif.address_of(None))
 print("toward", netif.address_toward("10.231.0.1"))

@@ -13,6 +13,11 @@ above (``test_imports_point_down_the_layers``); the cycle test keeps each layer 
 goes into the folder of its layer, so it is placed by where it lives; the root holds at most
 ``MAX_ROOT_MODULES``. docs/architecture.md's layer table is checked against ``LAYERS``
 (``test_the_architecture_page_shows_the_declared_layers``), so it cannot drift.
+
+A layer may be divided into rooms (``ROOMS``: distributed/'s store, comm, membership and agent), ordered the same
+way: a room imports its own and the rooms below it (``test_imports_point_down_the_rooms``), and docs/architecture.md
+shows them. A cycle through ``if TYPE_CHECKING:`` imports counts too (``test_no_cycle_even_through_annotations``):
+a part typed with its owner's class still calls up, so the owner passes the part what it needs instead.
 """
 from __future__ import annotations
 
@@ -38,14 +43,15 @@ def _is_type_checking(test: ast.expr) -> bool:
            (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.stmt]:
-    """Every Import/ImportFrom node, at any depth, except in the body of ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.stmt]:
+    """Every Import/ImportFrom node, at any depth, except in the body of ``if TYPE_CHECKING:`` (unless
+    ``type_checking``)."""
     todo = [tree]
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
             todo.extend(node.orelse)  # an else branch does run
             continue
         todo.extend(ast.iter_child_nodes(node))
@@ -74,13 +80,14 @@ def _targets(node: ast.stmt, name: str, is_package: bool, modules: Set[str]) -> 
             yield base
 
 
-def import_graph(root: Path, package: str) -> Graph:
-    """The edges between the modules of ``root/package`` (each .py parsed with ast, nothing imported)."""
+def import_graph(root: Path, package: str, type_checking: bool = False) -> Graph:
+    """The edges between the modules of ``root/package`` (each .py parsed with ast, nothing imported);
+    ``type_checking``: the imports under ``if TYPE_CHECKING:`` count too."""
     files = {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
     graph: Graph = {name: {} for name in files}
     for name, path in files.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node in _imports(tree):
+        for node in _imports(tree, type_checking):
             for target in _targets(node, name, path.name == "__init__.py", set(files)):
                 if target != name:
                     graph[name].setdefault(target, node.lineno)
@@ -171,6 +178,15 @@ def test_elasticflow_has_no_import_cycles():
                        "can import):\n" + "\n".join(describe(graph, c) for c in found))
 
 
+def test_no_cycle_even_through_annotations():
+    """A part that imports its owner only to annotate it (``if TYPE_CHECKING: from .agent import Agent``) still
+    reaches into the owner at run time; the owner hands it the state and callables it needs instead."""
+    graph = import_graph(REPO, "elasticflow", type_checking=True)
+    found = cycles(graph)
+    assert not found, ("import cycles in elasticflow/ through `if TYPE_CHECKING:` imports (pass the part what it "
+                       "needs instead of its owner):\n" + "\n".join(describe(graph, c) for c in found))
+
+
 # ---------------------------------------------------------------- the walker itself can fail
 def _package(tmp_path: Path, files: Dict[str, str]) -> Graph:
     for rel, source in {"pkg/__init__.py": "", **files}.items():
@@ -206,6 +222,12 @@ def test_what_does_not_count_as_an_import(tmp_path, b_source):
     assert cycles(graph) == []
 
 
+def test_type_checking_imports_count_when_asked(tmp_path):
+    _package(tmp_path, {"pkg/a.py": "from . import b\n",
+                        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n"})
+    assert cycles(import_graph(tmp_path, "pkg", type_checking=True)) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
 def test_the_else_of_type_checking_counts(tmp_path):
     graph = _package(tmp_path, {"pkg/a.py": "from . import b\n",
                                 "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\n"
@@ -220,7 +242,7 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("leaf", "helpers and names that import nothing of elasticflow above them",
      ("errors", "_util.*")),
     ("config", "the config schema and what it describes: ranges, help, topologies, devices; optimizer specs",
-     ("optim", "config.*")),
+     ("config.*",)),
     ("backends", "the frameworks: torch and TensorFlow behind one Engine and one set of ops",
      ("backends.*",)),
     ("data", "the global sample order, each worker's share, the dataset forms, reading ahead",
@@ -234,13 +256,14 @@ LAYERS: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("observability", "what a run shows and leaves: run log, step records, TensorBoard, goodput, plot, status",
      ("observability.*",)),
     ("train", "the trainer's parts: build, step, round, regroup, state, evaluation, checks, the model file; ops",
-     ("train.*", "ops")),
+     ("train.*",)),
     ("trainer", "the loop and export",
      ("trainer", "exporting")),
     ("launchers", "how processes start and end: the launchers, the worker's main, the exit line",
      ("launchers.*",)),
-    ("cli", "the commands (parse, hand over, render), fit() from Python, and the package's public names",
-     ("cli", "fitting", "__init__")),
+    ("cli", "the commands (parse, hand over, render), fit() from Python, and the package's public names (ops and "
+            "optim: the public names of train/ops.py and config/optim.py)",
+     ("cli", "fitting", "__init__", "ops", "optim")),
 ]
 
 
@@ -341,6 +364,82 @@ def test_imports_point_down_the_layers():
     assert not found, (f"imports from a lower layer to a higher one ({layers}); a lower layer that needs "
                        "something from a higher one takes it as an argument, or the shared code moves down:\n  "
                        + "\n  ".join(found))
+
+
+# ---------------------------------------------------------------- rooms: a layer divided, ordered the same way
+# Per divided layer, lowest first: (room, what it holds, modules), names relative to the layer's folder
+# ("__init__": the folder's own __init__.py). A room imports its own and the rooms below it.
+ROOMS: Dict[str, List[Tuple[str, str, Tuple[str, ...]]]] = {
+    "distributed": [
+        ("protocol", "what the agent and the workers say to each other: store keys, exit codes, the job token, "
+                     "sealed records, the store inbox",
+         ("__init__", "protocol")),
+        ("store", "the job's store: the private and token servers and their wire, etcd, where a server listens, "
+                  "picking a store and connecting to one",
+         ("store.*",)),
+        ("comm", "collectives: a generation's gloo group and its sums, the hierarchical sum, which address a host "
+                 "binds",
+         ("comm.*",)),
+        ("membership", "a worker's side: joining, heartbeats, following generations, the rendezvous records",
+         ("membership.*",)),
+        ("agent", "the agent, its state and the parts it owns (admission, health, scaling, processes, generations, "
+                  "hosts, leadership, workers.json), the roster, node agents, the client of `scale`",
+         ("agent.*",)),
+    ],
+}
+
+
+def room_graph(graph: Graph, package: str) -> Graph:
+    """``graph`` cut down to ``package`` and the modules under it (the edges between them)."""
+    inside = {m for m in graph if m == package or m.startswith(package + ".")}
+    return {m: {t: line for t, line in graph[m].items() if t in inside} for m in sorted(inside)}
+
+
+@pytest.mark.parametrize("layer", sorted(ROOMS))
+def test_every_module_of_a_divided_layer_has_a_room(layer):
+    package = f"elasticflow.{layer}"
+    graph = room_graph(import_graph(REPO, "elasticflow"), package)
+    missing = unplaced(graph, package, ROOMS[layer])
+    assert not missing, (f"modules of {layer}/ in no room: place each in ROOMS[{layer!r}] (tests/test_imports.py), "
+                         "in the lowest room whose subject it is:\n  " + "\n  ".join(missing))
+    stale = stale_entries(graph, package, ROOMS[layer])
+    assert not stale, f"ROOMS[{layer!r}] names modules that do not exist:\n  " + "\n  ".join(stale)
+
+
+@pytest.mark.parametrize("layer", sorted(ROOMS))
+def test_imports_point_down_the_rooms(layer):
+    package = f"elasticflow.{layer}"
+    graph = room_graph(import_graph(REPO, "elasticflow"), package)
+    assert len(graph) > len(ROOMS[layer]), f"the walk found too few modules under {layer}/"
+    found = upward_imports(graph, package, ROOMS[layer])
+    rooms = " -> ".join(name for name, _, _ in ROOMS[layer])
+    assert not found, (f"imports from a lower room of {layer}/ to a higher one ({rooms}); pass what the lower room "
+                       "needs as an argument, or move the shared code down:\n  " + "\n  ".join(found))
+
+
+def room_table(layer: str) -> List[Tuple[str, str, str, str]]:
+    """ROOMS[layer] as docs/architecture.md's rows: (room, what, modules, the rooms it may import)."""
+    def shown(entry: str) -> str:
+        return f"`{entry[:-2]}/`" if entry.endswith(".*") else f"`{entry}.py`"
+    rooms = ROOMS[layer]
+    return [(name, what, ", ".join(shown(e) for e in entries),
+             ", ".join(below for below, _, _ in rooms[:i]) or f"nothing of {layer}/")
+            for i, (name, what, entries) in enumerate(rooms)]
+
+
+@pytest.mark.parametrize("layer", sorted(ROOMS))
+def test_the_architecture_page_shows_the_rooms(layer):
+    text = (REPO / "docs" / "architecture.md").read_text()
+    head = f"| room of {layer}/ | what | modules | may import |"
+    assert head in text, f"docs/architecture.md lost the table of {layer}/'s rooms (the line {head!r})"
+    rows = []
+    for line in text[text.index(head):].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(tuple(cell.strip() for cell in line.strip().strip("|").split("|")))
+    expected = room_table(layer)
+    assert rows == expected, (f"docs/architecture.md's table of {layer}/'s rooms differs from ROOMS; make it read:\n"
+                              + "\n".join(f"| {' | '.join(r)} |" for r in expected))
 
 
 # ---------------------------------------------------------------- the layer check itself can fail

@@ -23,7 +23,7 @@ from harness import PROBE, assert_equivalent, cli, events, finish, logged_step, 
 
 INTRUDER = r"""
 import datetime, json, sys, time
-from elasticflow.distributed.stores import connect
+from elasticflow.distributed.store.stores import connect
 
 events = sys.argv[2]  # the job's events.jsonl: where the job says what it refused
 
@@ -170,8 +170,8 @@ def test_an_intruder_without_the_token_changes_nothing(tmp_path, reference):
 
 def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
     from elasticflow.checkpoint.coordinator import StoreCoordinator
-    from elasticflow.distributed.process import listening_store
-    from elasticflow.distributed.stores import connect
+    from elasticflow.distributed.store.listen import listening_store
+    from elasticflow.distributed.store.stores import connect
     from elasticflow._util.sealing import REFUSED, Sealer
 
     store, listener = listening_store("127.0.0.1", 5.0)
@@ -195,7 +195,7 @@ def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
 
 CRASHER = r"""
 import datetime, json, sys, time
-from elasticflow.distributed.stores import connect
+from elasticflow.distributed.store.stores import connect
 
 phase = sys.argv[2]
 store = connect(sys.argv[1], 10.0)

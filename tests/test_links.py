@@ -31,7 +31,7 @@ def test_the_connections_opened_since_are_found_without_listeners_or_the_store_a
 SILENT_PEER = textwrap.dedent('''
     import datetime, os, sys, threading, time, torch, torch.distributed as dist
     from elasticflow._util import links
-    from elasticflow.distributed.comm import Group
+    from elasticflow.distributed.comm.comm import Group
     from elasticflow.distributed.protocol import CommError
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))

@@ -83,7 +83,7 @@ def test_only_a_member_declared_gone_ends_the_groups_collectives_not_one_that_re
     declares one of its members gone; a member that only retires is missing from the newest generation too, but
     it hands its sharded state over on this group first, so the group must stay whole (NCCL's included: an abort
     there once failed every scale-down's hand-off over NCCL)."""
-    from elasticflow.distributed.membership import Membership
+    from elasticflow.distributed.membership.membership import Membership
 
     class Group:
         members, generation, cut = [1, 2, 3], 4, False

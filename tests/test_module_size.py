@@ -1,5 +1,5 @@
 """No module under elasticflow/ over 500 lines: past that a module holds more than one subject, and a reader
-cannot keep it in view. Split it along a seam into a module of its own (as distributed/workers_json.py came
+cannot keep it in view. Split it along a seam into a module of its own (as distributed/agent/workers_json.py came
 out of agent.py), rather than squeezing lines."""
 from pathlib import Path
 

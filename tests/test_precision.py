@@ -1,6 +1,6 @@
 """Devices and precision on the CPU (issue #16): the placement decision, bf16 training to the examples'
 documented accuracy, float16 loss scaling agreed by every member, and the errors for settings a host
-cannot honour. GPU runs are in tests/test_gpu.py (scripts/gpu_check.sh on a GPU machine).
+cannot honour. GPU runs are in tests/test_gpu.py (scripts/ops/gpu_check.sh on a GPU machine).
 """
 import numpy as np
 import pytest

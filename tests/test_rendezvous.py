@@ -2,11 +2,11 @@
 generation's arrivals and formations by one ``check`` until all are there, heartbeats a turn at a time."""
 from __future__ import annotations
 
-import types
 from collections import Counter
 
-from elasticflow.distributed import health, protocol
-from elasticflow.distributed.rendezvous import SWEEP_S, Rendezvous, failures_key, key
+from elasticflow.distributed import protocol
+from elasticflow.distributed.agent import health
+from elasticflow.distributed.membership.rendezvous import SWEEP_S, Rendezvous, failures_key, key
 
 
 class CountingStore:
@@ -90,16 +90,17 @@ def test_a_forming_generation_costs_one_check_a_round_until_every_member_arrived
 
 
 def test_heartbeats_are_read_a_turn_at_a_time_past_a_full_round():
-    agent = types.SimpleNamespace(hb_cursor=0)
     small = list(range(health.FULL_ROUND))
-    assert health.due(agent, small, 10.0) == small
+    assert health.due(small, 10.0, 0) == (small, 0)
     workers = list(range(1024))
-    seen = Counter()
+    seen, cursor = Counter(), 0
     for _ in range(10):  # one second of rounds
-        seen.update(health.due(agent, workers, 10.0))
+        read, cursor = health.due(workers, 10.0, cursor)
+        seen.update(read)
     assert set(seen) == set(workers) and max(seen.values()) <= 2
     # A short heartbeat timeout reads each member more often: every timeout / 4.
-    agent.hb_cursor, seen = 0, Counter()
+    seen, cursor = Counter(), 0
     for _ in range(2):  # 0.2 s = 2 s / 4 / ... every member within timeout / 4 = 0.5 s, so 2 rounds cover 40%
-        seen.update(health.due(agent, workers, 2.0))
+        read, cursor = health.due(workers, 2.0, cursor)
+        seen.update(read)
     assert len(seen) == 2 * -(-1024 * health.HEALTH_S // 0.5)

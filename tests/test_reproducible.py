@@ -21,7 +21,7 @@ from harness import (EXACT, EXACT_COMMON, Limit, assert_bitwise, cli, events, ex
 from elasticflow.replica.exact_sum import ReproducibleSum
 
 # 30 steps, not the exactness tests' 60: any bit that differs at any step is still there at the end (the long
-# horizon, 2,000 steps under kills, is scripts/long_exact.py's and scripts/chaos.py --reproducible's)
+# horizon, 2,000 steps under kills, is scripts/soak/long_exact.py's and scripts/soak/chaos.py --reproducible's)
 MODE = ["trainer.reproducible=true", "optimizer=adamw", "optimizer.lr=0.01", "trainer.max_steps=30"]
 
 
@@ -144,7 +144,7 @@ def test_a_non_finite_term_makes_its_element_nan_and_no_other():
 def test_members_summing_over_a_real_group_get_one_accumulators_bits():
     from torch.distributed import TCPStore
 
-    from elasticflow.distributed.comm import Group
+    from elasticflow.distributed.comm.comm import Group
 
     terms, world = _terms(9, 3000, seed=1), 3
     one = _grouped(terms, [list(range(9))])

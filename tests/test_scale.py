@@ -19,9 +19,10 @@ from harness import (ELASTICFLOW, PROBE, Hold, Limit, assert_each_sample_once, a
                      logged_step, members, reap, run_cli, scale, start, wait_for, world_sizes)
 
 from elasticflow.observability import status as run_status
-from elasticflow.distributed import control, protocol, scaling
-from elasticflow.distributed.membership import Membership
-from elasticflow.distributed.process import listening_store
+from elasticflow.distributed import protocol
+from elasticflow.distributed.agent import control, scaling
+from elasticflow.distributed.membership.membership import Membership
+from elasticflow.distributed.store.listen import listening_store
 
 
 HOLD_TIMEOUT = ["elastic.timeout_s=90", "elastic.heartbeat_timeout_s=10"]
@@ -101,7 +102,7 @@ def test_sigstopped_worker_is_cut_out_by_its_silent_heartbeat(tmp_path, referenc
 def test_a_stopped_retiring_worker_is_cut_out_not_waited_for(tmp_path, reference):
     """A worker retired by a scale-down stays in the current group until the step boundary, and its peers'
     allreduce waits for it. Stopped there, the agent must cut it out after the heartbeat timeout, as it
-    does members, not leave the peers waiting elastic.timeout_s (found by scripts/chaos.py)."""
+    does members, not leave the peers waiting elastic.timeout_s (found by scripts/soak/chaos.py)."""
     run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
     proc = start(run, "launcher.workers=3", "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=2",
                  env={"EF_PROBE_LIMIT": str(limit.path), "EF_PROBE_SLEEP": "0.01"})
@@ -128,7 +129,7 @@ def test_a_joiner_that_died_halfway_does_not_block_later_joins(tmp_path, referen
     """A joiner counts itself (join/count) and then writes its request: killed in between, its request
     never comes. The agent used to read requests strictly in order, so every later join waited for it
     forever. Here the count is taken exactly as such a joiner would, then a real one is asked for."""
-    from elasticflow.distributed.stores import connect
+    from elasticflow.distributed.store.stores import connect
 
     run, pace = tmp_path / "run", tmp_path / "pace"
     pace.touch()  # slow steps until the real join is in
@@ -262,7 +263,7 @@ def test_status_shows_the_devices_reported_and_nothing_for_the_others(tmp_path):
     assert "devices:" not in out and "generation 2  workers 2" in out
 
 
-def test_two_scale_commands_at_once_both_get_an_answer(tmp_path):
+def test_two_scale_commands_at_once_both_get_an_answer(tmp_path, monkeypatch):
     """Both requests are written before the agent reads either: each in its own numbered slot, so neither
     overwrites the other (whose client would then wait 30 s for a reply and fail)."""
     from omegaconf import OmegaConf
@@ -274,12 +275,12 @@ def test_two_scale_commands_at_once_both_get_an_answer(tmp_path):
     (tmp_path / "workers.json").write_text(json.dumps({"generation": 0, "members": [{}, {}], "joining": [],
                                                        "retiring": []}))
     seen = []
-    agent = type("StubAgent", (), {  # just what scaling.rescale reads when the target is the current size
+    state = type("StubState", (), {  # just what Scaling.rescale reads when the target is the current size
         "store": store, "token": token, "cfg": OmegaConf.create({"launcher": {"min_workers": 1, "max_workers": 4}}),
         "event": lambda self, kind, **f: seen.append(f["requested"]), "target_workers": lambda self: 2,
-        "generation": 0, "write_workers_json": lambda self: None, "job": "job1", "capacity": None,
-        "scale_requests": protocol.Inbox("control/count", "control/request"), "scale_nonces": {},
-        "verdicts": protocol.Sealer(token)})()
+        "generation": 0, "job": "job1", "verdicts": protocol.Sealer(token)})()
+    agent = scaling.Scaling(state, spawn=None)
+    monkeypatch.setattr(scaling.workers_json, "write", lambda state: None)
     results = []
     clients = [threading.Thread(target=lambda: results.append(control.scale(tmp_path, 2, wait_s=0)), daemon=True)
                for _ in range(2)]
@@ -287,7 +288,7 @@ def test_two_scale_commands_at_once_both_get_an_answer(tmp_path):
         for c in clients:
             c.start()
         wait_for(lambda: store.check(["control/request/1", "control/request/2"]), 30, "both clients' requests")
-        wait_for(lambda: (scaling.serve(agent), len(seen) == 2)[1], 10, "the agent to answer both", every=0.01)
+        wait_for(lambda: (agent.serve(), len(seen) == 2)[1], 10, "the agent to answer both", every=0.01)
         for c in clients:
             c.join(40)
     finally:

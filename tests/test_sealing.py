@@ -12,7 +12,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from elasticflow.distributed import protocol
-from elasticflow.distributed.process import Worker, listening_store
+from elasticflow.distributed.agent.process import Worker
+from elasticflow.distributed.store.listen import listening_store
 from elasticflow._util.sealing import REFUSED, Forged, Sealer
 
 

@@ -6,7 +6,7 @@ and must roll forward: the reported bug), in the sharded update, in the paramete
 non-neighbours at once. No interval checkpoints: a slice lost with both holders fails the run instead of
 falling back. Each run ends on the 1-worker run's parameters and optimizer state (harness.assert_equivalent:
 per tensor, relative difference <= 1e-5) with every step logged once. The soak of the same kills at
-random steps: scripts/soak_shard_kill.py.
+random steps: scripts/soak/soak_shard_kill.py.
 """
 import threading
 from collections import defaultdict, deque

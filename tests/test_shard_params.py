@@ -104,7 +104,7 @@ def test_three_workers_hold_their_ranges_survive_a_kill_in_backward_a_join_and_a
     has fetched units (head, norm, block) from its peers, which fail in their own fetches: the 2 survivors redo
     the step from the dead worker's ranges their buddy copies held. A third worker then joins (it receives its
     ranges from its peers) and one retires (its ranges go to the stayers). (Kills in every other phase:
-    scripts/soak_shard_kill.py --stage parameters.) With strict pages: the GPU path's protocol holds throughout."""
+    scripts/soak/soak_shard_kill.py --stage parameters.) With strict pages: the GPU path's protocol holds throughout."""
     run, seen, limit = tmp_path / "run", tmp_path / "resident", Limit(tmp_path / "limit", 12, last=28)
     seen.mkdir()
     proc = start(run, "launcher.workers=3", "launcher.max_workers=3", "trainer.shard=parameters", *ARGS,

@@ -1,4 +1,4 @@
-"""scripts/sim_goodput.py: goodput at scale per fault-tolerance policy, from a run's measured costs and published
+"""scripts/sim/sim_goodput.py: goodput at scale per fault-tolerance policy, from a run's measured costs and published
 failure rates. The arithmetic against cases worked by hand, and the command as a user runs it."""
 import subprocess
 import sys
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "sim"))
 import sim_goodput as sim  # noqa: E402
 
-SCRIPT = REPO / "scripts" / "sim_goodput.py"
+SCRIPT = REPO / "scripts" / "sim" / "sim_goodput.py"
 LEDGER = REPO / "docs" / "benchmarks" / "elastic-costs-goodput.json"
 
 

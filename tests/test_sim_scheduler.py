@@ -1,4 +1,4 @@
-"""scripts/sim_scheduler.py: gang against elastic scheduling on a simulated cluster (docs/elastic-scheduling.md).
+"""scripts/sim/sim_scheduler.py: gang against elastic scheduling on a simulated cluster (docs/elastic-scheduling.md).
 
 A hand-made trace whose answer is worked out below, the invariants on a random trace (and that the check
 catches a broken run), the costs read from a goodput ledger, and the command line's errors.
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "sim"))
 import sim_scheduler as sim  # noqa: E402
 from sim_trace import Costs, InputError, Job, read_costs, synthetic  # noqa: E402
 
-SCRIPT = REPO / "scripts" / "sim_scheduler.py"
+SCRIPT = REPO / "scripts" / "sim" / "sim_scheduler.py"
 LEDGER = REPO / "docs" / "benchmarks" / "elastic-costs-goodput.json"
 COSTS = Costs(join=1.0, scale_down=0.5, failure=0.0, source="test")
 

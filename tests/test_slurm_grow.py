@@ -157,10 +157,10 @@ class FakeWorker:
 
 
 class FakeAgent:
-    """What WorkerJobs reads of the agent: its workers, in a real Roster (distributed/roster.py)."""
+    """What WorkerJobs reads of the agent: its workers, in a real Roster (distributed/agent/roster.py)."""
 
     def __init__(self):
-        from elasticflow.distributed.roster import Roster
+        from elasticflow.distributed.agent.roster import Roster
 
         self.roster = Roster()
         self.interrupted, self.finished, self.stop_reason, self.dirty, self.events = False, [], "", False, []

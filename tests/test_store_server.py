@@ -1,4 +1,4 @@
-"""The private store of one host (distributed/store_server.py): TCPStore's answers, on a socket only the owner
+"""The private store of one host (distributed/store/server.py): TCPStore's answers, on a socket only the owner
 opens. The end-to-end check (a local user against a running job) is in test_intruder.py."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticflow.distributed import store_server, store_wire, stores
-from elasticflow.distributed.store_server import StoreClient, StoreServer
+from elasticflow.distributed.store import server as store_server, stores, wire as store_wire
+from elasticflow.distributed.store.server import StoreClient, StoreServer
 
 SHORT = datetime.timedelta(seconds=0.3)
 
@@ -61,7 +61,7 @@ def _script(store):
 
 
 def test_the_private_store_answers_as_tcpstore_does(server):
-    from elasticflow.distributed.process import listening_store
+    from elasticflow.distributed.store.listen import listening_store
 
     tcp, listener = listening_store("127.0.0.1", 5.0)
     try:
@@ -115,7 +115,7 @@ def test_gloo_rendezvouses_through_the_private_store(server):
     """Two processes build a gloo group on a PrefixStore over the private store and allreduce."""
     code = (
         "import datetime, sys, torch, torch.distributed as dist\n"
-        "from elasticflow.distributed.stores import connect\n"
+        "from elasticflow.distributed.store.stores import connect\n"
         "rank = int(sys.argv[2])\n"
         "opts = dist.ProcessGroupGloo._Options(); opts._timeout = datetime.timedelta(seconds=60)\n"
         "opts._devices = [dist.ProcessGroupGloo.create_device(hostname='127.0.0.1')]\n"

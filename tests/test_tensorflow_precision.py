@@ -81,7 +81,7 @@ def _assert_float32(engine):
     state = engine.state()
     assert any(n.startswith("optimizer/") for n in state)
     assert {str(a.dtype) for a in state.values()} == {"float32"}, {n: a.dtype for n, a in state.items()}
-    live = engine._targets + [v for slot in engine._slots.values() for v in slot]
+    live = engine.variables.targets + [v for slot in engine.optimizer.slots.values() for v in slot]
     assert {np_dtype(v) for v in live} == {np.dtype(np.float32)}
 
 
@@ -240,9 +240,9 @@ def test_float32_is_the_placement_free_path_and_its_graph_has_no_casts(tfb):
         (tfb.tf.constant(0, tfb.tf.int64), *batch)).graph
     casts = [op for op in graph.get_operations() if op.type == "Cast"
              and op.get_attr("DstT") in (tfb.tf.bfloat16, tfb.tf.float16)]
-    assert not casts and not engines[1]._scaling
+    assert not casts and not engines[1].precision.scaling
     # A grad_scale outside float16 still scales (the trainer never sets one; the contract holds).
     engines[1].grad_scale = 4.0
     engines[1].zero_grad()
     engines[1].accumulate(batch, 1.0)
-    assert engines[1]._scaling
+    assert engines[1].precision.scaling

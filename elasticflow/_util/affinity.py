@@ -3,7 +3,7 @@
 Only the training thread is pinned. gloo's transport and run-loop threads stay free to run on any core:
 pinning each whole worker to its core was slower (gloo's thread then waits behind its own training
 thread). Pinning the training threads alone made 2 workers on 2 cores clearly faster than torchrun + DDP,
-where unpinned they were about even (scripts/bench_elastic.py; the figures are in docs/benchmarks.md,
+where unpinned they were about even (scripts/bench/bench_elastic.py; the figures are in docs/benchmarks.md,
 "Multi-worker throughput", and the A/B runs in docs/benchmarks/history.md, "pin-cores").
 
 A thread starts with the CPU mask of the thread that starts it, so threads started by the pinned

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 import numpy as np
 
 from .buffers import Rule
-from ..optim import Hyper, OptimizerSpec
+from ..config.optim import Hyper, OptimizerSpec
 
 
 @runtime_checkable
@@ -112,7 +112,7 @@ class Engine(Protocol):
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
         """Overwrite the named buffers (the reconciled ones, or a failed step's starting values)."""
 
-    # -- gradient buckets (``comm.bucket_mb``): reductions started while backward still runs (replica.py)
+    # -- gradient buckets (``comm.bucket_mb``): reductions started while backward still runs (replica/bucketing.py)
     def buckets(self, bucket_bytes: int) -> List[Tuple[int, int]]:
         """Ranges [lo, hi) of the flat gradient, whole parameters each, in the order backward finishes
         them (``common.buckets``): the last parameters first."""

@@ -149,7 +149,7 @@ def agree(store, key: str, candidate: str, sealer: Optional[Sealer] = None,
             raise Forged(f"{value[:80]!r} is not a valid {key}")
         except Forged as exc:
             REFUSED("checkpoint job", str(exc))
-            # The agent puts the agreed value back within its health round (health.reassert); only a slot
+            # The agent puts the agreed value back within its health round (Health.reassert); only a slot
             # nobody agreed on yet stays forged, and is cleared for ours.
             time.sleep(0.2)
             if attempt == AGREE_TRIES - 2:

@@ -270,7 +270,7 @@ def _xxh3():
 
 
 # xxh3_64 hashes at ~10 GB/s on one core, against ~1.5 for CRC-32 (zlib): hashing every byte as it
-# is written costs ~5% of the write instead of half of it (scripts/bench_checkpoint.py).
+# is written costs ~5% of the write instead of half of it (scripts/bench/bench_checkpoint.py).
 CHECKSUM = "xxh3_64" if _xxh3() is not None else "crc32"
 
 

@@ -11,7 +11,7 @@ tensor's pieces in range, disjoint and covering it exactly; and no file holding 
 than the metadata says it has -- which the loader compares with the file on disk before allocating,
 so nothing larger than the shard files is ever allocated. ``check_entry``: a shard header's entry for
 one piece lies inside the file's data. Each is a few integer comparisons per piece: nothing next to
-reading the bytes (scripts/bench_checkpoint.py, load).
+reading the bytes (scripts/bench/bench_checkpoint.py, load).
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def intra_op_threads(cores: int, local_workers: int, loader_processes: int) -> i
     parallel op, and when a loader holds a thread's core its partner spins for it, burning the CPU the
     loaders need. 2 cores, 2 loaders, decode-bound, other processes running: the training process used
     1.0-7.1 CPU-s for 54 steps with 2 threads, 0.44-0.54 with 1; samples/s with 2 threads 0.29x and
-    0.30x of 1 thread's (two runs, scripts/bench_data.py decode). It costs a compute-bound run whose
+    0.30x of 1 thread's (two runs, scripts/bench/bench_data.py decode). It costs a compute-bound run whose
     loaders idle those cores: set ``backend.threads`` there.
     """
     return max(1, cores // max(1, local_workers) - loader_processes)

@@ -48,7 +48,7 @@ def check_etcd(lc: Any) -> None:
 
 
 def store_kind(lc: Any) -> str:
-    """The store the agent serves (distributed/stores.py): ``auto`` is private for launcher=local, else token."""
+    """The store the agent serves (distributed/store/stores.py): ``auto`` is private for launcher=local, else token."""
     if lc.store == "auto":
         return "private" if lc.name == "local" else "token"
     return lc.store

@@ -202,7 +202,7 @@ class CommConfig:
     # Host gradients: reduce in buckets of this many MiB, each started while backward still runs (torch)
     # or all once the tape's gradient is complete (TensorFlow); null or 0: one reduction after backward.
     # Off by default: on 2 CPU cores gloo's transfer competes with backward for the cores, and one
-    # reduction was as fast or faster on both backends (scripts/bench_overlap.py; docs/benchmarks.md).
+    # reduction was as fast or faster on both backends (scripts/bench/bench_overlap.py; docs/benchmarks.md).
     bucket_mb: Optional[float] = None
 
 

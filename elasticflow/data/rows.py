@@ -109,7 +109,7 @@ class DiskRows:
 
     Not through the mapping: a fault maps at least a page and, where the page cache holds the file in
     large folios (a file just written), a whole folio, so 40 random batches brought a 2 GiB file
-    into the resident set (measured, scripts/bench_data.py). pread leaves the file in the page
+    into the resident set (measured, scripts/bench/bench_data.py). pread leaves the file in the page
     cache, which the kernel may drop, and maps nothing. Runs of consecutive rows are one call each.
     """
 

@@ -121,7 +121,7 @@ _BLANKS = re.compile(r"[ \t\r]*").match  # JSON's whitespace but the newline tha
 def parse_lines(lines: List[bytes]) -> List[Any]:
     """``[json.loads(line) for line in lines]`` for lines that each end in one newline (the last may lack it),
     decoded as one string: 1.1-1.3x faster, which is most of what reading at random costs over a sequential
-    pass (scripts/bench_data.py --only shards). Each value must end its line and every line must hold one:
+    pass (scripts/bench/bench_data.py --only shards). Each value must end its line and every line must hold one:
     anything else raises (ValueError or StopIteration) and the caller parses line by line to name it."""
     text = b"".join(lines).decode()
     out, at, size, ends_line = [], 0, len(text), text.startswith

@@ -7,14 +7,14 @@ Store keys (every record a worker or the agent acts on is sealed with the job to
     gen/<g>/arrived/<id>        a worker is ready to build generation g's group (members build once all arrived;
                                 a waiting worker's arrival asks the agent to let it in again)
     gen/<g>/go                  the agent saw every member of g arrive (sealed): what members of a large generation
-                                wait for, instead of reading every member's arrival (rendezvous.py)
+                                wait for, instead of reading every member's arrival (membership/rendezvous.py)
     gen/<g>/formed/<id>         a member built generation g's group
     gen/<g>/failed/<id>         a member's report that building g's group, or a collective of g, failed
     join/count                  join requests so far (a counter); join/request/<n> is request n (JSON, its own MAC)
     join/verdict/<n>            the agent's answer, sealed with the token and bound to the request's nonce:
                                 {"ok": true, "id": assigned id, "job": the run's job id} or {"ok": false, "reason"}
     worker/ids                  the counter worker ids are drawn from (the agent's and node agents' workers)
-    node/...                    node agents (launcher=nodes): their requests, exit reports and signals (hosts.py)
+    node/...                    node agents (launcher=nodes): their requests, exit reports and signals (agent/hosts.py)
     worker/<id>/hb              heartbeat: a sealed sequence number, set by the worker's membership thread
     worker/<id>/exit            the worker's exit code, set as it exits (a clean exit counts only with it)
     worker/<id>/cut             why the agent cut this worker out (it stopped heartbeating, or never reported)
@@ -26,7 +26,7 @@ Store keys (every record a worker or the agent acts on is sealed with the job to
     control/count               scale requests so far; control/request/<n> is request n from `elasticflow scale`
                                 (JSON, its own MAC over the job id, a nonce and the time; a nonce is taken once)
     control/reply/<nonce>       the agent's sealed answer
-    gen<g>-<tag>/...            the gloo rendezvous of generation g (PrefixStore, see comm.py); <tag> is derived
+    gen<g>-<tag>/...            the gloo rendezvous of generation g (PrefixStore, see comm/comm.py); <tag> is derived
                                 from the token, so a stranger cannot address it
 
 The job token never crosses the wire: requests carry an HMAC of their fields keyed by it, records a MAC keyed
@@ -69,7 +69,7 @@ def generation_key(g: int) -> str:
 
 def exit_key(worker_id: int) -> str:
     """Set by a worker as it exits: its exit code. Behind srun the agent sees srun's code, which is 0 also when
-    the step's node failed; a clean code counts only with this record (agent._reap)."""
+    the step's node failed; a clean code counts only with this record (agent/processes.py)."""
     return f"worker/{worker_id}/exit"
 
 

@@ -7,7 +7,7 @@
 
 The same command on every host. The job's records live in etcd, which no host of the job serves. Every host
 runs its node agent (its own workers, as with launcher.endpoint) and a standby agent; the first standby to
-claim the leader key (distributed/leadership.py) runs the job's agent on a thread of this process. When the
+claim the leader key (distributed/agent/leadership.py) runs the job's agent on a thread of this process. When the
 leader's host is lost its lease expires, and another host's standby takes the job over from the state the
 leader kept in etcd: the workers of the surviving hosts keep their generation and go on training, the lost
 host's are cut out once their heartbeats are ``elastic.heartbeat_timeout_s`` old, and no checkpoint is read.
@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from ..distributed import etcd_store, netif, stores
-from ..distributed.leadership import LEADER, Leadership
+from ..distributed.agent.leadership import LEADER, Leadership
+from ..distributed.comm import netif
+from ..distributed.store import etcd as etcd_store, stores
 from ..errors import ElasticFlowError, TrainingInterrupted
 from .local import LocalLaunch
 
@@ -69,7 +70,7 @@ class Standby(threading.Thread):
             self.stop.wait(self.lead.lease_s / 4)
 
     def _lead(self) -> None:
-        from ..distributed.agent import Agent
+        from ..distributed.agent.agent import Agent
         from ..observability.goodput import job
 
         state = self.lead.state()
@@ -89,17 +90,17 @@ class Standby(threading.Thread):
                     self.result = agent.run()
             else:
                 self.result = agent.run(resume=state)
-            self.lead.resign(agent)
+            self.lead.resign(agent.state.store, agent.state_dict())
         except etcd_store.Deposed as exc:
             log.warning("this host's agent lost its leadership (%s); standing by", exc)
             self.leading.clear()
             return
         except (ElasticFlowError, TrainingInterrupted, KeyboardInterrupt) as exc:
             self.error = exc
-            self.lead.resign(agent)
+            self.lead.resign(agent.state.store, agent.state_dict())
         except BaseException as exc:  # a bug of ours: the lease goes at once, and a standby takes the job over
             self.error = exc
-            self.lead.resign(None)
+            self.lead.resign()
         self.stop.set()
 
     def finish(self, node: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -117,7 +118,7 @@ def _no_launch(env):
 
 
 def run(cfg: Any, run_dir: Path, token: str) -> Dict[str, Any]:
-    from ..distributed.node_agent import NodeAgent
+    from ..distributed.agent.node_agent import NodeAgent
 
     address = store_address(cfg, run_dir, token)
     bind = netif.address_toward(stores.host_of(address), cfg.launcher.interface)

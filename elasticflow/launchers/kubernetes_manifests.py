@@ -16,7 +16,7 @@ applies them; docs/kubernetes.md says what each is for).
                        and they preempt nothing (they wait for free room). Two Jobs because one Job's pods
                        share one priority. `elasticflow scale` patches its parallelism and completions.
 
-Each worker pod runs one worker under a node agent (distributed/node_agent.py), which joins it to the job
+Each worker pod runs one worker under a node agent (distributed/agent/node_agent.py), which joins it to the job
 when the scheduler places the pod: the job starts with what fits and grows as room frees up.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python -m elasticflow.launchers.kubernetes_pod worker --run-dir DIR --files DIR --submission ID --endpoint H:P
 
 The agent pod runs the job's agent with no worker of its own, its store on the pod's address. Each worker pod
-waits for the agent's Service to answer, then runs a node agent (distributed/node_agent.py) with one worker,
+waits for the agent's Service to answer, then runs a node agent (distributed/agent/node_agent.py) with one worker,
 named after the pod. Kubernetes ends a pod with SIGTERM (a scale-down, a preemption, a deletion); Python as
 PID 1 would ignore it, so both install a handler: the worker pod kills its worker (the job goes on without
 it, exactly as after any lost worker) and exits 143; the agent takes it as Ctrl-C (the workers checkpoint at
@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from ..distributed import protocol
-from ..distributed.agent import Agent
+from ..distributed.agent.agent import Agent
 from ..errors import ElasticFlowError
 from .kubernetes_manifests import ENV_NODE_NAME, ENV_POD_IP, FAIL_JOB_EXITS
 from .local import local_launch
@@ -122,7 +122,7 @@ class _Leave:
 
 
 def run_worker(cfg: Any, ns: argparse.Namespace) -> Dict[str, Any]:
-    from ..distributed.node_agent import NodeAgent
+    from ..distributed.agent.node_agent import NodeAgent
 
     leave = _Leave()
     signal.signal(signal.SIGTERM, leave)

@@ -61,7 +61,7 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
                 return ElasticTrainer(cfg.model, cfg, run_dir=str(run_dir)).fit()
             finally:  # a failed run frees its folder too: the next in this process (elasticflow.fit()) takes it
                 jobdir.release_all()
-        from ..distributed.agent import Agent
+        from ..distributed.agent.agent import Agent
 
         launch = LocalLaunch(cfg.launcher.fork_workers)
         try:

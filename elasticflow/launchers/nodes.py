@@ -4,7 +4,7 @@
         launcher.nodes=2 launcher.token_file=/shared/job.token hydra.run.dir=/shared/runs/job1
 
 The host that owns the endpoint's address runs the job's agent (its store listens there) and its own
-workers; every other host runs a node agent (distributed/node_agent.py) that starts, watches and restarts
+workers; every other host runs a node agent (distributed/agent/node_agent.py) that starts, watches and restarts
 its workers and joins them to the job. A host started later joins the running job: that is how a job
 grows by a host. docs/multi-host.md says what the hosts must share (the token, the run directory and
 checkpoint.dir) and what the endpoint trusts.
@@ -19,7 +19,8 @@ import string
 from pathlib import Path
 from typing import Any, Dict
 
-from ..distributed import netif, protocol
+from ..distributed import protocol
+from ..distributed.comm import netif
 from ..errors import ElasticFlowError
 from .local import LocalLaunch
 
@@ -94,7 +95,7 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
         return run_with_standbys(cfg, run_dir, token)
     host, port = cfg.launcher.endpoint.rsplit(":", 1)
     if not owns(host):
-        from ..distributed.node_agent import NodeAgent
+        from ..distributed.agent.node_agent import NodeAgent
 
         launch = LocalLaunch(cfg.launcher.fork_workers)
         try:
@@ -102,7 +103,7 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
                              bind=netif.address_toward(host, cfg.launcher.interface)).run()
         finally:
             launch.close()
-    from ..distributed.agent import Agent
+    from ..distributed.agent.agent import Agent
     from ..observability.goodput import job
 
     address = socket.gethostbyname(host)

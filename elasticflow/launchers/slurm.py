@@ -74,8 +74,8 @@ def batch_script(cfg: Any, run_dir: Path) -> str:
 
 def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """The agent, here, with workers as srun steps; requeues the job after a preemption warning."""
-    from ..distributed.agent import Agent
-    from ..distributed.netif import address_of
+    from ..distributed.agent.agent import Agent
+    from ..distributed.comm.netif import address_of
     from ..observability.goodput import job
 
     lc = cfg.launcher
@@ -87,7 +87,7 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
         from .slurm_grow import WorkerJobs
 
         lc.max_workers = min(lc.max_workers or lc.max_nodes * lc.tasks_per_node, lc.max_nodes * lc.tasks_per_node)
-        agent.capacity = WorkerJobs(cfg, run_dir, agent.job)
+        agent.capacity = WorkerJobs(cfg, run_dir, agent.state.job)
 
         def cancelled(signum, frame):  # scancel of this job: SIGTERM, then SIGKILL after KillWait
             agent.capacity.cancel_now()
@@ -98,7 +98,7 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
         with job(run_dir):  # the job's start and end, for the goodput ledger (a requeue starts another)
             return agent.run()
     except TrainingInterrupted:
-        if not agent.preempted or not cfg.launcher.requeue:
+        if not agent.state.preempted or not cfg.launcher.requeue:
             raise
         job = os.environ["SLURM_JOB_ID"]
         # Said before the command: SLURM may kill this batch step as it requeues it, before a line after it.

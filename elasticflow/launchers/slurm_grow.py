@@ -5,7 +5,7 @@ max_nodes, the agent submits a single-node *worker job*: the same partition, acc
 resources, excluding the allocation's nodes, named after the run, its output in
 RUN_DIR/slurm/worker-<jobid>.out. While the cluster is busy the worker jobs wait in the queue; when SLURM
 starts one, its batch script (``python -m elasticflow.launchers.slurm_grow RUN_DIR JOB``) runs a node
-agent (distributed/node_agent.py) that joins the running job with the run's token and starts
+agent (distributed/agent/node_agent.py) that joins the running job with the run's token and starts
 launcher.tasks_per_node workers as srun steps of the worker job. They enter at the next step boundary, as
 any joiner does: the global batch and the sample order are unchanged.
 
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..distributed import protocol
-from ..distributed.stores import host_of
+from ..distributed.store.stores import host_of
 from ..errors import ElasticFlowError
 from .slurm_jobs import resources, sbatch_lines, srun_launch
 
@@ -82,7 +82,8 @@ class WorkerJob:
 
 
 class WorkerJobs:
-    """The agent's ``capacity`` (agent.py): worker jobs for the nodes the allocation lacks."""
+    """The agent's ``capacity`` (distributed/agent/agent.py): worker jobs for the nodes the allocation lacks. Its
+    ``serve``, ``rescale`` and ``close`` are handed the agent's state (distributed/agent/state.py) as ``agent``."""
 
     def __init__(self, cfg: Any, run_dir: Path, run_job: str):
         lc = cfg.launcher
@@ -300,8 +301,8 @@ def join(run_dir: Path, run_job: str) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
     from ..config.schema import Config
-    from ..distributed import netif
-    from ..distributed.node_agent import NodeAgent
+    from ..distributed.comm import netif
+    from ..distributed.agent.node_agent import NodeAgent
 
     try:
         agent = json.loads(protocol.agent_file(run_dir).read_text())

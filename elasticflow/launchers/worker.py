@@ -91,9 +91,9 @@ def bind_address(interface) -> str:
         return explicit
     if explicit != "auto":
         return "127.0.0.1"
-    from ..distributed.netif import address_toward
+    from ..distributed.comm.netif import address_toward
 
-    from ..distributed.stores import host_of
+    from ..distributed.store.stores import host_of
 
     return address_toward(host_of(os.environ[protocol.ENV_STORE]), interface)
 
@@ -144,7 +144,7 @@ def main() -> None:
 
     from ..config.schema import Config
     from ..errors import ElasticFlowError, TrainingInterrupted
-    from ..distributed.membership import AgentLost, Membership, Refused, Removed
+    from ..distributed.membership.membership import AgentLost, Membership, Refused, Removed
     from torch.distributed import DistNetworkError
 
     from ..config.topology import this_workers_group, validate as validate_topology

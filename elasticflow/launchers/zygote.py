@@ -158,7 +158,7 @@ def _warm() -> None:
 
     from .. import trainer  # noqa: F401 - and through it the training layers
     from ..backends import torch as _torch_backend  # noqa: F401
-    from ..distributed import membership  # noqa: F401
+    from ..distributed.membership import membership  # noqa: F401
     from . import worker  # noqa: F401
 
 

@@ -1,7 +1,7 @@
 """`elasticflow status RUN_DIR [--json]`: a run at a glance, running or not, from its own records.
 
 Generation, members (and, while the job runs, each one's device, asked of its agent's store by
-``distributed.control``), the newest step and its lr, the optimizer and schedule that train (not the config's
+``distributed.agent.control``), the newest step and its lr, the optimizer and schedule that train (not the config's
 defaults where model() gave its own), recent membership events and the goodput ledger.
 Rendering is the CLI's side: the distributed layer only answers what the running job knows.
 """
@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import List, Tuple
 
-from ..distributed import control, protocol
+from ..distributed import protocol
+from ..distributed.agent import control
 from ..errors import ElasticFlowError
 from .._util.fileio import read_jsonl
 from .._util import untrusted

@@ -1,6 +1,6 @@
 """The step's gradient in buckets (``comm.bucket_mb``): each bucket's allreduce starts as soon as backward
-has finished it, while backward goes on with the next. ``replica.Replica`` owns one ``Buckets``; its docstring
-says where they sit in the step's reduction.
+has finished it, while backward goes on with the next. ``step_reduction.StepReduction`` owns one ``Buckets``; its
+docstring says where they sit in the step's reduction.
 """
 from __future__ import annotations
 

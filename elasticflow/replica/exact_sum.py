@@ -28,7 +28,7 @@ The squared norm (gradient clipping's) has its own accumulator, ``SquaresSum``: 
 
 Costs: 17 bytes per element (two int64 bins, the int8 window) where a float32 sum has 4, and a pass over them
 per term vector: on a CPU, one loop compiled ahead of time for a large gradient, built once per machine in a
-background process while the first steps run eager (``_Kernels``); ``scripts/bench_exact.py``.
+background process while the first steps run eager (``_Kernels``); ``scripts/bench/bench_exact.py``.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ class ReproducibleSum:
 
     def allreduce(self, group: Any) -> None:
         """Sum the members' bins in place (every member calls it, in the same order as its other collectives):
-        a MAX of the windows, then an int64 SUM of the bins. ``group``: a ``distributed.comm.Group``.
+        a MAX of the windows, then an int64 SUM of the bins. ``group``: a ``distributed.comm.comm.Group``.
 
         Note: each member checks its own terms times the world size against ``MAX_TERMS`` (the others' counts
         are not on the wire): enough for the sum not to wrap; a member that fails it raises before the MAX."""

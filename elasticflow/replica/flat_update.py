@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..backends.torch.optim import adam_update, sgd_update, weight_decay_is_l2
-from ..optim import Adam, AdamW, OptimizerSpec, Stretch, stretches
+from ..config.optim import Adam, AdamW, OptimizerSpec, Stretch, stretches
 
 
 @dataclass

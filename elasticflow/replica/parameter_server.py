@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..distributed.hierarchy import groups_by_tag
+from ..distributed.comm.hierarchy import groups_by_tag
 from .shard_plan import Range, owned
 
 # Point-to-point tags (share_state's count from 0, comm's sums from 1 << 24); a pull's carry the shard's index.

@@ -8,7 +8,8 @@ the membership, the engine and two accessors of the state, and returns what happ
   same step: a newer generation is waiting, a stop was asked (Ctrl-C, SIGUSR1), the agent is gone.
   With ``comm.bucket_mb`` the gradient goes in buckets instead, each started during backward
   (``begin_backward``; on TensorFlow, all as soon as the gradient is complete), the last one carrying
-  the scalars and flags.
+  the scalars and flags. Which collectives a step takes is the replica's ``StepReduction``'s
+  (``step_reduction.py``); the replica adds the votes and the single-member case.
 - ``recover``: after a failed collective, drop the group, enter the agent's next generation and
   ``sync_state``: the members compare how many samples each has committed, and if one is ahead
   (it finished the step's reduction before the peer died) its full state is sent to the members
@@ -20,9 +21,9 @@ trainer has one code path.
 With ``trainer.shard`` the replica also drives the sharded optimizer state (``shard.ShardedState``): the
 update of the ranges this member holds (``update``), the parameters' allgather (``gather``), stage 2's
 reduce-scatter, and the redistribution of the ranges at every membership change (``sync_state``; a
-retiring member hands its ranges over first; members one step behind first roll forward with the step a
-member ahead kept, ``shard.ShardedState.keep_step``). When a range has no holder left, ``lost`` says
-which and the trainer falls back to the newest checkpoint.
+retiring member hands its ranges over first, ``shard_handover.py``; members one step behind first roll
+forward with the step a member ahead kept, ``shard.ShardedState.keep_step``). When a range has no holder
+left, ``lost`` says which and the trainer falls back to the newest checkpoint.
 
 With ``topology=parameter_server`` the sharded state is the aggregators' shards (``replica/parameter_server.py``): the step's
 gradient is pushed to them before the votes' sum, the trainers alone consume data (``data_rank``), and each
@@ -37,13 +38,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .bucketing import Buckets
 from .outcomes import Agreed, Joined, Recovery, Reduction, agreed
 from .exact_sum import ReproducibleSum
+from .shard_handover import hand_over, redistribute
+from .step_reduction import StepReduction
 from ..distributed import protocol
 
 log = logging.getLogger("elasticflow")
-FOLD_MAX = 1 << 20  # gradients up to 4 MiB (float32) carry the step's scalars in the same allreduce
 
 StateDict = Callable[[], Tuple[Dict[str, Any], Dict[str, Any]]]   # () -> (arrays by name, progress)
 LoadStateDict = Callable[[Dict[str, Any], Dict[str, Any]], None]  # (arrays, progress) -> None
@@ -53,7 +54,7 @@ class Replica:
     """This worker's place in the group: reductions, state sync, recovery.
 
     Args:
-        membership: a ``distributed.membership.Membership``; None for a single-process run.
+        membership: a ``distributed.membership.membership.Membership``; None for a single-process run.
         engine: the backend Engine (its flat gradient is what ``reduce_step`` sums).
         state_dict: returns (arrays, progress) of this replica: the engine's state and the TrainState.
         load_state_dict: takes (arrays, progress) from the most advanced member.
@@ -67,8 +68,7 @@ class Replica:
         self.shard_moved = 0                   # elements of sharded state the last redistribution sent
         self.finish_asked = False              # a rank-0 callback's stop, voted in the next step's reduction
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
-        self.buckets = Buckets(engine, int(bucket_mb * (1 << 20)) if bucket_mb else 0)
-        self._exact: Optional[ReproducibleSum] = None  # trainer.reproducible: the step's sums, kept between steps
+        self.reduction = StepReduction(engine, shards, bucket_mb)  # the step's collectives, its buckets
 
     @property
     def rank(self) -> int:
@@ -136,11 +136,7 @@ class Replica:
         """Before this worker's last backward of the step: each gradient bucket starts its allreduce as soon
         as backward has finished it (``comm.bucket_mb``; ``bucketing.Buckets``)."""
         m = self.membership
-        self.buckets.begin_backward(None if m is None else m.group, self.world, self._scatters())
-
-    def _scatters(self) -> bool:
-        """Stage 2 reduce-scatters the gradient in one piece: no buckets."""
-        return self.shards is not None and self.shards.scatters()
+        self.reduction.begin_backward(None if m is None else m.group, self.world)
 
     def reduce_step(self, scalars: List[float], interrupt: bool,
                     buffers: Optional[np.ndarray] = None) -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
@@ -162,103 +158,15 @@ class Replica:
         generation = self.generation
         if self.world == 1:
             return Reduction(result=(scalars, agreed(self.votes(interrupt), generation, 1), buffers))
-        import torch
+        return self.reduction.start(m.group, scalars + self.votes(interrupt), len(scalars), generation, self.world,
+                                    buffers)
 
-        grad = self.engine.grad_view()
-        votes = scalars + self.votes(interrupt)
-        n = len(votes)
-        r = Reduction(generation=generation, world=self.world, n=n, k=len(scalars), buffers=buffers is not None)
-        ranges = self.buckets.plan(self.world, self._scatters())
-        if self.shards is not None and self.shards.serves():  # finish_reduce pushes, then sums the votes
-            r.push = grad
-            r.tail = _tail(votes, buffers)
-        elif self.shards is not None and self.shards.reduced_in_backward():
-            # Stage 3: each unit's gradient went to its owners as its backward ended (param_units.py): the votes
-            # (and buffers) in a small allreduce; finish_reduce hands each owner's sums to its buddy.
-            r.tail = _tail(votes, buffers)
-            self._start(r, r.tail)
-            r.mine = (self.shards.acc, False)
-        elif self.shards is not None and self.shards.scatters():
-            # Stage 2: each member receives the sums of its own chunk and its buddy's only. A small gradient
-            # carries the votes (and buffers) in the same collective, in float32 as the fold below; a large
-            # one sends them in a small float64 allreduce queued behind it.
-            tail = _tail(votes, buffers)
-            small = grad.numel() <= FOLD_MAX
-            work, r.mine = self.shards.start_reduce_scatter(self.membership.group, grad,
-                                                            tail.to(torch.float32) if small else None)
-            r.works.append(work)
-            if not small:
-                self._start(r, tail)
-                r.tail = tail
-        elif ranges:
-            self.buckets.reduce(r, self.membership.group, grad, ranges, votes, buffers)
-        elif grad.numel() <= FOLD_MAX:
-            # One collective, not two: each is a round trip every member must be scheduled for, which on
-            # a small model costs more than the step's compute. The scalars (and buffer contributions) ride
-            # in float32 after the gradient (exact for the flags and generations): written into the slots
-            # the engine keeps after its flat gradient, so the gradient is reduced where it lies.
-            head = grad.numel()
-            extra = n + (0 if buffers is None else buffers.size)
-            buf = self.engine.fold_buffer(extra)
-            if buf is not None:
-                buf[head:head + n].copy_(torch.tensor(votes, dtype=buf.dtype))
-                if buffers is not None:
-                    buf[head + n:].copy_(torch.from_numpy(buffers))  # float64 -> float32, as the copy below
-            else:  # no room after the gradient (a TF engine): copy it into a concatenation and back
-                parts = [grad, torch.tensor(votes, dtype=grad.dtype).to(grad.device)]
-                if buffers is not None:
-                    parts.append(torch.from_numpy(buffers).to(grad.device, grad.dtype))
-                buf = torch.cat(parts)
-                r.copy_back = (grad, buf[:head])
-            self._start(r, buf)
-            r.tail = buf[head:]
-        else:  # bandwidth-bound: a second, small round trip is noise beside the gradient's, and keeps the
-            # scalars in float64 (an engine whose fold_buffer is None would also copy a big gradient twice)
-            tail = torch.tensor(votes, dtype=torch.float64)
-            if buffers is not None:
-                tail = torch.cat([tail, torch.from_numpy(buffers)])
-            self._start(r, grad)
-            self._start(r, tail)  # the same order on every member: gloo matches collectives by sequence
-            r.tail = tail
-        return r
-
-    def exact_head(self) -> int:
-        """trainer.reproducible: how many of the step's exact sums are the gradient's: none with stage 3, whose
-        owners summed each micro-batch's gradient of their ranges exactly during backward (``reduce_grad``)."""
-        return 0 if self.shards is not None and self.shards.reduced_in_backward() else self.engine.num_params
-
-    def exact_sum(self, scalars: int, buffers: int) -> ReproducibleSum:
-        """trainer.reproducible: the step's exact sums, cleared, laid out as ``start_exact`` reads them: the flat
-        gradient (``exact_head``), ``scalars`` (loss, metrics, per-parameter flags), four votes, ``buffers``."""
-        grad = self.engine.grad_view()
-        n = self.exact_head() + scalars + 4 + buffers
-        if self._exact is None or self._exact.n != n:
-            self._exact = ReproducibleSum(n, grad.device)
-        else:
-            self._exact.clear()
-        return self._exact
-
-    def start_exact(self, sums: ReproducibleSum, scalars: int, interrupt: bool, buffers: bool) -> "Reduction":
-        """trainer.reproducible: ``start_reduce`` over the exact sums the step filled (``exact_sum``): the votes
-        added, summed over the members, the gradient written back in float32. Done at once: its result is in
-        the returned Reduction, for ``finish_reduce``."""
-        m = self.membership
-        head = self.exact_head()
-        if m is not None:
-            sums.add(np.asarray(self.votes(interrupt)), at=head + scalars)
-            if self.world > 1:
-                sums.allreduce(m.group)  # a CommError: recover() zeroes the gradient, the step is redone
-        values = sums.values()
-        if head:
-            self.engine.grad_in(0, head)  # stage 3 on one member (or two holding all): zero_grad gave it back
-            self.engine.grad_view().copy_(values[:head])  # rounded once, to float32
-        else:  # stage 3: each owner's exact sums, rounded once, and the buddy's copy of them
-            self.shards.finish_reduce_scatter(m.group, (self.shards.settle_reproducible(), False))
-        tail = values[head:].cpu()
-        said = tail[scalars:scalars + 4].tolist()
-        agreement = Agreed(interrupt=interrupt, finish=self.finish_asked) if m is None else \
-            agreed(said, self.generation, self.world)
-        return Reduction(result=(tail[:scalars].tolist(), agreement, tail[scalars + 4:].numpy() if buffers else None))
+    def finish_reduce(self, r: "Reduction") -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
+        """Wait for ``start_reduce``'s reduction (a ``CommError`` if a member failed) and return what
+        ``reduce_step`` returns."""
+        if r.result is not None:
+            return r.result
+        return self.reduction.finish(self.membership.group, r)
 
     def votes(self, interrupt: bool) -> List[float]:
         """This member's votes at a step boundary, for the members to sum (``agreed`` reads the sums): the newest
@@ -269,38 +177,29 @@ class Replica:
         return [float(max(m.latest_generation, self.generation)), float(interrupt), float(m.agent_lost),
                 float(self.finish_asked)]
 
-    def _start(self, r: "Reduction", tensor) -> None:
-        group = self.membership.group
-        if tensor.is_cuda:  # NCCL or a pinned staging buffer: reduced (and ordered on its stream) now
-            group.allreduce_(tensor)
-        else:
-            r.works.append(group.allreduce_start(tensor))
+    # ------------------------------------------------------------------ trainer.reproducible's step
+    def exact_head(self) -> int:
+        """How many of the step's exact sums are the gradient's (``StepReduction.exact_head``)."""
+        return self.reduction.exact_head()
 
-    def finish_reduce(self, r: "Reduction") -> Tuple[List[float], Agreed, Optional[np.ndarray]]:
-        """Wait for ``start_reduce``'s reduction (a ``CommError`` if a member failed) and return what
-        ``reduce_step`` returns."""
-        if r.result is not None:
-            return r.result
-        import torch
+    def exact_sum(self, scalars: int, buffers: int) -> ReproducibleSum:
+        """The step's exact sums, cleared, laid out as ``start_exact`` reads them: the flat gradient
+        (``exact_head``), ``scalars`` (loss, metrics, per-parameter flags), four votes, ``buffers``."""
+        return self.reduction.exact_sums(scalars, buffers)
 
-        group = self.membership.group
-        if r.push is not None:  # parameter servers: every sum in place before any member can commit
-            self.shards.push(group, r.push)
-            self._start(r, r.tail)
-        for work in r.works:
-            group.wait(work)
-        if r.mine is not None:
-            folded = self.shards.finish_reduce_scatter(group, r.mine)
-            if folded is not None:
-                r.tail = folded
-        if r.copy_back is not None:
-            r.copy_back[0].copy_(r.copy_back[1])
-        tail, n, k = r.tail, r.n, r.k
-        out = tail[:n].tolist()  # on a GPU: the sync point of the reduction
-        # Every member summed the same numbers, so every member reaches the same verdict.
-        buffers = tail[n:].to("cpu", torch.float64).numpy() if r.buffers else None
-        return out[:k], agreed(out[k:], r.generation, r.world), buffers
+    def start_exact(self, sums: ReproducibleSum, scalars: int, interrupt: bool, buffers: bool) -> "Reduction":
+        """``start_reduce`` over the exact sums the step filled (``exact_sum``): the votes added, summed over the
+        members, the gradient written back in float32. Done at once: its result is in the returned Reduction,
+        for ``finish_reduce``."""
+        m = self.membership
+        votes = None if m is None else self.votes(interrupt)
+        tail = self.reduction.finish_exact(None if m is None else m.group, sums, scalars, votes, self.world)
+        said = tail[scalars:scalars + 4].tolist()
+        agreement = Agreed(interrupt=interrupt, finish=self.finish_asked) if m is None else \
+            agreed(said, self.generation, self.world)
+        return Reduction(result=(tail[:scalars].tolist(), agreement, tail[scalars + 4:].numpy() if buffers else None))
 
+    # ------------------------------------------------------------------ other sums over the members
     def allreduce_exact(self, sums: ReproducibleSum) -> ReproducibleSum:
         """``sums`` (a ``ReproducibleSum``) added over the members, in place; returned."""
         if self.membership is not None and self.world > 1:
@@ -323,6 +222,16 @@ class Replica:
         vec = torch.tensor(values, dtype=torch.float64)
         self.membership.group.allreduce_(vec)
         return vec.tolist()
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the members."""
+        if self.membership is None or self.world == 1:
+            return value
+        import torch
+
+        vec = torch.tensor([value], dtype=torch.int64)
+        self.membership.group.allreduce_(vec, op="min")
+        return int(vec[0])
 
     # ------------------------------------------------------------------ sharded state
     def update(self, lr: float, step: int, samples_seen: int, took_part: Optional[np.ndarray] = None,
@@ -359,48 +268,6 @@ class Replica:
             if frozen is not None:
                 frozen.give_back([(0, frozen.n)])
 
-    def agree_min(self, value: int) -> int:
-        """The smallest ``value`` over the members."""
-        if self.membership is None or self.world == 1:
-            return value
-        import torch
-
-        vec = torch.tensor([value], dtype=torch.int64)
-        self.membership.group.allreduce_(vec, op="min")
-        return int(vec[0])
-
-    def _handoff(self, samples_seen: int) -> None:
-        """At an agreed change that retires members: move the next generation's ranges over the current
-        group while every member is alive, so a retiring member's ranges are not lost when it leaves."""
-        m = self.membership
-        try:
-            _, info = m.upcoming(self.generation)
-            new = info.get("members", [])
-            pairs = [(old, new.index(w)) for old, w in enumerate(m.members) if w in new]
-            if len(pairs) == self.world or not pairs:
-                return  # nobody leaves: the next generation moves what it needs
-            plan = self.shards.redistribute(m.group, samples_seen, (pairs, len(new)))
-            moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
-            log.info("handed over %d elements of sharded state before %d member(s) leave", moved,
-                     self.world - len(pairs))
-        except protocol.CommError as exc:
-            log.warning("handing over sharded state failed (%s); the next generation takes what is held", exc)
-            m.report_failure()
-
-    def _sync_shards(self, samples_seen: int) -> None:
-        m = self.membership
-        plan = self.shards.redistribute(m.group, samples_seen)
-        self.lost = plan.lost
-        self.shard_moved = sum(p.hi - p.lo for p in plan.moves if p.src != p.dst)
-        if self.shards.serve is not None:
-            m.report_role("aggregator" if self.shards.layout.shard_of(self.rank) is not None else "trainer")
-        if self.shards.serves() and self.rank == 0 and m.events is not None:  # who holds what: tests read it
-            from .._util.fileio import append_event
-            from .parameter_server import describe
-
-            append_event(m.events, "roles", "worker", generation=self.generation, moved=self.shard_moved,
-                         **describe(self.shards.layout, m.members))
-
     # ------------------------------------------------------------------ state
     def sync_state(self, samples_seen: int) -> bool:
         """Make every member's state equal to the most advanced member's; True if any state moved.
@@ -412,7 +279,8 @@ class Replica:
         if self.membership is None:
             return False
         if self.shards is not None:
-            self._sync_shards(samples_seen)
+            self.lost, self.shard_moved = redistribute(self.membership, self.shards, samples_seen, self.rank,
+                                                       self.generation)
             if self.lost:
                 return False
         if self.world == 1:
@@ -445,7 +313,7 @@ class Replica:
         ``samples_seen``: this worker's committed progress (a failed step committed nothing, so it is the
         same on every retry).
         """
-        from ..distributed.membership import AgentLost, Removed, StopRequested
+        from ..distributed.membership.membership import AgentLost, Removed, StopRequested
 
         m = self.membership
         failed_at = time.time()
@@ -456,7 +324,7 @@ class Replica:
         if failure is not None:
             m.report_failure()
         elif self.shards is not None and self.world > 1:
-            self._handoff(samples_seen)
+            hand_over(m, self.shards, self.generation, self.world, samples_seen)
         stop, stop_reason, moved, transfer_s = None, "", False, 0.0
         while True:
             try:
@@ -483,11 +351,3 @@ class Replica:
         return Recovery(previous_generation=previous_generation, previous_world=previous_world,
                         rolled_forward=moved, recovery_s=time.time() - failed_at, transfer_s=transfer_s, stop=stop,
                         stop_reason=stop_reason, committed=committed)
-
-
-def _tail(votes: List[float], buffers: Optional[np.ndarray]) -> Any:
-    """The step's votes (and buffer contributions) as one float64 tensor, for a small allreduce of their own."""
-    import torch
-
-    tail = torch.tensor(votes, dtype=torch.float64)
-    return tail if buffers is None else torch.cat([tail, torch.from_numpy(buffers)])

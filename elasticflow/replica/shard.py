@@ -68,7 +68,7 @@ import torch
 from .._util import pages
 from ..backends.common import check_trainable
 from ..errors import ElasticFlowError
-from ..optim import SGD, Adam, OptimizerSpec
+from ..config.optim import SGD, Adam, OptimizerSpec
 from . import parameter_server
 # The layout and the plans live in shard_plan; imported here for the callers that know this module.
 from .shard_plan import (KEPT, MAX_HELD, WIDTH, Plan, Range, RangeMove, Roll, chunk, covers, held_ranges,  # noqa: F401

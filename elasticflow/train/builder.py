@@ -14,9 +14,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ..data import order as data
-from ..config import devices, reproducible, topology
-from . import model_file, randomness, local_sgd
-from .. import ops, optim
+from ..config import devices, optim, reproducible, topology
+from . import model_file, ops, randomness, local_sgd
 from ..backends.buffers import Reconciler
 from .._util.context import _context
 from ..distributed import protocol
@@ -79,7 +78,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
 
             shards.units = ParamUnits(engine, shards, list(t.shard_units), model=built.model)
     elif kind == "parameter_server":  # the aggregators keep the shards (replica/parameter_server.py)
-        from ..distributed.hierarchy import tag_hash
+        from ..distributed.comm.hierarchy import tag_hash
         from ..replica.shard import ShardedState
 
         tag = topology.this_workers_group(checked, os.environ.get(protocol.ENV_LOCAL_SLOT))

@@ -40,7 +40,7 @@ def check(engine: Any, loss: float, grad_clip: Optional[float], scale: Optional[
     Note: the check reuses the norm where clipping or scaling takes one; otherwise it costs one read of
     the gradient (its sum: ``Engine.grad_finite``): a fraction of a millisecond for a few million parameters
     on one CPU core, a few thousandths of such a model's step, below the step's own noise
-    (scripts/bench_nonfinite.py); on accelerators it is one more sync point before the update.
+    (scripts/bench/bench_nonfinite.py); on accelerators it is one more sync point before the update.
     """
     if not math.isfinite(loss):
         return Verdict(None, False, False)

@@ -39,7 +39,7 @@ import numpy as np
 from ..backends.common import WEIGHT
 from ..data import order as data
 from . import grad_check
-from .. import optim
+from ..config import optim
 from .._util.context import _context
 from ..data.order import GlobalBatch
 from ..distributed import protocol

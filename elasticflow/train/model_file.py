@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
-from .. import optim
+from ..config import optim
 from ..errors import ElasticFlowError
 
 CONTRACT_HINT = ("a model file defines model(cfg), forward(*batch, params) (the last argument receives the model, "

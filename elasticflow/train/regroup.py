@@ -59,7 +59,7 @@ class Regrouper:
         if r.rank == 0 and r.generation > 0:
             self.run_log.take_over()  # a rank 0 that left may have logged steps this worker has not
         _context.rank, _context.world_size, _context.generation = r.rank, r.world, r.generation
-        if self.shards is not None:  # scripts/bench_shard.py reads this line from each worker's log
+        if self.shards is not None:  # scripts/bench/bench_shard.py reads this line from each worker's log
             log.info("sharded optimizer state: %d bytes in %d range(s) (replicated: %d) at world %d",
                      self.shards.slot_bytes(), len(self.shards.held),
                      4 * self.shards.n * len(self.shards.slot_names), r.world)

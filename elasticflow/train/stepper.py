@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from ..backends.common import WEIGHT
 from ..data import order as data
 from . import grad_check, loss_scale
 from .exact_step import ExactStep
-from .. import optim
+from ..config import optim
 from .._util.context import _context
 from ..data.order import GlobalBatch
 from ..errors import ElasticFlowError
@@ -50,28 +50,90 @@ class Stepper:
             self.weighted and parts.placement.loss_scaling) else 1.0
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
-        """Train on ``batch`` once; returns the committed step's record."""
-        t, s, p, replica = self.t, self.state, self.p, self.replica
-        engine = p.engine
+        """Train on ``batch`` once; returns the committed step's record.
+
+        The phases, in order: deal this member its share; begin the step (gradient zeroed, loss scale, the
+        buffers' and exact sums begun); forward and backward of each micro-batch; start the reduction with the
+        other members and, while it is in flight, write rank 0's previous record; read the sums (the buffers
+        set, the gradient divided by the weights' total); check, decide and apply the update; move the loss
+        scale; commit; all-gather the parameters (sharded state). A ``CommError`` leaves before the commit.
+        """
+        s, p, replica = self.state, self.p, self.replica
         _context.step, _context.epoch = s.step + 1, batch.epoch
-        rank, world = replica.data_rank, replica.data_world  # parameter servers: over the trainers alone
-        share = data.deal((batch.start, batch.end), rank or 0, world, t.micro_batch_size)
+        share, rank, world = self._deal(batch)
+        reconciler, exact = self._begin(share)
+        loss_sum, metric_sums = self._accumulate(batch, share, rank, world, exact)
+
+        self.reduce_started = time.perf_counter()
+        if exact is not None:
+            reduction = exact.start(self.stop_requested())
+        else:
+            reduction = self._start_reduce(loss_sum, metric_sums, share, reconciler, rank, world)
+        self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
+        scalars, agreed, buffers = replica.finish_reduce(reduction)
+        k = 1 + len(self.metric_names)
+        scalars, took_part = scalars[:k], np.asarray(scalars[k:]) > 0
+        if buffers is not None:
+            p.engine.set_buffers(reconciler.finish(buffers))
+        loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
+        scaling = p.placement.loss_scaling
+        summed = self._gradient_sums(scaling)  # the engine's gradient, or what stands for it in the checks below
+        if self.weighted:  # forward() weighted its micro-batches: per unit of the global batch's weight
+            loss, metric_values = self._divide_by_weight(loss, metric_values, summed)
+
+        record: Dict[str, Any] = {"epoch": batch.epoch}
+        verdict = grad_check.check(p.engine, loss, self.t.grad_clip, s.loss_scale if scaling else None, summed)
+        lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
+        self._update(grad_check.decide(verdict, loss, self.t.on_nonfinite), lr, batch, record, took_part)
+        if scaling:
+            record["loss_scale"] = s.loss_scale
+            s.loss_scale, s.loss_scale_good_steps = loss_scale.next_scale(s.loss_scale, s.loss_scale_good_steps,
+                                                                         verdict.overflow)
+        self._commit(batch, agreed, record, loss, lr, metric_values, verdict)
+        self.step_log.committed(record)
+        if p.shards is not None:
+            # After the commit: a member failing here leaves the step applied to every range held, and
+            # the recovery rebuilds the parameters from them.
+            replica.gather()
+        return record
+
+    # ------------------------------------------------------------------ the phases of an attempt, in order
+    def _deal(self, batch: GlobalBatch) -> Tuple[data.Share, int, int]:
+        """This member's share of ``batch``, its place among the members that consume data and how many do (parameter
+        servers: over the trainers alone; an aggregator, place -1, is dealt no micro-batch)."""
+        rank, world = self.replica.data_rank, self.replica.data_world
+        share = data.deal((batch.start, batch.end), rank or 0, world, self.t.micro_batch_size)
         if rank is None:  # an aggregator consumes no data: no micro-batch, and its buffers contribute nothing
             share, rank = data.Share([], share.total, share.total), -1
+        return share, rank, world
+
+    def _begin(self, share: data.Share) -> Tuple[Any, Optional[ExactStep]]:
+        """Begin the step: the buffers' reconciler (None where not needed) and trainer.reproducible's exact sums
+        (None elsewhere) begun, train mode, the gradient zeroed, the loss scale set, stage 3's sums begun."""
+        t, p, engine = self.t, self.p, self.p.engine
         # One worker's buffers are already sequential, but for exact sums: the same arithmetic on any number
-        reconciler = p.reconciler if replica.world > 1 or t.reproducible else None
+        reconciler = p.reconciler if self.replica.world > 1 or t.reproducible else None
         if reconciler is not None:
             reconciler.begin(engine.buffer_arrays(), share.total)  # a worker without micro-batches finishes too
-        exact = ExactStep(replica, engine, self.metric_names, len(self.names), reconciler) if t.reproducible else None
+        exact = None
+        if t.reproducible:  # the step's exact sums, added micro-batch by micro-batch (exact_step.py)
+            exact = ExactStep(self.replica, engine, self.metric_names, len(self.names), reconciler)
         engine.train_mode(True)
         engine.zero_grad()
-        scaling = p.placement.loss_scaling
-        if scaling:
-            engine.grad_scale = s.loss_scale * self.weight_scale
+        if p.placement.loss_scaling:
+            engine.grad_scale = self.state.loss_scale * self.weight_scale
+        if p.shards is not None and p.shards.units is not None:
+            p.shards.units.begin_step()
+        return reconciler, exact
+
+    def _accumulate(self, batch: GlobalBatch, share: data.Share, rank: int, world: int,
+                    exact: Optional[ExactStep]) -> Tuple[Any, Dict[str, Any]]:
+        """Forward and backward of this member's micro-batches, the gradient accumulated in the engine; returns the
+        summed weighted loss and metrics (None, {}: no micro-batch, or trainer.reproducible's exact sums took them).
+        ``micro_step`` counts each micro-batch."""
+        t, s, p, engine = self.t, self.state, self.p, self.p.engine
         loss_sum, metric_sums = None, {}
         units = None if p.shards is None else p.shards.units
-        if units is not None:
-            units.begin_step()
         keys = p.schedule.ahead(batch, share, p.prefetch.depth if rank >= 0 else 0, s.step, rank, world,
                                 t.micro_batch_size)
         for i, (a, b) in enumerate(share.micro):
@@ -79,7 +141,7 @@ class Stepper:
             engine.seed(data.micro_seed(p.seed, batch.epoch, batch.start, share.first + i))
             rows = p.prefetch.take(keys[i], keys[i + 1:]) if keys else p.source.rows(self.order[a:b])
             if i == len(share.micro) - 1:
-                replica.begin_backward()  # the gradient is final as backward finishes each bucket
+                self.replica.begin_backward()  # the gradient is final as backward finishes each bucket
             if units is None:
                 loss_w, metrics_w = engine.accumulate(rows, (b - a) / batch.size)
             else:  # trainer.shard=parameters: each unit in for its forward and its backward (param_units.py)
@@ -101,53 +163,55 @@ class Stepper:
         if units is not None:  # the fetches of the micro-batches a peer was dealt beyond this member's
             units.replay(max(len(data.deal((batch.start, batch.end), r, world, t.micro_batch_size).micro)
                              for r in range(world)) - len(share.micro))
-        k = 1 + len(self.metric_names)
-        self.reduce_started = time.perf_counter()
-        if exact is not None:
-            reduction = exact.start(self.stop_requested())
-        else:
-            loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
-            # float(): a sync point on accelerators; the non-finite check needs it anyway.
-            scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
-            # Summed: > 0 where some member's backward reached the parameter (none from a member without
-            # micro-batches).
-            scalars += engine.took_part().astype(float).tolist() if share.micro else [0.0] * len(self.names)
-            contribution = None if reconciler is None else reconciler.contribution(
-                engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
-            reduction = replica.start_reduce(scalars, self.stop_requested(), contribution)
-        self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
-        scalars, agreed, buffers = replica.finish_reduce(reduction)
-        scalars, took_part = scalars[:k], np.asarray(scalars[k:]) > 0
-        if buffers is not None:
-            engine.set_buffers(reconciler.finish(buffers))
-        loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
-        summed = None  # the engine's gradient, or what stands for it in the checks below
+        return loss_sum, metric_sums
+
+    def _start_reduce(self, loss_sum: Any, metric_sums: Dict[str, Any], share: data.Share, reconciler: Any,
+                      rank: int, world: int) -> Any:
+        """Start the step's reduction (``Replica.start_reduce``): the loss, the metrics, the parameters' flags,
+        this member's vote to stop and its buffers' contribution, with the gradient."""
+        engine = self.p.engine
+        loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
+        # float(): a sync point on accelerators; the non-finite check needs it anyway.
+        scalars = [float(loss_sum)] + [float(metric_sums.get(k, 0.0)) for k in self.metric_names]
+        # Summed: > 0 where some member's backward reached the parameter (none from a member without
+        # micro-batches).
+        scalars += engine.took_part().astype(float).tolist() if share.micro else [0.0] * len(self.names)
+        contribution = None if reconciler is None else reconciler.contribution(
+            engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
+        return self.replica.start_reduce(scalars, self.stop_requested(), contribution)
+
+    def _gradient_sums(self, scaling: bool) -> Any:
+        """What stands for the summed gradient in the checks (norm, overflow, clipping): the owners' ranges with
+        sharded sums, the whole gradient exactly or in float64 blocks, or None (the engine's own)."""
+        t, p = self.t, self.p
         # The norm's bits must not depend on how stage 3 cuts the gradient among owners: summed exactly under
         # trainer.reproducible (~100 ms per million elements of a range; only there), in float64 blocks under
         # float16's loss scaling (whose casts amplify the last bits of a clipping factor)
         exact = t.reproducible and t.shard == "parameters"
         if p.shards is not None and p.shards.scatters():  # stages 2 and 3, parameter servers: own ranges only
-            summed = grad_check.ScatteredSums(p.shards, replica.reduce_sum,
-                                              replica.allreduce_exact if exact else None, scaling)
-        elif exact or scaling:  # on one worker (or two, each holding all) as the owners take it
-            summed = grad_check.WholeNorm(engine, exact=exact)
-        if self.weighted:  # forward() weighted its micro-batches: per unit of the global batch's weight
-            factor = grad_check.per_weight(metric_values[WEIGHT], s.step + 1)
-            loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
-            # One pass over the gradient: the weights' total is known only once the step's reduction is done,
-            # after backward, so the division cannot ride in the loss.
-            if factor / self.weight_scale != 1.0:
-                (summed or engine).scale_grad(factor / self.weight_scale)
+            return grad_check.ScatteredSums(p.shards, self.replica.reduce_sum,
+                                            self.replica.allreduce_exact if exact else None, scaling)
+        if exact or scaling:  # on one worker (or two, each holding all) as the owners take it
+            return grad_check.WholeNorm(p.engine, exact=exact)
+        return None
 
-        record: Dict[str, Any] = {"epoch": batch.epoch}
-        verdict = grad_check.check(engine, loss, t.grad_clip, s.loss_scale if scaling else None, summed)
-        lr = optim.lr_at(p.spec, s.step, p.schedule.total_steps)
-        self._update(grad_check.decide(verdict, loss, t.on_nonfinite), lr, batch, record, took_part)
-        if scaling:
-            record["loss_scale"] = s.loss_scale
-            s.loss_scale, s.loss_scale_good_steps = loss_scale.next_scale(s.loss_scale, s.loss_scale_good_steps,
-                                                                         verdict.overflow)
-        # Committed: from here on this worker's state includes the step.
+    def _divide_by_weight(self, loss: float, metric_values: Dict[str, float],
+                          summed: Any) -> Tuple[float, Dict[str, float]]:
+        """forward() weighted its micro-batches: the loss, the metrics and the gradient (in place) per unit of the
+        global batch's weight (the ``WEIGHT`` metric, summed over the members)."""
+        factor = grad_check.per_weight(metric_values[WEIGHT], self.state.step + 1)
+        loss, metric_values = loss * factor, {k: v if k == WEIGHT else v * factor for k, v in metric_values.items()}
+        # One pass over the gradient: the weights' total is known only once the step's reduction is done,
+        # after backward, so the division cannot ride in the loss.
+        if factor / self.weight_scale != 1.0:
+            (summed or self.p.engine).scale_grad(factor / self.weight_scale)
+        return loss, metric_values
+
+    def _commit(self, batch: GlobalBatch, agreed: Agreed, record: Dict[str, Any], loss: float, lr: float,
+                metric_values: Dict[str, float], verdict: Any) -> None:
+        """Committed: from here on this worker's state includes the step (its progress, what the members agreed
+        for the trainer to act on) and ``record`` is the step's."""
+        s, replica = self.state, self.replica
         self.agreed = agreed
         s.cursor.samples_in_epoch = batch.end
         s.cursor.samples_seen += batch.size
@@ -158,12 +222,6 @@ class Stepper:
         if verdict.grad_norm is not None:
             record["grad_norm"] = verdict.grad_norm
         s.last_metrics = record
-        self.step_log.committed(record)
-        if p.shards is not None:
-            # After the commit: a member failing here leaves the step applied to every range held, and
-            # the recovery rebuilds the parameters from them.
-            replica.gather()
-        return record
 
     def _update(self, update: grad_check.Update, lr: float, batch: GlobalBatch, record: Dict[str, Any],
                 took_part: np.ndarray) -> None:

@@ -4,7 +4,7 @@
 
 Every worker's ``Replica.start_reduce`` is wrapped (through a sitecustomize on PYTHONPATH): on even
 steps it reduces the gradient and the step's scalars in two allreduces, on odd steps in ONE (the
-scalars ride in float32 after the gradient), whatever ``replica.FOLD_MAX`` would choose. Both workers
+scalars ride in float32 after the gradient), whatever ``step_reduction.FOLD_MAX`` would choose. Both workers
 pick by the step number, so they always agree. Prints the median gap between consecutive
 metrics.jsonl records for each half: the difference is the cost of the second collective.
 """
@@ -30,6 +30,7 @@ import os, sys
 if os.environ.get(WORKER_ENV) is not None:
     sys.path.insert(0, os.getcwd())
     import elasticflow.replica.replica as replica
+    import elasticflow.replica.step_reduction as step_reduction  # FOLD_MAX: where the collectives are chosen
 
     installed = replica.Replica.start_reduce
     calls = [0]
@@ -37,12 +38,12 @@ if os.environ.get(WORKER_ENV) is not None:
     def ab(self, *args, **kwargs):
         # Call k reduces step k (no failures here); step_count = k - 1 picks the path on both workers alike.
         calls[0] += 1
-        saved = replica.FOLD_MAX
-        replica.FOLD_MAX = (1 << 62) if (calls[0] - 1) % 2 else 0  # odd: one folded allreduce; even: two
+        saved = step_reduction.FOLD_MAX
+        step_reduction.FOLD_MAX = (1 << 62) if (calls[0] - 1) % 2 else 0  # odd: one folded allreduce; even: two
         try:
             return installed(self, *args, **kwargs)
         finally:
-            replica.FOLD_MAX = saved
+            step_reduction.FOLD_MAX = saved
 
     replica.Replica.start_reduce = ab
 '''

@@ -1,4 +1,4 @@
-"""Issue-5 figures for scripts/bench_elastic.py: what a join costs, and how fast a hung worker is cut out.
+"""Issue-5 figures for scripts/bench/bench_elastic.py: what a join costs, and how fast a hung worker is cut out.
 
 - join: 2 workers train a 100 MB model; `elasticflow scale RUN --workers 3`; from the joiner's "joined"
   event: process start (Python, torch, model and data), admission, the wait for the survivors to finish
@@ -19,11 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from runfiles import jsonl, stop  # scripts/bench/runfiles.py (this file's folder is on sys.path)
+
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "elasticflow.cli"]
-sys.path.insert(0, str(REPO / "scripts"))  # run on its own, this file's folder is scripts/bench
-
-from bench.runfiles import jsonl, stop  # noqa: E402
 
 
 def _wait(pred, timeout: float, what: str):
@@ -45,7 +44,7 @@ def _start(run: Path, model: Path, *overrides: str, env=None) -> subprocess.Pope
 
 def join_once(tmp: Path) -> dict:
     run = tmp / f"join-{time.monotonic_ns()}"
-    proc = _start(run, REPO / "scripts/bench/wide_linear.py", "launcher.workers=2", "launcher.max_workers=3",
+    proc = _start(run, REPO / "scripts/bench/models/wide_linear.py", "launcher.workers=2", "launcher.max_workers=3",
                   "trainer.global_batch_size=64", "trainer.max_steps=100000", "checkpoint.interval.steps=null",
                   "elastic.timeout_s=60", "elastic.heartbeat_timeout_s=20", "optimizer.lr=0.001")
     try:

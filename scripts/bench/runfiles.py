@@ -1,7 +1,8 @@
-"""What the bench scripts share for running a job and reading what it wrote: scripts/bench_elastic.py,
-scripts/bench_shard.py and scripts/bench/join.py.
+"""What the bench scripts share for running a job and reading what it wrote: scripts/bench/bench_elastic.py,
+bench_shard.py, bench_hosts.py, bench_failover.py and join.py.
 
-Here, under scripts/bench/, so the dependency goes one way: scripts/*.py import scripts/bench/, never the reverse.
+A leaf beside them (``from runfiles import jsonl``: a script's own folder is first on sys.path): it imports no
+bench script, so the dependency goes one way.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """tests/models/digits_probe.py with SIGKILLs that land inside a phase of a sharded step, for
-tests/test_shard_kill.py and scripts/soak_shard_kill.py (trainer.shard=optimizer).
+tests/test_shard_kill.py and scripts/soak/soak_shard_kill.py (trainer.shard=optimizer).
 
 Environment (read by every worker; the victim's rank and the step are generation 0's):
     EF_SHARD_KILL  "rank:step:phase[:peer][,...]": that rank SIGKILLs itself inside that phase of that step:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import elasticflow
 from elasticflow.replica import shard
-from elasticflow.distributed import comm
+from elasticflow.distributed.comm import comm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from digits_probe import data, eval_data, forward, model  # noqa: E402,F401

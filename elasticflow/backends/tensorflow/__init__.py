@@ -8,11 +8,14 @@ have the torch package's names, and take more code where TensorFlow needs more t
   islands under mixed precision);
 - ``data.py``: tensors from numpy, the resident dataset, and ``Rows`` (a batch gathered inside the
   compiled step);
-- ``devices.py``: ``setup`` (GPUs, threads, seeds, keras's dtype policy), ``gpus``, ``bf16_supported``;
+- ``devices.py``: ``setup`` (GPUs, threads, seeds, keras's dtype policy), ``gpus``, ``bf16_supported``, and
+  ``Precision`` (an Engine's compute dtype and loss scale);
 - ``native.py``: keras models and tf.Modules (stable variable names, frozen weights, keras's own
   losses, seed generators, BatchNormalization's rules);
 - ``optim.py``: SGD, Adam and AdamW with torch.optim's formulas, slot names, float32 rounding of the
-  scalars and parameter groups;
+  scalars and parameter groups, and the Engine's optimizer state (``FlatOptimizer``);
+- ``variables.py``: a model's variables in the flat order and by name (``Variables``): a dict model's
+  float arrays in ONE flat variable, since a TF variable cannot be a view of another as torch's are;
 - ``engine.py``: the ``Engine`` (``backends/engine.py``'s contract).
 
 TensorFlow only: ``compiled.py`` (the cheaper call of a compiled step) and ``quiet.py`` (the first

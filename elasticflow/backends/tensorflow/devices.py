@@ -1,5 +1,6 @@
 """The TensorFlow backend's devices and start-up: which GPUs TF sees, binding one, threads, seeds and
-keras's dtype policy, all before anything starts TF's runtime or model() builds layers.
+keras's dtype policy, all before anything starts TF's runtime or model() builds layers; and ``Precision``,
+what the placement's precision changes in an Engine's steps (torch's engine takes it from ``torch.autocast``).
 
 ``gpus``, ``bf16_supported`` and ``setup`` are backend-package names: ``tensorflow/__init__.py`` exports them.
 """
@@ -7,17 +8,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import tensorflow as tf
 
 from ...config.devices import Placement
 from ...errors import ElasticFlowError
 from . import data as tf_data
-from .native import POLICIES
+from .native import POLICIES, is_native, mixed_native
 from .ops import _generator
 
 _log = logging.getLogger("elasticflow")
+_LOW = {"bfloat16": tf.bfloat16, "float16": tf.float16}
 
 
 def gpus() -> List[str]:
@@ -98,3 +100,50 @@ def setup(threads: Optional[int], seed: int, placement: Placement = None, determ
                 _log.debug("tensorflow already initialised; thread settings unchanged")
     tf.random.set_seed(seed)
     _generator().reset_from_seed(seed)
+
+
+class Precision:
+    """The compute dtype forward() runs in and the loss scale its backward runs on, for one Engine.
+
+    Args:
+        placement: the precision (``trainer.precision``) and whether it scales the loss (float16).
+        model: what ``model(cfg)`` returned; a keras model is switched to keras's mixed policy here, before
+            its variables are read.
+
+    In bf16/16 the variables and slots stay float32. A dict model's parameters and the batch's float
+    tensors are cast to the compute dtype inside the step (a cast's gradient is float32 again); a keras
+    model computes under keras's mixed policy (its layers cast inputs and read variables in the low dtype).
+    The loss enters the backward as float32, times the Engine's ``grad_scale`` (float16's loss scaling, set
+    by the trainer): an overflow shows up as inf/nan in the gradient.
+    """
+
+    def __init__(self, placement: Placement, model: Any):
+        self.compute: Optional[tf.DType] = _LOW.get(placement.compute_dtype)  # None: float32 throughout
+        if is_native(model) and self.compute is not None:
+            mixed_native(model, placement.precision)
+        # The scale: a variable the compiled steps read, assigned only when it changes (dynamic loss scaling
+        # changes it every few thousand steps), so it costs no argument per call and no retrace.
+        # Compiled in only where used (``scaling``): float32's step stays the graph it was.
+        self.scaling = placement.loss_scaling
+        self._value = 1.0
+        self._scale = tf.Variable(1.0, trainable=False)
+
+    def set_scale(self, scale: float) -> bool:
+        """Bring ``scale`` into the compiled steps (an eager assign, only when it changed); returns whether
+        the steps must be traced again: the first scale outside float16 compiles the scaling in, once."""
+        if scale == self._value:
+            return False
+        retrace = not self.scaling
+        self.scaling = True
+        self._scale.assign(scale)
+        self._value = scale
+        return retrace
+
+    def scaled(self, loss: tf.Tensor) -> tf.Tensor:
+        """At trace time: what the backward runs on."""
+        return loss * tf.convert_to_tensor(self._scale) if self.scaling else loss
+
+    def inputs(self, batch: tuple) -> tuple:
+        """A dict model's batch with its float tensors in the compute dtype (keras casts a layer's inputs
+        itself, so a native model's batch, a float target included, is left as it is)."""
+        return tuple(tf.cast(t, self.compute) if tf.is_tensor(t) and t.dtype.is_floating else t for t in batch)

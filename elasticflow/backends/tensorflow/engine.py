@@ -1,4 +1,4 @@
-"""The TensorFlow backend's ``Engine``: variables, GradientTape, the flat gradient buffer and the optimizer.
+"""The TensorFlow backend's ``Engine``: GradientTape, the flat gradient buffer, and the steps that run them.
 
 Gradients accumulate into one flat float32 variable, so a distributed reduction is one call on
 one buffer (``Engine.grad_view()`` hands it to torch.distributed without a copy). The
@@ -9,6 +9,11 @@ per step, like a hand-written loop). ``backend.jit=false`` runs both eagerly for
 Mixed precision (``trainer.precision=bf16|16``) keeps float32 variables and optimizer slots and
 computes forward() and its backward in the low dtype: a keras model through keras's mixed policy,
 a params dict by casting the parameters and the inputs' floats inside the step.
+
+The Engine owns three collaborators: ``variables.Variables`` (the model's variables in the flat order and
+their views by name), ``optim.FlatOptimizer`` (slots, update count, the update's scalars) and
+``devices.Precision`` (the compute dtype and the loss scale). What stays here is the step: forward()
+under the tape, the gradient buffer, and when the deferred update runs.
 """
 from __future__ import annotations
 
@@ -21,22 +26,21 @@ import tensorflow as tf  # imported quietly already: tensorflow/__init__.py impo
 
 from ..buffers import Rule
 from ...config.devices import Placement
-from ...errors import ElasticFlowError
-from ...optim import Hyper, OptimizerSpec
-from ..common import (WEIGHT, WholeParameters, activate, buckets, check_loss, check_trainable, flatten, rebuild,
-                      set_training, state_names, training)
+from ...config.optim import Hyper, OptimizerSpec
+from ..common import (WEIGHT, WholeParameters, activate, buckets, check_loss, check_trainable, set_training,
+                      state_names, training)
 from . import ops as tf_ops
 from . import optim as tf_optim
 from .compiled import Compiled
-from .data import _on_rows, _split, _view, np_dtype, to_numpy
-from .native import (arrays_by_name, assign_by_name, buffer_rules, is_native, mixed_native, native_variables, owners,
-                     reseed, seed_generators, with_model_losses)
+from .data import _on_rows, _split
+from .devices import Precision
+from .native import reseed, seed_generators, with_model_losses
 from .ops import _generator
+from .variables import Variables
 
 # What an Engine activates for elasticflow.ops: the backend package, which is importing this module now
 # (looked up, not imported: an import of the package from here would be a cycle).
 _SELF = sys.modules[__package__]
-_LOW = {"bfloat16": tf.bfloat16, "float16": tf.float16}
 
 
 def _size(x: Any) -> Optional[int]:
@@ -54,9 +58,8 @@ def _check_loss(out: Any, where: str):
     return tf.reshape(loss, []), {k: tf.reshape(tf.cast(v, tf.float32), []) for k, v in metrics.items()}
 
 
-
 class Engine(WholeParameters):
-    """Variables, GradientTape, the flat gradient buffer and the optimizer of one worker.
+    """GradientTape, the flat gradient buffer and the compiled steps of one worker, over its variables and optimizer.
 
     Args:
         model: what ``model(cfg)`` returned, without the "optimizer" key: a (nested) dict of
@@ -67,12 +70,9 @@ class Engine(WholeParameters):
         jit: compile the gradient step and the update with ``tf.function``.
         placement: device and precision (``devices.Placement``); None: the CPU in float32.
 
-    A dict model's float arrays live in ONE flat variable; forward() receives a dict of views
-    (tensors) of it, sliced inside the compiled step. Its gradient then arrives flat, and the
-    update is a handful of ops on three flat vectors whatever the number of parameters (per
-    variable, an Adam update of a 20-tensor model is 400 graph ops, each with its own dispatch
-    cost). Integer arrays are buffers, kept as they are. A native model's variables stay its own:
-    its gradients are concatenated into the flat buffer and updated variable by variable.
+    A dict model's float arrays live in ONE flat variable (``Variables``); forward() receives a dict
+    of views of it, sliced inside the compiled step, and its gradient arrives flat. A native model's
+    variables stay its own: its gradients are concatenated into the flat buffer.
 
     A keras model trains as ``fit()`` trains it: its own losses (regularizers, ``add_loss``) join
     forward()'s loss, weighted with it, and in the loss reported; a weight with ``trainable=False``
@@ -80,11 +80,8 @@ class Engine(WholeParameters):
     buffers. Parameter groups (``optimizer.groups``/``no_decay``) give each parameter its group's lr
     and weight decay; the flat order keeps each group contiguous (``flat_runs()``).
 
-    In bf16/16 the variables and slots stay float32. A dict model's parameters and the batch's
-    float tensors are cast to the compute dtype inside the step (a cast's gradient is float32
-    again); a keras model computes under keras's mixed policy (its layers cast inputs and read
-    variables in the low dtype). The loss enters the backward as float32, times ``grad_scale``
-    (float16's loss scaling, set by the trainer): an overflow shows up as inf/nan in the gradient.
+    In bf16/16 the variables and slots stay float32 and forward() computes in the low dtype; the loss
+    enters the backward as float32, times ``grad_scale`` (float16's loss scaling): see ``Precision``.
 
     Note: under jit, forward() is traced once per micro-batch shape, training flag and
     first-or-later micro-batch of a step, not run on every call: Python control flow on tensor
@@ -101,69 +98,25 @@ class Engine(WholeParameters):
         self.spec = spec
         self.jit = jit
         self.placement = placement or Placement()
-        self._compute = _LOW.get(self.placement.compute_dtype)  # None: float32 throughout
         self.grad_scale = 1.0  # the backward runs on loss * grad_scale (float16 loss scaling)
         self.compiling = False  # tf.function traces in about a second: nothing to announce
         _generator()
-        self.native = model if is_native(model) else None
-        if self.native is not None and self._compute is not None:
-            mixed_native(self.native, self.placement.precision)
-        self.buffers: Dict[str, Any] = {}
-        self.frozen: Dict[str, Any] = {}  # keras weights with trainable=False: state that nothing changes
-        named: Dict[str, Any] = {}  # the parameters: a native model's variables, or a dict model's arrays
+        self.precision = Precision(self.placement, model)
         self._seed, self._seed_generators = 0, seed_generators(model)
-        if self.native is not None:
-            named, self.buffers, self.frozen = native_variables(model)
-        else:
-            self._tree = model
-            for name, value in flatten(model):
-                array = to_numpy(value)
-                if np.issubdtype(array.dtype, np.floating):
-                    named[name] = array.astype(np.float32)
-                else:
-                    self.buffers[name] = tf.Variable(array, trainable=False)
-        if not named:
-            hint = ("build the keras model before returning it (start it with keras.Input(shape) or call "
-                    "model.build(shape))" if self.native is not None
-                    else "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}")
-            raise ElasticFlowError("model() returned no floating-point parameters to train", hint)
-        # Parameter groups: the flat order keeps each group contiguous (model order without groups).
-        self._groups = tf_optim.Groups(spec, list(named), owners(model, named),
-                                       {id(v): n for n, v in named.items()} if self.native is not None else {})
-        self.param_names = self._groups.order
-        if self.native is None:
-            self._shapes = [named[n].shape for n in self.param_names]
-            self._targets = [tf.Variable(np.concatenate([named[n].reshape(-1) for n in self.param_names]))]
-        else:
-            self._targets = [named[n] for n in self.param_names]  # the variables the optimizer updates
-            self._shapes = [tuple(int(d) for d in v.shape) for v in self._targets]
-        self._sizes = [int(np.prod(s, dtype=np.int64)) for s in self._shapes]
-        self.num_params = int(np.sum(self._sizes))
-        self._target_shapes = [tuple(int(d) for d in v.shape) for v in self._targets]
-        self._target_sizes = [int(np.prod(s, dtype=np.int64)) for s in self._target_shapes]
+        self.variables = v = Variables(model, spec)
+        # The names the layers above and the tests read, as the variables hold them.
+        self.native, self.buffers, self.frozen = v.native, v.buffers, v.frozen
+        self.param_names, self.num_params = v.names, v.num_params
         self.flat_grad = tf.Variable(tf.zeros([self.num_params], tf.float32), trainable=False)
-        # Zeros, not torch's "copy of the first gradient" for momentum: momentum * 0 + g == g
-        # exactly, so the first update needs no separate compiled function.
-        self._slots = {slot: [tf.Variable(tf.zeros(s, tf.float32), trainable=False) for s in self._target_shapes]
-                       for slot in spec.slots()}
-        self._slots_live = False   # torch creates optimizer state at the first update; state() follows
-        self._updates = 0          # updates applied since the optimizer state was fresh (bias correction)
+        self.optimizer = tf_optim.FlatOptimizer(v, self.flat_grad)
         self._zero_pending = False  # zero_grad() is folded into the next accumulate (one op fewer per step)
         self._pending_update = False  # apply() ran; its update runs in the next compiled call
-        # The update's scalars (lr, bias corrections...) and the micro-batch weight live in variables
-        # the compiled step reads: every argument of a tf.function call costs its own share of the
+        # The micro-batch weight lives in a variable the compiled step reads, as the update's scalars do
+        # (optim.FlatOptimizer.k): every argument of a tf.function call costs its own share of the
         # call's dispatch, so the step's only argument is the batch (or just its row indices).
-        self._scalars = ()
-        self._k = tf.Variable(tf.zeros([len(self._groups.scalars(0.0, 1))], tf.float32), trainable=False)
         self._metric_names: List[str] = []  # forward()'s metrics, in the order the step returns them
         self._weight_value = 1.0
         self._weight = tf.Variable(1.0, trainable=False)
-        # grad_scale: a variable like the weight, assigned only when it changes (dynamic loss scaling
-        # changes it every few thousand steps), so it costs no argument per call and no retrace.
-        # Compiled in only where used: float32's step stays the graph it was.
-        self._scaling = self.placement.loss_scaling
-        self._scale_value = 1.0
-        self._scale = tf.Variable(1.0, trainable=False)
         # Variants are separate functions, not Python arguments: binding a Python value costs
         # as much per call as a small step. The training flag is read at trace time.
         # key: (training, first micro-batch, runs the update, id of the resident tensors or None)
@@ -173,26 +126,17 @@ class Engine(WholeParameters):
         # it runs inside the next step's call, where an XLA cluster's launch and variable copies
         # cost more than they save (measured: +8% per step at 300k parameters, +9% at 5k).
         # Takes no argument, so the public call: it runs only when something reads the state early.
-        self._apply_fn = tf.function(self._apply_step, autograph=False) if jit else self._apply_step
-        self._flat_copy = None  # flat_params()'s tensor, made at its first call
-        self._pieces: List[Any] = []  # a dict model's parameters as split in the step being traced (_params)
+        self._apply_fn = self._compile_update()
         self._reached = np.ones(len(self.param_names), dtype=bool)  # took_part(): known once a step is traced
 
     def _compile(self, step):
         """``step(batch)`` as the compiled function the Engine calls, or as it is without jit."""
         return Compiled(step) if self.jit else step
 
-    def _params(self):
-        """What forward() receives: the native model, or the dict of views of the flat variable."""
-        if self.native is not None:
-            return self.native
-        flat = tf.convert_to_tensor(self._targets[0])
-        if self._compute is not None:  # one cast of the flat variable, not one per parameter
-            flat = tf.cast(flat, self._compute)
-        pieces = self._pieces = tf.split(flat, self._sizes)  # kept (at trace time): _grad_step asks which it reached
-        leaves = {n: tf.reshape(p, s) for n, p, s in zip(self.param_names, pieces, self._shapes)}
-        leaves.update(self.buffers)
-        return rebuild(self._tree, leaves)
+    def _compile_update(self):
+        """The optimizer's update on its own (when something reads the state before the next step's call)."""
+        update = self.optimizer.update
+        return tf.function(update, autograph=False) if self.jit else update
 
     # -- one step
     def train_mode(self, training: bool) -> None:
@@ -226,7 +170,8 @@ class Engine(WholeParameters):
         if update and not fresh:  # not the trainer's order; keep it correct anyway
             self._flush()
             update = False
-        self._set_scale()
+        if self.precision.set_scale(self.grad_scale):  # scaling outside float16: the steps are traced again
+            self._grad_fns.clear()
         source, inputs = _split(batch)
         key = (training(), fresh, update, None if source is None else id(source))
         fn = self._grad_fns.get(key)
@@ -247,16 +192,6 @@ class Engine(WholeParameters):
         values = out.numpy()
         return values[0], dict(zip(self._metric_names, values[1:]))
 
-    def _set_scale(self) -> None:
-        """Bring ``grad_scale`` into the compiled steps (an eager assign, only when it changed)."""
-        if self.grad_scale == self._scale_value:
-            return
-        if not self._scaling:  # scaling outside float16: the steps are traced again with it, once
-            self._scaling = True
-            self._grad_fns.clear()
-        self._scale.assign(self.grad_scale)
-        self._scale_value = self.grad_scale
-
     def _seeded(self, step, rows: bool, packed):
         """Reseed every generator forward() draws from with ``packed[0]``, then ``step`` on the batch."""
         reseed(packed[0], self._seed_generators)
@@ -268,19 +203,20 @@ class Engine(WholeParameters):
             # The previous step's update, then this step's gradient, in one call: the update reads
             # the gradient buffer before the assign below overwrites it (TF orders the two uses of
             # the variable as written).
-            self._apply_step()
+            self.optimizer.update()
         weight = tf.convert_to_tensor(self._weight)
         with tf.GradientTape() as tape:
             loss, metrics = self._forward(batch, "for a micro-batch")
             own = metrics.pop(WEIGHT, None)  # forward()'s weight (target tokens) replaces the sample share
             weight = weight if own is None else tf.stop_gradient(tf.cast(own, tf.float32))
             weighted = loss * weight  # differentiate the weighted loss, as torch's (loss * weight).backward()
-            scaled = weighted * tf.convert_to_tensor(self._scale) if self._scaling else weighted
+            scaled = self.precision.scaled(weighted)
         # Which parameters the loss reaches (Keras skips a None gradient), known at trace time: a dict model's
-        pieces = self._pieces if self.native is None else []  # ... asked of its pieces, in the same pass
-        grads = tape.gradient(scaled, self._targets + pieces, unconnected_gradients=tf.UnconnectedGradients.NONE)
-        self._reached = np.array([g is not None for g in (grads[len(self._targets):] or grads)])
-        grads = [tf.zeros_like(t) if g is None else g for t, g in zip(self._targets, grads)]
+        targets = self.variables.targets
+        pieces = self.variables.pieces if self.native is None else []  # ... asked of its pieces, in the same pass
+        grads = tape.gradient(scaled, targets + pieces, unconnected_gradients=tf.UnconnectedGradients.NONE)
+        self._reached = np.array([g is not None for g in (grads[len(targets):] or grads)])
+        grads = [tf.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
         tf_optim.note_sparse(self.spec, [n for n, g in zip(self.param_names, grads) if isinstance(g, tf.IndexedSlices)])
         # convert_to_tensor: a native embedding's gradient arrives as IndexedSlices.
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
@@ -326,7 +262,7 @@ class Engine(WholeParameters):
         Note: ``GradientTape.gradient`` returns every gradient at once, with no callback per
         variable, so the buckets all start when the step's gradient is complete, not during backward.
         """
-        return buckets(self._sizes, bucket_bytes)  # per parameter, also of a dict model's one flat variable
+        return buckets(self.variables.sizes, bucket_bytes)  # per parameter, also of a dict model's one flat variable
 
     def arm(self, ranges: List[Tuple[int, int]], on_ready: Optional[Any]) -> None:
         """Nothing to arm: no bucket ever reports during backward (see ``buckets``), so the caller
@@ -352,22 +288,10 @@ class Engine(WholeParameters):
         parameters, gradient or state (evaluate, state, grad_*); nothing can observe the delay.
         """
         self._settle()
-        if self._groups.leave_alone(took_part, sat_out):  # the update is traced into the steps: trace again
+        if self.optimizer.step(lr, took_part, sat_out):  # the update is traced into the steps: trace again
             self._grad_fns.clear()
-            self._apply_fn = tf.function(self._apply_step, autograph=False) if self.jit else self._apply_step
-        step = self._updates + 1
-        scalars = self._groups.scalars(lr, step)
-        if scalars != self._scalars:  # constant-lr SGD: the same scalars every step, no eager op
-            self._k.assign(np.array(scalars, np.float32))
-            self._scalars = scalars
+            self._apply_fn = self._compile_update()
         self._pending_update = True
-        self._updates = step
-        self._slots_live = True
-
-    def _apply_step(self):
-        grads = tf.split(tf.convert_to_tensor(self.flat_grad), self._target_sizes)
-        grads = [tf.reshape(g, shape) for g, shape in zip(grads, self._target_shapes)]
-        self._groups.apply(tf.convert_to_tensor(self._k), self._targets, grads, self._slots, self._sizes)
 
     def evaluate(self, batch) -> Dict[str, float]:
         self._flush()
@@ -385,24 +309,17 @@ class Engine(WholeParameters):
 
     def _forward(self, batch, where: str):
         """forward() on ``batch`` as (float32 scalar loss, float32 metrics), in the compute dtype."""
-        if self._compute is None:
-            loss, metrics = _check_loss(self.forward(*batch, params=self._params()), where)
+        compute = self.precision.compute
+        if compute is None:
+            loss, metrics = _check_loss(self.forward(*batch, params=self.variables.params(None)), where)
             return with_model_losses(self.native, loss), metrics  # keras's regularizers, as fit() adds them
-        if self.native is None:  # keras casts a layer's inputs itself: a float target keeps its float32
-            batch = tuple(tf.cast(t, self._compute) if tf.is_tensor(t) and t.dtype.is_floating else t
-                          for t in batch)
-        with tf_ops.computing(self._compute):
-            loss, metrics = _check_loss(self.forward(*batch, params=self._params()), where)
+        if self.native is None:
+            batch = self.precision.inputs(batch)
+        with tf_ops.computing(compute):
+            loss, metrics = _check_loss(self.forward(*batch, params=self.variables.params(compute)), where)
         return with_model_losses(self.native, tf.cast(loss, tf.float32)), metrics
 
     # -- state, by name, as numpy (backend-neutral checkpoints)
-    def _by_name(self, variables: List[Any], copy: bool = True) -> Dict[str, np.ndarray]:
-        """Per-target variables (parameters or one optimizer slot) -> {parameter name: array}."""
-        return arrays_by_name(variables, self.param_names, self._shapes, copy, flat=self.native is None)
-
-    def _assign_by_name(self, variables: List[Any], named: Dict[str, np.ndarray]) -> None:
-        assign_by_name(variables, self.param_names, self._shapes, named, flat=self.native is None)
-
     def state(self, copy: bool = True) -> Dict[str, np.ndarray]:
         """Parameters, buffers and optimizer slots by name, as numpy arrays (see the torch Engine).
 
@@ -411,28 +328,16 @@ class Engine(WholeParameters):
         in-place update (TensorFlow's copy-on-write), so the views are a snapshot.
         """
         self._flush()
-        out = self._by_name(self._targets, copy)
-        out.update({n: _view(b).copy() if copy else _view(b) for n, b in {**self.buffers, **self.frozen}.items()})
-        if self._slots_live:
-            for slot, variables in self._slots.items():
-                out.update({f"optimizer/{n}/{slot}": a for n, a in self._by_name(variables, copy).items()})
-        return out
+        return {**self.variables.state(copy), **self.optimizer.state(copy)}
 
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
         # A parameter without saved slots was frozen when they were saved. SGD starts its momentum
-        # afresh (zeros below), as torch does; Adam's bias correction counts one step for the whole
+        # afresh (zeros), as torch does; Adam's bias correction counts one step for the whole
         # model, so the resumed run would not be the one torch trains: refused, as the torch Engine does.
         check_trainable(state, self.param_names, self.spec.slots(), optimizer_steps)
         self._pending_update = False  # overwritten below in any case
-        self._assign_by_name(self._targets, state)
-        self.set_buffers({n: state[n] for n in [*self.buffers, *self.frozen]})
-        have = {n for n in self.param_names if all(f"optimizer/{n}/{slot}" in state for slot in self._slots)}
-        self._slots_live = bool(self._slots) and bool(have)
-        for slot, variables in self._slots.items():
-            self._assign_by_name(variables, {n: state[f"optimizer/{n}/{slot}"] if n in have
-                                             else np.zeros(shape, np.float32)
-                                             for n, shape in zip(self.param_names, self._shapes)})
-        self._updates = optimizer_steps if self._slots_live else 0
+        self.variables.load(state)
+        self.optimizer.load(state, optimizer_steps)
 
     def state_names(self) -> List[str]:
         return state_names(self.param_names, [*self.buffers, *self.frozen], self.spec.slots())
@@ -442,41 +347,29 @@ class Engine(WholeParameters):
         """The parameters as one flat float32 torch tensor, in the flat gradient's order, read from the
         variables now. A copy (a variable cannot be written through DLPack): whoever writes it calls
         ``params_written()``. The same tensor every call."""
-        import torch
-
         self._flush()
-        if self._flat_copy is None:
-            self._flat_copy = torch.empty(self.num_params, dtype=torch.float32)
-        np.concatenate([_view(v).reshape(-1) for v in self._targets], out=self._flat_copy.numpy())
-        return self._flat_copy
+        return self.variables.flat_params()
 
     def params_written(self) -> None:
         """Assign ``flat_params()``'s tensor back to the variables (one assign per variable)."""
-        flat = self._flat_copy.numpy()
-        at = 0
-        for v, size, shape in zip(self._targets, self._target_sizes, self._target_shapes):
-            v.assign(flat[at:at + size].reshape(shape))
-            at += size
+        self.variables.params_written()
 
     def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """(name, shape) of each parameter, in the flat order (each optimizer group contiguous)."""
-        return list(zip(self.param_names, self._shapes))
+        return self.variables.layout()
 
     def flat_runs(self) -> List[Tuple[int, int, Hyper]]:
         """[(lo, hi, hyper)]: the flat gradient cut into stretches of equal lr scale and weight decay, in
         ``flat_layout()``'s order (one stretch without groups); a sharded update applies them."""
-        return self._groups.runs(self._sizes)
+        return self.optimizer.groups.runs(self.variables.sizes)
 
     def reset_optimizer(self) -> None:
         """Start the optimizer afresh: zero slots, no updates counted (train/local_sgd.py: each round's inner optimizer)."""
-        for variables in self._slots.values():
-            for v in variables:
-                v.assign(np.zeros(v.shape, np.float32))
-        self._slots_live, self._updates = False, 0
+        self.optimizer.reset()
 
     def release_optimizer(self) -> None:
         """Drop the whole-model slot variables: a sharded update (trainer.shard) replaces ``apply``."""
-        self._slots, self._slots_live = {}, False
+        self.optimizer.release()
 
     # -- the same result for any number of workers: randomness per micro-batch, buffers reconciled
     def seed(self, value: int) -> None:
@@ -487,12 +380,10 @@ class Engine(WholeParameters):
     def buffer_rules(self) -> Dict[str, Rule]:
         """A native model's buffers by their rule (keras BatchNormalization: its moving statistics).
         A dict model's integer arrays are constants forward() never changes: none."""
-        return {} if self.native is None else buffer_rules(self.native, self.buffers)
+        return self.variables.buffer_rules()
 
     def buffer_arrays(self) -> Dict[str, np.ndarray]:
-        return {n: _view(v) for n, v in self.buffers.items()}
+        return self.variables.buffer_arrays()
 
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
-        for name, value in values.items():
-            var = self.buffers[name] if name in self.buffers else self.frozen[name]  # a peer's frozen weights too
-            var.assign(np.asarray(value).astype(np_dtype(var)).reshape(var.shape))
+        self.variables.set_buffers(values)

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from ..buffers import Rule, default_rule
 from ...errors import ElasticFlowError
-from .data import _view, np_dtype
+from .data import np_dtype
 from .ops import _generator
 
 POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}  # keras's mixed policies by trainer.precision
@@ -175,27 +175,6 @@ def modules_only(model: Any) -> bool:
     """Whether ``model`` is a dict of native models this backend trains as one: never here (a keras model is
     returned as itself; torch takes ``{"net": module}``)."""
     return False
-
-
-def arrays_by_name(variables: List[Any], names: List[str], shapes: List[Tuple[int, ...]], copy: bool,
-                   flat: bool) -> Dict[str, np.ndarray]:
-    """An Engine's per-parameter variables (or one optimizer slot's) as {parameter name: array}; ``flat``: one
-    variable holds them all (a dict model's), cut into ``shapes`` in order. ``copy=False``: views."""
-    arrays = [_view(v) for v in variables]
-    if flat:
-        offsets = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes]).tolist()
-        arrays = [arrays[0][offsets[i]:offsets[i + 1]].reshape(shapes[i]) for i in range(len(names))]
-    return {n: a.copy() if copy else a for n, a in zip(names, arrays)}
-
-
-def assign_by_name(variables: List[Any], names: List[str], shapes: List[Tuple[int, ...]],
-                   named: Dict[str, np.ndarray], flat: bool) -> None:
-    """``arrays_by_name`` backwards: assign ``named``'s arrays to the variables."""
-    if not flat:
-        for v, n, shape in zip(variables, names, shapes):
-            v.assign(np.asarray(named[n]).astype(np_dtype(v)).reshape(shape))
-    else:
-        variables[0].assign(np.concatenate([np.asarray(named[n], np.float32).reshape(-1) for n in names]))
 
 
 def reseed(seed: Any, generators: List[Any]) -> None:

@@ -14,18 +14,20 @@ keras ``LearningRateSchedule`` drives the lr, stepped as keras steps it (``_kera
 Parameter groups (``optimizer.groups``, ``optimizer.no_decay``) are torch.optim's: each group's lr and
 weight decay in its own row of scalars. ``Groups`` orders the parameters so a group is contiguous in the
 flat vector; a variable (a native model's) takes its group's row, the one flat variable of a dict model
-is updated run by run (``apply_runs``) and assigned once.
+is updated run by run (``apply_runs``) and assigned once. ``FlatOptimizer`` holds an Engine's optimizer
+state (slots, update count, the update's scalars) over those variables, as torch's ``FlatSGD``/``FlatAdam`` do.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
-from ... import optim
+from ...config import optim
 from ...errors import ElasticFlowError
-from ...optim import SGD, Adam, AdamW, Hyper, OptimizerSpec
+from ...config.optim import SGD, Adam, AdamW, Hyper, OptimizerSpec
 
 log = logging.getLogger("elasticflow")
 
@@ -96,6 +98,81 @@ class Groups:
         apply_runs(self.spec, [rows[r] for (r, _), _ in segments], params[0], grads[0], slots,
                    [size for _, size in segments], [self.settings[r].weight_decay != 0 for (r, _), _ in segments],
                    [skipped for (_, skipped), _ in segments])
+
+
+class FlatOptimizer:
+    """An Engine's optimizer state over its variables: the slots, the updates counted, and the update's scalars.
+
+    Args:
+        variables: the Engine's ``Variables`` (the targets it updates, their groups, the by-name views).
+        flat_grad: the flat float32 gradient variable the update reads.
+
+    ``update()`` is graph code, traced into the Engine's compiled steps (or a tf.function of its own): the
+    scalars (lr, bias corrections...) ride in a variable (``k``), so a new lr is no retrace.
+    """
+
+    def __init__(self, variables: Any, flat_grad: tf.Variable):
+        self.groups = variables.groups
+        self._variables, self._flat_grad = variables, flat_grad
+        # Zeros, not torch's "copy of the first gradient" for momentum: momentum * 0 + g == g
+        # exactly, so the first update needs no separate compiled function.
+        self.slots = {slot: [tf.Variable(tf.zeros(s, tf.float32), trainable=False) for s in variables.target_shapes]
+                      for slot in self.groups.spec.slots()}
+        self.live = False  # torch creates optimizer state at the first update; state() follows
+        self.updates = 0   # updates applied since the optimizer state was fresh (bias correction)
+        # The update's scalars live in a variable the compiled step reads: every argument of a tf.function
+        # call costs its own share of the call's dispatch.
+        self._scalars = ()
+        self.k = tf.Variable(tf.zeros([len(self.groups.scalars(0.0, 1))], tf.float32), trainable=False)
+
+    def step(self, lr: float, took_part: Optional[Sequence[bool]], sat_out: Optional[Sequence[int]]) -> bool:
+        """Count one update at ``lr`` and set its scalars (in Python doubles, rounded to float32 once, as torch
+        does); returns whether the parameters it leaves alone changed, and with them the traced update."""
+        changed = self.groups.leave_alone(took_part, sat_out)
+        step = self.updates + 1
+        scalars = self.groups.scalars(lr, step)
+        if scalars != self._scalars:  # constant-lr SGD: the same scalars every step, no eager op
+            self.k.assign(np.array(scalars, np.float32))
+            self._scalars = scalars
+        self.updates = step
+        self.live = True
+        return changed
+
+    def update(self) -> None:
+        """The update's graph: the flat gradient cut per target variable, then ``Groups.apply``."""
+        v = self._variables
+        grads = tf.split(tf.convert_to_tensor(self._flat_grad), v.target_sizes)
+        grads = [tf.reshape(g, shape) for g, shape in zip(grads, v.target_shapes)]
+        self.groups.apply(tf.convert_to_tensor(self.k), v.targets, grads, self.slots, v.sizes)
+
+    def state(self, copy: bool = True) -> Dict[str, np.ndarray]:
+        """The slots as ``optimizer/{parameter}/{slot}`` arrays; none before the first update."""
+        out: Dict[str, np.ndarray] = {}
+        if self.live:
+            for slot, variables in self.slots.items():
+                out.update({f"optimizer/{n}/{slot}": a for n, a in self._variables.by_name(variables, copy).items()})
+        return out
+
+    def load(self, state: Dict[str, np.ndarray], steps: int) -> None:
+        """Slots from ``state``; a parameter without saved slots (frozen when they were saved) starts at zeros."""
+        v = self._variables
+        have = {n for n in v.names if all(f"optimizer/{n}/{slot}" in state for slot in self.slots)}
+        self.live = bool(self.slots) and bool(have)
+        for slot, variables in self.slots.items():
+            v.assign_by_name(variables, {n: state[f"optimizer/{n}/{slot}"] if n in have
+                                         else np.zeros(shape, np.float32) for n, shape in zip(v.names, v.shapes)})
+        self.updates = steps if self.live else 0
+
+    def reset(self) -> None:
+        """Zero slots, no updates counted: as just built (each local SGD round's inner optimizer)."""
+        for variables in self.slots.values():
+            for var in variables:
+                var.assign(np.zeros(var.shape, np.float32))
+        self.live, self.updates = False, 0
+
+    def release(self) -> None:
+        """Drop the whole-model slot variables: a sharded update (trainer.shard) replaces this one."""
+        self.slots, self.live = {}, False
 
 
 class KerasSGD(SGD):

@@ -10,7 +10,11 @@ names in ``backends/tensorflow/``:
 - ``native.py``: ``torch.nn.Module`` models (and refusing a TensorFlow one), BatchNorm's buffer rules;
 - ``optim.py``: SGD, Adam and AdamW as one update over the flat buffers (torch.optim's formulas),
   and reading a ``torch.optim`` optimizer that model() returned (``spec_from_native``);
+- ``variables.py``: the parameters, buffers and frozen parameters as views of flat float32 vectors
+  (``Variables``), and their paged memory for trainer.shard=parameters;
 - ``engine.py``: the ``Engine`` (``backends/engine.py``'s contract).
+
+Torch only: ``device_pages.py`` (a GPU's flat vector whose memory is given back a granule at a time).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ CUDA context. So the callers keep one protocol, which the CPU suite checks with 
 still reading the granule would fault. ``cuMemCreate`` draws from the driver, not from torch's caching allocator:
 where it runs out, the allocator's cached blocks are given back and it tries once more.
 
-Note: written without a GPU to run on (none was lent while it was built); ``scripts/gpu_check.sh`` runs it.
+Note: written without a GPU to run on (none was lent while it was built); ``scripts/ops/gpu_check.sh`` runs it.
 """
 from __future__ import annotations
 

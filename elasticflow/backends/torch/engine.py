@@ -1,8 +1,13 @@
-"""The torch backend's ``Engine``: parameters, autograd, the flat gradient buffer and the optimizer.
+"""The torch backend's ``Engine``: autograd over the flat gradient buffer, and the optimizer.
 
 Gradients accumulate into one flat buffer (each parameter's ``.grad`` is a view of it), so a
 distributed reduction is a single call on one tensor and zeroing is one ``zero_()``; the parameters
 are views of another, so the optimizer's update is a few calls over the whole model (``optim.py``).
+
+The Engine owns two collaborators, as TensorFlow's does: ``variables.Variables`` (the parameters, buffers
+and frozen parameters, the flat vectors they are views of, and trainer.shard=parameters' paged memory) and
+the optimizer (``optim.py``). What stays here is the step: forward() under autocast, backward, which
+parameters took part, the gradient's buckets, and state by name with the optimizer's slots.
 """
 from __future__ import annotations
 
@@ -15,19 +20,18 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ... import optim
+from ...config import optim
 from ..._util.norms import sum_squares
 from ..buffers import Rule
 from ...config.devices import Placement
-from ...errors import ElasticFlowError
-from ...optim import OptimizerSpec
+from ...config.optim import OptimizerSpec
 from .. import common
-from ..common import WEIGHT, activate, check_loss, flatten, rebuild, set_training, split_output, state_names
+from ..common import WEIGHT, activate, check_loss, set_training, split_output, state_names
 from . import native
-from .data import to_numpy, to_tensor
+from .data import to_numpy
 from .optim import Released, make_optimizer
+from .variables import Variables
 
-FOLD_SCALARS = 64  # room after the flat gradient for the step's loss, metrics and votes (Engine.fold_buffer)
 # What an Engine activates for elasticflow.ops: the backend package, which is importing this module now
 # (looked up, not imported: an import of the package from here would be a cycle).
 _SELF = sys.modules[__package__]
@@ -50,7 +54,7 @@ def _check_loss(out: Any, where: str):
 
 
 class Engine:
-    """Parameters, autograd, the flat gradient buffer and the optimizer of one worker.
+    """Autograd, the flat gradient buffer and the optimizer of one worker, over its ``Variables``.
 
     Args:
         model: what ``model(cfg)`` returned, without the "optimizer" key: a (nested) dict of
@@ -60,6 +64,7 @@ class Engine:
         placement: the device and precision (``devices.Placement``; None: the CPU in float32).
             Parameters, the flat gradient, optimizer slots and buffers live on the device, in float32;
             forward() runs under autocast in bf16/float16, backward() outside it (as torch recommends).
+        paged_params: trainer.shard=parameters: the flat vectors in memory whose pages can be given back.
 
     ``grad_scale`` multiplies the loss before backward (float16's loss scale; the trainer sets it and
     unscales the reduced gradient with ``scale_grad``).
@@ -77,85 +82,13 @@ class Engine:
             torch.autocast, self.device.type, dtype=getattr(torch, dtype))
         self.grad_scale = 1.0
         self.compiling = native.compiled(model)
-        self.module: Optional[torch.nn.Module] = None
-        self.frozen: Dict[str, torch.Tensor] = {}  # requires_grad=False: state, never trained (torch.optim's skip)
-        owners: Dict[str, str] = {}
-        if isinstance(model, torch.nn.Module) or native.modules_only(model):
-            # {"net": module, ...} (what model() returned beside its optimizer): one ModuleDict to train,
-            # while forward() receives the dict as it was returned.
-            own = native.unwrapped(model)  # torch.compile's wrapper: state under the module's own names
-            self.module = (own if isinstance(own, torch.nn.Module) else torch.nn.ModuleDict(own)).to(self.device)
-            named = dict(self.module.named_parameters())
-            self.frozen = {n: p for n, p in named.items() if not p.requires_grad}
-            self.params = {n: p for n, p in named.items() if p.requires_grad}
-            self.buffers = dict(self.module.named_buffers())
-            owners = native.owners(self.module)
-            self.view = model
-        else:
-            leaves: Dict[str, torch.Tensor] = {}
-            self.params, self.buffers = {}, {}
-            for name, value in flatten(model):
-                t = value.detach().clone() if isinstance(value, torch.Tensor) else to_tensor(np.array(value))
-                t = t.to(self.device)
-                if t.is_floating_point():
-                    t = t.to(torch.float32).requires_grad_(True)
-                    self.params[name] = t
-                else:
-                    self.buffers[name] = t
-                leaves[name] = t
-            self.view = rebuild(model, leaves)
-        if not self.params:
-            raise ElasticFlowError("model() returned no floating-point parameters to train" +
-                                   (" (every parameter has requires_grad=False)" if self.frozen else ""),
-                                   "return a dict of float arrays, e.g. {'W': np.zeros((64, 10), np.float32)}, "
-                                   "or leave some parameters trainable")
-        # Parameter groups: parameters of equal hyperparameters sit next to each other in the flat
-        # buffers, so the update runs once per group instead of once per tensor (optim.grouped_order).
-        identity = {id(p): n for n, p in {**self.frozen, **self.params}.items()}
-        hyper = optim.hypers(spec, list(self.params), owners, identity)
-        self.params = {n: self.params[n] for n in optim.grouped_order(list(self.params), hyper)}
-        self._sizes = [p.numel() for p in self.params.values()]
-        self._runs = optim.runs(list(self.params), self._sizes, hyper)
-        # What state() holds: the module's state_dict names (non-persistent buffers such as position ids
-        # are rebuilt by the module, not state), frozen parameters included.
-        self._stateful = set(self.module.state_dict()) if self.module is not None else None
+        self.variables = v = Variables(model, spec, self.device, paged_params)
+        # The names the layers above and the tests read, as the variables hold them.
+        self.module, self.view, self.params, self.frozen, self.buffers = v.module, v.view, v.params, v.frozen, v.buffers
+        self.num_params, self.flat_param, self.flat_grad = v.num_params, v.flat_param, v.flat_grad
+        self.paged, self.grad_pages, self.frozen_pages = v.paged, v.grad_pages, v.frozen_pages
         plist = list(self.params.values())
-        self.num_params = int(np.sum(self._sizes))
-        # The flat gradient is the head of a longer buffer: the replica writes the step's scalars and
-        # buffer contributions after it and reduces both in one in-place allreduce (fold_buffer), instead
-        # of copying the gradient into a concatenation and back every step.
-        # trainer.shard=parameters: in pages given back as each unit's gradient is reduced (param_units.py), and
-        # by zero_grad (no whole gradient written each step)
-        self.grad_pages = self._paged(self.num_params + self._fold_room()) if paged_params else None
-        self._fold = torch.zeros(self.num_params + self._fold_room(), dtype=torch.float32, device=self.device) \
-            if self.grad_pages is None else self.grad_pages.tensor
-        self.flat_grad = self._fold[:self.num_params]
-        # Parameters become views of one flat buffer too, so the optimizer runs once over the model
-        # (optim.py). A copy of the model's values at start-up; the Parameter objects stay
-        # the module's own, only their storage moves (as .data, which autograd allows on leaves).
-        # trainer.shard=parameters: in memory whose pages can be given back (page_params), from the start: a copy
-        # later would hold the whole vector twice for a moment.
-        self.paged = self._paged(self.num_params) if paged_params else None
-        self.flat_param = torch.empty(self.num_params, dtype=torch.float32, device=self.device) \
-            if self.paged is None else self.paged.tensor
-        offset = 0
-        for p in plist:
-            n = p.numel()
-            view = self.flat_param[offset:offset + n].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
-            p.grad = self.flat_grad[offset:offset + n].view_as(p)
-            offset += n
-        if self.paged is not None and self.device.type == "cuda":
-            # The module's own parameters were just freed into torch's cache; the device vector's granules come
-            # from the driver (device_pages.py), which cannot use those cached blocks
-            torch.cuda.empty_cache()
-        self.optimizer = make_optimizer(spec, plist, self.flat_param, self.flat_grad, self._runs)
-        # trainer.shard=parameters: the float32 frozen parameters (a LoRA base) in a paged vector of their own, held
-        # in ranges like the trainable ones, with no gradient and no optimizer state (replica/frozen_shards.py)
-        self._paged_frozen: List[str] = []  # their names, in the vector's order
-        self.frozen_pages = self._page_frozen() if paged_params else None
-        self._buffer_views: Optional[Dict[str, np.ndarray]] = None  # buffer_arrays(), made at first use
+        self.optimizer = make_optimizer(spec, plist, self.flat_param, self.flat_grad, v.runs)
         self._host: Optional[Dict[str, torch.Tensor]] = None  # state(copy=False) on a GPU: pinned mirrors
         self._checked = False
         self._bucket_of: Optional[List[int]] = None  # parameter index -> bucket (arm())
@@ -175,7 +108,7 @@ class Engine:
             self.module.train(training)
 
     def zero_grad(self) -> None:
-        self.zero_grad_range(0, self.num_params)
+        self.variables.zero_grad_range(0, self.num_params)
         self._took_part[:] = False
 
     def took_part(self) -> np.ndarray:
@@ -238,7 +171,7 @@ class Engine:
         caller's to start after backward.
         """
         if on_ready is not None and self._bucket_of is None:
-            starts = np.cumsum([0] + self._sizes)[:-1].tolist()
+            starts = np.cumsum([0] + self.variables.sizes)[:-1].tolist()
             self._bucket_of = [next(k for k, (lo, hi) in enumerate(ranges) if lo <= at < hi) for at in starts]
         self._on_ready = on_ready
         if on_ready is not None:
@@ -257,19 +190,12 @@ class Engine:
         """The accumulated flat gradient (1-D float32); in-place edits (an allreduce) are what apply() uses."""
         return self.flat_grad
 
-    def _fold_room(self) -> int:
-        """Slots after the gradient: the step's scalars and flags (a loss, metrics, four votes) and one
-        value per element of the buffers that are state (what ``buffers.Reconciler`` contributes)."""
-        persistent = set(self.module.state_dict()) if self.module is not None else set(self.buffers)
-        return (FOLD_SCALARS + len(self.params)  # and a flag per parameter: whether it took part (took_part)
-                + int(np.sum([b.numel() for n, b in self.buffers.items() if n in persistent])))
-
     def fold_buffer(self, extra: int) -> Optional[torch.Tensor]:
         """The flat gradient followed by ``extra`` free float32 slots, as one contiguous tensor whose head
         IS the gradient (the same memory: reducing it in place reduces the gradient); None when ``extra``
-        exceeds the room reserved at start-up. The slots hold garbage until written."""
-        n = self.num_params + extra
-        return self._fold[:n] if n <= self._fold.numel() else None
+        exceeds the room reserved at start-up (``variables.FOLD_SCALARS``, a flag per parameter and the buffers
+        that are state). The slots hold garbage until written."""
+        return self.variables.fold_buffer(extra)
 
     def grad_norm(self) -> float:
         # Blocks at fixed offsets, squares added in float64: the norm trainer.shard's owners take of their ranges
@@ -292,7 +218,8 @@ class Engine:
         if took_part is None and sat_out is None:
             self.optimizer.step()
             return
-        self.optimizer.step(optim.stretches(self._runs, self._sizes, self.optimizer.steps + 1, took_part, sat_out))
+        v = self.variables
+        self.optimizer.step(optim.stretches(v.runs, v.sizes, self.optimizer.steps + 1, took_part, sat_out))
 
     @torch.no_grad()
     def evaluate(self, batch: Tuple[torch.Tensor, ...]) -> Dict[str, float]:
@@ -309,9 +236,7 @@ class Engine:
         checkpoint snapshot, a state transfer) and never write to them. With ``paged_params`` it leaves out
         the parameters kept in pages (``ShardedState.partials`` has this worker's ranges of them).
         """
-        tensors = {n: p for n, p in self.params.items()}
-        tensors.update(self.frozen)
-        tensors.update((n, b) for n, b in self.buffers.items() if self._stateful is None or n in self._stateful)
+        tensors = self.variables.tensors()
         for n, p in self.params.items():
             slots = self.optimizer.state.get(p, {})
             for slot in self.spec.slots():
@@ -320,7 +245,8 @@ class Engine:
         if self.paged is not None and not copy:
             # trainer.shard=parameters: a worker holds only its ranges of the paged vectors, which ShardedState's
             # partials() give; the rest may be given back (a GPU's mirror copy would read unmapped memory)
-            tensors = {n: t for n, t in tensors.items() if n not in self.params and n not in self._paged_frozen}
+            paged = self.variables.in_pages()
+            tensors = {n: t for n, t in tensors.items() if n not in paged}
         if self.device.type != "cpu" and not copy:
             return self._mirror(tensors)
         take = (lambda t: to_numpy(t).copy()) if copy else to_numpy
@@ -340,10 +266,7 @@ class Engine:
     @torch.no_grad()
     def load_state(self, state: Dict[str, np.ndarray], optimizer_steps: int) -> None:
         common.check_trainable(state, self.params, self.spec.slots(), optimizer_steps)
-        for n, t in [*self.params.items(), *self.frozen.items(), *self.buffers.items()]:
-            if n not in state and n in self.buffers and self._stateful is not None and n not in self._stateful:
-                continue  # a non-persistent buffer (older checkpoints held them): the module's own value
-            t.copy_(torch.from_numpy(np.asarray(state[n])).to(t.dtype).reshape(t.shape))
+        self.variables.load(state)
         for n, p in self.params.items():
             slots = {s: torch.from_numpy(np.array(state[f"optimizer/{n}/{s}"], dtype=np.float32))
                      .reshape(p.shape).to(self.device)
@@ -352,7 +275,7 @@ class Engine:
                 self.optimizer.load_slots(p, slots, optimizer_steps)
 
     def state_names(self) -> List[str]:
-        stateful = [n for n in self.buffers if self._stateful is None or n in self._stateful]
+        stateful = [n for n in self.buffers if self.variables.is_state(n)]
         return state_names(self.params, [*self.frozen, *stateful], self.spec.slots())
 
     # -- sharded optimizer state (elasticflow/replica/shard.py): the parameters as one flat tensor
@@ -363,11 +286,11 @@ class Engine:
 
     def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """(name, shape) of each parameter, in the flat order."""
-        return [(n, tuple(p.shape)) for n, p in self.params.items()]
+        return self.variables.layout()
 
     def flat_runs(self) -> List[Tuple[int, int, optim.Hyper]]:
         """[(lo, hi, hyperparameters)]: the flat order's stretches of one parameter group each."""
-        return list(self._runs)
+        return list(self.variables.runs)
 
     def reset_optimizer(self) -> None:
         """Start the optimizer afresh: zero slots, no steps taken (train/local_sgd.py: each round's inner optimizer)."""
@@ -377,65 +300,30 @@ class Engine:
         """Drop this engine's own optimizer and its whole-model slots: a sharded update replaces it."""
         self.optimizer = Released()
 
+    # -- trainer.shard=parameters (replica/param_units.py, frozen_shards.py): memory whose pages can be given back
     def page_params(self) -> Any:
         """The flat parameters in host memory whose pages can be given back (``_util.pages``), for
         trainer.shard=parameters: the ``PagedVector`` the engine was built on with ``paged_params=True``."""
-        if self.paged is None:
-            raise ElasticFlowError("trainer.shard=parameters needs an engine built with paged_params=True",
-                                   "build it as train/builder.py does for trainer.shard=parameters")
-        return self.paged
+        return self.variables.page_params()
 
     def parameter_units(self) -> Tuple[Optional[torch.nn.Module], List[torch.Tensor]]:
         return self.module, list(self.params.values())
 
-    def _page_frozen(self) -> Any:
-        """The float32 host frozen parameters moved into one ``PagedVector`` (their names: ``_paged_frozen``)."""
-        from ..._util.pages import PagedVector
-
-        self._paged_frozen = [n for n, p in self.frozen.items() if p.dtype == torch.float32 and p.device.type == "cpu"]
-        if not self._paged_frozen:
-            return None
-        vector = PagedVector(sum(self.frozen[n].numel() for n in self._paged_frozen))
-        at = 0
-        for p in self.frozen_units():
-            view = vector.tensor[at:at + p.numel()].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
-            at += p.numel()
-        return vector
-
     def frozen_units(self) -> List[torch.Tensor]:
         """The frozen parameters in ``frozen_pages`` (``paged_params=True``), in its order."""
-        return [self.frozen[n] for n in self._paged_frozen]
+        return self.variables.frozen_units()
 
     def frozen_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """(name, shape) of each frozen parameter in ``frozen_pages``, in its order."""
-        return [(n, tuple(self.frozen[n].shape)) for n in self._paged_frozen]
+        return self.variables.frozen_layout()
 
     def zero_grad_range(self, lo: int, hi: int) -> None:
-        if self.grad_pages is not None:
-            self.grad_pages.zero(lo, hi)
-        else:
-            self.flat_grad[lo:hi].zero_()
+        self.variables.zero_grad_range(lo, hi)
 
     def grad_in(self, lo: int, hi: int) -> None:
         """trainer.shard=parameters: the gradient's memory over [lo, hi) mapped before backward writes it (a GPU's
         is unmapped where given back; the host's pages need nothing: ``_util/pages.py``)."""
-        if self.grad_pages is not None:
-            self.grad_pages.ensure(lo, hi)
-
-    def _paged(self, n: int) -> Any:
-        """A flat float32 vector whose memory can be given back in pieces: host pages, or a GPU's granules."""
-        if self.device.type == "cuda":
-            from .device_pages import DeviceVector
-
-            return DeviceVector(n, self.device)
-        if self.device.type != "cpu":
-            raise ElasticFlowError(f"trainer.shard=parameters cannot shard parameters on {self.device.type}",
-                                   "pass trainer.shard=gradients, or train on CPUs or CUDA GPUs")
-        from ..._util.pages import PagedVector, strict_default
-
-        return PagedVector(n, strict=strict_default())
+        self.variables.grad_in(lo, hi)
 
     def params_written(self) -> None:
         """Nothing to do: ``flat_params()`` IS the parameters, so writing it wrote the model."""
@@ -454,26 +342,13 @@ class Engine:
     def buffer_rules(self) -> Dict[str, Rule]:
         """How each buffer combines across workers (``native.buffer_rules``): BatchNorm's running statistics
         by its momentum, its counter by sum, other persistent buffers by the default rule."""
-        return native.buffer_rules(self.module, self.buffers)
+        return self.variables.buffer_rules()
 
     def buffer_arrays(self) -> Dict[str, np.ndarray]:
         """Every buffer by name, as numpy views of the live tensors (made once: BatchNorm, load_state and
         set_buffers all write in place, so the views stay the buffers' own). On a GPU, host copies taken
         now (a sync point); ``set_buffers`` copies back."""
-        if self.device.type != "cpu":
-            return {n: b.detach().cpu().numpy() for n, b in self.buffers.items()}
-        if self._buffer_views is None:
-            self._buffer_views = {n: b.detach().numpy() for n, b in self.buffers.items()}
-        return self._buffer_views
+        return self.variables.buffer_arrays()
 
     def set_buffers(self, values: Dict[str, np.ndarray]) -> None:
-        if self.device.type != "cpu":
-            with torch.no_grad():
-                for name, value in values.items():
-                    b = self.buffers[name]
-                    b.copy_(torch.from_numpy(np.asarray(value)).reshape(b.shape))  # copy_ casts to b's dtype
-            return
-        views = self.buffer_arrays()
-        for name, value in values.items():
-            np.copyto(views[name], np.reshape(value, views[name].shape), casting="unsafe")
-
+        self.variables.set_buffers(values)

@@ -26,7 +26,7 @@ import torch
 
 from ..._util import pages
 from ...errors import ElasticFlowError
-from ...optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec, Schedule, Stretch
+from ...config.optim import SGD, Adam, AdamW, Group, Hyper, OptimizerSpec, Schedule, Stretch
 
 Run = Tuple[int, int, Hyper]  # a stretch [lo, hi) of the flat buffers and its group's hyperparameters
 

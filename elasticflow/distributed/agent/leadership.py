@@ -1,0 +1,152 @@
+"""Which process is the job's agent when its records live in etcd (``launcher.store=etcd``), and what a standby
+needs to take over: the agent's leadership is a key held by an etcd lease, and its state a sealed record.
+
+    agent/leader   "<host>:<pid>:<nonce>", bound to the leader's lease: gone within ``launcher.etcd.lease_s`` of
+                   the leader's last renewal (its host powered off, cut off, or the process stopped)
+    agent/state    the agent's state, sealed with the token (it names the job id): the generation and its
+                   members with their hosts, the places of every other worker, the node agents, how far each
+                   inbox was read; rewritten whenever it changes, and every lease period (``at``)
+
+Every host runs a standby (launchers/failover.py). The first to claim the key starts the job; when the leader's
+lease expires, the first standby to claim it rebuilds the agent from ``agent/state`` (``restore``) and goes on:
+the workers never left their generation, and those of the lost host are cut out by the new agent's health round
+as any silent member is. The agent's client of the store is fenced on the key (store/etcd.py), so an agent whose
+lease expired cannot write after its successor took over.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import socket
+import time
+from typing import Any, Callable, Optional
+
+from .. import protocol
+from ..membership.rendezvous import Rendezvous
+from ..store.etcd import Deposed, EtcdStore
+from .admission import Admission
+from .hosts import Hosts
+from .process import Worker
+from .scaling import Scaling
+from .state import AgentState
+
+LEADER, STATE = "agent/leader", "agent/state"
+PLACES = ("admitted", "members", "waiting", "retiring", "finished")
+
+
+def stale_s(lease_s: float) -> float:
+    """A state record not refreshed for this long is a job that ended without saying so (every host lost)."""
+    return max(30.0, 10 * lease_s)
+
+
+class Leadership:
+    """This process's claim on ``agent/leader`` over ``store`` (an unfenced client of its own)."""
+
+    def __init__(self, store: EtcdStore, token: str, lease_s: float):
+        self.store, self.lease_s = store, lease_s
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.sealer = protocol.Sealer(token)  # the state names the job id: sealed with the token alone
+        self.lease: Optional[str] = None
+        self.renew_at = 0.0
+        self.written, self.written_at = "", 0.0
+
+    def holder(self) -> Optional[str]:
+        return self.store.holder(LEADER)
+
+    def claim(self) -> bool:
+        """Try to become the leader (a fresh lease each try: an expired one cannot be renewed)."""
+        self.lease = self.store.grant(max(2, round(self.lease_s)))
+        if self.store.claim(LEADER, self.name, self.lease):
+            self.renew_at = time.monotonic() + self.lease_s / 3
+            return True
+        self.store.revoke(self.lease)
+        self.lease = None
+        return False
+
+    def fenced(self) -> EtcdStore:
+        """A client whose every write needs this process to hold the leader key (for the agent)."""
+        return EtcdStore(self.store.addr, datetime.timedelta(seconds=self.store.timeout_s), fence=(LEADER, self.name))
+
+    def state(self) -> Optional[dict]:
+        """The newest agent's state; None when absent, forged, ended, or not refreshed for ``stale_s``."""
+        state = protocol.fetch_json(self.store, self.sealer, STATE, "agent state")
+        if state is None or state.get("ended") or not isinstance(state.get("at"), (int, float)):
+            return None
+        return state if time.time() - state["at"] < stale_s(self.lease_s) else None
+
+    def tick(self, store: Any, snapshot: Callable[[], dict]) -> None:
+        """The leader's round (the agent's loop): renew the lease, and write the agent's state (``snapshot()``,
+        through the agent's fenced ``store``) when it changed."""
+        now = time.monotonic()
+        if now >= self.renew_at:
+            if self.store.keepalive(self.lease) <= 0:
+                raise Deposed("the agent's lease expired before it was renewed (the agent's process stalled)")
+            self.renew_at = now + self.lease_s / 3
+        self.write(store, snapshot(), now)
+
+    def write(self, store: Any, current: dict, now: float, ended: bool = False) -> None:
+        state = json.dumps(current, sort_keys=True)
+        if state != self.written or now - self.written_at > self.lease_s / 3 or ended:
+            record = {**current, "at": time.time(), "ended": ended}
+            store.set(STATE, self.sealer.seal(STATE, json.dumps(record)))
+            self.written, self.written_at = state, now
+
+    def resign(self, store: Any = None, current: Optional[dict] = None) -> None:
+        """The job is over: say so in the state (no standby takes over a finished job), and free the key.
+        ``store``, ``current``: the agent's store and its last state (``Agent.state_dict``); None after a crash."""
+        if current is not None:
+            self.write(store, current, time.monotonic(), ended=True)
+        if self.lease is not None:
+            self.store.revoke(self.lease)
+            self.lease = None
+
+
+def snapshot(state: AgentState, rdv: Rendezvous, hosts: Hosts, admission: Admission, scaling: Scaling) -> dict:
+    """What a standby needs to go on where the agent of these parts is: JSON only."""
+    return {"job": state.job, "generation": state.generation, "trained": state.trained, "restarts": state.restarts,
+            "formed": rdv.phase == "formed",
+            "places": {p: [_worker(w) for w in getattr(state.roster, p)] for p in PLACES},
+            "nodes": hosts.nodes, "scale_nonces": list(scaling.nonces),
+            "inboxes": {name: [box.seen, sorted(box.unread)]
+                        for name, box in _inboxes(hosts, admission, scaling).items()}}
+
+
+def restore(saved: dict, state: AgentState, rdv: Rendezvous, hosts: Hosts, admission: Admission,
+            scaling: Scaling) -> None:
+    """Put the parts of an agent (new, in a standby's process) where the ``saved`` state's agent was. Its members'
+    heartbeats are timed from now: those that stopped with the lost host are cut out after
+    ``elastic.heartbeat_timeout_s``."""
+    now = time.monotonic()
+    state.generation, state.trained, state.restarts = saved["generation"], saved["trained"], saved["restarts"]
+    for place in PLACES:
+        for fields in saved["places"][place]:
+            w = state.roster.add(Worker(fields["id"], fields["pid"], None, host=fields["host"], node=fields["node"],
+                                        outbox=hosts.outbox, slot=fields["slot"],
+                                        has_state=fields["has_state"], exit_code=fields["code"]), place)
+            w.hb_seen = now
+    state.published = list(state.members)
+    hosts.nodes = dict(saved["nodes"])
+    hosts.beats = {name: (-1, now) for name in hosts.nodes}
+    scaling.nonces = dict.fromkeys(saved["scale_nonces"])
+    for name, box in _inboxes(hosts, admission, scaling).items():
+        box.seen, unread = saved["inboxes"][name]
+        box.unread = dict.fromkeys(unread, now)
+    if state.generation >= 0:
+        rdv.opened(state.generation, [w.id for w in state.members], now)
+        if saved["formed"]:
+            rdv.phase = "formed"
+    for key in ("gen/current", protocol.generation_key(state.generation), "job/check"):
+        raw = protocol.read(state.store, key)  # the records Health.reassert keeps: as the last agent sealed them
+        if raw is not None:
+            state.record[key] = raw.decode(errors="replace")
+
+
+def _worker(w: Worker) -> dict:
+    return {"id": w.id, "pid": w.pid, "host": w.host, "node": w.node, "slot": w.slot, "has_state": w.has_state,
+            "code": w.poll()}
+
+
+def _inboxes(hosts: Hosts, admission: Admission, scaling: Scaling) -> dict:
+    return {"join": admission.requests, "scale": scaling.requests, "nodes": hosts.requests, "exits": hosts.exits}
