@@ -65,5 +65,6 @@ def test_only_the_roster_writes_a_workers_state():
                 node, (ast.AugAssign, ast.AnnAssign)) else []
             writers += [f"{path.name}:{node.lineno}" for t in targets
                         if isinstance(t, ast.Attribute) and t.attr == "state"
-                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self"
+                                 and path.name != "process.py")]  # process.py: Worker's own self.state counts
     assert not writers, f"a worker's state written outside distributed/agent/roster.py: {writers}"
