@@ -3,9 +3,9 @@
 A checkpoint holds tensors by the Engine's names (parameters, stateful buffers, optimizer slots), which
 are not what the framework's loaders read: a torch ``state_dict`` also lists tied aliases, a keras model
 reads an ``.h5`` file. Export rebuilds the model the run trained -- its model file's ``model()`` under the
-run's config (``RUN_DIR/.hydra/overrides.yaml``, or ``--model`` and overrides) --, loads the checkpoint
-into it through the backend's Engine (the one authority on names, so export follows its naming) and
-writes the model as its framework saves it:
+run's config (``RUN_DIR/.hydra/overrides.yaml``, read only from a run directory of yours, or ``--model`` and
+overrides) --, loads the checkpoint into it through the backend's Engine (the one authority on names, so
+export follows its naming) and writes the model as its framework saves it:
 
     torch nn.Module     model.safetensors: every state_dict() key (tied aliases as copies, non-persistent
                         buffers absent): ``net.load_state_dict(load_file(...), strict=True)``
@@ -29,7 +29,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .train import model_file
 from .train import ops
@@ -119,13 +119,42 @@ def _key(override: str) -> str:
 
 def recorded_overrides(checkpoint: Path) -> Optional[List[str]]:
     """The overrides of the run that wrote ``checkpoint`` (its run dir's ``.hydra/overrides.yaml``: the
-    model file and every key=value given to ``elasticflow train``), or None when none is found above it."""
-    from omegaconf import OmegaConf
+    model file and every key=value given to ``elasticflow train``), or None when none of yours is found above
+    it (``_run_of``)."""
+    found, _ = _run_of(checkpoint)
+    return None if found is None else found[1]
 
-    for directory in [checkpoint, *list(checkpoint.parents)[:4]]:  # step -> job -> checkpoint.dir -> run dir
-        if (directory / RUN_OVERRIDES).is_file():
-            return [str(o) for o in OmegaConf.load(directory / RUN_OVERRIDES)]
-    return None
+
+def _run_of(checkpoint: Path) -> Tuple[Optional[Tuple[Path, List[str]]], str]:
+    """((run dir, its overrides), "") of the run that wrote ``checkpoint``, or (None, why none was read).
+
+    The run dir is the nearest of the checkpoint and its 4 parents (step -> job -> checkpoint.dir -> run dir)
+    with a ``.hydra/overrides.yaml``, within the run: the search stops at the first folder that is not yours
+    alone. With ``checkpoint.dir=/tmp/x`` anyone may create ``/tmp/.hydra/overrides.yaml``, naming a model file
+    of theirs that export would import as you. The file is read through descriptors (``read_beneath``):
+    ``.hydra/`` and the file must be yours and nobody else's to write, and a symlink is not followed."""
+    from omegaconf import ListConfig, OmegaConf
+
+    from ._util.paths import not_only_yours, read_beneath
+
+    searched = [checkpoint, *list(checkpoint.parents)[:4]]
+    for i, directory in enumerate(searched):
+        problem = not_only_yours(directory)
+        if problem:  # the run ends here: what lies above is someone else's
+            planted = next((d / RUN_OVERRIDES for d in searched[i:] if os.path.lexists(d / RUN_OVERRIDES)), None)
+            return None, f"; {planted} is not read: {directory} {problem}" if planted else ""
+        if not os.path.lexists(directory / RUN_OVERRIDES):
+            continue
+        text = read_beneath(directory, RUN_OVERRIDES.parts)
+        try:
+            overrides = OmegaConf.create(text.decode())
+        except Exception as exc:  # noqa: BLE001 - a broken file is one line, whatever yaml raised
+            raise ElasticFlowError(f"{directory / RUN_OVERRIDES} is not YAML: {str(exc).splitlines()[0]}",
+                                   HINT_MODEL) from None
+        if not isinstance(overrides, ListConfig):
+            raise ElasticFlowError(f"{directory / RUN_OVERRIDES} is not a list of overrides", HINT_MODEL)
+        return (directory, [str(o) for o in overrides]), ""
+    return None, ""
 
 
 def run_config(checkpoint: Path, model: Optional[str], overrides: List[str]) -> Any:
@@ -136,10 +165,11 @@ def run_config(checkpoint: Path, model: Optional[str], overrides: List[str]) -> 
             raise ElasticFlowError(f"unexpected argument {o!r}", "config overrides take the form key=value, "
                                                                  "e.g. model_args.hidden=128")
     refuse_renamed(overrides)
-    recorded = recorded_overrides(checkpoint)
+    run, why = _run_of(checkpoint)
+    recorded = None if run is None else run[1]
     if recorded is None and model is None:
         raise ElasticFlowError(f"cannot tell which model file wrote '{checkpoint}': no {RUN_OVERRIDES} in its "
-                               "run directory (trained with ElasticTrainer, or checkpoint.dir outside the run)",
+                               f"run directory (trained with ElasticTrainer, or checkpoint.dir outside the run){why}",
                                HINT_MODEL)
     mine = {_key(o) for o in overrides} | ({"model"} if model else set())
     base = [o for o in recorded or [] if not o.startswith("hydra.") and _key(o) not in mine]
@@ -154,6 +184,12 @@ def run_config(checkpoint: Path, model: Optional[str], overrides: List[str]) -> 
         raise ElasticFlowError(f"the model file that trained '{checkpoint}', {cfg.model}, is not found",
                                "pass its new path with --model MODEL.py")
     validate(cfg)
+    if not cfg.launcher.trust_shared_dirs:  # as `elasticflow train` checks them, before the model file is imported
+        from ._util.paths import refuse_code_folder, refuse_if_shared
+
+        if run is not None:
+            refuse_if_shared(run[0], "run directory")
+        refuse_code_folder(Path(str(cfg.model)).parent, "model file's folder")
     return cfg
 
 

@@ -106,7 +106,7 @@ class ElasticTrainer:
             self.membership.nccl_device = self.placement.device  # GPU tensors reduce over NCCL from the first group
         self.checkpoints = CheckpointManager(Checkpointer.for_run(self.ckpt_dir, cfg, self.run_dir, self.membership),
                                              cfg, self.spec.name, self.backend.NAME, self.state_dict,
-                                             self.load_state_dict)
+                                             self.load_state_dict, epoch_samples=self.schedule.epoch_samples)
         self.regrouper = Regrouper(self.replica, self.state, self.shards, self.checkpoints, self.run_log,
                                    self.step_log, self.meter, self.save_checkpoint)
         resumed = self.checkpoints.resume()

@@ -5,9 +5,17 @@ the way a damaged disk or a hand edit would, and expects one CorruptCheckpoint (
 naming the file and the field -- never a MemoryError, a KeyError, uninitialised memory, or a read
 outside the checkpoint. Then: resume=auto falls back past such a checkpoint with one warning line, an
 explicit resume=PATH to it is an error, and `elasticflow inspect` prints one error line.
+
+The last part crafts checkpoints that pass every checksum (a whole new save of altered tensors, or a shard
+header rewritten and sealed again) and do not fit the run: an optimizer slot of another shape, a cursor past
+the end of the data, a header field of the wrong type. Each is refused from its metadata before anything is
+read, resume=auto falls back past it and ends on the model a clean run trains (3 workers in one case), and an
+explicit resume=PATH to it is one error line.
 """
 import json
+import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +25,9 @@ from elasticflow.checkpoint import CorruptCheckpoint
 from elasticflow.checkpoint.inspect import render
 from elasticflow.errors import ElasticFlowError
 
-from harness import cli, train, train_in_process
+from elasticflow.checkpoint.format import file_digest
+
+from harness import assert_equivalent, cli, events, saved, train, train_in_process, train_ok
 
 STATE = {"W": np.arange(12, dtype=np.float32).reshape(4, 3), "b": np.arange(3, dtype=np.int64)}
 INFO = {"step": 10, "epoch": 0, "cursor": {"epoch": 0, "samples_in_epoch": 160, "samples_seen": 160}}
@@ -258,10 +268,10 @@ def _nest(depth):
 
 
 @pytest.mark.parametrize("damage, why", [
-    (lambda p: edit_metadata(p, lambda m: m.update(micro_step="x")), "holds progress this run cannot use"),
+    (lambda p: edit_metadata(p, lambda m: m.update(micro_step="x")), "['micro_step'] is 'x'"),
     (lambda p: edit_metadata(p, lambda m: m.update(last_metrics=5)), "holds progress this run cannot use"),
     (lambda p: (p / ckpt.METADATA).write_text((p / ckpt.METADATA).read_text().replace(
-        '"skipped_steps": 0', '"skipped_steps": 1e999')), "holds progress this run cannot use"),
+        '"skipped_steps": 0', '"skipped_steps": 1e999')), "['skipped_steps'] is inf"),
     # unreadable metadata sorts as the oldest checkpoint: step_5 is the newest, and nothing is skipped
     (lambda p: (p / ckpt.METADATA).write_text('{"step": ' + _nest(100_000) + "}"), None),
     (lambda p: _replace_header(p, b'{"W": ' + _nest(100_000).encode() + b"}"), "unreadable header"),
@@ -294,3 +304,146 @@ def _replace_header(path, raw):
     raw += b" " * (-(8 + len(raw)) % 8)
     shard.write_bytes(struct.pack("<Q", len(raw)) + raw + old[8 + n:])
     edit_metadata(path, lambda m: m["files"][SHARD].update(bytes=shard.stat().st_size))
+
+
+# ---------------------------------------------------------------- crafted to pass the checksums, not to fit the run
+def reseal(path):
+    """Seal checkpoint ``path`` again after an edit of its shard's header: the file's size and checksum in the
+    metadata become the new file's (the writer's: its header's bytes, then its pieces' checksums in the order it
+    laid them out, sorted by tensor name), so every checksum passes and only the edit is wrong."""
+    meta = json.loads((path / ckpt.METADATA).read_text())
+    raw = (path / SHARD).read_bytes()
+    pieces = sorted((name, p["start"], p["checksum"]) for name, t in meta["tensors"].items() for p in t["shards"])
+    meta["files"][SHARD].update(bytes=len(raw), checksum=file_digest(
+        meta["checksum"], raw[:8 + struct.unpack("<Q", raw[:8])[0]], [digest for _, _, digest in pieces]))
+    (path / ckpt.METADATA).write_text(json.dumps(meta))
+
+
+def edit_entry(path, name, change):
+    """The shard's header entry for ``name`` changed by ``change`` (its data kept), then sealed again."""
+    shard = path / SHARD
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header[name] = change(header[name])
+    _replace_header(path, json.dumps(header, separators=(",", ":")).encode())
+    reseal(path)
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda e: {**e, "dtype": ["F32"]}, "the header entry 'W'['dtype'] is ['F32']"),
+    (lambda e: {**e, "dtype": {"F32": 1}}, "the header entry 'W'['dtype'] is {'F32': 1}"),
+    (lambda e: {**e, "shape": "12"}, "the header entry 'W'['shape'] is '12'"),
+    (lambda e: {**e, "data_offsets": ["0", "48"]}, "the header entry 'W'['data_offsets'] is ['0', '48']"),
+    (lambda e: [e], "the header entry 'W' is [{"),
+], ids=["dtype-list", "dtype-dict", "shape", "data_offsets", "entry"])
+def test_a_sealed_header_field_of_the_wrong_type_is_refused(checkpoint, change, field):
+    """A list for a dtype stopped resume=auto with `TypeError: unhashable type: 'list'`."""
+    edit_entry(checkpoint, "W", lambda e: dict(reversed(list(e.items()))))  # other bytes, the same header ...
+    assert ckpt.load(checkpoint)["W"].tolist() == STATE["W"].tolist()  # ... which loads: reseal is the writer's seal
+    edit_entry(checkpoint, "W", change)
+    refused(checkpoint, field, file=SHARD)
+
+
+MOMENTUM = MODEL.replace("optim.SGD(0.05)", "optim.SGD(0.05, momentum=0.9)")
+
+
+@pytest.fixture(scope="module")
+def momentum_runs(tmp_path_factory):
+    """MOMENTUM trained to step 10 (checkpoints step_5 and step_10: each test crafts its own copy's step_10) and,
+    clean, to step 12: the model a run that falls back to step_5 and trains on to step 12 must end on."""
+    root = tmp_path_factory.mktemp("momentum")
+    model = root / "model.py"
+    model.write_text(MOMENTUM)
+    for run, steps in (("run", 10), ("clean", 12)):
+        proc = train_in_process(model, root / run, *RUN, f"trainer.max_steps={steps}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return model, root / "run", root / "clean"
+
+
+def resave(path, change):
+    """Checkpoint ``path`` written again, whole, with its tensors changed by ``change`` and its progress as it was:
+    a save like any other, so every checksum is right."""
+    state = ckpt.load(path)
+    change(state)
+    ckpt.save(path.parent, path.name, state, ckpt.read_metadata(path))
+    assert ckpt.load(path).keys() == state.keys()  # it loads: the checksums pass
+
+
+SLOT = "optimizer/W/momentum_buffer"
+CRAFTS = {  # (what is done to step_10, the fields its refusal names)
+    "slot-shape": (lambda p: resave(p, lambda s: s.update({SLOT: np.ones((3, 2), np.float32)})),
+                   [f"tensors['{SLOT}']['shape'] is [3, 2]", "[4, 2] (the shape of parameter 'W')"]),
+    "slot-reshaped": (lambda p: resave(p, lambda s: s.update({SLOT: np.ones((2, 4), np.float32)})),
+                      [f"tensors['{SLOT}']['shape'] is [2, 4]"]),
+    "param-dtype": (lambda p: resave(p, lambda s: s.update(W=s["W"].astype(np.int32))),
+                    ["tensors['W']['dtype'] is 'int32'", "a floating dtype"]),
+    "param-shape": (lambda p: resave(p, lambda s: s.update(W=np.zeros((4, 3), np.float32))),
+                    ["W: model has shape (4, 2), checkpoint has (4, 3)", "this model file and config wrote it"]),
+    "samples_in_epoch": (lambda p: edit_metadata(p, lambda m: m["cursor"].update(samples_in_epoch=10 ** 15)),
+                         ["'cursor'['samples_in_epoch'] is 1000000000000000", "at most 64 (the samples in an epoch"]),
+    "samples_seen": (lambda p: edit_metadata(p, lambda m: m["cursor"].update(samples_seen=16)),
+                     ["'cursor'['samples_seen'] is 16", "at least the cursor's samples_in_epoch, 32"]),
+    "epoch": (lambda p: edit_metadata(p, lambda m: m["cursor"].update(epoch=10 ** 15)),
+              ["'cursor'['epoch'] is 1000000000000000", "at most 128"]),
+    "step": (lambda p: edit_metadata(p, lambda m: m.update(step=10 ** 15)),
+             ["['step'] is 1000000000000000", "at most 160"]),
+    "loss_scale": (lambda p: edit_metadata(p, lambda m: m.update(loss_scale="x")),
+                   ["['loss_scale'] is 'x'", "a positive finite number"]),
+    "header-dtype": (lambda p: edit_entry(p, "W", lambda e: {**e, "dtype": ["F32"]}),
+                     ["the header entry 'W'['dtype'] is ['F32']"]),
+}
+
+
+def crafted_copy(momentum_runs, tmp_path, craft):
+    """A copy of the momentum run whose step_10 is crafted by CRAFTS[craft]: (model, run dir, step_5, step_10)."""
+    model, trained, _ = momentum_runs
+    shutil.copytree(trained, tmp_path / "run")
+    found = saved(tmp_path / "run")
+    # 10 steps of 16 samples, 64 an epoch: the numbers in CRAFTS' refusals
+    assert ckpt.read_metadata(found["step_10"])["cursor"] == {"epoch": 2, "samples_in_epoch": 32, "samples_seen": 160}
+    CRAFTS[craft][0](found["step_10"])
+    return model, tmp_path / "run", found["step_5"], found["step_10"]
+
+
+@pytest.mark.parametrize("craft", list(CRAFTS))
+def test_an_explicit_resume_from_a_sealed_checkpoint_that_does_not_fit_is_one_error_line(momentum_runs, tmp_path,
+                                                                                      craft):
+    model, _, _, step10 = crafted_copy(momentum_runs, tmp_path, craft)
+    proc = train_in_process(model, tmp_path / "other", *RUN, "trainer.max_steps=12", f"resume={step10}")
+    line = one_error_line(proc)
+    file = SHARD if craft.startswith("header") else ckpt.METADATA
+    assert f"'{step10 / file}'" in line and "corrupt" in line, line
+    assert all(field in line for field in CRAFTS[craft][1]), line
+    assert "resumed from" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "other" / "checkpoints").exists() or not saved(tmp_path / "other")  # nothing trained
+
+
+@pytest.mark.parametrize("craft", ["slot-shape", "samples_in_epoch", "header-dtype", "param-dtype", "param-shape"])
+def test_resume_auto_falls_back_past_a_sealed_checkpoint_that_does_not_fit_and_ends_on_the_clean_model(
+        momentum_runs, tmp_path, craft):
+    """The issue's three (a slot of another shape: a RuntimeError on every worker; a cursor past the data: the run
+    ended 130% away; a list for a header's dtype: a TypeError), and a parameter of another dtype or shape."""
+    model, run, step5, step10 = crafted_copy(momentum_runs, tmp_path, craft)
+    proc = train_in_process(model, run, *RUN, "trainer.max_steps=12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "skipping checkpoint" in line]
+    assert len(warnings) == 1 and str(step10) in warnings[0] and "falling back" in warnings[0], proc.stderr[-3000:]
+    assert all(field in warnings[0] for field in CRAFTS[craft][1]), warnings[0]
+    assert f"resumed from {step5}" in proc.stderr
+    assert_equivalent(run, momentum_runs[2], records=False)
+
+
+def test_three_workers_fall_back_past_a_cursor_past_the_data_and_end_on_the_one_worker_model(tmp_path, reference):
+    """The issue's cursor (samples_in_epoch = 10**15, which passes every checksum: the metadata is not checksummed)
+    in the newest checkpoint of a 3-worker job: every worker refuses it, all fall back to the one before, and the
+    job trains the steps since again and ends exit 0 on the 1-worker model."""
+    run, job = tmp_path / "run", ["launcher.workers=3", "checkpoint.interval.steps=20", "checkpoint.keep=null"]
+    train_ok(run, *job)
+    found = saved(run)
+    assert {"step_40", "step_60"} <= set(found), sorted(found)
+    edit_metadata(found["step_60"], lambda m: m["cursor"].update(samples_in_epoch=10 ** 15))
+    out = train_ok(run, *job)
+    assert Path(events(run, "ready")[-1]["resumed_from"]).resolve() == found["step_40"].resolve(), out[-3000:]
+    assert "samples_in_epoch" in out and "falling back" in out, out[-3000:]
+    assert_equivalent(run, reference, redone=True)

@@ -6,7 +6,12 @@ with the checkpoint's tensors (equal, or a numpy forward pass of them within flo
 and Keras exports run `elasticflow export` in this process (harness.cli), which imports their framework to load
 the result anyway; a subprocess would only import it again. The plain modules' exports run in a subprocess.
 """
+import os
+import pwd
 import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -311,6 +316,60 @@ def test_mistakes_are_one_line_with_a_hint(net_runs, tmp_path, restore_ops):
         f"error: cannot tell which model file wrote '{ckpt.latest(moved)}': no .hydra/overrides.yaml in its run "
         "directory (trained with ElasticTrainer, or checkpoint.dir outside the run)",
         "hint: pass the model file and the overrides it trained with: --model MODEL.py [key=value ...]"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plants files as another user (nobody): needs root (as CI has)")
+def test_export_never_imports_a_model_file_a_stranger_named(net_runs, tmp_path, restore_ops):
+    """With checkpoint.dir=/tmp/ef-x-..., anyone may create /tmp/.hydra/overrides.yaml above the checkpoint, naming
+    a model file of theirs. ``nobody`` plants one there, and one in a team folder every user may write, each
+    naming a model file that leaves a mark when it is imported: export reads the run's overrides only from
+    folders that are the user's alone, says in one line which file it did not read and why, imports nothing of
+    the stranger's, and with --model exports the run's weights. Inside a run of one's own, an overrides file
+    another user owns is refused."""
+    if os.path.lexists("/tmp/.hydra"):
+        pytest.skip("/tmp/.hydra exists already: not this test's to plant or remove")
+    model_file, run = net_runs["module"]
+    mark = tmp_path / "imported"
+    team = Path(tempfile.mkdtemp(prefix="ef-team-"))
+    team.chmod(0o777)  # no sticky bit
+    evil = Path(tempfile.mkdtemp(prefix="ef-evil-"))
+    shutil.rmtree(evil)  # nobody's own: it makes it
+    made = [Path("/tmp/.hydra"), evil, team]
+    try:
+        planted = subprocess.run(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "sh", "-c",
+             f"set -e; mkdir {evil} /tmp/.hydra {team}/.hydra; "
+             f"echo 'open(\"{mark}\", \"w\").write(\"imported\")' > {evil}/model.py; "
+             f"echo '- model={evil}/model.py' > /tmp/.hydra/overrides.yaml; "
+             f"cp /tmp/.hydra/overrides.yaml {team}/.hydra/overrides.yaml"], capture_output=True, text=True)
+        assert planted.returncode == 0, planted.stderr
+        for parent, mode in ((Path("/tmp"), "1777"), (team, "777")):
+            folder = Path(tempfile.mkdtemp(prefix="ef-x-", dir=parent))
+            made.append(folder)
+            # Under the team folder only as trusted: `train` refuses a checkpoint folder others may swap.
+            trusted = ["launcher.trust_shared_dirs=true"] if parent == team else []
+            train(model_file, tmp_path / f"run-{mode}", *STEPS, f"checkpoint.dir={folder}", *trusted, timeout=120)
+            proc = cli(["export", folder, "--to", tmp_path / f"o-{mode}"])
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr.splitlines() == [
+                f"error: cannot tell which model file wrote '{ckpt.latest(folder)}': no .hydra/overrides.yaml in its "
+                "run directory (trained with ElasticTrainer, or checkpoint.dir outside the run); "
+                f"{parent}/.hydra/overrides.yaml is not read: {parent} may be written by others (mode {mode})",
+                "hint: pass the model file and the overrides it trained with: --model MODEL.py [key=value ...]"]
+            exported = elasticflow.export(folder, tmp_path / f"o-{mode}", model=str(model_file))
+            weights = _weights(exported.path / "model.safetensors")
+            np.testing.assert_array_equal(weights["head.weight"].numpy(), ckpt.load(ckpt.latest(folder))["head.weight"])
+            assert not mark.exists()
+        mine = tmp_path / "mine"
+        shutil.copytree(run, mine)
+        os.chown(mine / ".hydra" / "overrides.yaml", pwd.getpwnam("nobody").pw_uid, -1)
+        with pytest.raises(ElasticFlowError, match=f"overrides.yaml belongs to uid {pwd.getpwnam('nobody').pw_uid}, "
+                                                   "not to you"):
+            elasticflow.export(mine, tmp_path / "o-mine")
+        assert not mark.exists()
+    finally:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """Where things live: the packaged configs (in the wheel: elasticflow/conf; in a checkout: ./conf), and a run's
-checkpoints."""
+checkpoints; who may change them (the checks of the folders a job reads code or config from), and reads that a
+rename after the check cannot redirect."""
+import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, List, Optional, Sequence
 
 from ..errors import ElasticFlowError
 
@@ -21,39 +23,169 @@ def checkpoint_dir(cfg: Any, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
-def _private_group(gid: int) -> bool:
-    """Whether nobody but this user is in group ``gid``: a user private group, as under a umask of 002, where
-    Hydra's run directories come out group-writable."""
+def _private_group(gid: int, owner: int) -> bool:
+    """Whether nobody but this user and ``owner`` is in group ``gid``: a user private group, as under a umask
+    of 002, where Hydra's run directories come out group-writable."""
     import grp
     import pwd
 
     try:
-        me = pwd.getpwuid(os.geteuid()).pw_name
+        us = {pwd.getpwuid(uid).pw_name for uid in {os.geteuid(), owner}}
         members = set(grp.getgrgid(gid).gr_mem) | {p.pw_name for p in pwd.getpwall() if p.pw_gid == gid}
-    except KeyError:  # a gid without a name: nobody can say who is in it
+    except KeyError:  # a uid or gid without a name: nobody can say who is in it
         return False
-    return members <= {me}
+    return members <= us
+
+
+def _shared(st: os.stat_result) -> Optional[str]:
+    """Why others may add, rename or remove entries in the directory ``st`` describes, or None: writable by
+    others, or by a group that has other members, without the sticky bit (/tmp's, under which only an entry's
+    owner may rename or remove it)."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_ISVTX:
+        return None
+    if mode & stat.S_IWOTH:
+        return f"may be written by others (mode {mode:o})"
+    if mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
+        return f"may be written by its group, which has other members (mode {mode:o})"
+    return None
+
+
+def _not_yours(st: os.stat_result) -> Optional[str]:
+    """Why someone else may change what ``st`` describes: another user owns it, or others (sticky bit or not)
+    or a group with other members may write it; None where only you may."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"
+    if mode & stat.S_IWOTH:
+        return f"may be written by others (mode {mode:o})"
+    if mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
+        return f"may be written by its group, which has other members (mode {mode:o})"
+    return None
+
+
+def _above(path: Path) -> List[Path]:
+    """Every directory ``path`` is reached through, nearest first: the parents of the path as written and of
+    the one it resolves to (whoever may rename an entry of either can put another directory in its place)."""
+    found: List[Path] = []
+    for p in (Path(os.path.abspath(path)), Path(os.path.realpath(path))):
+        found += [q for q in p.parents if q not in found]
+    return found
+
+
+def _refuse(what: str, path: Path, problem: str, hint: str) -> None:
+    raise ElasticFlowError(f"the {what} {path} {problem}: whoever can write there can change what the job reads "
+                           "back and run code as you",
+                           f"{hint}, or pass launcher.trust_shared_dirs=true if everyone who can write there is "
+                           "trusted")
+
+
+def refuse_shared_parents(path: Path, what: str) -> None:
+    """ElasticFlowError if others may rename an entry of a directory above ``path`` (writable by others, or a
+    shared group, without the sticky bit): they could rename ``path`` or one of its parents away and put their
+    own in its place, between the job's check and its read."""
+    for parent in _above(Path(path)):
+        try:
+            problem = _shared(os.stat(parent))
+        except FileNotFoundError:  # a folder the job makes later: its parents are checked
+            continue
+        if problem:
+            _refuse(what, path, f"lies under {parent}, which {problem}, so it can be renamed away and replaced",
+                    f"use a folder whose parents only their owners may write (chmod o-w,g-w {parent}, or chmod +t "
+                    f"{parent} as /tmp is)")
 
 
 def refuse_if_shared(path: Path, what: str) -> None:
     """ElasticFlowError if ``path`` exists and another user owns it, or group or others may write into it (a
-    sticky directory like /tmp aside, whose entries only their owner may replace). Whoever can write there can
-    swap the files the job reads back (config.yaml names the model file the workers import) or plant symlinks
-    where it appends."""
+    sticky directory like /tmp aside, whose entries only their owner may replace), or if a directory above it
+    lets others rename it away (``refuse_shared_parents``). Whoever can write there can swap the files the job
+    reads back (config.yaml names the model file the workers import) or plant symlinks where it appends."""
     try:
         st = os.stat(path)  # a symlink to a directory of one's own is fine: what matters is who writes there
     except FileNotFoundError:
+        st = None
+    if st is not None:
+        problem = f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})" if st.st_uid != os.geteuid() \
+            else _shared(st)
+        if problem:
+            _refuse(what, path, problem, f"use a directory of your own (chmod go-w {path})")
+    refuse_shared_parents(path, what)
+
+
+def refuse_code_folder(folder: Path, what: str) -> None:
+    """ElasticFlowError if anyone but its owner may add a file to ``folder``, which holds code the job imports
+    (the model file's folder is first on ``sys.path`` while it is imported: a stranger's ``numpy.py`` there
+    would be imported in numpy's place, sticky bit or not), or if a directory above it is shared."""
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
         return
     mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid != os.geteuid():
-        problem = f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"
-    elif mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-        problem = f"may be written by others (mode {mode:o})"
-    elif mode & stat.S_IWGRP and not mode & stat.S_ISVTX and not _private_group(st.st_gid):
-        problem = f"may be written by its group, which has other members (mode {mode:o})"
-    else:
-        return
-    raise ElasticFlowError(f"the {what} {path} {problem}: whoever can write there can change what the job reads "
-                           "back and run code as you",
-                           f"use a directory of your own (chmod go-w {path}), or pass launcher.trust_shared_dirs=true "
-                           "if everyone who can write there is trusted")
+    problem = f"may be written by others (mode {mode:o})" if mode & stat.S_IWOTH else _shared(st)
+    if problem:
+        _refuse(what, folder, problem, f"keep the model file in a folder only you may write (chmod go-w {folder})")
+    refuse_shared_parents(folder, what)
+
+
+def identity(path: Path) -> str:
+    """``"st_dev:st_ino"`` of ``path``: the agent records its run directory's, and each worker checks that the
+    directory it opened is that one (``read_beneath``)."""
+    st = os.stat(path)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def read_beneath(directory: Path, names: Sequence[str], expect: Optional[str] = None, owned: bool = True) -> bytes:
+    """The file ``directory/names[0]/.../names[-1]``, read through descriptors opened one below the other with
+    ``O_NOFOLLOW``, so that a rename or a symlink planted after a check redirects nothing. ``owned``: every
+    directory below ``directory`` and the file must be yours alone (``not_only_yours``); off where another
+    host's process wrote them (a Kubernetes volume's owner and modes are its ``fsGroup``'s). ``expect``: the
+    ``identity`` ``directory`` must have (the run directory the agent checked, not one put in its place).
+
+    Note: ``directory`` itself is opened by its path: ``refuse_if_shared`` checked who may replace it, and
+    ``expect`` tells if it was."""
+    where = Path(directory)
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        st = os.fstat(fd)
+        if expect is not None and f"{st.st_dev}:{st.st_ino}" != expect:
+            raise ElasticFlowError(f"the run directory {where} is not the one the job started in: it was renamed "
+                                   "or replaced since (st_dev:st_ino now "
+                                   f"{st.st_dev}:{st.st_ino}, at the start {expect}); nothing of it was read",
+                                   "start the job again in a directory whose parents only you may write")
+        for i, name in enumerate(names):
+            last = i == len(names) - 1
+            where = where / name
+            try:
+                # O_NONBLOCK: a FIFO in the file's place must not hang the reader (S_ISREG below refuses it)
+                nxt = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY),
+                              dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise ElasticFlowError(f"{where} is a symlink: the job reads its own files only through "
+                                               "the directories it checked", "remove the symlink") from exc
+                    raise ElasticFlowError(f"{where} is not a directory", f"remove {where}") from exc
+                raise
+            os.close(fd)
+            fd = nxt
+            st = os.fstat(fd)
+            problem = _not_yours(st) if owned else None
+            if problem:
+                raise ElasticFlowError(f"{where} {problem}: the job reads back only files of its own that nobody "
+                                       "else may write", f"remove it, or chmod go-w {where}")
+        if not stat.S_ISREG(st.st_mode):
+            raise ElasticFlowError(f"{where} is not a regular file", f"remove {where}")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
+def not_only_yours(path: Path) -> Optional[str]:
+    """Why others may put files into the directory ``path`` or change the file ``path`` (another user owns it;
+    others, or a group with other members, may write it, sticky bit or not), or None where only you may."""
+    return _not_yours(os.stat(path))

@@ -7,7 +7,7 @@ and every piece read is checked against its checksum (xxh3_64).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,8 +35,10 @@ def _corrupt(fpath: Path, what: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"checkpoint shard '{fpath}' fails its checksum ({what})", HINT_FALLBACK)
 
 
-def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
-                       verify: bool = True) -> Tuple[Dict[str, np.ndarray], dict]:
+def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None, verify: bool = True,
+                       check: Optional[Callable[[dict], None]] = None) -> Tuple[Dict[str, np.ndarray], dict]:
+    """``load`` and the metadata. ``check``: called with the metadata once it is found well formed, before
+    anything is allocated or read (a resume refuses a checkpoint that does not fit the run there)."""
     path = Path(path)
     if not path.is_dir():
         raise ElasticFlowError(f"checkpoint '{path}' does not exist", HINT_PATH)
@@ -45,6 +47,8 @@ def load_with_metadata(path: str | Path, names: Optional[Iterable[str]] = None,
                                "resume from an earlier checkpoint; resume=auto skips incomplete ones")
     meta = read_metadata(path)
     check_metadata(path, meta)  # before anything is allocated or read: the metadata is input like any other
+    if check is not None:
+        check(meta)
     tensors, files = meta["tensors"], meta["files"]
     wanted = sorted(tensors) if names is None else list(dict.fromkeys(names))
     unknown = [n for n in wanted if n not in tensors]

@@ -18,6 +18,7 @@ from .format import (HINT_FALLBACK, METADATA, CorruptCheckpoint, complete_checkp
                      read_metadata, resolve)
 from .load import compare_names, load_with_metadata
 from .save import Checkpointer
+from .validate import EXTRA, check_fit, check_progress
 
 log = logging.getLogger("elasticflow")
 
@@ -61,11 +62,14 @@ class CheckpointManager:
         optimizer: the optimizer's name (a checkpoint with another optimizer's slots is refused).
         backend: the backend's name (recorded for people; checkpoints load on either backend).
         state_dict / load_state_dict: the training state's accessors.
+        epoch_samples: the samples in an epoch of the run's data: a checkpoint whose cursor lies past it is
+            refused (None: not checked).
     """
 
     def __init__(self, checkpointer: Checkpointer, cfg: Any, optimizer: str, backend: str,
                  state_dict: Callable[[], Tuple[Dict[str, Any], Dict[str, Any]]],
-                 load_state_dict: Callable[[Dict[str, Any], Dict[str, Any]], None]):
+                 load_state_dict: Callable[[Dict[str, Any], Dict[str, Any]], None],
+                 epoch_samples: Optional[int] = None):
         self.checkpointer = checkpointer
         self.state_dict, self.load_state_dict = state_dict, load_state_dict
         ck = cfg.checkpoint
@@ -78,6 +82,7 @@ class CheckpointManager:
         self.recorded = {"backend": backend, "optimizer": optimizer, "seed": cfg.seed,
                          "global_batch_size": cfg.trainer.global_batch_size, "config_hash": config_hash(cfg),
                          "model_file_sha256": file_hash(cfg.model)}
+        self.epoch_samples = epoch_samples
         self.attempted_step: Optional[int] = None  # the step of this run's newest save (committed or not)
 
     @property
@@ -132,21 +137,16 @@ class CheckpointManager:
             return False
 
     def load(self, path: Path) -> None:
-        """Load checkpoint ``path`` into the training state; CheckpointMismatch if it is another model's."""
-        arrays, meta = load_with_metadata(path)
-        # Optimizer slots and the outer optimizer's state (topology=diloco) may be absent or extra: a run
-        # starts them afresh, or has none.
-        extra = ("optimizer/", "rng/", "outer/")
-        expected = {n: v.shape for n, v in self.state_dict()[0].items() if not n.startswith(extra)}
-        found = {n: tuple(v.shape) for n, v in arrays.items() if not n.startswith(extra)}
-        diffs = list(compare_names(expected, found))
-        if diffs:
-            shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
-            raise CheckpointMismatch(f"checkpoint '{path}' does not match this model: {shown}",
-                                     "resume with the model file that wrote it, or pass resume=none to start fresh")
-        if meta.get("optimizer") != self.optimizer and any(n.startswith("optimizer/") for n in arrays):
-            raise CheckpointMismatch(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
-                                     f"{self.optimizer}", "resume with the same optimizer, or pass resume=none")
+        """Load checkpoint ``path`` into the training state: CheckpointMismatch if it is another model's,
+        CorruptCheckpoint if it is damaged or does not fit this run (both found before anything is read or loaded)."""
+        held = {n: (tuple(v.shape), v.dtype) for n, v in self.state_dict()[0].items()}
+        try:
+            arrays, meta = load_with_metadata(path, check=lambda meta: self._check(path, meta, held))
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError, OverflowError, RecursionError) as exc:
+            # A field no check foresaw (the checks name the field; this names the error): still one line, and
+            # resume=auto falls back past it rather than stop every worker with a traceback.
+            raise CorruptCheckpoint(f"checkpoint '{path}' is corrupt: reading it failed ({type(exc).__name__}: "
+                                    f"{str(exc)[:200]})", HINT_FALLBACK) from None
         written, now = meta.get("model_file_sha256"), self.recorded["model_file_sha256"]
         if written and now and written != now:
             # A warning, not a refusal: an edit that keeps the tensors' names and shapes (a fix in forward(),
@@ -162,6 +162,36 @@ class CheckpointManager:
             # so resume=auto falls back past it as past any other damage, instead of stopping the run.
             raise CorruptCheckpoint(f"checkpoint metadata '{path / METADATA}' holds progress this run cannot use "
                                     f"({type(exc).__name__}: {str(exc)[:200]})", HINT_FALLBACK) from None
+
+    def _check(self, path: Path, meta: Dict[str, Any], held: Dict[str, Tuple[Tuple[int, ...], Any]]) -> None:
+        """Refuse checkpoint ``path`` from its metadata (well formed: ``check_metadata``) before any of it is read:
+        another model's (CheckpointMismatch), or one whose tensors or progress this run cannot hold (CorruptCheckpoint).
+        ``held``: (shape, dtype) of each tensor of the run's state, by name."""
+        # Optimizer slots and the outer optimizer's state (topology=diloco) may be absent or extra: a run starts
+        # them afresh, or has none. Those it loads must fit (check_fit).
+        expected = {n: shape for n, (shape, _) in held.items() if not n.startswith(EXTRA)}
+        found = {n: tuple(t["shape"]) for n, t in meta["tensors"].items() if not n.startswith(EXTRA)}
+        diffs = list(compare_names(expected, found))
+        if diffs:
+            shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            if set(expected) == set(found) and self._same_model(meta):
+                # Every name, but shapes the model file and config that wrote it cannot make: damage, not a change
+                # of model, so resume=auto falls back to the checkpoint before (a mismatch stops the run).
+                raise CorruptCheckpoint(f"checkpoint metadata '{path / METADATA}' is corrupt: {shown}, though this "
+                                        "model file and config wrote it", HINT_FALLBACK)
+            raise CheckpointMismatch(f"checkpoint '{path}' does not match this model: {shown}",
+                                     "resume with the model file that wrote it, or pass resume=none to start fresh")
+        if meta.get("optimizer") != self.optimizer and any(n.startswith("optimizer/") for n in meta["tensors"]):
+            raise CheckpointMismatch(f"checkpoint '{path}' holds {meta.get('optimizer')} state but this run uses "
+                                     f"{self.optimizer}", "resume with the same optimizer, or pass resume=none")
+        check_fit(path, meta, held)
+        check_progress(path, meta, self.epoch_samples)
+
+    def _same_model(self, meta: Dict[str, Any]) -> bool:
+        """Whether checkpoint ``meta`` records this run's model file and config (as far as they shape it)."""
+        now = self.recorded["model_file_sha256"]
+        return now is not None and meta.get("model_file_sha256") == now and \
+            meta.get("config_hash") == self.recorded["config_hash"]
 
     def resume(self) -> Optional[Path]:
         """Load what ``resume`` asks for; returns the checkpoint loaded (None: a fresh start).

@@ -12,12 +12,16 @@ than the metadata says it has -- which the loader compares with the file on disk
 so nothing larger than the shard files is ever allocated. ``check_entry``: a shard header's entry for
 one piece lies inside the file's data. Each is a few integer comparisons per piece: nothing next to
 reading the bytes (scripts/bench/bench_checkpoint.py, load).
+
+Against the run that resumes (``CheckpointManager.load``, also from the metadata alone, before any shard data is
+read): ``check_fit``, every tensor's shape and kind of dtype against the model's and the optimizer's;
+``check_progress``, the cursor and step against the data's size and each other.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
 
@@ -178,8 +182,9 @@ def check_entry(fpath: Path, name: str, entry: Any, piece: Dict[str, Any], dtype
     n = piece["end"] - piece["start"]
     if not isinstance(entry, dict):
         raise bad(field, entry, f"an entry holding {name!r}[{piece['start']}:{piece['end']}] as the metadata says")
-    if NUMPY_DTYPES.get(entry.get("dtype")) != dtype.name:
-        raise bad(f"{field}['dtype']", entry.get("dtype"), f"{DTYPES[dtype.name]!r} (the metadata's {dtype.name})")
+    written = entry.get("dtype")
+    if not isinstance(written, str) or NUMPY_DTYPES.get(written) != dtype.name:  # a list: unhashable, so first
+        raise bad(f"{field}['dtype']", written, f"{DTYPES[dtype.name]!r} (the metadata's {dtype.name})")
     if entry.get("shape") != [n]:
         raise bad(f"{field}['shape']", entry.get("shape"), f"[{n}] (the piece [{piece['start']}:{piece['end']}])")
     offsets = entry.get("data_offsets")
@@ -190,3 +195,87 @@ def check_entry(fpath: Path, name: str, entry: Any, piece: Dict[str, Any], dtype
         raise bad(f"{field}['data_offsets']", offsets,
                   f"{n * dtype.itemsize} bytes inside the file's {file_size - data_start} bytes of data")
     return range(data_start + begin, data_start + end)
+
+
+# ---------------------------------------------------------------- against the run that resumes from it
+# A checkpoint can be well formed and still not fit the run: a slot of another shape (a RuntimeError in the
+# engine's copy on every worker), a cursor past the end of the data (the rest of the epoch skipped in silence).
+# These checks read the metadata only, so a misfit is refused before a byte of shard data is read or a tensor
+# of the run's is written, and resume=auto falls back past it as past a failed checksum.
+EXTRA = ("optimizer/", "rng/", "outer/")  # state beside the model's: absent or extra ones are allowed
+KINDS = {"f": "floating", "i": "integer", "u": "integer", "b": "bool"}
+
+
+def _kind(dtype: Any) -> str:
+    """The class of a dtype a load may cast within (a float32 model loads float16 or float64 tensors, as a
+    resume across trainer.precision does) but never across (an integer or bool tensor for a float one)."""
+    return KINDS.get(np.dtype(dtype).kind, np.dtype(dtype).name)
+
+
+def _parameter_of(name: str) -> str:
+    """The parameter an optimizer slot (``optimizer/<parameter>/<slot>``) or outer state
+    (``outer/<what>/<parameter>``) belongs to; '' for any other tensor."""
+    if name.startswith("optimizer/"):
+        return name[len("optimizer/"):].rpartition("/")[0]
+    if name.startswith("outer/"):
+        return name[len("outer/"):].partition("/")[2]
+    return ""
+
+
+def check_fit(path: Path, meta: Dict[str, Any], model: Dict[str, Tuple[Tuple[int, ...], Any]]) -> None:
+    """Raise CorruptCheckpoint unless each tensor of checkpoint ``path`` that the run will load has the shape
+    and the kind of dtype (``_kind``) the run gives it.
+
+    Args:
+        meta: the checkpoint's metadata, passed by ``check_metadata``.
+        model: (shape, dtype) of each tensor the run holds now, by name. An optimizer slot or outer state the run
+            has not allocated yet (slots appear at the first update) has its parameter's shape and a float dtype.
+    Note: the parameters' names and shapes are compared first by the caller (``compare_names``): a checkpoint of
+    another model is a mismatch that stops the run, not damage to fall back past.
+    """
+    bad = _Refusal(f"checkpoint metadata '{Path(path) / METADATA}'")
+    params = {n: v for n, v in model.items() if not n.startswith(EXTRA)}
+    for name, t in meta["tensors"].items():
+        want, why = model.get(name), "this run's"
+        owner = _parameter_of(name)
+        if owner in params:  # a slot has its parameter's shape, allocated yet or not
+            want, why = (params[owner][0], np.float32), f"the shape of parameter {owner!r}"
+        if want is None:
+            continue  # not loaded (an extra slot), or a parameter the caller reports missing or unexpected
+        shape, dtype = want
+        if tuple(t["shape"]) != tuple(shape):
+            raise bad(f"tensors[{name!r}]['shape']", t["shape"], f"{list(shape)} ({why})")
+        if _kind(t["dtype"]) != _kind(dtype):
+            raise bad(f"tensors[{name!r}]['dtype']", t["dtype"],
+                      f"a {_kind(dtype)} dtype (the run's is {np.dtype(dtype).name})")
+
+
+def check_progress(path: Path, meta: Dict[str, Any], epoch_samples: Optional[int]) -> None:
+    """Raise CorruptCheckpoint unless the counters of checkpoint ``path`` are counts (its loss scale a positive
+    number), and its data cursor lies inside the run's data and agrees with them and with its step.
+
+    ``epoch_samples``: the samples in an epoch of the run's data (None: not known here). What holds for any
+    history, also one resumed with more or less data or another global batch: the position in the epoch is
+    inside it; the samples seen include it; each epoch before it and each optimizer step consumed at least one.
+    Note: a cursor that is consistent but not the one the tensors were trained to cannot be told from a real one.
+    """
+    bad = _Refusal(f"checkpoint metadata '{Path(path) / METADATA}'")
+    for key in ("micro_step", "skipped_steps", "loss_scale_good_steps"):  # the other counters (absent: 0)
+        if key in meta:
+            _count(bad, meta, key, "the metadata")
+    scale = meta.get("loss_scale", 1.0)
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf):
+        raise bad("the metadata['loss_scale']", scale, "a positive finite number")
+    cursor = "the metadata's 'cursor'"
+    epoch, in_epoch, seen = (meta["cursor"].get(k, 0) for k in CURSOR_KEYS)
+    if epoch_samples is not None and in_epoch > epoch_samples:
+        raise bad(f"{cursor}['samples_in_epoch']", in_epoch,
+                  f"at most {epoch_samples} (the samples in an epoch of this run's data)")
+    if in_epoch > seen:
+        raise bad(f"{cursor}['samples_seen']", seen, f"at least the cursor's samples_in_epoch, {in_epoch}")
+    if epoch > seen - in_epoch:
+        raise bad(f"{cursor}['epoch']", epoch, f"at most {seen - in_epoch} (each epoch before this one consumed "
+                                               "samples: the cursor's samples_seen less samples_in_epoch)")
+    if meta["step"] > seen:
+        raise bad("the metadata['step']", meta["step"], f"at most {seen} (each optimizer step consumed samples: "
+                                                        "the cursor's samples_seen)")

@@ -17,6 +17,7 @@ from .ranges import check_ranges
 from .devices import COMM_BACKENDS, DEVICES, PRECISIONS, precision_name
 from ..errors import ElasticFlowError
 from .launchers import check_kubernetes, check_nodes, check_store
+from .spellings import spelling
 from .topology import TopologyConfig, check_run, validate as validate_topology
 
 
@@ -66,7 +67,7 @@ class LauncherConfig:
     # by (a lost host loses no record, the agent's own included: docs/multi-host.md)
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     # Refused otherwise: whoever can write there can swap what the workers read back, and run code as you.
-    trust_shared_dirs: bool = False  # accept a run directory or checkpoint folder others own or may write into
+    trust_shared_dirs: bool = False  # accept run, checkpoint, model folders (or ones above) others own or may write
     # SLURM (launcher=slurm): the allocation to ask for, and what to do at its end
     nodes: int = 1                 # slurm: nodes to ask for; nodes: hosts the first generation waits for
     # slurm: grow up to this many nodes, one single-node worker job per missing node, as SLURM frees them
@@ -415,7 +416,7 @@ def _refuse_added(cfg: Any) -> None:
         for key in node:
             if str(key) not in known:
                 raise ElasticFlowError(f"unknown config key {prefix}{key} (added with +)",
-                                       _did_you_mean(str(key), known, prefix)
+                                       spelling(str(key)) or _did_you_mean(str(key), known, prefix)
                                        + "+ adds keys only under model_args, the model file's own settings")
             child, shape = node[key], OmegaConf.select(schema, str(key))
             if key != "model_args" and isinstance(child, DictConfig) and isinstance(shape, DictConfig):
@@ -452,7 +453,7 @@ def _explained(exc: Exception) -> ElasticFlowError:
                                     f"+{cause.full_key}=VALUE")
         known = [str(k) for k in cause.parent_node] if cause.parent_node is not None else []
         return ElasticFlowError(f"unknown config key {cause.full_key}",
-                                _did_you_mean(key, known, f"{parent}." if parent else "") + listing)
+                                spelling(key) or _did_you_mean(key, known, f"{parent}." if parent else "") + listing)
     if isinstance(cause, ValidationError) and cause.full_key:
         return ElasticFlowError(f"{cause.full_key}: {str(cause).splitlines()[0]}",
                                 f"pass a value of the key's type; {listing}")

@@ -36,6 +36,11 @@ class Shard:
     def read(self, rows: np.ndarray) -> List[Any]:
         raise NotImplementedError
 
+    @staticmethod
+    def fits(index: Dict[str, Any], rows: int, size: int) -> bool:
+        """Whether INDEX (read back from the cache, of ROWS rows) can describe a file of SIZE bytes."""
+        raise NotImplementedError
+
     def read_ahead(self) -> None:
         """Start bringing the file into the page cache (its window is next)."""
         read_ahead(self.path)
@@ -98,6 +103,11 @@ class Jsonl(Shard):
         spans = np.stack([starts, ends], axis=1)[ends > starts]  # empty lines are no samples
         return {"rows": np.asarray([len(spans)]), "spans": spans}
 
+    @staticmethod
+    def fits(index: Dict[str, Any], rows: int, size: int) -> bool:
+        spans = index.get("spans")
+        return _table(spans, rows, 2) and _inside(spans, size)
+
     def read(self, rows: np.ndarray) -> List[Any]:
         spans = take(self.index["spans"], rows)
         lines = pread_ranges(self.path, spans[:, 0], spans[:, 1] + 1)  # with the "\n": adjacent lines join
@@ -157,6 +167,20 @@ class Tokens(Shard):
         return {"rows": np.asarray([shape[0]]), "layout": np.asarray([offset, row_bytes]),
                 "shape": np.asarray(shape[1:], dtype=np.int64), "dtype": np.asarray(np.dtype(kind).str)}
 
+    @staticmethod
+    def fits(index: Dict[str, Any], rows: int, size: int) -> bool:
+        layout, shape, dtype = index.get("layout"), index.get("shape"), index.get("dtype")
+        if not (_ints(layout, (2,)) and _ints(shape) and shape.ndim == 1 and (shape >= 0).all()
+                and isinstance(dtype, np.ndarray) and dtype.dtype.kind == "U" and dtype.shape == ()):
+            return False
+        try:
+            kind = np.dtype(str(dtype))
+        except TypeError:
+            return False
+        offset, row_bytes = (int(v) for v in layout)
+        return (not kind.hasobject and row_bytes == int(np.prod(shape, dtype=np.int64)) * kind.itemsize
+                and offset >= 0 and offset + rows * row_bytes <= size)
+
     def read(self, rows: np.ndarray) -> List[Any]:
         offset, row_bytes = (int(v) for v in self.index["layout"])
         dtype, shape = np.dtype(str(self.index["dtype"])), tuple(int(d) for d in self.index["shape"])
@@ -190,6 +214,12 @@ class Parquet(Shard):
         meta = pq.ParquetFile(path).metadata
         groups = np.asarray([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], dtype=np.int64)
         return {"rows": np.asarray([int(groups.sum())]), "groups": np.cumsum(np.r_[0, groups])}
+
+    @staticmethod
+    def fits(index: Dict[str, Any], rows: int, size: int) -> bool:
+        groups = index.get("groups")  # the row groups themselves pyarrow checks as it reads them
+        return (_ints(groups) and groups.ndim == 1 and len(groups) >= 1 and int(groups[0]) == 0
+                and int(groups[-1]) == rows and bool((np.diff(groups) >= 0).all()))
 
     def read(self, rows: np.ndarray) -> List[Any]:
         starts = self.index["groups"]
@@ -239,6 +269,23 @@ class WebDataset(Shard):
         return {"rows": np.asarray([len(keys)]), "members": table, "first": first[:, None],
                 "keys": np.asarray(keys, dtype=str)[:, None], "exts": np.asarray(exts, dtype=str)}
 
+    @staticmethod
+    def fits(index: Dict[str, Any], rows: int, size: int) -> bool:
+        members, first, keys, exts = (index.get(k) for k in ("members", "first", "keys", "exts"))
+        if not (_table(first, rows + 1, 1) and _table(members, None, 4) and getattr(keys, "shape", None) == (rows, 1)
+                and isinstance(exts, np.ndarray) and exts.ndim == 1):
+            return False
+        ends = _ends(first)[:, 0]
+        if int(ends[0]) != 0 or int(ends[-1]) != len(members):
+            return False
+        if isinstance(first, np.ndarray) and (np.diff(first[:, 0]) < 0).any():
+            return False
+        if isinstance(members, DiskRows):  # on disk: its first and last members only (reading it all costs)
+            members = _ends(members)
+        offsets, sizes = members[:, 1], members[:, 2]
+        return bool(((offsets >= 0) & (sizes >= 0) & (offsets + sizes <= size)
+                     & (members[:, 3] >= 0) & (members[:, 3] < len(exts))).all())
+
     def read(self, rows: np.ndarray) -> List[Any]:
         first = take(self.index["first"], np.r_[rows, rows + 1])[:, 0]
         lo, hi = first[:len(rows)], first[len(rows):]
@@ -249,6 +296,42 @@ class WebDataset(Shard):
         for (row, _, _, ext), blob in zip(picked.tolist(), blobs):
             by_row[row][str(exts[ext])] = blob
         return [by_row[int(r)] for r in rows]
+
+
+def fits(kind: type, index: Dict[str, Any], size: int) -> bool:
+    """Whether INDEX, as read back from the cache, can be KIND's index of a file of SIZE bytes: its row count and
+    every array's shape, and the offsets it holds inside the file (all of an array held in memory; the first and
+    last rows of one on disk, whose reading is what keeps memory bounded)."""
+    rows = index.get("rows")
+    return _ints(rows, (1,)) and int(rows[0]) >= 0 and kind.fits(index, int(rows[0]), size)
+
+
+def _ints(array: Any, shape: Optional[tuple] = None) -> bool:
+    return (isinstance(array, (np.ndarray, DiskRows)) and np.issubdtype(array.dtype, np.integer)
+            and (shape is None or tuple(array.shape) == shape))
+
+
+def _table(array: Any, rows: Optional[int], columns: int) -> bool:
+    """An integer array of ROWS (any, for None) rows and COLUMNS columns."""
+    return (_ints(array) and len(array.shape) == 2 and array.shape[1] == columns
+            and (rows is None or array.shape[0] == rows))
+
+
+def _ends(array: Any) -> np.ndarray:
+    """The first and last rows of a non-empty 2-D index array, in memory or on disk."""
+    at = np.asarray([0, len(array) - 1])
+    return array.read(at) if isinstance(array, DiskRows) else array[at]
+
+
+def _inside(spans: Any, size: int) -> bool:
+    """Whether each line's [start, end] lies inside a file of SIZE bytes, the lines in order (every line of an
+    array in memory; the first and last of one on disk)."""
+    if not len(spans):
+        return True
+    rows = _ends(spans) if isinstance(spans, DiskRows) else spans
+    starts, ends = rows[:, 0], rows[:, 1]
+    return bool((starts >= 0).all() and (starts <= ends).all() and (ends <= size).all()
+                and (np.diff(starts) >= 0).all())
 
 
 FORMATS = {".jsonl": Jsonl, ".json": Jsonl, ".parquet": Parquet, ".npy": Tokens, ".bin": Tokens, ".tar": WebDataset}

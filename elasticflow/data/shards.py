@@ -1,8 +1,8 @@
 """A corpus kept as shard files, read exactly once per epoch by any number of workers: ``Shards``.
 
-Each shard is indexed once (its rows, and where each row lies: ``shard_formats``) and the index is cached beside
-the data, or under ``~/.cache/elasticflow`` where the data's folder is read-only; a file that changes (size or
-modification time) is indexed again. An index array with a row per sample is read from its file as needed, so
+Each shard is indexed once (its rows, and where each row lies: ``shard_formats``) and the index is cached where
+only its user can write, under ``~/.cache/elasticflow/index``, never beside the data (``index_cache``); a file
+that changes is indexed again. An index array with a row per sample is read from its file as needed, so
 memory does not grow with the corpus. The corpus is then readable at any index, so the exactly-once machinery of
 map-style data applies unchanged: global batches are positions in an epoch's order, dealt by position.
 
@@ -13,23 +13,17 @@ shards' row counts only: the same for any number of workers.
 """
 from __future__ import annotations
 
-import fcntl
 import glob
-import hashlib
 import os
-import shutil
 import threading
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
 from ..errors import ElasticFlowError
 from . import shard_formats
-from .rows import DiskRows
+from .index_cache import cached_index
 from .samples import batch_of
-
-INDEX_DIR = ".elasticflow-index"  # beside the shards
 
 
 class Shards:
@@ -115,68 +109,6 @@ def _resolve(files: Union[str, Sequence[str]]) -> List[str]:
     for p in paths:
         shard_formats.format_of(p)  # refuses an unknown suffix before any file is indexed
     return sorted(dict.fromkeys(os.path.abspath(p) for p in paths))
-
-
-# ---------------------------------------------------------------- the index, built once per shard
-def cached_index(path: str, options: Dict[str, Any]) -> Dict[str, Any]:
-    """The shard's index, from its cache when the shard is unchanged since; else built and cached. Arrays
-    with a row per sample come back as ``DiskRows`` (read by ``pread``), the rest in memory.
-
-    Workers that start together share the work: one lock per index folder, and whoever takes it indexes the
-    next shard not yet cached while the others wait and then read its result."""
-    kind = shard_formats.format_of(path)
-    stat = os.stat(path)
-    key = f"{stat.st_size}-{stat.st_mtime_ns}-{kind.__name__}-{options.get('seq_len')}-{options.get('dtype')}"
-    cache = _cache_file(path, hashlib.sha1(key.encode()).hexdigest()[:12])
-    loaded = _load(cache)
-    if loaded is not None:
-        return loaded
-    with open(cache.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        loaded = _load(cache)
-        if loaded is not None:
-            return loaded
-        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.mkdir()
-        for name, array in kind.index(path, **options).items():
-            np.save(tmp / f"{name}.npy", array)
-        os.rename(tmp, cache)  # whole or absent: a folder appears at once
-        for stale in cache.parent.glob(f"{Path(path).name}.*"):  # the index of an earlier version
-            if stale != cache and stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
-    return _load(cache)
-
-
-MAPPED_BYTES = 1 << 16  # an index array larger than this stays on disk (DiskRows); smaller ones are read whole
-
-
-def _load(cache: Path) -> Optional[Dict[str, Any]]:
-    if not cache.is_dir():
-        return None
-    index: Dict[str, Any] = {}
-    try:
-        for f in cache.glob("*.npy"):
-            array = np.load(f, mmap_mode="r", allow_pickle=False)
-            index[f.stem] = DiskRows(array) if array.nbytes > MAPPED_BYTES and array.ndim == 2 else np.array(array)
-    except (OSError, ValueError):
-        return None
-    return index if "rows" in index else None
-
-
-def _cache_file(path: str, key: str) -> Path:
-    """Beside the shard (``.elasticflow-index/``), or under ``~/.cache/elasticflow/index`` where that folder
-    cannot be written (read-only data)."""
-    here = Path(path).parent / INDEX_DIR
-    try:
-        here.mkdir(exist_ok=True)
-        if os.access(here, os.W_OK):
-            return here / f"{Path(path).name}.{key}"
-    except OSError:
-        pass
-    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "elasticflow" / "index"
-    folder = home / hashlib.sha1(str(Path(path).parent).encode()).hexdigest()[:16]
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"{Path(path).name}.{key}"
 
 
 # ---------------------------------------------------------------- the order

@@ -9,12 +9,15 @@ from typing import Any, Dict
 def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     """Train ``cfg`` (already validated: see cli._train_task) with its launcher; returns the final summary."""
     if not cfg.launcher.trust_shared_dirs:
-        from .._util.paths import checkpoint_dir, refuse_if_shared
+        from .._util.paths import checkpoint_dir, refuse_code_folder, refuse_if_shared
 
-        # Before anything of ours is written there, or read back (the workers import what config.yaml names).
+        # Before anything of ours is written there, or read back (the workers import what config.yaml names),
+        # each with every directory above it: a parent others may write lets them swap the folder whole.
         for what, path in (("run directory", run_dir), ("run directory's .elasticflow/", run_dir / ".elasticflow"),
                            ("checkpoint folder", checkpoint_dir(cfg, run_dir))):
             refuse_if_shared(path, what)
+        if cfg.model:
+            refuse_code_folder(Path(str(cfg.model)).parent, "model file's folder")
     if cfg.launcher.name == "slurm":
         from .slurm import run as run_slurm
 

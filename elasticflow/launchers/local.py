@@ -62,9 +62,14 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
             finally:  # a failed run frees its folder too: the next in this process (elasticflow.fit()) takes it
                 jobdir.release_all()
         from ..distributed.agent.agent import Agent
+        from .._util.envnames import ENV_RUN_DIR_ID
+        from .._util.paths import identity
 
         launch = LocalLaunch(cfg.launcher.fork_workers)
+        # The run directory as checked (launchers.run): each worker reads config.yaml from it only if it is still
+        # that directory, not one put in its place through a parent others may write (worker._read_config).
+        checked = {ENV_RUN_DIR_ID: identity(run_dir)}
         try:
-            return Agent(cfg, run_dir, launch=launch).run()
+            return Agent(cfg, run_dir, launch=launch, worker_env=checked).run()
         finally:
             launch.close()

@@ -30,6 +30,7 @@ from typing import Any, Dict, List
 from omegaconf import OmegaConf
 
 from ..distributed import protocol
+from .._util.paths import read_beneath
 from ..errors import ElasticFlowError, TrainingInterrupted
 from .slurm_jobs import resources, sbatch_lines, srun_launch
 
@@ -159,7 +160,8 @@ def main(argv: List[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s",
                         handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "train.log")])
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
+        config = read_beneath(run_dir, (".elasticflow", "config.yaml")).decode()  # no symlink followed
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(config))
         # No validate() here, although this is a process entry point: the file is the config that
         # `elasticflow train` validated (cli._train_task) before submit() wrote it (after a requeue, the
         # agent's re-save of it), like the workers' copy. The merge into the schema still refuses unknown

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional
 
 from ..distributed import protocol
 from ..distributed.store.stores import host_of
+from .._util.paths import read_beneath
 from ..errors import ElasticFlowError
 from .slurm_jobs import resources, sbatch_lines, srun_launch
 
@@ -312,7 +313,8 @@ def join(run_dir: Path, run_job: str) -> Dict[str, Any]:
         log.warning("the job that submitted this worker job has ended (no agent of run %s in %s): nothing to join",
                     run_job, run_dir)
         return {"joined": False}
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
+    config = read_beneath(run_dir, (".elasticflow", "config.yaml")).decode()  # no symlink followed
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(config))
     cfg.launcher.procs_per_node = cfg.launcher.tasks_per_node  # the node agent starts this many
     token = (run_dir / ".elasticflow" / "token").read_text().strip()
     host = host_of(agent["address"])

@@ -1,7 +1,8 @@
 """A worker process: `python -m elasticflow.launchers.worker` (``COMMAND``), started by the agent through
 its launcher's ``launch`` (local.py, slurm.py).
 
-Reads the run's config from RUN_DIR/.elasticflow/config.yaml, joins the membership and trains.
+Reads the run's config from RUN_DIR/.elasticflow/config.yaml (through descriptors, from the run directory the
+agent checked: ``_read_config``), joins the membership and trains.
 Errors go to RUN_DIR/.elasticflow/error-<id>.json for the agent to report as one line.
 
 Here, above the trainer (it builds one), not in distributed/: the agent there only starts the command.
@@ -139,6 +140,29 @@ def _finish_save_on_sigterm(holder: dict) -> None:
     signal.signal(signal.SIGTERM, handle)
 
 
+def _read_config(run_dir: Path, worker_id: Optional[int]) -> str:
+    """RUN_DIR/.elasticflow/config.yaml (it names the model file this worker imports), read through descriptors
+    opened one below the other from the run directory the agent checked ($ELASTICFLOW_RUN_DIR_ID, where the
+    agent is on this host: then .elasticflow/ and the file must be yours alone too), so that a run directory
+    renamed away and replaced since, or a symlink planted in it, is refused rather than read
+    (paths.read_beneath). A refusal is one line on stderr and exit 1, and nothing is written there: not a log,
+    not the error record the agent would read."""
+    from ..errors import ElasticFlowError
+    from .._util.envnames import ENV_RUN_DIR_ID
+    from .._util.paths import read_beneath
+
+    checked = os.environ.get(ENV_RUN_DIR_ID)  # None: started by a node agent (another host, a pod)
+    try:
+        return read_beneath(run_dir, (".elasticflow", "config.yaml"), checked, owned=checked is not None).decode()
+    except ElasticFlowError as exc:
+        message, hint = exc.message, exc.hint
+    except OSError as exc:
+        message, hint = f"cannot read {run_dir}/.elasticflow/config.yaml ({exc.strerror})", \
+            "workers are started by the agent of a run, which writes it"
+    print(f"error: worker {worker_id}: {message}\nhint: {hint}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def main() -> None:
     from omegaconf import OmegaConf
 
@@ -152,6 +176,7 @@ def main() -> None:
 
     run_dir = Path(os.environ[protocol.ENV_RUN_DIR])
     worker_id = int(os.environ[protocol.ENV_WORKER_ID]) if os.environ.get(protocol.ENV_WORKER_ID) else None
+    config = _read_config(run_dir, worker_id)  # first: nothing is written into a run directory put in its place
     holder = {"trainer": None}
     console = _setup_logging(run_dir, worker_id, lambda: holder["trainer"])
     _finish_save_on_sigterm(holder)
@@ -160,7 +185,7 @@ def main() -> None:
     protocol.REFUSED.on_first = lambda kind, detail: append_event(
         run_dir / "events.jsonl", "forged", "worker", worker=worker_id, record=kind, detail=detail)
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".elasticflow" / "config.yaml"))
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(config))
         membership = Membership(os.environ[protocol.ENV_STORE], worker_id, cfg.elastic.timeout_s, cfg.elastic.wait_s,
                                 os.environ.get(protocol.ENV_TOKEN), host=bind_address(cfg.launcher.interface),
                                 node=os.environ.get(protocol.ENV_NODE))

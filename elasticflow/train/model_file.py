@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,17 @@ class ModelFile:
                 f"def forward({', '.join(f'x{i}' for i in range(fields)) or 'x'}, params)") from None
 
 
+def _read_source(file: Path) -> bytes:
+    """The bytes of the model file ``file`` (resolved), opened with ``O_NOFOLLOW``."""
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ElasticFlowError(f"model file '{file}' cannot be read ({exc.strerror})",
+                               "pass the path to a Python file you may read") from exc
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 def load(path: str) -> ModelFile:
     """Import ``path`` as a module (under a private name) and check the three functions."""
     file = Path(path).expanduser()
@@ -95,13 +107,18 @@ def load(path: str) -> ModelFile:
         raise ElasticFlowError(f"model file '{path}' is not a .py file", CONTRACT_HINT)
     file = file.resolve()
     module_name = f"elasticflow_user_model_{abs(hash(str(file)))}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
+    # The source is read once, through one descriptor that follows no symlink, and that text is what runs: a
+    # file swapped after the checks (launchers' folder checks, is_file above) or a .pyc planted in its
+    # __pycache__ is never what is imported.
+    source = _read_source(file)
+    spec = importlib.util.spec_from_loader(module_name, loader=None, origin=str(file))
     module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(file)
     # The model file may import helpers that sit beside it.
     sys.path.insert(0, str(file.parent))
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(compile(source, str(file), "exec", dont_inherit=True), module.__dict__)  # noqa: S102 - the import
     except SyntaxError as exc:
         raise ElasticFlowError(f"model file '{path}' has a syntax error at line {exc.lineno}: {exc.msg}",
                                "fix the file; `python -m py_compile FILE` shows the same error") from exc

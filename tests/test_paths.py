@@ -1,0 +1,167 @@
+"""Who may change the folders a job reads code and config from (_util/paths.py): every one of them is checked with
+every directory above it, and the workers read config.yaml through descriptors from the run directory the agent
+checked. Each attack is made for real by another local user (``nobody``) from a team folder it may write, so
+these tests need root (as CI has)."""
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from elasticflow._util.envnames import ENV_RUN_DIR, ENV_RUN_DIR_ID, ENV_STORE, ENV_WORKER_ID
+from elasticflow._util.paths import read_beneath
+from elasticflow.errors import ElasticFlowError
+from elasticflow.launchers.worker import COMMAND
+
+from harness import MODELS, PROBE, assert_equivalent, cli, finish, start
+
+
+# The digits MLP, from a file that leaves a mark when it is imported: the proof that a refused job read no code.
+MARKING = f"""
+import os
+import sys
+
+sys.path.insert(0, {str(MODELS)!r})
+from digits_mlp import data, forward, model  # noqa: E402,F401
+
+open(os.environ["EF_MARK"], "w").write("imported")
+"""
+
+
+def _as_nobody(command: str) -> subprocess.CompletedProcess:
+    """``sh -c COMMAND`` as the local user ``nobody`` (no groups)."""
+    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "sh", "-c", command],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def team():
+    """A folder under /tmp every local user may reach, as a team folder is (pytest's tmp_path is root's 0700)."""
+    folder = Path(tempfile.mkdtemp(prefix="ef-team-"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sets modes of folders others may write: needs root (as CI has)")
+def test_a_job_under_a_folder_others_may_write_is_refused_before_any_code_is_read(team, tmp_path):
+    """The run directory is root's own 0755, but its parent is a team folder every user may write, without the
+    sticky bit: ``nobody`` could rename the run directory away and put one of its own there, whose config.yaml
+    the workers import code from. The job refuses it in one line before it reads any code (the model file would
+    leave a mark), and so it does a checkpoint folder there, and a model file in a folder others may write, even
+    a sticky one (it is first on sys.path while the model file is imported). Under a sticky folder, as /tmp is,
+    or with launcher.trust_shared_dirs=true, it runs."""
+    mark = tmp_path / "imported"
+    model = tmp_path / "model.py"
+    model.write_text(MARKING)
+    env = {"EF_MARK": str(mark)}
+    shared = team / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    run = shared / "run"
+    out = cli(["train", model, f"hydra.run.dir={run}", "trainer.max_steps=1"], env=env)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        f"error: the run directory {run} lies under {shared}, which may be written by others (mode 777), so it can "
+        "be renamed away and replaced: whoever can write there can change what the job reads back and run code as "
+        "you",
+        f"hint: use a folder whose parents only their owners may write (chmod o-w,g-w {shared}, or chmod +t {shared} "
+        "as /tmp is), or pass launcher.trust_shared_dirs=true if everyone who can write there is trusted"]
+    assert not mark.exists() and not (run / ".elasticflow").exists()
+    mine = tmp_path / "mine"
+    out = cli(["train", model, f"hydra.run.dir={mine}", "trainer.max_steps=1", f"checkpoint.dir={shared}/ck"], env=env)
+    assert out.returncode == 2 and f"error: the checkpoint folder {shared}/ck lies under {shared}" in out.stderr
+    sticky = team / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    for folder in (shared, sticky):
+        (folder / "model.py").write_text(model.read_text())
+        out = cli(["train", folder / "model.py", f"hydra.run.dir={mine}", "trainer.max_steps=1"], env=env)
+        assert out.returncode == 2, out.stderr
+        mode = f"{folder.stat().st_mode & 0o7777:o}"
+        assert out.stderr.splitlines()[0] == (
+            f"error: the model file's folder {folder} may be written by others (mode {mode}): whoever can write "
+            "there can change what the job reads back and run code as you"), out.stderr
+    assert not mark.exists() and not (mine / ".elasticflow").exists()
+    ok = cli(["train", model, f"hydra.run.dir={sticky}/run", "trainer.max_steps=1"], env=env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert mark.exists()
+    trusted = cli(["train", model, f"hydra.run.dir={run}", "trainer.max_steps=1", "launcher.trust_shared_dirs=true"],
+                  env=env)
+    assert trusted.returncode == 0, trusted.stderr[-2000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="attacks as another user (nobody): needs root (as CI has)")
+def test_a_run_directory_swapped_after_the_check_is_not_read(team, tmp_path, reference):
+    """The swap itself, for real, past the check (as under launcher.trust_shared_dirs=true): ``nobody`` renames a
+    run directory away from under a team folder it may write, and puts its own in its place, whose config.yaml
+    names its own model file. A worker the agent starts after that (a replacement, a joiner) reads config.yaml
+    only from the run directory the agent checked (its st_dev:st_ino, in the worker's environment), through
+    descriptors: it refuses in one line, writes nothing there, and the stranger's model file is never imported.
+    A 3-worker job under a sticky team folder ends on the 1-worker parameters, each worker having read its
+    config that way."""
+    sticky = team / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    proc = start(sticky / "run", "launcher.workers=3")
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert_equivalent(sticky / "run", reference)
+
+    shared = team / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    run = shared / "run"  # as the agent leaves it: config.yaml in its 0700 .elasticflow/, naming the job's model
+    (run / ".elasticflow").mkdir(parents=True, mode=0o700)
+    (run / ".elasticflow" / "config.yaml").write_text(f"model: {PROBE}\n")
+    checked = os.stat(run)
+    mark = team / "imported"
+    evil = shared / "evil"
+    swapped = _as_nobody(
+        f"set -e; mv {run} {shared}/away; mkdir -p {run}/.elasticflow {evil}; chmod 777 {evil}; "
+        f"echo 'open(\"{mark}\", \"w\").write(\"imported\")' > {evil}/model.py; "
+        f"echo 'model: {evil}/model.py' > {run}/.elasticflow/config.yaml")
+    assert swapped.returncode == 0, swapped.stderr
+    worker = subprocess.run(COMMAND, capture_output=True, text=True, timeout=120, env={
+        **os.environ, ENV_RUN_DIR: str(run), ENV_RUN_DIR_ID: f"{checked.st_dev}:{checked.st_ino}",
+        ENV_WORKER_ID: "3", ENV_STORE: "unix:/nonexistent"})
+    assert worker.returncode == 1, worker.stderr
+    assert worker.stderr.splitlines()[-2:] == [
+        f"error: worker 3: the run directory {run} is not the one the job started in: it was renamed or replaced "
+        f"since (st_dev:st_ino now {os.stat(run).st_dev}:{os.stat(run).st_ino}, at the start "
+        f"{checked.st_dev}:{checked.st_ino}); nothing of it was read",
+        "hint: start the job again in a directory whose parents only you may write"], worker.stderr
+    assert not mark.exists()
+    assert sorted(p.name for p in run.iterdir()) == [".elasticflow"]  # no log, no error record written there
+    # In the run directory as it was, the same worker would read it: the refusal is the swap's, not the path's.
+    assert read_beneath(shared / "away", (".elasticflow", "config.yaml"), f"{checked.st_dev}:{checked.st_ino}"
+                        ) == f"model: {PROBE}\n".encode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user: needs root (as CI has)")
+def test_the_run_files_are_read_only_through_no_symlink_and_only_if_yours(tmp_path):
+    """read_beneath, which the workers read config.yaml with (and export the run's overrides): a symlink planted
+    at any step is not followed, and a directory or file another user owns, or others may write, is refused."""
+    state = tmp_path / "run" / ".elasticflow"
+    state.mkdir(parents=True, mode=0o700)
+    (tmp_path / "elsewhere.yaml").write_text("model: /elsewhere.py\n")
+    (state / "config.yaml").symlink_to(tmp_path / "elsewhere.yaml")
+    with pytest.raises(ElasticFlowError, match="config.yaml is a symlink"):
+        read_beneath(tmp_path / "run", (".elasticflow", "config.yaml"))
+    (state / "config.yaml").unlink()
+    (state / "config.yaml").write_text("model: /mine.py\n")
+    assert read_beneath(tmp_path / "run", (".elasticflow", "config.yaml")) == b"model: /mine.py\n"
+    os.chown(state / "config.yaml", pwd.getpwnam("nobody").pw_uid, -1)
+    with pytest.raises(ElasticFlowError, match=f"belongs to uid {pwd.getpwnam('nobody').pw_uid}, not to you"):
+        read_beneath(tmp_path / "run", (".elasticflow", "config.yaml"))
+    os.chown(state / "config.yaml", 0, -1)
+    (state / "config.yaml").chmod(0o666)
+    with pytest.raises(ElasticFlowError, match=r"may be written by others \(mode 666\)"):
+        read_beneath(tmp_path / "run", (".elasticflow", "config.yaml"))
+    shutil.rmtree(state)
+    (tmp_path / "run" / ".elasticflow").symlink_to(tmp_path)
+    with pytest.raises(ElasticFlowError, match=r"\.elasticflow is a symlink"):
+        read_beneath(tmp_path / "run", (".elasticflow", "elsewhere.yaml"))
