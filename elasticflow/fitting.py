@@ -12,11 +12,12 @@ name; as with ``multiprocessing``, the script must call ``fit()`` under ``if __n
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import types
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ._util.fileio import write_atomic
 from .errors import ElasticFlowError
@@ -29,14 +30,18 @@ RESULT = "result.json"  # RUN_DIR/result.json: what the run's `done:` line says 
 def fit(source: Optional[types.ModuleType] = None, *, model: Optional[Callable] = None,
         forward: Optional[Callable] = None, data: Optional[Callable] = None, eval_data: Optional[Callable] = None,
         callbacks: Optional[Callable] = None, overrides: Sequence[str] = (),
-        run_dir: Optional[str] = None) -> Dict[str, Any]:
+        config: Optional[Mapping[str, Any]] = None, run_dir: Optional[str] = None) -> Dict[str, Any]:
     """Train ``model``, ``forward`` and ``data`` (or the module ``source`` that defines them); the run's result.
 
     Args:
         source: a module defining ``model(cfg)``, ``forward(*batch, params)``, ``data(cfg)`` and optionally
             ``eval_data(cfg)`` and ``callbacks(cfg)``; functions given by keyword replace its own.
         overrides: config overrides, as on the command line (``["launcher.workers=3", "optimizer=adam"]``).
+        config: the same as a dict, nested or with dotted keys (``{"trainer": {"max_steps": 100},
+            "launcher.workers": 3, "optimizer.groups": [{"params": ["head"], "lr": 0.01}]}``); applied after
+            ``overrides``.
         run_dir: where the run writes (default ``runs/fit-<date>-<time>``); rerunning into it resumes.
+            ``hydra.run.dir=DIR`` among the overrides means the same.
 
     Returns:
         What ``elasticflow train`` prints on its ``done:`` line: ``step``, ``loss``, ``checkpoint``, the eval
@@ -61,16 +66,80 @@ def fit(source: Optional[types.ModuleType] = None, *, model: Optional[Callable] 
     if missing:
         raise ElasticFlowError(f"fit() needs {', '.join(missing)}", "pass model=, forward= and data= (functions "
                                "as in a model file: docs/model-file.md), or a module that defines them")
+    overrides = [*overrides, *config_overrides(config or {})]
+    run_dir, overrides = _run_dir(run_dir, overrides)
     run = Path(run_dir or f"runs/fit-{time.strftime('%Y%m%d-%H%M%S')}").expanduser().resolve()
     run.mkdir(parents=True, exist_ok=True)
     path = run / "model_file.py"
     write_atomic(path, model_file_text(given))
     (run / RESULT).unlink(missing_ok=True)
+    if not any(o.lstrip("+").startswith("checkpoint.job_name=") for o in overrides):
+        # checkpoints named after what trains (my_model_<date>), not after the file written here (model_file_...)
+        overrides.insert(0, f"checkpoint.job_name={_job_name(source, given)}")
     _train([str(path), f"hydra.run.dir={run}", *overrides])
     try:
         return json.loads((run / RESULT).read_text())
     except (OSError, ValueError):
         raise ElasticFlowError(f"the run in {run} ended without a result", "read its train.log") from None
+
+
+def config_overrides(config: Mapping[str, Any], prefix: str = "") -> List[str]:
+    """``config`` (nested dicts and/or dotted keys) as command-line overrides, in Hydra's override grammar.
+    A dict is a section (its keys join the name with dots); a list of dicts is a value (``optimizer.groups``).
+    ``model_args``' keys are the model file's own: added with ``++`` (added, or replaced if set)."""
+    if not isinstance(config, Mapping):
+        raise ElasticFlowError(f"fit(config=...) takes a dict, got a {type(config).__name__}",
+                               'pass e.g. config={"trainer": {"max_steps": 100}, "launcher.workers": 3}')
+    out = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out += config_overrides(value, f"{name}.")
+        else:
+            added = "++" if name.startswith("model_args.") else ""
+            out.append(f"{added}{name}={_value(value)}")
+    return out
+
+
+def _value(value: Any) -> str:
+    """One value in Hydra's override grammar: true/false/null, numbers, [lists], {dicts}, strings quoted when
+    they hold anything but plain characters."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if re.fullmatch(r"[A-Za-z0-9_./:*+-]+", text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _run_dir(run_dir: Optional[str], overrides: List[str]) -> tuple:
+    """``run_dir``, or the ``hydra.run.dir=`` among ``overrides`` (taken out of them: fit() passes its own)."""
+    given = [o for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")]
+    rest = [o for o in overrides if o not in given]
+    dirs = {o.split("=", 1)[1] for o in given}
+    if run_dir is not None:
+        dirs.add(str(run_dir))
+    if len(dirs) > 1:
+        raise ElasticFlowError(f"fit() was given two run directories: {', '.join(sorted(dirs))}",
+                               "pass one, as run_dir=DIR (hydra.run.dir=DIR among the overrides means the same)")
+    return (dirs.pop() if dirs else None), rest
+
+
+def _job_name(source: Optional[types.ModuleType], given: Dict[str, Callable]) -> str:
+    """What the checkpoints are named after: the module trained (a script: its file's name)."""
+    module = source.__name__ if source is not None else getattr(given["model"], "__module__", "") or ""
+    if module == "__main__":
+        module = Path(getattr(sys.modules.get("__main__"), "__file__", None) or "fit").stem
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", module.rpartition(".")[2]).strip(".") or "fit"
+    return name
 
 
 def model_file_text(functions: Dict[str, Callable]) -> str:

@@ -126,6 +126,18 @@ def test_the_learning_rate_monitor_from_config_and_a_callback_by_target(tmp_path
     assert _stopped(run)["step"] == 2 and records[-1]["step"] == 2
 
 
+def test_the_learning_rate_monitor_of_an_optimizer_without_groups_logs_its_one_rate(tmp_path):
+    """No explicit groups: one group, whose rate the monitor adds as Lightning's does (it used to add nothing)."""
+    run = tmp_path / "run"
+    done = train_in_process(MODEL, run, *COMMON, "trainer.max_steps=6", "callbacks.lr_monitor=true",
+                            "optimizer.schedule=linear")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [r for r in metrics(run) if "loss" in r]
+    assert [r["lr_group0"] for r in records] == [r["lr"] for r in records]
+    assert records[-1]["lr_group0"] < records[0]["lr_group0"]  # the schedule moves it
+    assert not any("lr_group1" in r for r in records)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["callbacks.early_stopping.monitor=eval_acc", "trainer.eval_every=5"],
      "EarlyStopping monitors 'eval_acc', which this run does not produce (it has: loss, accuracy, eval_loss, "
@@ -215,3 +227,33 @@ def test_a_stop_asked_after_a_nested_hook_is_still_the_every_rank_callbacks():
     callbacks = cb.Callbacks([SavesThenStops(), cb.Callback()])
     callbacks.call("on_eval_end", Trainer(), {})
     assert (callbacks.stopping, callbacks.vote) == ("enough", None)
+
+
+def test_the_docs_print_best_announces_each_best_once_across_a_kill_of_rank_0(tmp_path, one_worker):
+    """docs/callbacks.md's PrintBest, as a user copies it into a model file: 3 workers, rank 0 SIGKILLed at
+    step 57. Each improvement is printed once, at the steps where the 1-worker run's eval_loss improved. The
+    kill comes after step 55's best: step 60's eval_loss is a little worse (0.2631 against 0.2627), and a
+    rank-0-only callback, starting again from no best on the new rank 0, announced it (the docs' old
+    example)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "callbacks.md").read_text()
+    example = page[page.index("class PrintBest"):page.index("    return [PrintBest()]") + len("    return [PrintBest()]")]
+    probe = Path(__file__).parent / "models"
+    model = tmp_path / "print_best.py"
+    model.write_text(f"import sys\nsys.path.insert(0, {str(probe)!r})\n"
+                     "from callback_probe import data, eval_data, forward, model  # noqa: E402,F401\n"
+                     f"import elasticflow  # noqa: E402\n\n\n{example}\n")
+    common = [c for c in STOPPING if not c.startswith(("callbacks.", "checkpoint.", "trainer.max_steps"))] + [
+        "trainer.max_steps=70"]
+    reference = one_worker(model=MODEL, common=common)
+    run = tmp_path / "run"
+    out = finish(start(run, "launcher.workers=3", env={"EF_PROBE_KILL": "0:57:forward"}, model=model,
+                       common=common))
+    assert "new best" in out and events(run, "left"), out[-4000:]
+    printed = [(int(m.group(1)), float(m.group(2))) for m in re.finditer(r"step (\d+): new best eval_loss ([\d.]+)", out)]
+    best, want = None, []
+    for r in (r for r in metrics(reference) if "eval_loss" in r):
+        if best is None or r["eval_loss"] < best:
+            best = r["eval_loss"]
+            want.append(r["step"])
+    assert [step for step, _ in printed] == want, (printed, want)
+    assert all(b < a for (_, a), (_, b) in zip(printed, printed[1:])), printed

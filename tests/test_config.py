@@ -275,7 +275,8 @@ def _documented_commands() -> typing.Iterator[typing.Tuple[str, typing.List[str]
 
 # Documented on purpose as commands that fail (docs/configuration.md shows its error, docs/combinations.md a refused
 # pair's): each a set of overrides that a command holding them all is.
-FAILS_ON_PURPOSE = [{"trainer.max_stepz=100"}, {"trainer.reproducible=true", "trainer.shard=gradients"}]
+FAILS_ON_PURPOSE = [{"trainer.max_stepz=100"}, {"trainer.reproducible=true", "trainer.shard=gradients"},
+                    {"trainer.accumulate_grad_batches=4"}]
 
 
 def test_the_defaults_and_every_documented_command_validate():
@@ -289,3 +290,54 @@ def test_the_defaults_and_every_documented_command_validate():
         except ElasticFlowError as exc:
             refused.append(f"{where}\n  -> {exc}")
     assert not refused, "documented commands the config refuses:\n" + "\n".join(refused)
+
+
+# ---------------------------------------------------------------- other trainers' names (config/spellings.py)
+@pytest.mark.parametrize("override, name, ours", [
+    ("trainer.accumulate_grad_batches=4", "accumulate_grad_batches",  # Lightning's Trainer
+     "trainer.global_batch_size and trainer.micro_batch_size"),
+    ("trainer.devices=2", "devices", "launcher.workers=N"),  # not difflib's "did you mean trainer.device?"
+    ("trainer.mlflow.tracking_uri=sqlite:///m.db", "mlflow", "trainer.loggers=[mlflow]"),
+    ("+trainer.val_check_interval=5", "val_check_interval", "trainer.eval_every=N"),
+    ("+gradient_accumulation_steps=8", "gradient_accumulation_steps", "trainer.global_batch_size"),  # HF's
+    ("+learning_rate=3e-4", "learning_rate", "optimizer.lr"),
+    ("trainer.gradient_clip_val=1.0", "gradient_clip_val", "trainer.grad_clip=MAX_NORM"),
+])
+def test_a_lightning_or_hugging_face_name_gets_elasticflows_spelling(tmp_path, override, name, ours):
+    from harness import train_in_process
+
+    out = train_in_process(MODEL, tmp_path / "run", override)
+    errors = [line for line in out.stderr.splitlines() if line.startswith(("error:", "hint:"))]
+    assert out.returncode == 2 and len(errors) == 2, out.stderr
+    assert errors[0].startswith("error: unknown config key ") and name in errors[0]
+    assert errors[1].startswith(f"hint: {name} is a ") and ours in errors[1], errors[1]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def spellings_markdown() -> str:
+    """docs/coming-from-lightning-and-hf.md's table of other trainers' names, from config/spellings.py."""
+    from elasticflow.config.spellings import SPELLINGS
+
+    rows = [f"| `{name}` | {whose} | {ours} |" for name, (whose, ours) in sorted(SPELLINGS.items())]
+    return "\n".join(["| their name | whose | ElasticFlow |", "|---|---|---|", *rows])
+
+
+def test_the_coming_from_page_shows_every_spelling():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "coming-from-lightning-and-hf.md").read_text()
+    start = "<!-- spellings: generated from elasticflow/config/spellings.py by tests/test_config.py -->\n"
+    shown = page[page.index(start) + len(start):page.index("\n<!-- spellings: end -->")]
+    assert shown == spellings_markdown(), (
+        "docs/coming-from-lightning-and-hf.md's table is not config/spellings.py's: "
+        "run `.venv/bin/python tests/test_config.py` to write it")
+
+
+if __name__ == "__main__":  # writes the table into the page
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    page = Path(__file__).resolve().parents[1] / "docs" / "coming-from-lightning-and-hf.md"
+    text = page.read_text()
+    start = "<!-- spellings: generated from elasticflow/config/spellings.py by tests/test_config.py -->\n"
+    head, rest = text.split(start)
+    page.write_text(head + start + spellings_markdown() + "\n<!-- spellings: end -->" + rest.split("\n<!-- spellings: end -->")[1])
+    print(f"{page}: {spellings_markdown().count(chr(10)) - 1} names")

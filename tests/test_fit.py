@@ -126,3 +126,37 @@ def test_a_failed_run_raises_after_the_clis_one_line(tmp_path):
     assert "RAISED training failed (exit 2)" in done.stdout, done.stdout + done.stderr
     assert [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")][0].startswith(
         "error: trainer.global_batch_size")
+
+
+def test_a_config_dict_and_hydra_run_dir_train_as_the_overrides_would(tmp_path):
+    """fit(config={...}) as a dict, nested or dotted, a list of dicts among its values; hydra.run.dir=D among
+    the overrides is the run directory (it trained into D, then looked for its result elsewhere); the
+    checkpoints are named after the module trained, not after the file fit() writes."""
+    run = tmp_path / "into"
+    done = _script(tmp_path, f"""
+        import json, sys
+        sys.path.insert(0, {str(MODELS)!r})
+        import elasticflow, digits_mlp
+
+        if __name__ == "__main__":
+            result = elasticflow.fit(digits_mlp, overrides=["hydra.run.dir={run}"],
+                                     config={{"trainer": {{"max_steps": 12, "global_batch_size": 64, "log_every": 1}},
+                                              "launcher.workers": 2, "optimizer.name": "sgd",
+                                              "optimizer.groups": [{{"params": ["b"], "lr": 0.01}}],
+                                              "callbacks": {{"lr_monitor": True}}}})
+            print("RESULT " + json.dumps(result))
+        """)
+    result = _result(done)
+    assert result["step"] == 12 and Path(result["checkpoint"]).is_relative_to(run), result
+    assert Path(result["checkpoint"]).parent.name.startswith("digits_mlp_"), result["checkpoint"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 12 and set(world_sizes(run)) == {2}
+    assert steps[0]["lr_group0"] == pytest.approx(0.01)  # the group from the list of dicts
+
+
+def test_two_run_directories_and_a_config_that_is_not_a_dict_are_one_line():
+    with pytest.raises(ElasticFlowError, match="fit\\(\\) was given two run directories: a, b"):
+        elasticflow.fit(model=print, forward=print, data=print, run_dir="a", overrides=["hydra.run.dir=b"])
+    with pytest.raises(ElasticFlowError, match="fit\\(config=...\\) takes a dict, got a list"):
+        elasticflow.fit(model=print, forward=print, data=print, config=["trainer.max_steps=3"])

@@ -233,7 +233,8 @@ class BestCheckpoints(Callback):
 
 class LearningRateMonitor(Callback):
     """Add each parameter group's learning rate to the step records as ``lr_group<i>`` (``lr`` is the base
-    one's; Lightning's ``LearningRateMonitor``). On with ``callbacks.lr_monitor=true``."""
+    one's; Lightning's ``LearningRateMonitor``). On with ``callbacks.lr_monitor=true``. An optimizer without
+    explicit groups is one group: ``lr_group0`` is then ``lr`` (a monitor that added nothing looked broken)."""
 
     ranks = "all"  # a record is written by whoever is rank 0 when the next step reduces: every rank adds the keys
 
@@ -243,6 +244,8 @@ class LearningRateMonitor(Callback):
             return
         for i, group in enumerate(spec.groups):
             metrics[f"lr_group{i}"] = lr * (group.lr / spec.lr if group.lr is not None else 1.0)
+        if not spec.groups:
+            metrics["lr_group0"] = lr
 
 
 class Callbacks:
