@@ -9,7 +9,9 @@ import grp
 import json
 import os
 import pwd
+import random
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -19,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import PROBE, assert_equivalent, cli, events, finish, logged_step, run_cli, start, wait_for
+from harness import (PROBE, TOKEN as HOST_TOKEN, assert_equivalent, cli, events, finish, logged_step, run_cli, start,
+                     wait_for)
 
 INTRUDER = r"""
 import datetime, json, sys, time
@@ -189,6 +192,39 @@ def test_coordinator_refuses_a_forged_report_and_takes_the_real_one():
         got = rank0.collect("ckpt/x/step_1/g0.1", 2, timeout_s=5.0)
         assert [r["file"] for r in got] == ["rank0.bin", "rank1.bin"]
         assert REFUSED.counts["checkpoint report"] == before + 2  # the unsigned one, and the replay
+    finally:
+        listener.close()
+
+
+def test_the_checkpoint_coordinator_connects_as_the_worker_joins_not_at_the_first_save():
+    """Issue #65: the coordinator's first connection was made at the first save, and a door shut by then cost the
+    job every checkpoint. It is opened with the coordinator (as the worker joins): later connections that fail
+    cost it nothing."""
+    import torch.distributed as dist
+
+    from elasticflow.checkpoint.coordinator import StoreCoordinator
+    from elasticflow.distributed.store.listen import listening_store
+    from elasticflow.distributed.store.stores import connect
+    from elasticflow._util.sealing import Sealer
+
+    store, listener = listening_store("127.0.0.1", 5.0)
+    opened = []
+
+    def connect_once():
+        if opened:
+            raise dist.DistNetworkError("the store is busy with other connections' handshakes")
+        opened.append(connect(f"127.0.0.1:{store.port}", 5.0))
+        return opened[-1]
+
+    try:
+        coordinator = StoreCoordinator(connect_once, Sealer("t" * 32, "job1"))
+        assert len(opened) == 1  # before any save
+        reports = []
+        writer = threading.Thread(target=lambda: (coordinator.report("ckpt/x/step_1/g0.1", 0, {"ok": True}),
+                                                  reports.append(coordinator.collect("ckpt/x/step_1/g0.1", 1, 5.0))))
+        writer.start()  # from the writer thread, as saves are
+        writer.join(60)
+        assert reports == [[{"ok": True}]] and len(opened) == 1
     finally:
         listener.close()
 
@@ -395,3 +431,136 @@ def test_a_run_directory_another_user_can_write_is_refused(tmp_path):
     assert not grp.getgrgid(os.getegid()).gr_mem
     mine = cli(["train", PROBE, f"hydra.run.dir={private}", "trainer.max_steps=1"])
     assert mine.returncode == 0, mine.stderr[-2000:]
+
+
+SLOW_HANDSHAKES = r"""
+import json, os, socket, sys, threading, time
+from elasticflow.distributed.store import wire
+
+# A stranger on the job's host (the same address as its workers: 127.0.0.1), and with "all" on 16 more: each of
+# its connections sends one right byte of a handshake every second, as if it were slow, and is opened again as
+# soon as it is hung up on. 24 from the workers' address (16 fill its places); with "all", 16 from each of 16
+# others too (256: the door's every place).
+port, progress, stop, spread = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+start = getattr(wire, "OPEN", b"") + bytes(wire.NONCE)  # every byte right: none is a MAC byte, which it could
+                                                       # not get right
+seen = {"connections": 0, "busy": 0, "cut": 0}
+lock = threading.Lock()
+
+
+def count(what):
+    with lock:
+        seen[what] += 1
+
+
+def slot(source):
+    while not os.path.exists(stop):
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+        except OSError:  # the agent is not listening yet (or no longer)
+            time.sleep(0.05)
+            continue
+        count("connections")
+        opened, sent, said = time.monotonic(), 0, b""
+        try:
+            s.settimeout(1.0)
+            while not os.path.exists(stop) and sent < len(start):
+                s.sendall(start[sent:sent + 1])
+                sent += 1
+                try:
+                    said = s.recv(64)
+                except socket.timeout:
+                    continue
+                if not said or said.startswith(wire.BUSY):
+                    break  # told to come back, or closed
+                said = b""  # a greeting (the store of before issue #65 greeted first): go on trickling
+        except OSError:
+            pass
+        finally:
+            s.close()
+        if said.startswith(wire.BUSY) and time.monotonic() - opened < 0.5:
+            count("busy")  # the door was full
+            time.sleep(0.5)
+        elif sent > 1:
+            count("cut")   # held a place, and was hung up on (at the handshake's deadline)
+
+
+sources = ["127.0.0.1"] * 24 + ([f"127.0.0.{i}" for i in range(2, 18) for _ in range(16)] if spread == "all" else [])
+for source in sources:
+    threading.Thread(target=slot, args=(source,), daemon=True).start()
+while not os.path.exists(stop):
+    with lock:
+        text = json.dumps(seen)
+    with open(progress + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(progress + ".tmp", progress)
+    time.sleep(0.5)
+print(json.dumps(seen))
+"""
+
+
+def _free_port() -> int:
+    """A free port below the ephemeral range: an attacker's connections to it, made before anything listens
+    there, never take it themselves (a connection from an ephemeral port equal to its target connects to
+    itself, and would hold the port the agent is about to listen on)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(max(1024, low - 8000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
+def test_slow_handshakes_shut_no_worker_out_of_the_token_store(tmp_path, reference):
+    """Issue #65's first attack, caused for real: a stranger holds more than the token store's whole door with
+    slow handshakes (one right byte a second, from the workers' own address and 16 more), from before the job
+    starts and again while it trains. A 3-worker job on that store (launcher=nodes on this host) still forms,
+    saves and commits every checkpoint: exit 0, every worker throughout, the 1-worker parameters."""
+    run, pace, stop = tmp_path / "run", tmp_path / "pace", tmp_path / "stop"
+    port = _free_port()
+    script = tmp_path / "slow_handshakes.py"
+    script.write_text(SLOW_HANDSHAKES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICFLOW_")}
+
+    def attack(name, spread):
+        return subprocess.Popen([sys.executable, str(script), str(port), str(tmp_path / name), str(stop), spread],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    def progress(name):
+        try:
+            return json.loads((tmp_path / name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    pace.touch()
+    attackers = [attack("before", "all")]
+    try:
+        proc = start(run, "launcher=nodes", f"launcher.endpoint=127.0.0.1:{port}", "launcher.procs_per_node=3",
+                     "checkpoint.interval.steps=20",
+                     env={"ELASTICFLOW_JOB_TOKEN": HOST_TOKEN, "EF_PROBE_SLEEP": "0.3", "EF_PROBE_PACE": str(pace)})
+        wait_for(lambda: progress("before").get("busy", 0) > 0, 120, "the door full before the workers come",
+                 proc=proc)
+        wait_for(lambda: logged_step(run) >= 5, 180, "step 5", proc=proc)
+        attackers.append(attack("during", "own address"))
+        wait_for(lambda: progress("during").get("busy", 0) >= 24 and progress("before").get("cut", 0) >= 256, 120,
+                 "the door full while the job trains", proc=proc)
+        pace.unlink()
+        out = finish(proc)
+        stop.touch()
+        seen = [json.loads(a.communicate(timeout=60)[0].splitlines()[-1]) for a in attackers]
+    finally:
+        stop.touch()
+        for a in attackers:
+            if a.poll() is None:
+                a.kill()
+                a.communicate()
+    assert proc.returncode == 0, out[-4000:]
+    assert "the store is busy" not in out and "did not commit" not in out, out[-4000:]
+    assert all(s["busy"] > 0 for s in seen) and seen[0]["cut"] >= 256, seen  # full, and each place held to its end
+    assert_equivalent(run, reference)
+    generations = [e for e in events(run) if e["event"] == "generation"]
+    assert generations and {len(e["members"]) for e in generations} == {3}  # every worker, throughout
+    assert list((run / "checkpoints").glob("*/step_*/metadata.json"))

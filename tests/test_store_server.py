@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -215,15 +216,16 @@ def test_a_store_kind_and_address_per_launcher():
 
 
 def _rogue_store() -> str:
-    """A server that plays the handshake without the token: it greets, reads the client's proof, and answers
-    32 bytes of its own. Its address."""
+    """A server that plays the handshake without the token: it reads the client's opening, greets, reads the
+    client's proof, and answers 32 bytes of its own. Its address."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def play():
         conn, _ = listener.accept()
         with conn:
+            store_wire._recv_exact(conn, store_wire.OPENING)
             conn.sendall(store_wire.HELLO + bytes(16))
-            store_wire._recv_exact(conn, 48)
+            store_wire._recv_exact(conn, store_wire.PROOF)
             conn.sendall(bytes(32))
             conn.recv(1)
         listener.close()
@@ -272,8 +274,9 @@ class Relay:
         conn, _ = self.listener.accept()
         up = socket.create_connection((self.upstream[0][len("token:"):], int(self.upstream[1])))
         hello = len(store_wire.HELLO) + store_wire.NONCE
-        threading.Thread(target=self._pump, args=(conn, up, "c2s", store_wire.NONCE + 32), daemon=True).start()
-        threading.Thread(target=self._pump, args=(up, conn, "s2c", hello + 32), daemon=True).start()
+        threading.Thread(target=self._pump, args=(conn, up, "c2s", store_wire.OPENING + store_wire.PROOF),
+                         daemon=True).start()
+        threading.Thread(target=self._pump, args=(up, conn, "s2c", hello + store_wire.PROOF), daemon=True).start()
 
     def _pump(self, src, dst, direction, handshake):
         try:
@@ -343,32 +346,129 @@ def test_a_proven_connection_cannot_be_altered_replayed_or_reflected_on_the_way(
         srv.close()
 
 
-def test_a_flood_of_silent_connections_holds_only_its_own_share_of_the_door(monkeypatch):
-    """A stranger opening connections that never prove the token holds at most MAX_UNPROVEN_PER_PEER places
-    in the handshake, for HANDSHAKE_S each: the job's own clients, from another address, connect at once. A
-    client told BUSY retries until its timeout, and fails as a store that does not answer, never as a wrong
-    token (a crowd of joiners from one host is not refused)."""
+def _stranger(port: int, source: str, first: bytes = store_wire.OPEN[:1]) -> socket.socket:
+    """A connection from ``source`` that has begun a handshake it cannot finish: ``first``, a right start."""
+    s = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+    s.sendall(first)
+    return s
+
+
+def _answer(s: socket.socket, timeout: float = 30) -> bytes:
+    """What the server says to a stranger's connection before it closes: BUSY, or nothing (b"")."""
+    s.settimeout(timeout)
+    got = b""
+    while True:
+        part = s.recv(64)
+        if not part:
+            return got
+        got += part
+
+
+def test_strangers_who_fill_the_door_keep_no_worker_out(monkeypatch):
+    """Strangers in the middle of a handshake hold at most MAX_UNPROVEN_PER_PEER places per address and
+    MAX_UNPROVEN in all, each until HANDSHAKE_S: more are told BUSY. A worker's first bytes prove the token
+    (its opening), so it takes no place: from the strangers' own address, through a full door, it connects at
+    once. A client told BUSY (a replayed opening waits for a place) retries until its timeout, and fails as a
+    store that does not answer, never as a wrong token (a crowd of joiners from one host is not refused)."""
     monkeypatch.setattr(store_server, "HANDSHAKE_S", 2.0)
+    monkeypatch.setattr(store_server, "MAX_UNPROVEN", store_server.MAX_UNPROVEN_PER_PEER + 2)
     srv = StoreServer.token("127.0.0.1", 0, TOKEN)
     port = int(srv.address.rsplit(":", 1)[1])
-    flood = []
+    held, busy = [], []
     try:
-        for _ in range(store_server.MAX_UNPROVEN_PER_PEER + 4):
-            flood.append(socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0)))
-        busy = [s.recv(len(store_wire.BUSY)) for s in flood[-4:]]
-        assert busy == [store_wire.BUSY] * 4 and srv.busy_peers == 4
-        c = client(srv)  # from 127.0.0.1: its own share of the door
+        for _ in range(store_server.MAX_UNPROVEN_PER_PEER):  # the workers' own address's places, all taken
+            held.append(_stranger(port, "127.0.0.1"))
+        held += [_stranger(port, "127.0.0.2"), _stranger(port, "127.0.0.2")]  # and the door's last two
+        busy = [_stranger(port, "127.0.0.1"), _stranger(port, "127.0.0.3")]   # per address, and in all
+        assert [_answer(s) for s in busy] == [store_wire.BUSY + bytes(16)] * 2 and srv.busy_peers == 2
+        assert srv.places_held() == store_server.MAX_UNPROVEN
+        c = client(srv)  # from 127.0.0.1, whose places strangers hold
         c.set("k", "v")
-        assert c.get("k") == b"v" and srv.busy_peers == 4
-        for s in flood[:store_server.MAX_UNPROVEN_PER_PEER]:  # hung up on after HANDSHAKE_S without a proof
-            s.settimeout(30)
-            assert s.recv(len(store_wire.HELLO) + 16).startswith(store_wire.HELLO) and s.recv(1) == b""
-        assert srv.refused_peers == store_server.MAX_UNPROVEN_PER_PEER
-        monkeypatch.setattr(store_server, "MAX_UNPROVEN_PER_PEER", 0)  # every new connection: BUSY
+        assert c.get("k") == b"v" and srv.busy_peers == 2
+        for s in held:  # hung up on at HANDSHAKE_S without a proof, and told to come back (as a slow worker is)
+            assert _answer(s) == store_wire.BUSY + bytes(16)
+        assert srv.refused_peers == len(held) and srv.places_held() == 0
+        monkeypatch.setattr(store_server, "MAX_UNPROVEN_PER_PEER", 0)  # every connection that needs a place: BUSY
+        monkeypatch.setattr(StoreServer, "_fresh", lambda self, head: False)  # as a replayed opening
         with pytest.raises(dist.DistNetworkError, match="does not answer .*busy") as caught:
             StoreClient(srv.address, datetime.timedelta(seconds=0.5), TOKEN)
         assert not isinstance(caught.value, store_server.WrongToken)
     finally:
-        for s in flood:
+        for s in held + busy:
             s.close()
         srv.close()
+
+
+def test_the_handshake_has_one_deadline_from_accept_however_its_bytes_trickle(monkeypatch):
+    """A connection that sends a right byte of its opening every 0.2 s is cut at HANDSHAKE_S from accept (told
+    to come back), not kept alive by each byte; its place is free again."""
+    monkeypatch.setattr(store_server, "HANDSHAKE_S", 1.0)
+    srv = StoreServer.token("127.0.0.1", 0, TOKEN)
+    port = int(srv.address.rsplit(":", 1)[1])
+    start = store_wire.OPEN + bytes(store_wire.NONCE)  # every byte right: no MAC byte yet
+    s = _stranger(port, "127.0.0.1")
+    try:
+        sent, said = 1, b""
+        s.settimeout(0.2)  # the trickle's pace: one byte each time the server says nothing for 0.2 s
+        while sent < len(start):
+            try:
+                said = s.recv(64)
+                break  # BUSY, or closed
+            except socket.timeout:
+                pass
+            try:
+                s.sendall(start[sent:sent + 1])
+            except OSError:  # cut between two bytes
+                said = b""
+                break
+            sent += 1
+        said += _answer(s)
+        assert sent < len(start), "a trickle of right bytes kept its connection past the handshake's deadline"
+        assert said in (store_wire.BUSY + bytes(16), b"") and srv.refused_peers == 1
+        assert srv.places_held() == 0
+        c = client(srv)
+        c.set("after", "1")
+        assert c.get("after") == b"1"
+    finally:
+        s.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("where", ["opening", "proof"])
+def test_a_wrong_byte_ends_the_handshake_there_and_frees_its_place(monkeypatch, where):
+    """A stranger's first wrong byte (of the opening's MAC, or of its proof over the server's nonce) is hung
+    up on at once (well before HANDSHAKE_S), and the place it held is free again."""
+    monkeypatch.setattr(store_server, "HANDSHAKE_S", 60.0)
+    monkeypatch.setattr(store_server, "MAX_UNPROVEN_PER_PEER", 1)
+    srv = StoreServer.token("127.0.0.1", 0, TOKEN)
+    port = int(srv.address.rsplit(":", 1)[1])
+    key = store_wire.key_of(TOKEN)
+    first, nonce = store_wire.opening(key)
+    s = _stranger(port, "127.0.0.1")  # takes the address's one place
+    try:
+        assert _answer(_stranger(port, "127.0.0.1")) == store_wire.BUSY + bytes(16)  # (it is held)
+        if where == "opening":
+            wrong = first[1:-store_wire.PROOF] + bytes([first[-store_wire.PROOF] ^ 1])
+            s.sendall(wrong)
+            assert _answer(s) == b""  # hung up on at the first MAC byte: no HELLO, no BUSY
+        else:
+            s.sendall(first[1:])  # a whole opening (one recorded from a worker, say): still in its place ...
+            hello = store_wire.read_until(s, len(store_wire.HELLO) + store_wire.NONCE, time.monotonic() + 30)
+            assert hello.startswith(store_wire.HELLO)
+            right = store_wire._mac(key, b"client", hello[len(store_wire.HELLO):], nonce)
+            s.sendall(bytes([right[0] ^ 1]))  # ... until its proof's first byte
+            assert _answer(s) == b""
+        wait_until_free(srv)
+        c = client(srv)
+        c.set("after", "1")
+        assert c.get("after") == b"1" and srv.busy_peers == 1
+    finally:
+        s.close()
+        srv.close()
+
+
+def wait_until_free(srv, within: float = 30.0):
+    deadline = time.monotonic() + within
+    while srv.places_held():
+        assert time.monotonic() < deadline, "a place still held after its connection was hung up on"
+        time.sleep(0.01)

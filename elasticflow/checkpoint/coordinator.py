@@ -74,21 +74,28 @@ class LocalCoordinator(Coordinator):
 class StoreCoordinator(Coordinator):
     """Through the agent's store, on a client of its own (``connect()`` makes one: Membership.new_client).
 
+    The connection is opened here, as the worker joins, not at the first save: a store that is hard to reach
+    later (a stranger crowding its door, docs/security.md) must not cost the job its checkpoints. Only if it
+    fails here is it tried again at the first use.
+
     Note: store clients are not thread-safe, and the training thread uses the membership's; this
-    one connects lazily in the thread that first uses it (the checkpoint writer thread) and is
-    used from there only.
+    one is used from the thread that first uses it (the checkpoint writer thread) only.
     """
 
     POLL_S = 0.02  # polling ``check`` rather than ``wait``: a timed-out wait logs C++ warnings
 
     def __init__(self, connect: Callable[[], Any], sealer: Sealer):
         self.connect, self.sealer = connect, sealer
-        self._store = None
         self._owner: Optional[int] = None
+        try:
+            self._store = connect()
+        except Exception:  # noqa: BLE001 - the save that needs it reports the failure (and its rank's report)
+            self._store = None
 
     def _client(self):
         if self._store is None:
             self._store = self.connect()
+        if self._owner is None:
             self._owner = threading.get_ident()
         assert self._owner == threading.get_ident(), "StoreCoordinator used from two threads"
         return self._store

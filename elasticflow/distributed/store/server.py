@@ -6,11 +6,12 @@ its number in ``/proc/net/tcp``); across hosts, everyone on the network. So:
 - ``private``: a Unix socket in ``RUN_DIR/.elasticflow/`` (mode 0700) can be opened only by the owner; the server
   also reads each connection's peer credentials (``SO_PEERCRED``) and hangs up on any other user, so a loosened
   directory mode does not open the door either.
-- ``token``: before anything else on a connection, each side proves it holds the job token (``wire.handshake``: an
-  HMAC over two fresh nonces, one from each side). A stranger is hung up on before a byte of a request is read,
-  and a worker never talks to an impostor. Then every frame carries a MAC under that connection's own key, so
-  nothing on the network path alters or injects one. Nothing is encrypted (docs/security.md says what that
-  leaves). wire.py is the wire: frames, the handshake, the MACs.
+- ``token``: before anything else on a connection, each side proves it holds the job token (``wire``'s handshake:
+  HMACs over two fresh nonces, one from each side), all of it within HANDSHAKE_S of accept. A stranger is hung
+  up on before a byte of a request is read, and a worker never talks to an impostor. Then every frame carries a
+  MAC under that connection's own key, so nothing on the network path alters or injects one. Nothing is
+  encrypted (docs/security.md says what that leaves). wire.py is the wire: frames, the handshake, the MACs.
+  The door admits the job's own connections ahead of strangers' (``_at_the_door``, docs/security.md).
 
 The server runs in the agent's process (a thread per connection), so it dies with the agent, as TCPStore's
 would: the workers see the connection close and take the agent-lost path. The client is a
@@ -29,22 +30,29 @@ import struct
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
 from .listen import listening_socket
-from .wire import BUSY, Busy, Frames, handshake, key_of
+from .wire import BUSY, NONCE, OPEN, OPENING, Busy, Frames, client_handshake, key_of, opening_check, \
+    server_handshake
 
 SCHEME = "unix:"          # a private store's address: unix:<path>
 TOKEN_SCHEME = "token:"   # a token store's: token:<host>:<port>
-HANDSHAKE_S = 5.0         # a connection that has not proved the token by then is hung up on
-# Connections still in their handshake, from one peer address and in all: more are told BUSY and close (the
-# client retries until its timeout). A stranger's flood then holds at most a peer's share of the door for
-# HANDSHAKE_S; a crowd of joiners from one host waits its turn instead of being refused as a wrong token.
+HANDSHAKE_S = 3.0         # the whole handshake, from accept: a connection that has not proved the token by then
+                          # is hung up on, however its bytes trickle in
+# The door has two ways in. A client's first bytes carry a MAC over its nonce (wire.opening): one whose opening
+# is whole and valid at accept has shown it holds the token, and goes on to the rest of its handshake without
+# taking a place. Any other connection (a stranger's; ours, if its opening came in pieces) takes one of a few
+# places, from one peer address and in all; more are told BUSY and close (the client retries until its timeout).
+# So a stranger who fills its address's places, even from the job's own hosts, keeps no worker out; and it holds
+# a place until its first wrong byte or HANDSHAKE_S, whichever comes first.
 MAX_UNPROVEN_PER_PEER = 16
 MAX_UNPROVEN = 256
+SEEN_OPENINGS = 1 << 16   # the nonces of the newest openings let in: a recorded one, replayed, waits for a place
 _MAX_PATH = 100           # sun_path holds 108 bytes; a deeper run directory gets a private one under /tmp
 
 
@@ -82,6 +90,8 @@ class StoreServer:
         self._listener = listener
         self._unproven: Dict[str, int] = {}  # peer address -> its connections still in their handshake
         self._door = threading.Lock()
+        self._seen: "deque[bytes]" = deque()  # the newest openings' nonces, oldest first (and as a set)
+        self._seen_set = set()
         self.refused_peers = 0  # connections hung up on: another user's, or without the token
         self.busy_peers = 0     # connections told to come back: too many were in their handshake
         threading.Thread(target=self._accept, name="elasticflow-store", daemon=True).start()
@@ -105,6 +115,9 @@ class StoreServer:
     def token(cls, host: str, port: int, token: str) -> "StoreServer":
         """On TCP ``host:port`` (0: any free port), serving only connections that prove ``token``."""
         listener = listening_socket(host, port)
+        if hasattr(socket, "TCP_DEFER_ACCEPT"):  # accept once the client's first bytes are in (Linux): its
+            # opening is then read at accept, so a worker is let in at once, whoever holds the places
+            listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, int(HANDSHAKE_S))
         return cls(listener, f"{TOKEN_SCHEME}{host}:{listener.getsockname()[1]}", token=token)
 
     @property
@@ -131,18 +144,55 @@ class StoreServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
-            if self._key is None:
-                _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-                if uid != os.getuid():
-                    self._refuse(conn)
-                    continue
-            elif not self._admit(peer[0]):
+            try:
+                self._at_the_door(conn, peer)
+            except OSError:  # it reset already: the door goes on
+                conn.close()
+
+    def _at_the_door(self, conn: socket.socket, peer) -> None:
+        """Serve ``conn`` (on a thread of its own), or hang up on it now. Never waits for the peer."""
+        accepted, head, place = time.monotonic(), b"", False
+        if self._key is None:
+            _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():
+                self._refuse(conn)
+                return
+        else:
+            head = self._first_bytes(conn)
+            verdict = None if head is None else opening_check(self._key, head)
+            if head is None or verdict is False:  # closed already, or a wrong byte: no place, no thread
+                self._refuse(conn)
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            place = not (verdict and self._fresh(head))
+            if place and not self._admit(peer[0]):
                 self._busy(conn)
-                continue
-            else:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn, peer), name="elasticflow-store-conn",
-                             daemon=True).start()
+                return
+        threading.Thread(target=self._serve, args=(conn, peer, accepted, head, place),
+                         name="elasticflow-store-conn", daemon=True).start()
+
+    @staticmethod
+    def _first_bytes(conn: socket.socket) -> Optional[bytes]:
+        """What the client sent before accept (up to its opening), without waiting; None if it closed."""
+        try:
+            head = conn.recv(OPENING, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b""
+        except OSError:
+            return None
+        return head or None
+
+    def _fresh(self, head: bytes) -> bool:
+        """Whether this opening's nonce is new (recorded and replayed, it gets no way around the places)."""
+        nonce = head[len(OPEN):len(OPEN) + NONCE]
+        with self._door:
+            if nonce in self._seen_set:
+                return False
+            self._seen.append(nonce)
+            self._seen_set.add(nonce)
+            if len(self._seen) > SEEN_OPENINGS:
+                self._seen_set.discard(self._seen.popleft())
+            return True
 
     def _admit(self, peer: str) -> bool:
         """A place at the door (a connection in its handshake) for ``peer``, if it and the door have one."""
@@ -151,6 +201,11 @@ class StoreServer:
                 return False
             self._unproven[peer] = self._unproven.get(peer, 0) + 1
             return True
+
+    def places_held(self) -> int:
+        """How many connections hold a place at the door now (in their handshake, without a valid opening)."""
+        with self._door:
+            return sum(self._unproven.values())
 
     def _proven_or_not(self, peer: str) -> None:
         with self._door:
@@ -166,22 +221,26 @@ class StoreServer:
         self.busy_peers += 1
         try:
             conn.setblocking(False)  # 24 bytes into an empty socket buffer: never blocks the door
+            conn.recv(OPENING)       # and what came, read: a close with bytes unread resets, which may lose BUSY
+        except OSError:
+            pass
+        try:
             conn.send(BUSY + bytes(16))
         except OSError:
             pass
         conn.close()
 
-    def _serve(self, conn: socket.socket, peer) -> None:
+    def _serve(self, conn: socket.socket, peer, accepted: float, head: bytes, place: bool) -> None:
         try:
             frames = Frames(conn)
             if self._key is not None:
                 try:
-                    conn.settimeout(HANDSHAKE_S)
-                    session = handshake(conn, self._key, server=True)
+                    session = server_handshake(conn, self._key, accepted + HANDSHAKE_S, head)
                 except (ConnectionError, OSError):
-                    session = None  # it hung up, or said too little in time
+                    session = None  # it hung up, sent a wrong byte, or did not finish in time
                 finally:
-                    self._proven_or_not(peer[0])
+                    if place:
+                        self._proven_or_not(peer[0])
                 if session is None:
                     self.refused_peers += 1
                     return
@@ -311,13 +370,17 @@ class StoreClient(dist.Store):
                 raise
             return Frames(sock)
         host, port = self.address[len(TOKEN_SCHEME):].rsplit(":", 1)
+        deadline = time.monotonic() + HANDSHAKE_S + 1  # the server's deadline passes first: it says LATE
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=HANDSHAKE_S)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = handshake(sock, key_of(self._token), server=False)
+            session = client_handshake(sock, key_of(self._token), deadline)
         except Busy:
             sock.close()
             raise
+        except ConnectionResetError:  # a BUSY lost to a reset (not how a wrong token is hung up on: a close)
+            sock.close()
+            raise Busy("the store reset the connection during the handshake") from None
         except OSError:
             sock.close()
             raise PermissionError("it hung up during the handshake: the job token is wrong") from None
