@@ -15,7 +15,7 @@ USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-
        elasticflow status RUN_DIR [--json]
        elasticflow plot RUN_DIR [-o FILE.png]
        elasticflow inspect CHECKPOINT_DIR
-       elasticflow export CHECKPOINT --to DIR [--model MODEL.py] [key=value ...]
+       elasticflow export CHECKPOINT --to DIR [--best] [--model MODEL.py] [key=value ...]
        elasticflow --version
 
 Train the model file's model(), forward() and data(); any config key can be overridden, e.g.
@@ -178,11 +178,13 @@ def export_command(args: List[str]) -> None:
     parser.add_argument("--to", type=Path, required=True, metavar="DIR", help="a new or empty directory")
     parser.add_argument("--model", metavar="MODEL.py",
                         help="the model file (default: the run's, from RUN_DIR/.hydra/overrides.yaml)")
+    parser.add_argument("--best", action="store_true",
+                        help="the best checkpoint by checkpoint.monitor, not the newest")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides on top of the run's")
     ns = parser.parse_intermixed_args(args)
     from .exporting import export
 
-    print(export(ns.checkpoint, ns.to, ns.model, ns.overrides).describe())
+    print(export(ns.checkpoint, ns.to, ns.model, ns.overrides, best=ns.best).describe())
 
 
 def scale_command(args: List[str]) -> None:

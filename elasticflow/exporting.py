@@ -60,13 +60,15 @@ class Exported:
 
 
 def export(checkpoint: str | Path, to: str | Path, model: Optional[str] = None,
-           overrides: Optional[Sequence[str]] = None) -> Exported:
+           overrides: Optional[Sequence[str]] = None, best: bool = False) -> Exported:
     """Write the weights of ``checkpoint`` into the new directory ``to``, in the model's own framework form.
 
     Args:
         checkpoint: a checkpoint directory, or a job dir, ``checkpoint.dir`` or run dir (its newest checkpoint).
         model: the model file; default: the one the run recorded in ``RUN_DIR/.hydra/overrides.yaml``.
         overrides: ``key=value`` config overrides on top of the run's (``model_args`` shape the model).
+        best: export the best checkpoint by ``checkpoint.monitor`` (the best-k the run kept, as its newest
+            checkpoint records them) instead of the newest.
 
     Example:
         >>> elasticflow.export("outputs/2026-11-26/10-00-00", "exported/bert")
@@ -77,6 +79,8 @@ def export(checkpoint: str | Path, to: str | Path, model: Optional[str] = None,
     model large enough for ``save_pretrained`` to shard keeps its shards (and their index) as written.
     """
     path = _checkpoint(Path(checkpoint).expanduser())
+    if best:
+        path = best_of(path)
     to = _target(Path(to).expanduser())
     meta = read_metadata(path)
     check_metadata(path, meta)  # a crafted metadata.json is one error line here too, before anything is read
@@ -102,6 +106,25 @@ def _checkpoint(path: Path) -> Path:
         raise ElasticFlowError(f"'{path}' is not a checkpoint: no {METADATA} in it and no complete checkpoint "
                                "under it", HINT_PATH + " (or a run directory)")
     return found.resolve()  # absolute: its run directory is searched for above it
+
+
+def best_of(newest: Path) -> Path:
+    """The best checkpoint by ``checkpoint.monitor`` beside ``newest``: the first of the best-k list its
+    metadata records (train/callbacks.py's BestCheckpoints state: ``[[value, step], ...]``, best first)."""
+    meta = read_metadata(newest)
+    check_metadata(newest, meta)
+    kept = [v for k, v in (meta.get("callbacks") or {}).items() if k.endswith(":BestCheckpoints")]
+    ranked = kept[0].get("best") if kept and isinstance(kept[0], dict) else None
+    if not ranked:
+        raise ElasticFlowError(f"--best: {newest} records no best checkpoint (the run ranked none)",
+                               "train with checkpoint.monitor=METRIC (and trainer.eval_every=N) to keep the best, "
+                               "or export a checkpoint by its path")
+    value, step = ranked[0]
+    found = newest.parent / f"step_{int(step)}"
+    if not (found / METADATA).exists():
+        raise ElasticFlowError(f"--best: the best checkpoint, step {int(step)} ({value:g}), is not in "
+                               f"{newest.parent}", "it was deleted or never committed: export one by its path")
+    return found.resolve()
 
 
 def _target(to: Path) -> Path:

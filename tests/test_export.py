@@ -261,6 +261,33 @@ def test_dict_of_arrays_exports_arrays_by_name(tmp_path):
     assert all(np.array_equal(arrays[n], state[n]) for n in arrays)
 
 
+def test_best_exports_the_best_checkpoint_not_the_newest(tmp_path):
+    """`export --best`: the best by checkpoint.monitor, as the run's newest checkpoint ranks them (the LoRA
+    tutorial exported the newest, step 440, when the best was 380). tests/models/callback_probe.py at lr 0.5:
+    eval_loss at step 25 (0.59) beats step 30's (0.61)."""
+    from safetensors.numpy import load_file
+
+    probe = Path(__file__).parent / "models" / "callback_probe.py"
+    run = tmp_path / "run"
+    train(probe, run, "trainer.global_batch_size=64", "trainer.micro_batch_size=16", "optimizer.lr=0.5",
+          "trainer.max_steps=30", "trainer.eval_every=5", "checkpoint.monitor=eval_loss", "checkpoint.save_top_k=1",
+          "checkpoint.keep=1", timeout=120)
+    (job,) = (run / "checkpoints").iterdir()
+    assert {"step_25", "step_30"} <= {p.name for p in job.iterdir()}
+    done = cli(["export", run, "--best", "--to", tmp_path / "best"])
+    assert done.returncode == 0 and "exported step 25 of" in done.stdout, done.stderr
+    arrays = load_file(str(tmp_path / "best" / "model.safetensors"))
+    best, newest = ckpt.load(job / "step_25"), ckpt.load(job / "step_30")
+    assert all(np.array_equal(arrays[n], np.asarray(best[n])) for n in arrays)
+    assert not all(np.array_equal(arrays[n], np.asarray(newest[n])) for n in arrays)
+    # a run that ranked nothing: one line that says how to rank
+    train("linear.py", tmp_path / "plain", *STEPS, timeout=120)
+    done = cli(["export", tmp_path / "plain", "--best", "--to", tmp_path / "none"])
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "records no best checkpoint" in errors[0], done.stderr
+    assert "checkpoint.monitor=METRIC" in done.stderr and not (tmp_path / "none").exists()
+
+
 def test_keras_export_loads_with_load_weights(tmp_path, restore_ops):
     model = MODELS / "keras_bn.py"
     run = tmp_path / "run"
