@@ -46,6 +46,7 @@ class Joined:
     rebuild_s: float    # from admission until the group of the first generation was built
     transfer_s: float   # receiving the state from the most advanced member
     state_received: bool
+    failure: Optional[str] = None  # what failed in the first state sync (then ``recover`` follows), else None
 
 
 @dataclass

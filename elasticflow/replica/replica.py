@@ -119,7 +119,8 @@ class Replica:
         """Ask the agent to admit this worker, enter its generation and take the most advanced state.
 
         ``samples_seen`` is this worker's own progress (a resumed checkpoint's). Returns None for a
-        single-process run.
+        single-process run. A first sync that failed is not raised: ``Joined.failure`` says what failed, and the
+        caller enters the next generation through ``recover`` as after any failed collective.
         """
         m = self.membership
         if m is None:
@@ -127,9 +128,14 @@ class Replica:
         ready_at = time.time()
         m.join()
         joined_at = time.time()
-        moved = self.sync_state(samples_seen)
+        moved, failure = False, None
+        try:
+            moved = self.sync_state(samples_seen)
+        except protocol.CommError as exc:  # a member died, or a stranger held a gloo connection (issue #65)
+            failure = str(exc)  # the caller regroups, as after a failed step (``recover``), outside this block
         return Joined(generation=self.generation, world=self.world, admit_s=m.admitted_at - ready_at,
-                      rebuild_s=joined_at - m.admitted_at, transfer_s=time.time() - joined_at, state_received=moved)
+                      rebuild_s=joined_at - m.admitted_at, transfer_s=time.time() - joined_at, state_received=moved,
+                      failure=failure)
 
     # ------------------------------------------------------------------ every step
     def begin_backward(self) -> None:

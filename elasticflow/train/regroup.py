@@ -44,6 +44,12 @@ class Regrouper:
         ready_at = time.time()
         joined = self.replica.join(self.state.cursor.samples_seen)
         self.entered_generation()
+        if joined is not None and joined.failure is not None:
+            # The first state sync failed (a member died in it, or a stranger connected to a gloo port first and
+            # held the connection until the timeout, issue #65): as after a failed step, the next generation and
+            # its sync; what ends the run is raised there, a lost slice falls back to the checkpoint.
+            self.regroup(joined.failure)
+            return
         if joined is not None and (joined.generation > 0 or joined.state_received):
             spawned = float(os.environ.get(protocol.ENV_SPAWNED_AT, ready_at))
             self.run_log.event("joined", worker=self.replica.worker_id, generation=joined.generation,

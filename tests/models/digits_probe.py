@@ -7,7 +7,9 @@ Environment (read by every worker):
                      waits in the gradient allreduce; the other workers are slowed at that step so it
                      is the one waiting), or "logging" (as rank 0, when it writes step's record to
                      metrics.jsonl -- during the next step's reduction -- it waits 0.3 s, long enough for
-                     the others to finish that reduction, and dies before the record is written).
+                     the others to finish that reduction, and dies before the record is written), or "sync"
+                     (its first state sync with peers, ``Replica.sync_state`` as it joins; step is not read:
+                     it dies there before it sends, so its peers' first sync fails while they wait for it).
     EF_PROBE_PAUSE   "step:seconds": every worker sleeps that long in forward at that step (generation 0),
                      a window for a test to kill a pid from workers.json.
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
@@ -76,7 +78,7 @@ def _inject(ctx):
     if not first_time:
         return  # only the first micro-batch of a step attempt
     for worker, step, where in KILLS:
-        if int(step) != ctx.step or where == "logging":
+        if int(step) != ctx.step or where in ("logging", "sync"):
             continue
         if int(worker) == WORKER:
             if where == "forward":
@@ -151,6 +153,19 @@ def _stall_first_build():
     comm.Group.__init__ = stalling
 
 
+def _kill_in_first_sync():
+    from elasticflow.replica import replica
+
+    sync = replica.Replica.sync_state
+
+    def dying(self, samples_seen):
+        if self.world > 1:
+            _kill_self()
+        return sync(self, samples_seen)
+
+    replica.Replica.sync_state = dying
+
+
 def _kill_while_logging(steps):
     from elasticflow.observability import reporting
 
@@ -167,6 +182,8 @@ def _kill_while_logging(steps):
 
 if any(where == "logging" and int(worker) == WORKER for worker, _, where in KILLS):
     _kill_while_logging({int(step) for worker, step, where in KILLS if where == "logging" and int(worker) == WORKER})
+if any(where == "sync" and int(worker) == WORKER for worker, _, where in KILLS):
+    _kill_in_first_sync()
 if STALL and int(STALL[0]) == WORKER:
     _stall_first_build()
 if os.environ.get("EF_PROBE_SLOW_START"):
