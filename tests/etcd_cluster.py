@@ -38,6 +38,22 @@ while True:
         time.sleep(0.3)
 """
 
+# Another job's client (any certificate of the CA): it lists every key of the cluster, finds each job's leader
+# key, and puts its own over it with no lease (so that it never expires). Prints the keys it overwrote.
+DEPOSE = """
+import base64, datetime, json, sys
+from elasticflow.distributed.store.etcd import EtcdStore, address
+tls = json.loads(sys.argv[2])
+store = EtcdStore(address([sys.argv[1]], "other-job/", tls["ca"], tls["cert"], tls["key"]),
+                  datetime.timedelta(seconds=10))
+b64 = lambda data: base64.b64encode(data).decode()
+kvs = store.post("/v3/kv/range", {"key": b64(b"\\0"), "range_end": b64(b"\\0"), "keys_only": True}).get("kvs", [])
+leaders = [base64.b64decode(kv["key"]) for kv in kvs if base64.b64decode(kv["key"]).endswith(b"agent/leader")]
+for key in leaders:
+    store.post("/v3/kv/put", {"key": b64(key), "value": b64(b"other-job:1:0000")})
+print(json.dumps([k.decode() for k in leaders]))
+"""
+
 
 def require_etcd() -> None:
     if shutil.which("etcd") and shutil.which("openssl"):
@@ -103,6 +119,17 @@ class EtcdCluster:
                 logs = "".join(p.read_text()[-1500:] for p in self.folder.glob("etcd-*.log"))
                 raise RuntimeError(f"etcd did not form a cluster in {timeout_s:g}s: {done.stdout[-500:]}"
                                    f"{done.stderr[-1500:]} {logs}")
+
+    def stranger(self, name: str = "other-job") -> Dict[str, str]:
+        """The TLS files of another client the cluster trusts (the same CA signed it): another job's, say."""
+        folder = self.folder / "certs"
+        for args in (["req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                      "-subj", f"/CN={name}"],
+                     ["x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                      "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf"]):
+            subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+        (folder / f"{name}.key").chmod(0o600)
+        return {"ca": self.tls["ca"], "cert": str(folder / f"{name}.pem"), "key": str(folder / f"{name}.key")}
 
     def overrides(self, lease_s: float = 2) -> list:
         """The `elasticflow train` overrides that put the job's store in this cluster."""

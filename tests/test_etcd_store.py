@@ -111,3 +111,50 @@ def test_tls_files_a_host_cannot_read_and_a_cluster_that_does_not_answer_are_one
     assert_one_error(dead, "no etcd member of launcher.etcd.endpoints answers")
     assert "Traceback" not in missing.stderr + dead.stderr
     assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def test_a_leader_key_another_certificate_forged_is_no_leader_and_is_claimed_over(etcd, caplog):
+    """Another job's certificate (the same CA) finds the job's leader key and puts its own, with no lease: it
+    would stand for ever. It does not verify with the token: refused and logged once, the fenced agent is
+    deposed by it, and one claim (of two racing) replaces it, after which the new leader's writes go through."""
+    import json
+    import sys
+
+    from etcd_cluster import DEPOSE
+
+    from elasticflow._util.sealing import REFUSED
+
+    lead, rival = (Leadership(client(etcd, "job-f/"), TOKEN, lease_s=2) for _ in range(2))
+    assert lead.claim()
+    fenced = lead.fenced()
+    fenced.set("gen/current", "1")
+    done = subprocess.run([sys.executable, "-c", DEPOSE, etcd.endpoints[0], json.dumps(etcd.stranger())],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "job-f/agent/leader" in json.loads(done.stdout), done.stderr
+    REFUSED.counts.pop("agent leader", None)
+    with pytest.raises(Deposed):
+        fenced.set("gen/current", "2")
+    with caplog.at_level("WARNING", logger="elasticflow"):
+        assert lead.holder() is None and rival.holder() is None
+    refused = [r.getMessage() for r in caplog.records if "forged agent leader" in r.getMessage()]
+    assert len(refused) == 1 and REFUSED.counts["agent leader"] == 2, caplog.text
+    assert lead.claim() and lead.forged and not rival.claim()  # compared with the forged value: one wins
+    assert lead.holder() == lead.name == rival.holder()
+    lead.fenced().set("gen/current", "3")
+    assert lead.store.get("gen/current") == b"3"
+    lead.resign()
+    assert rival.holder() is None and rival.claim() and not rival.forged  # its lease held the key: it went too
+
+
+def test_a_leaders_own_record_copied_back_without_its_lease_is_no_leader(etcd):
+    """The stranger reads the leader's sealed record and puts it back with no lease: it verifies, but would
+    outlive the leader's host. It is no leader's unless held by the lease it names, so a standby claims over it."""
+    lead, rival = (Leadership(client(etcd, "job-g/"), TOKEN, lease_s=2) for _ in range(2))
+    assert lead.claim() and not rival.claim()
+    raw, lease = lead.store.entry("agent/leader")
+    assert lease == lead.lease
+    client(etcd, "job-g/").set("agent/leader", raw)  # a plain put: the key loses its lease
+    assert lead.store.entry("agent/leader") == (raw, "0")
+    assert rival.holder() is None and rival.claim() and rival.forged and rival.holder() == rival.name
+    with pytest.raises(Deposed):
+        lead.fenced().set("gen/current", "1")

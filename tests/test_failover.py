@@ -1,11 +1,15 @@
 """launcher.store=etcd across real hosts (network namespaces, tests/hosts.py) and a real etcd cluster of three
-members, one per host (tests/etcd_cluster.py): the agent's own host powered off mid-step, and one etcd member
-killed. Each run is checked against the 1-worker run and the exactly-once sample record."""
+members, one per host (tests/etcd_cluster.py): the agent's own host powered off mid-step, one etcd member
+killed, and the leader key forged by another job's certificate. Each run is checked against the 1-worker run and
+the exactly-once sample record."""
 from __future__ import annotations
 
-from etcd_cluster import EtcdCluster
-from harness import (assert_each_sample_once, assert_equivalent, events, finish, logged_step, metrics,
-                     start_on_hosts, wait_for, world_sizes)
+import json
+import sys
+
+from etcd_cluster import DEPOSE, EtcdCluster
+from harness import (assert_each_sample_once, assert_equivalent, events, finish, logged_step, metrics, saved,
+                     start_on_hosts, wait_for, workers, world_sizes)
 from hosts import hosts  # noqa: F401 - fixture
 
 
@@ -80,7 +84,43 @@ def test_one_etcd_member_killed_changes_nothing(hosts, tmp_path, reference):
     etcd.stop()
 
 
-def _workers_of(run, host: str) -> set:
-    import json
+def test_a_leader_key_forged_by_another_jobs_certificate_is_taken_back_and_a_worker_death_is_still_handled(
+        hosts, tmp_path, reference):
+    """Another job's client certificate (the same CA) lists the cluster's keys, finds this job's leader key and
+    puts its own over it, with no lease. The record does not verify with the token: the agent is deposed by it
+    (its fenced writes fail), but a standby sees no leader in it, logs it once, claims over it and goes on from
+    the agent's state. A worker SIGKILLed after that is cut out as ever, and the job ends on the 1-worker run's
+    parameters with its final checkpoint: the forged key no longer hangs the job at the next death."""
+    net = hosts(3)
+    etcd = cluster(net, tmp_path)
+    run, record, pace = tmp_path / "run", tmp_path / "record", tmp_path / "pace"
+    record.mkdir()
+    pace.touch()
+    procs = start_on_hosts(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.min_workers=1",
+                           "elastic.heartbeat_timeout_s=2", *etcd.overrides(lease_s=3),
+                           env={"EF_PROBE_SLEEP": "0.3", "EF_PROBE_PACE": str(pace)}, record=record)
+    wait_for(lambda: logged_step(run) >= 8, 180, "step 8")
+    forged = net.run("h3", [sys.executable, "-c", DEPOSE, etcd.endpoints[2], json.dumps(etcd.stranger())])
+    assert forged.returncode == 0 and len(json.loads(forged.stdout)) == 1, forged.stdout + forged.stderr
+    wait_for(lambda: events(run, "failover"), 60, "a standby taking the job back from the forged leader key")
+    step = logged_step(run)
+    wait_for(lambda: logged_step(run) >= step + 2, 60, "two steps under the agent that took the job back")
+    victim = next(w for w in workers(run) if w["worker_id"] == 3)  # its pid is one in its host's namespace
+    assert net.run(victim["host"], ["kill", "-9", str(victim["pid"])]).returncode == 0
+    wait_for(lambda: (world_sizes(run) or [0])[-1] == 3, 120, "the 3 survivors training after the SIGKILL")
+    pace.unlink()
+    out = {h: finish(p) for h, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), {h: o[-3000:] for h, o in out.items()}
+    assert_equivalent(run, reference)  # the final checkpoint holds the 1-worker run's parameters
+    assert_each_sample_once(run, record)
+    assert saved(run), "no checkpoint"
+    refused = [line for o in out.values() for line in o.splitlines() if "refused a forged agent leader" in line]
+    assert 1 <= len(refused) <= 2, refused  # once per standby that saw it, at most
+    assert "takes over as the job's agent (the leader key was forged)" in "".join(out.values())
+    world = world_sizes(run)
+    assert world[0] == 4 and world[-1] == 3, world
+    etcd.stop()
 
+
+def _workers_of(run, host: str) -> set:
     return {m["worker_id"] for m in json.loads((run / "workers.json").read_text())["members"] if m["host"] == host}

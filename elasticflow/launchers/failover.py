@@ -82,8 +82,8 @@ class Standby(threading.Thread):
         agent.local_workers, agent.leader = 0, self.lead
         self.leading.set()
         if state is not None:
-            log.warning("this host takes over as the job's agent (the leader's lease expired) at generation %d",
-                        state["generation"])
+            why = "the leader key was forged" if self.lead.forged else "the leader's lease expired"
+            log.warning("this host takes over as the job's agent (%s) at generation %d", why, state["generation"])
         try:
             if state is None:
                 with job(self.run_dir):  # the job's start and end, for the goodput ledger
@@ -92,7 +92,9 @@ class Standby(threading.Thread):
                 self.result = agent.run(resume=state)
             self.lead.resign(agent.state.store, agent.state_dict())
         except etcd_store.Deposed as exc:
+            # A successor leads, or the key was forged (then this standby's next round takes the job back).
             log.warning("this host's agent lost its leadership (%s); standing by", exc)
+            store.close()
             self.leading.clear()
             return
         except (ElasticFlowError, TrainingInterrupted, KeyboardInterrupt) as exc:

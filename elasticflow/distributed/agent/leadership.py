@@ -1,8 +1,11 @@
 """Which process is the job's agent when its records live in etcd (``launcher.store=etcd``), and what a standby
 needs to take over: the agent's leadership is a key held by an etcd lease, and its state a sealed record.
 
-    agent/leader   "<host>:<pid>:<nonce>", bound to the leader's lease: gone within ``launcher.etcd.lease_s`` of
-                   the leader's last renewal (its host powered off, cut off, or the process stopped)
+    agent/leader   "<host>:<pid>:<nonce>@<lease>" sealed with the token, bound to that lease: gone within
+                   ``launcher.etcd.lease_s`` of the leader's last renewal (its host powered off, cut off, or the
+                   process stopped). One that does not verify, or is not held by the lease it names (put by
+                   another of the CA's certificates, or a leader's record copied back with no lease: either
+                   would stand for ever), is no leader: refused, logged once, and claimed over
     agent/state    the agent's state, sealed with the token (it names the job id): the generation and its
                    members with their hosts, the places of every other worker, the node agents, how far each
                    inbox was read; rewritten whenever it changes, and every lease period (``at``)
@@ -11,7 +14,9 @@ Every host runs a standby (launchers/failover.py). The first to claim the key st
 lease expires, the first standby to claim it rebuilds the agent from ``agent/state`` (``restore``) and goes on:
 the workers never left their generation, and those of the lost host are cut out by the new agent's health round
 as any silent member is. The agent's client of the store is fenced on the key (store/etcd.py), so an agent whose
-lease expired cannot write after its successor took over.
+lease expired cannot write after its successor took over. A forged key deposes the agent too (its fenced writes
+fail), but every standby, its own included, sees no leader in it: the first to claim over it goes on from
+``agent/state`` at once, as after a lost leader.
 """
 from __future__ import annotations
 
@@ -21,11 +26,11 @@ import os
 import secrets
 import socket
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from .. import protocol
 from ..membership.rendezvous import Rendezvous
-from ..store.etcd import Deposed, EtcdStore
+from ..store.etcd import Deposed, EtcdError, EtcdStore
 from .admission import Admission
 from .hosts import Hosts
 from .process import Worker
@@ -49,25 +54,58 @@ class Leadership:
         self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.sealer = protocol.Sealer(token)  # the state names the job id: sealed with the token alone
         self.lease: Optional[str] = None
+        self.record = ""  # the leader key's value while we lead: "<name>@<lease>", sealed (the fence compares it)
         self.renew_at = 0.0
         self.written, self.written_at = "", 0.0
+        self.forged = False  # the last claim replaced a leader key that was no leader's (not a lease that expired)
 
     def holder(self) -> Optional[str]:
-        return self.store.holder(LEADER)
+        """The leader's name; None when there is none, or the key is no leader's (refused, logged once)."""
+        return self._holder(self.store.entry(LEADER))
+
+    def _holder(self, entry: Optional[Tuple[bytes, str]]) -> Optional[str]:
+        """A leader's record verifies with the token and is held by the lease it names: a record of ours copied
+        back with no lease (or another's) is a replay that would stand for ever, as a forged one would."""
+        if entry is None:
+            return None
+        raw, lease = entry
+        payload = protocol.opened(self.sealer, LEADER, raw, "agent leader")
+        if payload is None:
+            return None
+        name, _, named = payload.rpartition("@")
+        if named != lease:
+            protocol.REFUSED("agent leader", f"a leader record held by lease {lease}, not by {named}, the one it names")
+            return None
+        return name
 
     def claim(self) -> bool:
-        """Try to become the leader (a fresh lease each try: an expired one cannot be renewed)."""
+        """Try to become the leader (a fresh lease each try: an expired one cannot be renewed). A key that is no
+        leader's is replaced, compared by value: of two standbys that both saw it, only the first wins."""
+        entry = self.store.entry(LEADER)
+        if self._holder(entry) is not None:
+            return False
+        if self.lease is not None:  # ours until we were deposed: it holds nothing now, and may have expired
+            try:
+                self._revoke()
+            except EtcdError:
+                pass  # expired: etcd no longer knows it
         self.lease = self.store.grant(max(2, round(self.lease_s)))
-        if self.store.claim(LEADER, self.name, self.lease):
+        self.record = self.sealer.seal(LEADER, f"{self.name}@{self.lease}")
+        if self.store.claim(LEADER, self.record, self.lease, replacing=None if entry is None else entry[0]):
             self.renew_at = time.monotonic() + self.lease_s / 3
+            self.forged = entry is not None
             return True
-        self.store.revoke(self.lease)
-        self.lease = None
+        self._revoke()
         return False
+
+    def _revoke(self) -> None:
+        lease, self.lease = self.lease, None
+        self.store.revoke(lease)
 
     def fenced(self) -> EtcdStore:
         """A client whose every write needs this process to hold the leader key (for the agent)."""
-        return EtcdStore(self.store.addr, datetime.timedelta(seconds=self.store.timeout_s), fence=(LEADER, self.name))
+        return EtcdStore(self.store.addr, datetime.timedelta(seconds=self.store.timeout_s),
+                         fence=(LEADER, self.record))
 
     def state(self) -> Optional[dict]:
         """The newest agent's state; None when absent, forged, ended, or not refreshed for ``stale_s``."""
@@ -99,8 +137,7 @@ class Leadership:
         if current is not None:
             self.write(store, current, time.monotonic(), ended=True)
         if self.lease is not None:
-            self.store.revoke(self.lease)
-            self.lease = None
+            self._revoke()
 
 
 def snapshot(state: AgentState, rdv: Rendezvous, hosts: Hosts, admission: Admission, scaling: Scaling) -> dict:

@@ -239,7 +239,12 @@ class EtcdStore(dist.Store):
         got = self.post("/v3/lease/grant", {"TTL": int(ttl_s)})
         if "ID" not in got:
             raise EtcdError(f"etcd granted no lease: {json.dumps(got)[:200]}")
-        return str(got["ID"])
+        return str(int(got["ID"]))
+
+    def entry(self, key: str) -> Optional[Tuple[bytes, str]]:
+        """The value at ``key`` and the lease that holds it ("0": none); None when absent."""
+        kvs = self.post("/v3/kv/range", {"key": self._k(key)}).get("kvs")
+        return (base64.b64decode(kvs[0].get("value", "")), str(int(kvs[0].get("lease", 0)))) if kvs else None
 
     def keepalive(self, lease: str) -> int:
         """The lease's seconds left after this renewal; 0 once it expired."""
@@ -249,15 +254,14 @@ class EtcdStore(dist.Store):
     def revoke(self, lease: str) -> None:
         self.post("/v3/lease/revoke", {"ID": lease})
 
-    def claim(self, key: str, value: str, lease: str) -> bool:
-        """Put ``value`` at ``key`` bound to ``lease`` unless the key exists: True if we did (a campaign)."""
+    def claim(self, key: str, value: str, lease: str, replacing: Optional[bytes] = None) -> bool:
+        """Put ``value`` at ``key`` bound to ``lease`` unless the key exists: True if we did (a campaign).
+        ``replacing``: a value the caller refuses (no leader's: forged, or not held by its lease): put over it if
+        the key still holds exactly that, so that of several claimants over one such value only the first wins."""
         k = self._k(key)
-        got = self.post("/v3/kv/txn", {"compare": [{"key": k, "target": "CREATE", "result": "EQUAL",
-                                                    "create_revision": "0"}],
+        compare = ({"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"} if replacing is None
+                   else {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(replacing)})
+        got = self.post("/v3/kv/txn", {"compare": [compare],
                                        "success": [{"requestPut": {"key": k, "value": _b64(value.encode()),
                                                                    "lease": lease}}]})
         return bool(got.get("succeeded"))
-
-    def holder(self, key: str) -> Optional[str]:
-        raw = self._range(key)
-        return None if raw is None else raw.decode(errors="replace")
