@@ -72,6 +72,7 @@ MACHINE_WIDE = {"test_hosts.py", "test_failover.py", "test_topology_hosts.py", "
 # prints each file's total (below): keep this list by it.
 LONG_FIRST = ["test_combinations.py", "test_exact.py", "test_shard_params.py", "test_reproducible.py",
               "test_finetune.py", "test_servers.py", "test_shard_frozen.py", "test_elastic.py", "test_chaos.py",
+              "test_first_sync.py", "test_checkpoint_crafted.py",
               "test_tensorflow.py", "test_data_forms.py", "test_shard_checkpoint.py", "test_scale.py",
               "test_shard.py", "test_hierarchy.py", "test_kubernetes.py", "test_intruder.py",
               "test_token_weights.py", "test_checkpoint_sharded.py", "test_weights_topologies.py",
