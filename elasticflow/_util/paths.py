@@ -23,7 +23,7 @@ def checkpoint_dir(cfg: Any, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
-def _private_group(gid: int, owner: int) -> bool:
+def private_group(gid: int, owner: int) -> bool:
     """Whether nobody but this user and ``owner`` is in group ``gid``: a user private group, as under a umask
     of 002, where Hydra's run directories come out group-writable."""
     import grp
@@ -46,7 +46,7 @@ def _shared(st: os.stat_result) -> Optional[str]:
         return None
     if mode & stat.S_IWOTH:
         return f"may be written by others (mode {mode:o})"
-    if mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
+    if mode & stat.S_IWGRP and not private_group(st.st_gid, st.st_uid):
         return f"may be written by its group, which has other members (mode {mode:o})"
     return None
 
@@ -59,7 +59,7 @@ def _not_yours(st: os.stat_result) -> Optional[str]:
         return f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})"
     if mode & stat.S_IWOTH:
         return f"may be written by others (mode {mode:o})"
-    if mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
+    if mode & stat.S_IWGRP and not private_group(st.st_gid, st.st_uid):
         return f"may be written by its group, which has other members (mode {mode:o})"
     return None
 

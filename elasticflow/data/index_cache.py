@@ -37,6 +37,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
+from .._util.paths import private_group
 from ..errors import ElasticFlowError
 from . import shard_formats
 from .rows import DiskRows
@@ -167,21 +168,8 @@ def _check(folder: Path, mine: bool) -> None:
     if st.st_uid != os.geteuid() and (mine or st.st_uid != 0):
         raise _Unsafe(f"{folder} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})")
     if mine and mode & 0o022 or not mine and not mode & stat.S_ISVTX and (
-            mode & stat.S_IWOTH or mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid)):
+            mode & stat.S_IWOTH or mode & stat.S_IWGRP and not private_group(st.st_gid, st.st_uid)):
         raise _Unsafe(f"{folder} may be written by others (mode {mode:o})")
-
-
-def _private_group(gid: int, owner: int) -> bool:
-    """Whether nobody but this user and OWNER is in group GID (the rule of ``_util/paths.py``'s checks)."""
-    import grp
-    import pwd
-
-    try:
-        us = {pwd.getpwuid(uid).pw_name for uid in {os.geteuid(), owner}}
-        members = set(grp.getgrgid(gid).gr_mem) | {p.pw_name for p in pwd.getpwall() if p.pw_gid == gid}
-    except KeyError:  # a uid or gid without a name: nobody can say who is in it
-        return False
-    return members <= us
 
 
 @contextlib.contextmanager
