@@ -28,6 +28,7 @@ from harness import (EXACT_KINDS, Limit, assert_equivalent, assert_replicas_hold
 from elasticflow.errors import ElasticFlowError
 from elasticflow.replica.exact_sum import (MAX_TERMS, ReproducibleSum, SquaresSum, check_terms,
                                            sum_squares_reproducibly)
+from elasticflow.replica.sum_kernels import _MASK, OWN_WINDOW_MULTIPLIER, W
 
 # The short names this file (and tests/test_gpu.py, from harness) calls them by.
 start, train_ok, final = start_exact, train_exact, functools.partial(final_state, rng=False)
@@ -128,12 +129,13 @@ def _summed(*terms: float) -> float:
 
 
 def test_the_sum_rounds_twice_to_float64_then_float32_not_once():
-    terms = [2.0 ** 30, 2.0 ** 6, 2.0 ** -31]
+    terms = [2.0 ** 51] * 4 + [2.0 ** 29, 1.0]  # window 1: its low bin counts units of 1, so the bins hold it all
+    exact = sum(map(Fraction, terms))
+    assert exact == 2 ** 53 + 2 ** 29 + 1
     got = _summed(*terms)
-    assert got == 2.0 ** 30 + 2.0 ** 6  # the bins hold all of it; float64's 53 bits drop the 2^-31
-    correctly_rounded = float(torch.tensor(2.0 ** 30 + 2.0 ** 7).float())  # the exact sum is above the half-way point
-    assert sum(map(Fraction, terms)) > Fraction(2 ** 30) + Fraction(2 ** 6)
-    assert float(torch.tensor(got).float()) == 2.0 ** 30 != correctly_rounded
+    assert got == 2.0 ** 53 + 2.0 ** 29  # float64's 53 bits drop the 1 (a tie, to even)
+    correctly_rounded = float(torch.tensor(2.0 ** 53 + 2.0 ** 30).float())  # the exact sum is above float32's half-way
+    assert float(torch.tensor(got).float()) == 2.0 ** 53 != correctly_rounded  # the half-way point, to even
 
 
 def test_a_term_below_the_window_is_dropped_where_float32_keeps_it():
@@ -142,7 +144,7 @@ def test_a_term_below_the_window_is_dropped_where_float32_keeps_it():
     assert float(sequential) == 2.0 ** -32  # float32 in order is exact here: the mode is not never-worse per case
 
 
-def test_the_error_bound_that_holds_terms_times_2_to_the_minus_31_of_the_largest():
+def test_the_error_bound_that_holds_terms_times_2_to_the_minus_26_of_the_largest():
     g = torch.Generator().manual_seed(3)
     count, n = 16, 2000
     terms = torch.randn(count, n, generator=g) * torch.exp2(torch.randint(-60, 40, (count, n), generator=g).float())
@@ -151,13 +153,13 @@ def test_the_error_bound_that_holds_terms_times_2_to_the_minus_31_of_the_largest
         acc.add(t)
     truth = [math.fsum(col) for col in terms.double().T.tolist()]  # float64 of the exact sum, for each element
     error = (acc.values() - torch.tensor(truth, dtype=torch.float64)).abs()
-    bound = count * 2.0 ** -31 * terms.abs().max(0).values.double() + 2.0 ** -52 * torch.tensor(truth).abs()
+    bound = count * 2.0 ** -W * terms.abs().max(0).values.double() + 2.0 ** -52 * torch.tensor(truth).abs()
     assert (error <= bound).all()
     assert (error > 0).any()  # not vacuous: truncation shows
 
 
 def test_the_term_limit_is_checked_before_a_bin_can_wrap():
-    assert MAX_TERMS * (2 ** 31 - 1) <= 2 ** 63 - 1 < (MAX_TERMS + 1) * (2 ** 31 - 1)  # the bound's arithmetic
+    assert MAX_TERMS * _MASK <= 2 ** 63 - 1 < (MAX_TERMS + 1) * _MASK  # the bound's arithmetic
     check_terms(MAX_TERMS)
     check_terms(MAX_TERMS // 3, world=3)
     with pytest.raises(ElasticFlowError, match=r"exceed the .* an int64 bin can sum without wrapping"):
@@ -177,9 +179,15 @@ def test_the_term_limit_is_checked_before_a_bin_can_wrap():
 
 def test_the_largest_bins_at_the_limit_do_not_wrap():
     """MAX_TERMS terms of the largest magnitude a bin takes sum to at most int64's largest, in torch's int64."""
-    top = torch.tensor([2 ** 31 - 1], dtype=torch.int64)
-    assert int((top * MAX_TERMS)[0]) == (2 ** 31 - 1) * MAX_TERMS > 0
-    assert int((-top * MAX_TERMS)[0]) == -(2 ** 31 - 1) * MAX_TERMS
+    top = torch.tensor([_MASK], dtype=torch.int64)
+    assert int((top * MAX_TERMS)[0]) == _MASK * MAX_TERMS > 0
+    assert int((-top * MAX_TERMS)[0]) == -_MASK * MAX_TERMS
+
+
+def test_a_float32_terms_window_by_multiply_and_shift_is_floor_division_for_every_exponent():
+    """deposit_float32 finds a term's window without a division: for all 256 biased exponents."""
+    for biased in range(256):
+        assert ((biased + 5 * W - 127) * OWN_WINDOW_MULTIPLIER >> 16) - 5 == (biased - 127) // W
 
 
 class _Summed:

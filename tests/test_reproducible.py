@@ -18,7 +18,8 @@ import torch
 from harness import (EXACT, EXACT_COMMON, Limit, assert_bitwise, cli, events, exact_overrides, finish,
                      lose_join_retire, metrics, start, start_exact, train_exact, wait_for, world_sizes)
 
-from elasticflow.replica.exact_sum import ReproducibleSum
+from elasticflow.replica.exact_sum import ONE_INT64_TERMS, ReproducibleSum
+from elasticflow.replica.sum_kernels import W
 
 # 30 steps, not the exactness tests' 60: any bit that differs at any step is still there at the end (the long
 # horizon, 2,000 steps under kills, is scripts/soak/long_exact.py's and scripts/soak/chaos.py --reproducible's)
@@ -38,19 +39,53 @@ def _terms(count: int, n: int, seed: int) -> list:
     return list((torch.randn(count, n, generator=g) * scale).float())
 
 
-def _grouped(terms: list, groups: list) -> torch.Tensor:
-    """Each group added into an accumulator of its own, then the accumulators combined as members combine them."""
-    parts = []
-    for group in groups:
-        part = ReproducibleSum(terms[0].numel())
-        for i in group:
-            part.add(terms[i])
-        parts.append(part)
-    window = torch.stack([p.window for p in parts]).max(0).values
-    for p in parts:
-        p._move(window, 0, p.n)
-    parts[0].bins = sum(p.bins for p in parts)
-    return parts[0].values()
+class _Members:
+    """A group of ``world`` members in threads of one process: each collective waits for all of them, then every
+    member reads the MAX or SUM of all their tensors (what gloo gives them). ``wire`` records what was sent."""
+
+    def __init__(self, world: int):
+        self.world, self.barrier, self.sent, self.wire = world, threading.Barrier(world), {}, []
+
+    def allreduce_(self, t: torch.Tensor, op: str = "sum") -> None:
+        rank = threading.current_thread().rank
+        self.sent[rank] = t.clone()
+        self.barrier.wait()
+        if rank == 0:
+            self.wire.append((t.dtype, tuple(t.shape)))
+        stacked = torch.stack([self.sent[r] for r in range(self.world)])
+        self.barrier.wait()
+        t.copy_(stacked.amax(0) if op == "max" else stacked.sum(0))
+
+
+def _grouped(terms: list, groups: list, wire: list = None) -> torch.Tensor:
+    """Each group added (in its order) into a member's accumulator of its own, then summed over the members as
+    ``ReproducibleSum.allreduce`` sums them (a real MAX and SUM in threads); returns the members' common values."""
+    if len(groups) == 1:
+        acc = ReproducibleSum(terms[0].numel())
+        for i in groups[0]:
+            acc.add(terms[i])
+        return acc.values()
+    members, got = _Members(len(groups)), {}
+
+    def member(rank: int) -> None:
+        threading.current_thread().rank = rank
+        acc = ReproducibleSum(terms[0].numel())
+        for i in groups[rank]:
+            acc.add(terms[i])
+        acc.allreduce(members)
+        got[rank] = acc.values()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == list(range(len(groups)))
+    for r in got:
+        assert torch.equal(got[r].nan_to_num(7.0), got[0].nan_to_num(7.0))
+    if wire is not None:
+        wire.extend(members.wire)
+    return got[0]
 
 
 def test_exact_sums_are_the_same_bits_in_any_order_and_grouping_and_closer_than_float32():
@@ -62,7 +97,7 @@ def test_exact_sums_are_the_same_bits_in_any_order_and_grouping_and_closer_than_
         cuts = sorted(rng.sample(range(1, 12), rng.randint(1, 6)))
         groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, 12])]
         assert torch.equal(_grouped(terms, groups), one), groups
-    # Accuracy against float64's sum: each term loses at most one unit of 2^-31 of the largest term (bits below
+    # Accuracy against float64's sum: each term loses at most one unit of 2^-26 of the largest term (bits below
     # the window), where float32 accumulation in order rounds each partial sum to 2^-24 of itself.
     stacked = torch.stack(terms).double()
     truth = stacked.sum(0)
@@ -70,26 +105,108 @@ def test_exact_sums_are_the_same_bits_in_any_order_and_grouping_and_closer_than_
     for t in terms[1:]:
         sequential += t
     error, float32_error = (one - truth).abs(), (sequential.double() - truth).abs()
-    assert (error <= 12 * 2.0 ** -31 * stacked.abs().max(0).values).all()
+    assert (error <= 12 * 2.0 ** -W * stacked.abs().max(0).values).all()
     assert error.max() < float32_error.max() / 50 and error.mean() < float32_error.mean() / 50
+
+
+def _adversarial(count: int, n: int, rng: random.Random) -> list:
+    """Terms no gradient is kind enough to give: float32's whole range in one element (subnormals, the largest
+    finite, exact cancellations of the largest against itself), zeros, and now and then an infinity or a NaN."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    mantissa = torch.randn(count, n, generator=g)
+    exponent = torch.randint(-149, 128, (count, n), generator=g).float()
+    terms = (mantissa * torch.exp2(exponent)).float()  # inf where the product overflows: a few
+    terms[torch.rand(count, n, generator=g) < 0.05] = 0.0
+    terms[torch.rand(count, n, generator=g) < 0.02] = 1e-45
+    big = torch.rand(count, n, generator=g) < 0.05
+    terms[big] = torch.finfo(torch.float32).max * torch.sign(torch.randn(int(big.sum()), generator=g))
+    if rng.random() < 0.5:
+        terms[rng.randrange(count), rng.randrange(n)] = float("nan")
+    return list(terms)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_many_data_sets_in_random_groupings_over_up_to_eight_members_give_one_accumulators_bits(seed):
+    """Random data sets (gradient-like, and adversarial exponent spreads), each cut among 1 to 8 members in a
+    random order: every grouping sums, through the real MAX and SUM, to the one accumulator's bits."""
+    rng = random.Random(seed)
+    for case in range(4):
+        count, n = rng.randint(2, 24), rng.randint(1, 300)
+        terms = _adversarial(count, n, rng) if case % 2 else _terms(count, n, seed=rng.randrange(1 << 30))
+        one = _grouped(terms, [list(range(count))])
+        for _ in range(3):
+            order = rng.sample(range(count), count)
+            world = rng.randint(1, min(8, count))
+            cuts = sorted(rng.sample(range(1, count), world - 1))
+            groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, count])]
+            assert torch.equal(_grouped(terms, groups).nan_to_num(7.0), one.nan_to_num(7.0)), (seed, case, groups)
+
+
+def test_term_counts_at_the_one_int64_bound_fit_and_one_more_takes_the_two_int64_wire_with_the_same_bits():
+    """2^11 terms of the largest magnitude a window holds (2^52 - 2^28 units of its low bin) sum to 2^63 - 2^39:
+    they fit one int64 per element on the wire, exactly. A member with one term more makes the members agree on
+    the two-int64 wire (17 bytes) instead: the same integers, the same bits."""
+    top = 2.0 ** 52 - 2.0 ** 28  # the largest float32 below 2^52: window 1, whose low bin counts units of 1
+    assert ONE_INT64_TERMS == 2048 and (2048 * (2 ** 52 - 2 ** 28)) < 2 ** 63
+    for sign in (1.0, -1.0):
+        terms = [torch.tensor([sign * top, sign * 2.0 ** 30, -sign * 3.0], dtype=torch.float32)] * 2048
+        wire = []
+        got = _grouped(terms, [list(range(r * 512, r * 512 + 512)) for r in range(4)], wire)
+        assert [dtype for dtype, _ in wire] == [torch.int8, torch.int64] and wire[1][1] == (3,)  # one int64 each
+        assert got.tolist() == [sign * float(2048 * (2 ** 52 - 2 ** 28)), sign * 2.0 ** 41, -sign * 6144.0]
+        wire = []
+        more = terms + [torch.zeros(3)]  # one term more, on member 0: 513 terms there, 4 x 2^10 > 2^11
+        groups = [list(range(513))] + [list(range(513 + r * 512, 513 + r * 512 + 512)) for r in range(3)]
+        assert torch.equal(_grouped(more, groups, wire), got)
+        assert wire[1][1] == (2, 3)  # both bins: 16 bytes an element beside the window
+
+
+def test_the_one_int64_and_two_int64_wires_give_the_same_bits():
+    """The wire's form is a transport: forced each way, the same sums to the bit, on data sets with spreads."""
+    from elasticflow.replica import exact_sum
+
+    rng = random.Random(11)
+    for _ in range(4):
+        terms = _adversarial(12, 200, rng)
+        groups = [list(range(0, 5)), list(range(5, 9)), list(range(9, 12))]
+        one_wire, two_wire = [], []
+        a = _grouped(terms, groups, one_wire)
+        saved = exact_sum.ONE_INT64_TERMS
+        exact_sum.ONE_INT64_TERMS = 0
+        try:
+            b = _grouped(terms, groups, two_wire)
+        finally:
+            exact_sum.ONE_INT64_TERMS = saved
+        assert one_wire[1][1] == (200,) and two_wire[1][1] == (2, 200)
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
 def _built() -> None:
     """The compiled kernels on disk (the background builder's work, done here and waited for; cached per machine)."""
-    from elasticflow.replica import exact_sum
+    from elasticflow.replica import sum_kernels
 
-    folder = exact_sum._Kernels.folder()
+    folder = sum_kernels._Kernels.folder()
     folder.mkdir(parents=True, exist_ok=True)
-    exact_sum.build(folder, exact_sum._Kernels.key())
+    sum_kernels.build(folder, sum_kernels._Kernels.key())
+
+
+class _Alone:
+    """A group of one member: the MAX raises every element's window by one (the move a larger term would cause
+    on another member), the SUM adds nothing."""
+    world = 1
+
+    def allreduce_(self, t, op="sum"):
+        if op == "max":
+            t[:-1] = torch.where(t[:-1] < 90, t[:-1] + 1, t[:-1])
 
 
 def test_the_compiled_deposit_gives_the_eager_bits(monkeypatch):
     """A large gradient's terms go through deposit_float32 compiled ahead of time (one loop, any size), a small
     one's eager: the same integer arithmetic, the same bits, also for zeros, subnormals, infinities and NaNs."""
-    from elasticflow.replica import exact_sum
+    from elasticflow.replica import sum_kernels
 
     _built()
-    monkeypatch.setattr(exact_sum, "_kernels", exact_sum._Kernels())
+    monkeypatch.setattr(sum_kernels, "_kernels", sum_kernels._Kernels())
     g = torch.Generator().manual_seed(2)
     for n in (4096, 5000):  # two sizes, one package
         terms = [(torch.randn(n, generator=g) * torch.exp2(torch.randint(-140, 100, (n,), generator=g).float()))
@@ -99,38 +216,45 @@ def test_the_compiled_deposit_gives_the_eager_bits(monkeypatch):
         terms[2][50:60] = float("nan")
         terms[3][60:70] = 1e-45
         eager, compiled = ReproducibleSum(n), ReproducibleSum(n)
-        monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1 << 40)
+        monkeypatch.setattr(sum_kernels, "COMPILE_FROM", 1 << 40)
         for t in terms:
             eager.add(t.float())
         want = eager.values()
-        monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1024)
+        monkeypatch.setattr(sum_kernels, "COMPILE_FROM", 1024)
         for t in terms:
             compiled.add(t.float())
         assert torch.equal(compiled.bins, eager.bins) and torch.equal(compiled.window, eager.window)
         assert torch.equal(compiled.values().nan_to_num(7.0), want.nan_to_num(7.0))
-        assert exact_sum._kernels.loaded.keys() >= {"deposit_float32_", "sums_float64"}, "no compiled kernel ran"
+        for acc in (compiled, eager):  # the one-int64 wire's kernels: the bins moved to a window and combined
+            monkeypatch.setattr(sum_kernels, "COMPILE_FROM", 1024 if acc is compiled else 1 << 40)
+            acc.allreduce(_Alone())
+        assert torch.equal(compiled._combined, eager._combined)
+        moved = eager.values()  # eager (COMPILE_FROM is out of reach)
+        monkeypatch.setattr(sum_kernels, "COMPILE_FROM", 1024)
+        assert torch.equal(compiled.values().nan_to_num(7.0), moved.nan_to_num(7.0))
+        assert sum_kernels._kernels.loaded.keys() == set(sum_kernels._Kernels.names), "a compiled kernel did not run"
 
 
 def test_no_compilation_on_the_step_path_without_a_built_kernel(monkeypatch, tmp_path):
     """Where no kernel is built yet, a large sum runs eager at once (the same bits) and starts one build in the
     background, once per process; a failed build leaves the process eager for good."""
-    from elasticflow.replica import exact_sum
+    from elasticflow.replica import sum_kernels
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(exact_sum, "_kernels", exact_sum._Kernels())
-    monkeypatch.setattr(exact_sum, "COMPILE_FROM", 1024)
+    monkeypatch.setattr(sum_kernels, "_kernels", sum_kernels._Kernels())
+    monkeypatch.setattr(sum_kernels, "COMPILE_FROM", 1024)
     started = []
-    monkeypatch.setattr(exact_sum, "start_build", lambda folder, key: started.append((folder, key)))
+    monkeypatch.setattr(sum_kernels, "start_build", lambda folder, key: started.append((folder, key)))
     acc = ReproducibleSum(4096)
     for _ in range(3):
         acc.add(torch.ones(4096))
-    assert started == [(tmp_path / "elasticflow_sums", exact_sum._Kernels.key())]
-    assert (acc.values() == 3.0).all() and not exact_sum._kernels.loaded
-    for name in exact_sum._Kernels.names:  # what the builder leaves when it cannot compile
-        exact_sum._kernels.path(name).with_suffix(".failed").parent.mkdir(parents=True, exist_ok=True)
-        exact_sum._kernels.path(name).with_suffix(".failed").write_text("the kernels' build failed: no compiler")
+    assert started == [(tmp_path / "elasticflow_sums", sum_kernels._Kernels.key())]
+    assert (acc.values() == 3.0).all() and not sum_kernels._kernels.loaded
+    for name in sum_kernels._Kernels.names:  # what the builder leaves when it cannot compile
+        sum_kernels._kernels.path(name).with_suffix(".failed").parent.mkdir(parents=True, exist_ok=True)
+        sum_kernels._kernels.path(name).with_suffix(".failed").write_text("the kernels' build failed: no compiler")
     acc.add(torch.ones(4096))
-    assert exact_sum._kernels.off and (acc.values() == 4.0).all() and len(started) == 1
+    assert sum_kernels._kernels.off and (acc.values() == 4.0).all() and len(started) == 1
 
 
 def test_a_non_finite_term_makes_its_element_nan_and_no_other():

@@ -6,19 +6,21 @@ sum is a fixed-point number held in two int64 *bins*, which add exactly in any o
 manner of Demmel and Nguyen's reproducible summation (ReproBLAS), with two bins and integers for carries.
 It is reproducible, not exact: each term is truncated to the element's window first (``docs/exactness.md``).
 
-- Exponents are cut into absolute bins of ``W`` = 31 bits; an element's *window* is the bin of the leading
+- Exponents are cut into absolute bins of ``W`` = 26 bits; an element's *window* is the bin of the leading
   bit of the largest term it has seen. Its ``hi`` bin counts units of ``2^(window W)``, its ``lo`` bin units
   of ``2^((window - 1) W)``; a term's bits below ``lo`` are dropped (truncated), the same bits whoever adds it.
 - A larger term raises the window: ``hi`` becomes ``lo`` and the old ``lo`` is dropped (all of it: its bits
   lie below the new window for every term). So the final value is a function of the set of terms alone:
   the sum, over the terms, of their bits in the window of the largest one.
-- Members agree on the window first (a MAX of one int8 per element), move their bins to it, then sum the
-  bins (int64 SUM: each term adds less than ``2^31`` to a bin, so ``MAX_TERMS`` terms in all, over every
-  member, fit; more are refused before a bin can wrap).
-- The value is ``hi 2^31 + lo`` in float64 arithmetic (one rounding while ``|hi| < 2^53``), then (by the
+- Members agree on the window first (a MAX of one int8 per element), move their bins to it, then sum them
+  (int64 SUM: each term adds less than ``2^26`` to a bin, so ``MAX_TERMS`` terms in all, over every member,
+  fit; more are refused before a bin can wrap). Each term is less than ``2^52`` units of ``lo``, so while the
+  whole sum has at most ``ONE_INT64_TERMS`` (2^11) terms, a member's two bins travel as one int64,
+  ``hi 2^26 + lo``: 9 bytes per element on the wire (the window and the sum), 17 beyond that.
+- The value is ``hi 2^26 + lo`` in float64 arithmetic (one rounding: an integer below 2^63), then (by the
   caller) rounded to float32: twice, not once.
-- Error: a term loses less than one unit of ``lo``, which is at most ``2^-31`` of the largest term, so T terms
-  are off by less than ``T 2^-31 max|term|`` before the final rounding. That bound is below float32
+- Error: a term loses less than one unit of ``lo``, which is at most ``2^-26`` of the largest term, so T terms
+  are off by less than ``T 2^-26 max|term|`` before the final rounding. That bound is below float32
   accumulation's worst case (``(T - 1) 2^-24 sum|term|``), but it is a bound, not a promise per case:
   ``[1, -1, 2^-32]`` sums to 0.0 here and to ``2^-32`` in float32.
 - A NaN or infinite term marks the element non-finite (window ``NONFINITE``, which the MAX spreads); its
@@ -26,39 +28,29 @@ It is reproducible, not exact: each term is truncated to the element's window fi
 
 The squared norm (gradient clipping's) has its own accumulator, ``SquaresSum``: exact, rounded once.
 
-Costs: 17 bytes per element (two int64 bins, the int8 window) where a float32 sum has 4, and a pass over them
-per term vector: on a CPU, one loop compiled ahead of time for a large gradient, built once per machine in a
-background process while the first steps run eager (``_Kernels``); ``scripts/bench/bench_exact.py``.
+Costs: 9 bytes per element on the wire (the int8 window's MAX, then one int64 SUM) where a float32 sum has 4;
+locally two int64 bins and the window (17 bytes) and a pass over them per term vector: on a CPU, loops compiled
+ahead of time for a large gradient, built once per machine in a background process while the first steps run
+eager (``sum_kernels.py``); ``scripts/bench/bench_exact.py``.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
-import logging
-import os
-import platform
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 
 from ..errors import ElasticFlowError
+from .sum_kernels import (_MASK, MAX_WINDOW, MIN_WINDOW, NONFINITE, W, combined_at_, combined_float64,
+                          deposit_float32_, moved, run as _run, sums_float64)
 
-log = logging.getLogger("elasticflow")
 
-W = 31                 # bits per bin: a term's two bins hold < 2^62
-MIN_WINDOW = -30       # below 2^-930 terms lose their bits (float32's smallest is 2^-149)
-MAX_WINDOW = 33        # float64's largest finite values
-NONFINITE = 100        # the window of an element some term of which was NaN or infinite (above any real one)
-_MASK = (1 << W) - 1
-# Terms one element may sum, over every add and every member: each adds less than 2^31 to a bin (in magnitude),
+# Terms one element may sum, over every add and every member: each adds less than 2^W to a bin (in magnitude),
 # so this many keep |bin| <= 2^63 - 1. A step adds a few per micro-batch; only a huge add_rows could come near.
 MAX_TERMS = ((1 << 63) - 1) // _MASK
+# Terms whose bins, combined (hi 2^W + lo: each term less than 2^(2W) in magnitude), still fit one int64: up to
+# this many over every member, the sum travels as one int64 per element instead of two (``allreduce``).
+ONE_INT64_TERMS = ((1 << 63) - 1) // ((1 << (2 * W)) - 1)
+PIECE = 1 << 19  # elements per SUM on the one-int64 wire (4 MiB): the next piece is combined while this one travels
 
 
 def _per_lo_unit(device: Any) -> torch.Tensor:
@@ -83,11 +75,11 @@ class ReproducibleSum:
 
     Example:
         >>> acc = ReproducibleSum(3)
-        >>> acc.add(torch.tensor([1e8, 1.0, -2.5])); acc.add(torch.tensor([-1e8, 1e-8, 2.5]))
+        >>> acc.add(torch.tensor([1e8, 1.0, -2.5])); acc.add(torch.tensor([-1e8, 1e-7, 2.5]))
         >>> acc.values()  # tensor([0.0000e+00, 1.0000e+00, 0.0000e+00], dtype=torch.float64)
 
-    Note: reproducible, not exact: each term's bits below its element's window are dropped (the 1e-8 above keeps
-    21 units of 2^-31, 1.0's low bin: the sum is 1 + 9.78e-9). The module docstring states the error bound.
+    Note: reproducible, not exact: each term's bits below its element's window are dropped (the 1e-7 above keeps
+    6 units of 2^-26, 1.0's low bin: the sum is 1 + 8.94e-8). The module docstring states the error bound.
     """
 
     def __init__(self, n: int, device: Any = "cpu"):
@@ -95,6 +87,10 @@ class ReproducibleSum:
         self.window = torch.full((n,), MIN_WINDOW, dtype=torch.int8, device=device)
         self.terms = 0  # the most terms any element holds (each add and each row counts one): checked, MAX_TERMS
         self._down = _per_lo_unit(device)  # _add_any's scale
+        # After an allreduce on the one-int64 wire: each element's sum, hi 2^W + lo, in one int64 (``values`` reads
+        # it; an add after that splits it back into the bins first)
+        self._combined: Optional[torch.Tensor] = None
+        self._wire: Dict[str, torch.Tensor] = {}  # allreduce's buffers, kept from step to step (no page faults)
 
     @property
     def n(self) -> int:
@@ -104,8 +100,17 @@ class ReproducibleSum:
         self.bins.zero_()
         self.window.fill_(MIN_WINDOW)
         self.terms = 0
+        self._combined = None
+
+    def _split(self) -> None:
+        """The one-int64 sums back into the bins (an add after an allreduce: rare, eager): hi 2^W + lo, lo >= 0."""
+        if self._combined is not None:
+            v, self._combined = self._combined, None
+            self.bins[0] = v >> W
+            self.bins[1] = v & _MASK
 
     def _count(self, terms: int) -> None:
+        self._split()
         check_terms(self.terms + terms)
         self.terms += terms
 
@@ -145,7 +150,7 @@ class ReproducibleSum:
         window = torch.maximum(window, self.window[at:end].to(window.dtype))
         self._move(window, at, end)
         units = torch.trunc(mag * self._down[(window - MIN_WINDOW).clamp_(max=MAX_WINDOW - MIN_WINDOW).long()])
-        units = units.to(torch.int64)  # exact: < 2^62
+        units = units.to(torch.int64)  # exact: < 2^(2W)
         # Sign and magnitude, both bins: a term's hi is then exactly its lo one window up (what _move relies on)
         hi, lo = units >> W, units & _MASK
         negative = v < 0
@@ -159,21 +164,62 @@ class ReproducibleSum:
 
     def allreduce(self, group: Any) -> None:
         """Sum the members' bins in place (every member calls it, in the same order as its other collectives):
-        a MAX of the windows, then an int64 SUM of the bins. ``group``: a ``distributed.comm.comm.Group``.
+        a MAX of the windows, then an int64 SUM. ``group``: a ``distributed.comm.comm.Group``.
 
-        Note: each member checks its own terms times the world size against ``MAX_TERMS`` (the others' counts
-        are not on the wire): enough for the sum not to wrap; a member that fails it raises before the MAX."""
+        The wire: the MAX carries each element's window and one more int8, the members' largest ``ceil(log2)`` of
+        their term counts, so all of them know a bound on the terms of the whole sum. Where that bound is at most
+        ``ONE_INT64_TERMS``, each member sends its bins at the agreed window combined into one int64 (hi 2^W + lo,
+        ``combined_at``): 9 bytes per element in all. Otherwise both bins travel: 17. The sums are the same integers
+        either way, and ``values`` rounds them the same: the form never changes a bit.
+
+        Note: each member checks its own terms times the world size against ``MAX_TERMS``: enough for the bins
+        not to wrap; a member that fails it raises before the MAX."""
         world = getattr(group, "world", 1)
         check_terms(self.terms, world)
-        window = self.window.clone()
-        group.allreduce_(window, op="max")
-        self._move(window, 0, self.n)
-        group.allreduce_(self.bins)
+        self._split()
+        agreed = self._buffer("agreed", self.n + 1, torch.int8)
+        agreed[:-1] = self.window
+        agreed[-1] = max(self.terms - 1, 0).bit_length()  # ceil(log2(terms)): terms <= 2^that
+        group.allreduce_(agreed, op="max")
+        window, bound = agreed[:-1], world << int(agreed[-1])
+        if bound <= ONE_INT64_TERMS:
+            self._combined = self._sum_combined(group, window)
+            self.window.copy_(window)
+        else:
+            self._move(window, 0, self.n)
+            group.allreduce_(self.bins)
         # The sum's terms where the members added alike (a step's sums are cleared before they are used again)
         self.terms *= world
 
+    def _buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._wire.get(name)
+        if buf is None:
+            buf = self._wire[name] = torch.empty(n, dtype=dtype, device=self.window.device)
+        return buf
+
+    def _sum_combined(self, group: Any, window: torch.Tensor) -> torch.Tensor:
+        """The members' bins at ``window``, combined (``combined_at_``) and summed: in pieces of ``PIECE``
+        elements, each piece's SUM started before the next is combined, so the combining overlaps the wire
+        (a group without ``allreduce_start`` sums it whole)."""
+        combined = self._buffer("combined", self.n, torch.int64)
+        start = getattr(group, "allreduce_start", None)
+        step = PIECE if start is not None else self.n
+        works = []
+        for a in range(0, self.n, step):
+            b = min(a + step, self.n)
+            _run(combined_at_, (window[a:b], self.window[a:b], self.bins[0, a:b], self.bins[1, a:b], combined[a:b]))
+            if start is not None:
+                works.append(start(combined[a:b]))
+            else:
+                group.allreduce_(combined[a:b])
+        for work in works:
+            group.wait(work)
+        return combined
+
     def values(self) -> torch.Tensor:
         """The sums, rounded to float64 (a float32 reader rounds again). NaN where a term was not finite."""
+        if self._combined is not None:
+            return _run(combined_float64, (self.window, self._combined))
         return _run(sums_float64, (self.window, self.bins[0], self.bins[1]))
 
 
@@ -195,6 +241,7 @@ class SquaresSum:
         25.0
     """
 
+    DIGIT = 31   # bits per digit on the wire (its own: not the bins' W): W members' digits fit an int64 for W < 2^32
     DIGITS = 20  # 31-bit digits of the sum on the wire: 2^620 units > any sum of 2^64 float32 squares (< 2^556 units)
 
     def __init__(self, device: Any = "cpu"):
@@ -228,11 +275,12 @@ class SquaresSum:
                 self.total += ((high[e] << 24) + low[e]) << (2 * max(e, 1))
 
     def _digits(self) -> torch.Tensor:
-        if self.total >> (W * self.DIGITS):
+        if self.total >> (self.DIGIT * self.DIGITS):
             raise ElasticFlowError("trainer.reproducible: a sum of squares of 2^320 or more does not fit the 20 "
                                    "digits it travels in (it takes more than 2^64 float32 elements)",
                                    "clip a gradient of fewer elements, or clip per parameter group")
-        return torch.tensor([(self.total >> (W * i)) & _MASK for i in range(self.DIGITS)] + [self.nonfinite],
+        mask = (1 << self.DIGIT) - 1
+        return torch.tensor([(self.total >> (self.DIGIT * i)) & mask for i in range(self.DIGITS)] + [self.nonfinite],
                             dtype=torch.int64, device=self.device)
 
     def allreduce(self, group: Any) -> None:
@@ -240,7 +288,7 @@ class SquaresSum:
         digits = self._digits()
         group.allreduce_(digits)
         got = digits.tolist()
-        self.total = sum(d << (W * i) for i, d in enumerate(got[:-1]))
+        self.total = sum(d << (self.DIGIT * i) for i, d in enumerate(got[:-1]))
         self.nonfinite = got[-1]
 
     def values(self) -> torch.Tensor:
@@ -262,234 +310,3 @@ def sum_squares_reproducibly(t: torch.Tensor) -> SquaresSum:
     acc = SquaresSum(t.device)
     acc.add(t)
     return acc
-
-
-def moved(window: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
-    """Bins ``hi``, ``lo`` at windows ``held`` raised to ``window`` (>= held): up one window, hi becomes lo and the
-    old lo goes; up two or more, both go. Returns (window as int8, hi, lo). In multiplications by 0 or 1, not
-    ``torch.where``: a where on a random mask costs as much as ten of them (mispredicted branches)."""
-    raised = window.to(torch.int64) - held.to(torch.int64)
-    same, up_one = (raised == 0).to(torch.int64), (raised == 1).to(torch.int64)
-    return window.to(torch.int8), hi * same, lo * same + hi * up_one
-
-
-def deposit_float32(t: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
-    """Float32 terms ``t`` added to bins ``hi``, ``lo`` at windows ``held``: returns the new (window, hi, lo).
-
-    From the terms' bits, in integer operations without a branch, so that eager torch and one compiled loop
-    (``_Kernels``) give the same bits. The same sums as ``ReproducibleSum._add_any``: a float32 zero's window is
-    float32's lowest, -5, where ``_add_any`` gives MIN_WINDOW (no float32 term has bits below either)."""
-    bits = t.view(torch.int32)
-    biased = (bits >> 23) & 0xFF
-    # The leading bit's position is biased - 127 (subnormals too: all in bin -5); floor((biased - 127) / 31) by a
-    # multiply and a shift, exact for 0 <= biased + 28 < 400. A NaN or infinity (biased 255, bin 4) lands at NONFINITE.
-    own = (((biased + 28) * 2115) >> 16) - 5 + (biased == 0xFF).to(torch.int32) * (NONFINITE - 4)
-    window = torch.maximum(own, held.to(torch.int32))
-    window8, hi, lo = moved(window, held, hi, lo)
-    normal = (biased != 0).to(torch.int32)
-    mantissa = ((bits & 0x7FFFFF) | (normal << 23)).to(torch.int64)
-    # Units of the lo bin, 2^(31 (window - 1)): mantissa * 2^(exponent - 150 - 31 (window - 1)), truncated: a left
-    # shift by 39 (mantissa < 2^24: below 2^63) and a right shift by the rest (from 0; 63 at most: C's >> is
-    # undefined from 64 on, and a compiled loop is C)
-    shift = (158 - 1 + normal - biased + W * window).clamp(max=63)
-    units = (mantissa << 39) >> shift.to(torch.int64)
-    sign = (bits >> 31).to(torch.int64)  # 0 or -1: x ^ sign - sign is x or -x
-    return window8, hi + (((units >> W) ^ sign) - sign), lo + (((units & _MASK) ^ sign) - sign)
-
-
-def deposit_float32_(t: torch.Tensor, held: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
-    """``deposit_float32`` written back into ``held``, ``hi``, ``lo``: compiled, one loop that reads and writes
-    each element's 17 bytes once (returned and then copied, 3x the time on 2.2M elements)."""
-    window, new_hi, new_lo = deposit_float32(t, held, hi, lo)
-    held.copy_(window)
-    hi.copy_(new_hi)
-    lo.copy_(new_lo)
-
-
-def sums_float64(window: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The value of bins ``hi``, ``lo`` at ``window``: (hi 2^31 + lo), rounded to float64, times the lo bin's
-    unit 2^(31 (window - 1)), made from its exponent bits (exact: a power of two). NaN where not finite."""
-    unit = ((W * (window.to(torch.int64).clamp(MIN_WINDOW, MAX_WINDOW) - 1) + 1023) << 52).view(torch.float64)
-    value = (hi.to(torch.float64) * float(1 << W) + lo.to(torch.float64)) * unit
-    return torch.where(window >= NONFINITE, float("nan"), value)  # a mask seldom true: no mispredictions
-
-
-# On a CPU, from COMPILE_FROM elements, deposit_float32_ and sums_float64 run as loops compiled ahead of time
-# (AOTInductor, any size: one build for all), ~20x faster than eager. The build (~20-40 s of a core) never runs
-# on the step path: the first process that needs the kernels starts it in a background process at low priority
-# and sums eager meanwhile (the same integer and power-of-two arithmetic, the same bits); every process then
-# loads the built packages (~10 ms) from a cache shared by the machine's processes. A GPU sums eager: its
-# elementwise passes are cheap there, and compiling per process is what stalled joins (docs/benchmarks.md).
-COMPILE_FROM = 1 << 18
-BUILD_STALE_S = 900  # a build lock older than this (or whose builder is gone), or a failed build's note, is retried
-
-
-class _Kernels:
-    """The compiled kernels of this process: loaded once their package is on disk, None until then."""
-
-    names = ("deposit_float32_", "sums_float64")
-
-    def __init__(self):
-        self.loaded: Dict[str, Any] = {}
-        self.off = False  # True once a build failed or a package would not load: eager for good (the same bits)
-        self.builder: Optional[subprocess.Popen] = None
-        self.started = False
-
-    @staticmethod
-    def folder() -> Path:
-        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                         f"torchinductor_uid{os.getuid()}")
-        return Path(root) / "elasticflow_sums"
-
-    @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def key() -> str:
-        """Which build fits this process: torch's version, the machine, and the source of the compiled code."""
-        source = "".join(inspect.getsource(f) for f in (moved, deposit_float32, deposit_float32_, sums_float64))
-        text = f"{torch.__version__} {platform.machine()} {sys.version_info[:2]} {W} {NONFINITE} {source}"
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    def path(self, name: str) -> Path:
-        return self.folder() / f"{name}-{self.key()}.pt2"
-
-    def get(self, name: str) -> Any:
-        """The loaded kernel, or None (eager): starts the build the first time none is on disk."""
-        kernel = self.loaded.get(name)
-        if kernel is not None or self.off:
-            return kernel
-        if self.builder is not None and self.builder.poll() is not None:
-            self.builder = None  # reaped
-        path = self.path(name)
-        if path.exists():
-            try:
-                kernel = self.loaded[name] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, -1)
-            except Exception as exc:  # noqa: BLE001 - a package this torch cannot load: eager, the same bits
-                self._give_up(f"loading {path} failed: {str(exc).splitlines()[0][:200]}")
-            return kernel
-        failed = path.with_suffix(".failed")
-        if failed.exists() and time.time() - failed.stat().st_mtime < BUILD_STALE_S:
-            self._give_up(failed.read_text()[:300])
-        elif not self.started:  # an older failure is tried again (a build killed for memory, say)
-            failed.unlink(missing_ok=True)
-            self.started = True
-            self.builder = start_build(self.folder(), self.key())
-        return None
-
-    def _give_up(self, why: str) -> None:
-        log.warning("reproducible sums run eager, slower (%s)", why)
-        self.off = True
-
-
-_kernels = _Kernels()
-
-
-def start_build(folder: Path, key: str) -> Optional[subprocess.Popen]:
-    """Start building the kernels in a background process unless one is at it (a lock file); the builder
-    writes each package under a temporary name and renames it, so a reader sees a whole one or none."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / f"build-{key}.lock"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            break
-        except FileExistsError:
-            if not _stale(lock):
-                return None  # another process builds: this one loads the packages when they appear
-            lock.unlink(missing_ok=True)
-    else:
-        return None
-    code = f"from elasticflow.replica.exact_sum import build_main; build_main({str(folder)!r}, {key!r}, {str(lock)!r})"
-    # Its own session and no inherited pipes: a launcher that reads the worker's output to its end, or kills its
-    # process group, does not wait for (or cut short) a build that serves the machine's later processes too.
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
-                            cwd=str(Path(__file__).resolve().parents[2]))
-    os.write(fd, str(proc.pid).encode())
-    os.close(fd)
-    log.info("building the reproducible sums' compiled kernels in the background (pid %d); eager until then",
-             proc.pid)
-    return proc
-
-
-def _stale(lock: Path) -> bool:
-    try:
-        pid = int(lock.read_text() or 0)
-        age = time.time() - lock.stat().st_mtime
-    except (OSError, ValueError):
-        return False  # being written, or just removed: not ours to take
-    if age > BUILD_STALE_S:
-        return True
-    if pid:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-    return False
-
-
-class _Deposit(torch.nn.Module):
-    def forward(self, t, held, hi, lo):
-        return deposit_float32_(t, held, hi, lo)
-
-
-class _Sums(torch.nn.Module):
-    def forward(self, window, hi, lo):
-        return sums_float64(window, hi, lo)
-
-
-def build(folder: Path, key: str) -> None:
-    """Build both kernels' packages into ``folder`` (the background builder's work; tests and benchmarks call it
-    to wait for them): one export with a dynamic length each, so every size runs the same package."""
-    import torch._inductor  # noqa: F401 - heavy: only the builder imports it
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a kernel without an OpenMP region: one thread in every worker, as the mode runs
-    try:
-        _build(folder, key)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _build(folder: Path, key: str) -> None:
-    n = 4096  # an example length; the export keeps it dynamic (from 2 up)
-    examples = {"deposit_float32_": (torch.randn(n), torch.full((n,), MIN_WINDOW, dtype=torch.int8),
-                                     torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)),
-                "sums_float64": (torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.int64),
-                                 torch.zeros(n, dtype=torch.int64))}
-    length = torch.export.Dim("n", min=2)
-    for name in _Kernels.names:
-        final = folder / f"{name}-{key}.pt2"
-        if final.exists():
-            continue
-        args = examples[name]
-        program = torch.export.export(_Deposit() if name == "deposit_float32_" else _Sums(), args,
-                                      dynamic_shapes=tuple({0: length} for _ in args))
-        partial = folder / f".{name}-{key}-{os.getpid()}.pt2"
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-        os.replace(partial, final)
-
-
-def build_main(folder: str, key: str, lock: str) -> None:
-    """The background builder's entry point: low priority, a ``.failed`` note where the build fails (the workers
-    then stay eager and say why once), the lock removed at the end."""
-    os.nice(10)
-    try:
-        build(Path(folder), key)
-    except Exception as exc:  # noqa: BLE001 - no C++ compiler, say: noted for the workers
-        for name in _Kernels.names:
-            Path(folder, f"{name}-{key}.failed").write_text(f"the kernels' build failed: {exc!r}"[:2000])
-    finally:
-        Path(lock).unlink(missing_ok=True)
-
-
-def _run(fn: Any, args: tuple) -> Any:
-    """``fn(*args)``: its compiled kernel where the sums are large, on a CPU, and the kernel is built."""
-    t = args[0]
-    if t.numel() >= COMPILE_FROM and t.device.type == "cpu" and all(a.is_contiguous() for a in args):
-        kernel = _kernels.get(fn.__name__)
-        if kernel is not None:
-            out = kernel.run(list(args))
-            return out[0] if out else None
-    return fn(*args)

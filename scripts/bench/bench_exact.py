@@ -6,7 +6,8 @@ reproducible sums' cost alone, not a thread count. The arms alternate within eac
 round, so load from other processes hits both alike. A figure is the median step time (``step_time_s`` of
 metrics.jsonl, every step logged) after ``--warmup`` steps, the median over rounds; the ratio is reproducible
 over default (above 1: the mode is slower). Bytes: what one step's sum holds per worker (the flat gradient and the
-step's scalars: 4 bytes an element by default, 17 in the mode: two int64 bins and an int8 window).
+step's scalars: 4 bytes an element by default, 9 in the mode: the int8 window's MAX and one int64 SUM, or 17
+where a sum has more than 2^11 terms: both int64 bins).
 
     .venv/bin/python scripts/bench/bench_exact.py                        # GPT-style decoder and wide MLP, 1/2/4 workers
     .venv/bin/python scripts/bench/bench_exact.py --models mlp --workers 2 --rounds 3 --steps 60
@@ -174,7 +175,7 @@ def main() -> None:
                     times[exact].append(run(model, workers, exact, a.steps, threads, folder))
             base, exact = statistics.median(times[False]), statistics.median(times[True])
             print(f"| {model} ({n / 1e6:.2f}M) | {workers} | {base * 1e3:.1f} | {exact * 1e3:.1f} | "
-                  f"**{exact / base:.2f}x** | {4 * n / 2**20:.1f} / {17 * n / 2**20:.1f} MiB |", flush=True)
+                  f"**{exact / base:.2f}x** | {4 * n / 2**20:.1f} / {9 * n / 2**20:.1f} MiB |", flush=True)
 
 
 WARMUP = 10
