@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticflow.distributed.store import server as store_server, stores, wire as store_wire
-from elasticflow.distributed.store.server import StoreClient, StoreServer
+from elasticflow.distributed.store import base as store_base, server as store_server, stores, wire as store_wire
+from elasticflow.distributed.store.dist_store import StoreClient  # a worker's: a torch.distributed.Store
+from elasticflow.distributed.store.server import StoreServer
 
 SHORT = datetime.timedelta(seconds=0.3)
 
@@ -110,6 +111,23 @@ def test_a_closed_store_fails_every_client_call_as_a_lost_network(server):
         c.get("k")
     with pytest.raises(dist.DistNetworkError, match="does not answer"):
         client(server)
+
+
+def test_the_agents_client_answers_the_same_without_torch_and_raises_the_plain_errors(server):
+    """The agent's side (stores.client) is not a torch.distributed.Store; a worker's is, and its errors are both."""
+    plain = stores.client(server.address, 0.05, TOKEN)
+    assert not isinstance(plain, dist.Store) and isinstance(stores.connect(server.address, 5.0, TOKEN), dist.Store)
+    plain.set("k", "v")
+    assert plain.get("k") == b"v" and plain.clone().get("k") == b"v"
+    with pytest.raises(store_base.StoreTimeout, match="never") as caught:
+        plain.get("never")
+    assert not isinstance(caught.value, dist.DistError)
+    with pytest.raises(store_base.StoreTimeout):  # a worker's: torch's error and the plain one
+        client(server, datetime.timedelta(seconds=0.05)).get("never")
+    server.close()
+    with pytest.raises(store_base.StoreLost, match="closed the connection") as caught:
+        plain.get("k")
+    assert not isinstance(caught.value, dist.DistError)
 
 
 def test_gloo_rendezvouses_through_the_private_store(server):

@@ -42,7 +42,8 @@ TOKEN = "bench" * 8
 
 def EtcdStore(url: str, certs: dict, timeout: datetime.timedelta) -> dist.Store:
     """The job's own etcd client (elasticflow/distributed/store/etcd.py: launcher.store=etcd) on this run's files."""
-    from elasticflow.distributed.store.etcd import EtcdStore as Client, address
+    from elasticflow.distributed.store.dist_store import EtcdStore as Client  # a worker's: gloo's PrefixStore over it
+    from elasticflow.distributed.store.etcd import address
 
     return Client(address([url], "bench/", certs["ca"], certs["client"], certs["client_key"]), timeout)
 

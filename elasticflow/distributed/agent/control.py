@@ -37,7 +37,7 @@ def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
         raise ElasticFlowError(f"cannot read the job token in {run_dir}/.elasticflow/token ({exc.strerror})",
                                "run `elasticflow scale` as the user who started the job") from exc
     try:
-        store = stores.connect(agent["address"], 10.0, token)
+        store = stores.client(agent["address"], 10.0, token)
     except Exception as exc:
         raise ElasticFlowError(f"the agent at {agent['address']} does not answer ({exc})",
                                "the job may have just ended; see `elasticflow status RUN_DIR`") from exc
@@ -110,7 +110,7 @@ def devices(run_dir: Path, worker_ids: Iterable[int]) -> Dict[int, str]:
             token = protocol.read_token(run_dir)
         except OSError:
             token = None  # a plain TCPStore needs none; the job's own stores refuse us: no devices shown
-        store = stores.connect(json.loads(protocol.agent_file(run_dir).read_text())["address"], 2.0, token)
+        store = stores.client(json.loads(protocol.agent_file(run_dir).read_text())["address"], 2.0, token)
         found = {}
         for wid in worker_ids:
             key = protocol.device_key(wid)

@@ -2,11 +2,12 @@
 that losing a host, the agent's own included, loses none of them; and the agent's leadership, a key held by a
 lease (agent/leadership.py).
 
-``EtcdStore`` is a ``torch.distributed.Store`` over etcd's v3 HTTP/JSON gateway, with mutual TLS (a client
-certificate), on one keep-alive HTTPS connection per client: gloo's rendezvous goes through it as through the
-other stores. Every key lives under the job's prefix. A member that does not answer within ``OP_S`` (powered off,
-cut off, or without a quorum) is left for the next endpoint; the call fails only when none answers within the
-store's timeout. ``get``/``wait`` poll (a watch over the gateway would be a second connection per waiter).
+``EtcdStore`` is a client over etcd's v3 HTTP/JSON gateway, with mutual TLS (a client certificate), on one
+keep-alive HTTPS connection per client, with TCPStore's semantics; a worker's is its ``torch.distributed.Store``
+twin (dist_store.py), and gloo's rendezvous goes through it as through the other stores. Every key lives under
+the job's prefix. A member that does not answer within ``OP_S`` (powered off, cut off, or without a quorum) is
+left for the next endpoint; the call fails only when none answers within the store's timeout. ``get``/``wait``
+poll (a watch over the gateway would be a second connection per waiter).
 
 A client may be *fenced* (the agent's): its writes are transactions that also compare the leader key with its own
 name, so an agent whose lease expired (a long pause, a partition) can write nothing more: ``Deposed``.
@@ -26,7 +27,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-import torch.distributed as dist
+from .base import Store
 
 SCHEME = "etcd:"
 OP_S = 2.0      # one request to one member: no answer by then and the member is taken for down (the next is tried)
@@ -77,7 +78,7 @@ def range_end(prefix: bytes) -> bytes:
     return bytes(end)
 
 
-class EtcdStore(dist.Store):
+class EtcdStore(Store):
     """A client of the job's records in etcd (TCPStore's semantics); ``fence``: (key, value) every write needs."""
 
     def __init__(self, addr: str, timeout: datetime.timedelta, fence: Optional[Tuple[str, str]] = None):
@@ -98,7 +99,7 @@ class EtcdStore(dist.Store):
         self.timeout_s = timeout.total_seconds()
 
     def clone(self) -> "EtcdStore":
-        return EtcdStore(self.addr, datetime.timedelta(seconds=self.timeout_s), self.fence)
+        return type(self)(self.addr, datetime.timedelta(seconds=self.timeout_s), self.fence)
 
     # ---------------------------------------------------------------- one request, to whichever member answers
     def post(self, path: str, body: dict) -> dict:
@@ -183,7 +184,7 @@ class EtcdStore(dist.Store):
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout.total_seconds())
         while not self.check(keys):
             if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"wait timeout after {self.timeout_s:g}s, keys: {keys}")
+                raise self.Timeout(f"wait timeout after {self.timeout_s:g}s, keys: {keys}")
             time.sleep(POLL_S)
 
     def compare_set(self, key, expected, desired):

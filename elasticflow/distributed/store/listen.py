@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import TYPE_CHECKING
 
-from torch.distributed import TCPStore
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 
 def listening_socket(host: str, port: int = 0) -> socket.socket:
@@ -19,6 +21,8 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
 
 def listening_store(host: str, timeout_s: float, port: int = 0) -> "tuple[TCPStore, socket.socket]":
     """A TCPStore listening on ``host`` only (TCPStore alone would listen on every interface)."""
+    from torch.distributed import TCPStore  # here: only launcher.store=tcp's agent imports torch for its store
+
     sock = listening_socket(host, port)
     store = TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
                      wait_for_workers=False, master_listen_fd=sock.fileno())

@@ -14,11 +14,11 @@ its number in ``/proc/net/tcp``); across hosts, everyone on the network. So:
   The door admits the job's own connections ahead of strangers' (``_at_the_door``, docs/security.md).
 
 The server runs in the agent's process (a thread per connection), so it dies with the agent, as TCPStore's
-would: the workers see the connection close and take the agent-lost path. The client is a
-``torch.distributed.Store``, so gloo rendezvouses through it (``PrefixStore`` and all), and its semantics are
-TCPStore's: ``get`` and ``wait`` block until the key exists or the timeout passes (``DistStoreError``), ``add``
-counts in decimal text, ``compare_set`` answers as TCPStore does, a lost or refused connection is
-``DistNetworkError``.
+would: the workers see the connection close and take the agent-lost path. The client's semantics are TCPStore's:
+``get`` and ``wait`` block until the key exists or the timeout passes (``StoreTimeout``), ``add`` counts in decimal
+text, ``compare_set`` answers as TCPStore does, a lost or refused connection is ``StoreLost``. It imports no
+torch (the agent's side uses it as it is); a worker's is its ``torch.distributed.Store`` twin (dist_store.py), so
+gloo rendezvouses through it (``PrefixStore`` and all) and it raises torch's errors.
 """
 from __future__ import annotations
 
@@ -34,8 +34,7 @@ from collections import deque
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import torch.distributed as dist
-
+from .base import Store, WrongToken  # noqa: F401 - WrongToken: callers find it here too
 from .listen import listening_socket
 from .wire import BUSY, NONCE, OPEN, OPENING, Busy, Frames, client_handshake, key_of, opening_check, \
     server_handshake
@@ -329,24 +328,16 @@ class _Timeout(Exception):
     pass
 
 
-class WrongToken(dist.DistNetworkError):
-    """A token store hung up on our handshake, or could not prove the token itself: not the job's token, or not
-    the job's store. Not retried: it will not change."""
-
-
 # ----------------------------------------------------------------------------------------------- client
-class StoreClient(dist.Store):
-    """A client of ``StoreServer``: a ``torch.distributed.Store`` with TCPStore's semantics.
+class StoreClient(Store):
+    """A client of ``StoreServer``, with TCPStore's semantics (a worker's: dist_store.StoreClient).
 
     Args:
         address: the agent's ``StoreServer.address``: ``unix:<path>`` or ``token:<host>:<port>``.
         timeout: how long ``get`` and ``wait`` wait for a key, and the connection for the server.
         token: the job token, which a ``token:`` store's connection must prove.
 
-    Note: one call at a time per client (a lock), as gloo and our threads share a client. Keep a reference
-    to it while a ``PrefixStore`` over it is in use: torch's trampoline finds the Python methods through the
-    Python object, and a ``PrefixStore`` alone does not keep that alive ("INTERNAL ASSERT FAILED ... Not
-    implemented" from gloo's rendezvous).
+    Note: one call at a time per client (a lock), as gloo and our threads share a client.
     """
 
     def __init__(self, address: str, timeout: datetime.timedelta, token: Optional[str] = None):
@@ -396,11 +387,11 @@ class StoreClient(dist.Store):
             try:
                 return self._open()
             except PermissionError as exc:  # a refusal will not change: not retried
-                wrong = WrongToken if self.address.startswith(TOKEN_SCHEME) else dist.DistNetworkError
+                wrong = self.Refused if self.address.startswith(TOKEN_SCHEME) else self.Lost
                 raise wrong(f"the job's store at {self.address} refused this process: {exc}") from None
             except OSError as exc:  # not yet, or no longer, served, or busy: TCPStore too retries until its timeout
                 if time.monotonic() >= deadline:
-                    raise dist.DistNetworkError(f"the job's store at {self.address} does not answer ({exc})") \
+                    raise self.Lost(f"the job's store at {self.address} does not answer ({exc})") \
                         from None
             time.sleep(0.05)
 
@@ -410,16 +401,15 @@ class StoreClient(dist.Store):
                 self._frames.send([op.encode(), *args])
                 reply = self._frames.recv()
             except (ConnectionError, OSError, struct.error) as exc:
-                raise dist.DistNetworkError(f"the job's store at {self.address} closed the connection "
+                raise self.Lost(f"the job's store at {self.address} closed the connection "
                                             f"({type(exc).__name__}: {exc})") from None
         return self._answer(op, reply)
 
-    @staticmethod
-    def _answer(op: str, reply: List[bytes]) -> List[bytes]:
+    def _answer(self, op: str, reply: List[bytes]) -> List[bytes]:
         if reply[0] == b"ok":
             return reply[1:]
         if reply[0] == b"timeout":
-            raise dist.DistStoreError(reply[1].decode())
+            raise self.Timeout(reply[1].decode())
         raise RuntimeError(f"the job's store refused {op}: {reply[1].decode()}")
 
     def _ms(self, timeout: Optional[datetime.timedelta] = None) -> bytes:
@@ -462,8 +452,8 @@ class StoreClient(dist.Store):
         self._timeout_s = timeout.total_seconds()
 
     def clone(self) -> "StoreClient":
-        """A client on a connection of its own (``protocol.draw`` draws counters on one)."""
-        return StoreClient(self.address, self.timeout, self._token)
+        """A client on a connection of its own (``protocol.draw`` draws counters on one), of this one's class."""
+        return type(self)(self.address, self.timeout, self._token)
 
     def close(self) -> None:
         self._frames.sock.close()
@@ -476,7 +466,7 @@ class InProcessStore(StoreClient):
     """
 
     def __init__(self, server: StoreServer, timeout: datetime.timedelta):
-        dist.Store.__init__(self)
+        Store.__init__(self)
         self.address, self._server = server.address, server
         self.set_timeout(timeout)
 
