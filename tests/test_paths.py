@@ -6,6 +6,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -139,6 +140,110 @@ def test_a_run_directory_swapped_after_the_check_is_not_read(team, tmp_path, ref
     # In the run directory as it was, the same worker would read it: the refusal is the swap's, not the path's.
     assert read_beneath(shared / "away", (".elasticflow", "config.yaml"), f"{checked.st_dev}:{checked.st_ino}"
                         ) == f"model: {PROBE}\n".encode()
+
+
+READ_CONFIG = ("import os; from pathlib import Path; from elasticflow.launchers import worker; "
+               "worker._read_config(Path(os.environ['ELASTICFLOW_RUN_DIR']), int(os.environ['ELASTICFLOW_WORKER_ID']))")
+
+
+class _AgentStore:
+    """The job's store as a node agent registering with it sees it: a dict, and the agent's verdict on the node's
+    request, with the probe files the agent writes in the run directory and checkpoint.dir (agent/hosts.py)."""
+
+    def __init__(self, token: str, run: Path, ckpt: Path):
+        self.data, self.token, self.run, self.ckpt = {}, token, run, ckpt
+
+    def compare_set(self, key, expected, desired):
+        if key not in self.data:
+            if expected != "":
+                return expected.encode()
+            self.data[key] = desired.encode()
+        elif self.data[key] == expected.encode():
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+    def set(self, key, value):
+        self.data[key] = value if isinstance(value, bytes) else value.encode()
+        if key.startswith("node/request/"):
+            import json
+            import secrets
+
+            from elasticflow.distributed import protocol
+
+            request, probe = json.loads(value), secrets.token_hex(8)
+            for folder in (self.run / ".elasticflow" / "hosts", self.ckpt):
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f".probe-{request['name']}-{probe}").write_text(probe)
+            verdict = json.dumps({"ok": True, "job": "j0", "run_dir": str(self.run), "checkpoint_dir": str(self.ckpt),
+                                  "probe": probe, "nonce": request["nonce"]})
+            self.set(key.replace("request", "verdict"), protocol.Sealer(self.token).seal(
+                key.replace("request", "verdict"), verdict))
+
+    def add(self, key, n):
+        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
+        return int(self.data[key])
+
+    def clone(self):
+        return self
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="attacks as another user (nobody): needs root (as CI has)")
+def test_a_node_agents_workers_read_only_the_run_directory_it_checked(team, monkeypatch):
+    """launcher=nodes: a node agent (another host's, a SLURM worker job's, a pod's) registers, finds the probe the
+    agent just wrote in the run directory, and passes its workers that directory's identity as this host sees it.
+    ``nobody`` then swaps the run directory from under a team folder it may write, and plants a config.yaml naming
+    its own model file: the worker the node agent starts next (a restart, a joiner) refuses it in one line and
+    imports nothing. A swap while the node agent checks is refused by the node agent itself."""
+    from omegaconf import OmegaConf
+
+    from elasticflow.distributed.agent import node_agent
+
+    shared = team / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    run, token = shared / "run", "3f1c9a7be2d4405f8c6a1d2e9b7f0a53"
+    (run / ".elasticflow").mkdir(parents=True, mode=0o700)
+    (run / ".elasticflow" / "config.yaml").write_text(f"model: {PROBE}\n")
+    store = _AgentStore(token, run, team / "ckpt")
+    monkeypatch.setattr(node_agent, "connect", lambda *args, **kwargs: store)
+    cfg = OmegaConf.create({"launcher": {"name": "nodes", "store": "token", "procs_per_node": 1},
+                            "elastic": {"wait_s": 5}})
+    started = []
+
+    def launch(env):  # a worker's first act, before it imports torch (the whole worker: the test above)
+        started.append(env)
+        return subprocess.Popen([sys.executable, "-c", READ_CONFIG], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    node = node_agent.NodeAgent(cfg, "10.0.0.1:29400", token, launch, bind="127.0.0.1", name="hostb")
+    node.register()
+    checked = os.stat(run)
+    assert node.run_dir_id == f"{checked.st_dev}:{checked.st_ino}"
+    mark, evil = team / "imported", shared / "evil"
+    swapped = _as_nobody(
+        f"set -e; mv {run} {shared}/away; mkdir -p {run}/.elasticflow {evil}; chmod 777 {evil}; "
+        f"echo 'open(\"{mark}\", \"w\").write(\"imported\")' > {evil}/model.py; "
+        f"echo 'model: {evil}/model.py' > {run}/.elasticflow/config.yaml")
+    assert swapped.returncode == 0, swapped.stderr
+    node.spawn()
+    worker = node.workers.popitem()[1]
+    _, err = worker.communicate(timeout=120)
+    assert started[-1][ENV_RUN_DIR_ID] == node.run_dir_id and worker.returncode == 1, err
+    assert err.splitlines()[-2:] == [
+        f"error: worker {started[-1][ENV_WORKER_ID]}: the run directory {run} is not the one the job started in: it "
+        f"was renamed or replaced since (st_dev:st_ino now {os.stat(run).st_dev}:{os.stat(run).st_ino}, at the "
+        f"start {node.run_dir_id}); nothing of it was read",
+        "hint: start the job again in a directory whose parents only you may write"], err
+    assert not mark.exists() and sorted(p.name for p in run.iterdir()) == [".elasticflow"]
+    assert read_beneath(shared / "away", (".elasticflow", "config.yaml"), node.run_dir_id) == f"model: {PROBE}\n".encode()
+
+    def swapped_while_checking(*args):  # the run directory renamed away between the node agent's looks
+        os.rename(run, shared / "elsewhere")
+        os.rename(shared / "away", run)
+    monkeypatch.setattr(node_agent, "check_shared", swapped_while_checking)
+    with pytest.raises(ElasticFlowError, match=f"host hostc: the run directory {run} was renamed or replaced while "
+                                               "this host checked it"):
+        node_agent.NodeAgent(cfg, "10.0.0.1:29400", token, launch, bind="127.0.0.1", name="hostc").register()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user: needs root (as CI has)")

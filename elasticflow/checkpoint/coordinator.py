@@ -46,6 +46,18 @@ class Coordinator:
         pass
 
 
+class Offline(Coordinator):
+    """For a save made while the agent's store cannot be reached (``CheckpointManager.save``): each rank's report
+    is only the file it leaves beside its shard, and rank 0 cannot collect them, so the save is finished from the
+    files later (finish.py)."""
+
+    def report(self, key: str, rank: int, value: Dict[str, Any]) -> None:
+        pass
+
+    def collect(self, key: str, world: int, timeout_s: float) -> List[Dict[str, Any]]:
+        raise ConnectionError("the agent's store cannot be reached")
+
+
 class LocalCoordinator(Coordinator):
     """In-memory, for single-process runs (W=1) and for tests that run W writers as threads."""
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import CheckpointMismatch, ElasticFlowError
+from .finish import finish_pending
 from .format import (HINT_FALLBACK, METADATA, CorruptCheckpoint, complete_checkpoints, config_hash, latest,
                      read_metadata, resolve)
 from .load import compare_names, load_with_metadata
@@ -110,21 +111,20 @@ class CheckpointManager:
         arrays, progress = self.state_dict()  # views: the checkpointer copies only this rank's slice
         self.attempted_step = int(progress["step"])
         sharded = getattr(replica, "sharding", lambda: None)()  # trainer.shard: each rank holds (and writes) only its slice of the optimizer
-        if world > 1 and not replica.coordinated():
-            if sharded is not None:
-                log.warning("checkpoint %s not written: the agent's store is gone and the optimizer state is "
-                            "sharded, so no worker holds all of it", name)
-                return None
+        offline = world > 1 and not replica.coordinated()
+        if offline and sharded is None:
             # No store, no coordinated save: the state is replicated, so one survivor writes all of it --
             # whichever claims it first. Not "rank 0": when the agent's host is lost, rank 0 is usually
             # lost with it, and the survivors on other hosts cannot agree on anything else.
             if not self._claim(name, replica.generation):
                 return None
-            rank, world = 0, 1
+            rank, world, offline = 0, 1, False
+        # Sharded, no worker holds all of the optimizer state: each writes its shard and its report beside it, and
+        # the save is committed from those files later (finish.py), once all of them are there.
         info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": replica.world,
                 "generation": replica.generation, "saved_at": time.time(), **self.recorded}
         return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=replica.generation,
-                                      wait=wait, sharded=sharded)
+                                      wait=wait or offline, sharded=sharded, offline=offline)
 
     def _claim(self, name: str, generation: int) -> bool:
         """True for the one process that creates ``.<name>.solo-g<generation>`` in the job directory (an
@@ -207,6 +207,10 @@ class CheckpointManager:
             path = resolve(Path(self.resume_mode).expanduser())
             self.load(path)
             return path
+        try:  # the last save of an earlier run whose commit needed a store that could not be reached
+            finish_pending(self.job_dir, self.checkpointer.token, self.checkpointer.timeout_s)
+        except (ElasticFlowError, OSError) as exc:
+            log.warning("a save of an earlier run left uncommitted was not finished: %s", getattr(exc, "message", exc))
         found = complete_checkpoints(self.job_dir)
         for i, path in enumerate(reversed(found)):
             try:
@@ -275,7 +279,10 @@ class CheckpointManager:
         except (ElasticFlowError, OSError, ValueError, KeyError, TypeError):
             saved = False
         if not saved:
+            lease = self.checkpointer.lease
             raise ElasticFlowError(
                 f"the final checkpoint (step {step}) did not commit, so the trained state is not on disk "
                 f"(the newest checkpoint is {newest.name if newest else 'none'}; see the warning above)",
-                "run the same command again: it resumes from the newest checkpoint and trains the steps since")
+                "run the same command again: it resumes from the newest checkpoint, or first commits this one if "
+                f"every worker's shard of it is on disk (`elasticflow checkpoint commit "
+                f"{lease.run_dir if lease else self.job_dir}` says which are missing)")

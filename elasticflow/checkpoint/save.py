@@ -5,7 +5,8 @@ One save, on each of the W ranks:
      the only stall;
   2. writer thread: write ``shard-RRRRR-of-WWWWW.safetensors`` into the save's temporary directory,
      hashing each chunk (xxh3_64) just before it is written, then fsync;
-  3. report (file, bytes, checksums) to rank 0 through the coordinator (the agent's store);
+  3. report (file, bytes, checksums) to rank 0 through the coordinator (the agent's store), and leave the report
+     beside the shard: if the store fails, the save is committed from the files later (finish.py);
   4. rank 0 waits for all W reports (bounded by elastic.timeout_s), writes metadata.json and COMMIT,
      fsyncs and renames the directory to ``step_<N>``; then prunes to ``checkpoint.keep``.
 A crash at any moment leaves the previous complete checkpoints as they were; a member that dies
@@ -40,10 +41,10 @@ import numpy as np
 from .._util import affinity
 from . import jobdir
 from ..errors import ElasticFlowError
-from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, StoreCoordinator, agree, plain_name
-from .format import (CHECKSUM, COMMIT, FORMAT_VERSION, METADATA, Piece, Sharded, TensorSpec, _checkpoints_in, chunks,
-                     file_digest, hashed, hasher, plan, plan_digest, shard_header, shard_name, specs_of,
-                     temp_dirs)
+from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, Offline, StoreCoordinator, agree, plain_name
+from .finish import basis, metadata, write_report
+from .format import (CHECKSUM, COMMIT, METADATA, Piece, Sharded, TensorSpec, _checkpoints_in, chunks, file_digest,
+                     hashed, hasher, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
 from .snapshot import SnapshotBuffer, layout
 
 log = logging.getLogger("elasticflow")
@@ -113,6 +114,7 @@ class _Job:
     digest: str
     started: float
     sharded: Optional[Sharded] = None
+    offline: bool = False    # the agent's store cannot be reached: the reports are the files beside the shards
 
 
 class Checkpointer:
@@ -187,7 +189,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ the training thread
     def save(self, name: str, state: Dict[str, np.ndarray], info: Dict[str, Any], rank: int = 0, world: int = 1,
              generation: int = 0, wait: bool = False, copy: bool = True,
-             sharded: Optional[Sharded] = None) -> Optional[Path]:
+             sharded: Optional[Sharded] = None, offline: bool = False) -> Optional[Path]:
         """Snapshot this rank's slice of ``state`` and write it (in the background unless ``wait``).
 
         Every rank of the save calls this at the same point with its replica of the state.
@@ -199,6 +201,8 @@ class Checkpointer:
                 True (views of live tensors, ``engine.state(copy=False)``) copies this rank's slice.
             sharded: the tensors each rank holds only its own slice of (``Partial`` entries in ``state``,
                 ``trainer.shard``): each rank writes that slice, nothing is gathered.
+            offline: the agent's store cannot be reached: every rank writes its shard and its report beside it,
+                and nothing commits here; ``elasticflow checkpoint commit`` or the next start does (finish.py).
         Returns (rank 0) the checkpoint's path -- committed if ``wait``, else where it will be; else None.
         Note: waits for the previous save first, and raises its error if it failed.
         """
@@ -222,7 +226,7 @@ class Checkpointer:
         job = _Job(name=name, key=f"ckpt/{self.token}/{save_id}", step=step, rank=rank, world=world,
                    tmp=self.job_dir / f".{name}.tmp-s{step}-{self.token}-g{generation}.{count}",
                    final=self.job_dir / name, specs=specs, pieces=pieces, views=views, info=dict(info),
-                   digest=plan_digest(specs, world, sharded), started=started, sharded=sharded)
+                   digest=plan_digest(specs, world, sharded), started=started, sharded=sharded, offline=offline)
         self._last_key = key
         # Always on the writer thread, even when waiting: the store client is bound to one thread.
         self._pending = self._writer().submit(self._run, job)
@@ -277,14 +281,19 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ the writer thread
     def _run(self, job: _Job) -> Optional[Path]:
-        coordinator = self.coordinator if job.world > 1 and self.coordinator is not None else self.local
+        coordinator = Offline() if job.offline and job.world > 1 else \
+            self.coordinator if job.world > 1 and self.coordinator is not None else self.local
         try:
             report = self._write(job)
         except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then raised at the next save
             self._report(coordinator, job, {"ok": False, "rank": job.rank, "error": f"{type(exc).__name__}: {exc}"})
             raise ElasticFlowError(f"writing checkpoint {job.name} (rank {job.rank} of {job.world}) into "
                                    f"'{job.tmp}' failed: {exc}", HINT_DISK) from exc
-        if not self._report(coordinator, job, report) or job.rank != 0:
+        if not self._report(coordinator, job, report):
+            if job.rank == 0:
+                log.warning("checkpoint %s not committed: %s", job.name, self._from_files(job))
+            return None
+        if job.rank != 0:
             return None
         try:
             return self._commit(job, coordinator)
@@ -324,10 +333,13 @@ class Checkpointer:
         if path.stat().st_size != nbytes:
             raise OSError(f"{path} has {path.stat().st_size} bytes after writing {nbytes}")
         job.views = []  # the snapshot is on disk: let the buffer go back to the next save
+        report = {"ok": True, "rank": job.rank, "host": socket.gethostname(), "file": fname, "bytes": nbytes,
+                  "checksum": file_digest(CHECKSUM, header, piece_sums), "pieces": piece_sums, "plan": job.digest}
+        if job.world > 1:  # the commit needs the store: the report on disk too, to finish it from if that fails
+            write_report(job.tmp, job.key, job.rank, job.world, report,
+                         basis(job.specs, job.sharded, job.info, CHECKSUM) if job.rank == 0 else None)
         self._kill_at("after_write", job)
-        return {"ok": True, "rank": job.rank, "host": socket.gethostname(), "file": fname, "bytes": nbytes,
-                "checksum": file_digest(CHECKSUM, header, piece_sums),
-                "pieces": piece_sums, "plan": job.digest}
+        return report
 
     def _report(self, coordinator: Coordinator, job: _Job, report: Dict[str, Any]) -> bool:
         try:
@@ -346,8 +358,8 @@ class Checkpointer:
                         "the previous checkpoint stays the newest", job.name, exc)
             return None
         except Exception as exc:  # noqa: BLE001 - the store is gone
-            log.warning("checkpoint %s not committed: collecting the shard reports failed (%s)",
-                        job.name, str(exc).splitlines()[0][:200])
+            log.warning("checkpoint %s not committed: collecting the shard reports failed (%s); %s",
+                        job.name, str(exc).splitlines()[0][:200], self._from_files(job))
             return None
         failed = [r for r in reports if not r.get("ok")]
         if failed:
@@ -366,7 +378,7 @@ class Checkpointer:
                     f"{socket.gethostname()} cannot see: checkpoint.dir is not on a filesystem every host shares",
                     "put checkpoint.dir (and hydra.run.dir) on a shared filesystem mounted at the same path on every "
                     "host")
-        meta = self._metadata(job, reports)
+        meta = metadata(job.specs, job.world, job.sharded, job.info, reports, CHECKSUM, job.name)
         _write_file(job.tmp / METADATA, json.dumps(meta, indent=1, sort_keys=True).encode())
         self._kill_at("before_commit", job)
         # No fsync of its own: a COMMIT counts by existing, and fsync(tmp) below makes its entry durable.
@@ -392,22 +404,11 @@ class Checkpointer:
                  "" if job.world == 1 else "s", size / 2**20, time.perf_counter() - job.started)
         return job.final
 
-    def _metadata(self, job: _Job, reports: List[Dict[str, Any]]) -> Dict[str, Any]:
-        tensors = {s.name: {"dtype": s.dtype, "shape": list(s.shape), "shards": []} for s in job.specs}
-        files = {}
-        for rank, (pieces, rep) in enumerate(zip(plan(job.specs, job.world, job.sharded), reports)):
-            if len(rep["pieces"]) != len(pieces):
-                raise ElasticFlowError(f"checkpoint {job.name}: rank {rank} wrote {len(rep['pieces'])} pieces, "
-                                       f"its plan has {len(pieces)}", "this is a bug; report it")
-            files[rep["file"]] = {"rank": rank, "bytes": rep["bytes"], "checksum": rep["checksum"],
-                                  "tensors": len(pieces), "data_bytes": sum(p.nbytes for p in pieces)}
-            for p, digest in zip(pieces, rep["pieces"]):
-                tensors[p.name]["shards"].append({"file": rep["file"], "start": p.start, "end": p.end,
-                                                  "checksum": digest})
-        meta = {"format_version": FORMAT_VERSION, "world_size": job.world, **job.info,
-                "writers": job.world, "tensors": tensors, "files": files,
-                "checksum": CHECKSUM, "layout": "flat state, sorted names, split by bytes over the writers"}
-        return meta
+    def _from_files(self, job: _Job) -> str:
+        """What a save whose commit needed the store becomes: its files, and the command that commits them."""
+        where = self.lease.run_dir if self.lease is not None else str(self.job_dir)
+        return (f"every worker's shard and report are left in {job.tmp.name}: once all {job.world} are, `elasticflow "
+                f"checkpoint commit {where}` commits it from them, and so does the next start (resume=auto)")
 
     def _tidy(self, job: _Job) -> None:
         """After a commit: drop temporary directories no rank can still be writing, and old checkpoints.

@@ -106,11 +106,14 @@ def run(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     from ..distributed.agent.agent import Agent
     from ..observability.goodput import job
 
+    from .._util.envnames import ENV_RUN_DIR_ID
+    from .._util.paths import identity
+
     address = socket.gethostbyname(host)
     launch = LocalLaunch(cfg.launcher.fork_workers)
-    try:
+    try:  # this host's workers read config.yaml from the run directory as checked (worker._read_config)
         agent = Agent(cfg, run_dir, host=address, port=int(port), token=token, launch=launch,
-                      worker_env={protocol.ENV_BIND: address})
+                      worker_env={protocol.ENV_BIND: address, ENV_RUN_DIR_ID: identity(run_dir)})
     except OSError as exc:
         raise ElasticFlowError(f"cannot listen on launcher.endpoint={cfg.launcher.endpoint} ({exc.strerror})",
                                "pick a free port (another job may hold this one), the same on every host") from None

@@ -142,18 +142,21 @@ def _finish_save_on_sigterm(holder: dict) -> None:
 
 def _read_config(run_dir: Path, worker_id: Optional[int]) -> str:
     """RUN_DIR/.elasticflow/config.yaml (it names the model file this worker imports), read through descriptors
-    opened one below the other from the run directory the agent checked ($ELASTICFLOW_RUN_DIR_ID, where the
-    agent is on this host: then .elasticflow/ and the file must be yours alone too), so that a run directory
-    renamed away and replaced since, or a symlink planted in it, is refused rather than read
+    opened one below the other from the run directory the agent, or the node agent that started it, checked
+    ($ELASTICFLOW_RUN_DIR_ID; where the agent started it, .elasticflow/ and the file must be yours alone too), so
+    that a run directory renamed away and replaced since, or a symlink planted in it, is refused rather than read
     (paths.read_beneath). A refusal is one line on stderr and exit 1, and nothing is written there: not a log,
     not the error record the agent would read."""
     from ..errors import ElasticFlowError
-    from .._util.envnames import ENV_RUN_DIR_ID
+    from .._util.envnames import ENV_NODE, ENV_RUN_DIR_ID
     from .._util.paths import read_beneath
 
-    checked = os.environ.get(ENV_RUN_DIR_ID)  # None: started by a node agent (another host, a pod)
+    checked = os.environ.get(ENV_RUN_DIR_ID)  # as the agent, or the node agent that started this worker, saw it
+    # Not who owns the files where a node agent started it (another host, a pod): a Kubernetes volume's owner and
+    # modes are its fsGroup's, an NFS export may map owners to others.
+    owned = checked is not None and ENV_NODE not in os.environ
     try:
-        return read_beneath(run_dir, (".elasticflow", "config.yaml"), checked, owned=checked is not None).decode()
+        return read_beneath(run_dir, (".elasticflow", "config.yaml"), checked, owned=owned).decode()
     except ElasticFlowError as exc:
         message, hint = exc.message, exc.hint
     except OSError as exc:

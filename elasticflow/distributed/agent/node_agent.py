@@ -42,7 +42,7 @@ CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_
 ERROR_EXITS = (1, 2, protocol.EXIT_REFUSED)  # the worker's own error line; the agent fails the job with it
 
 
-connect = stores.connect
+connect = stores.client  # the agent's side: no torch (store/stores.py)
 
 
 class NodeAgent:
@@ -62,7 +62,7 @@ class NodeAgent:
         # The store's address, with its kind (``address``: given where no host serves it, launcher.store=etcd)
         self.address = address or stores.address_of(store_kind(cfg.launcher), endpoint)
         self.name = name or socket.gethostname()
-        self.store = None  # a client of the agent's store (stores.connect)
+        self.store = None  # a client of the agent's store (stores.client)
         self.lost_since: Optional[float] = None
         self.workers: Dict[int, subprocess.Popen] = {}  # worker id -> process
         self.slots: Dict[int, int] = {}
@@ -74,6 +74,7 @@ class NodeAgent:
         self.pending_restarts = 0                       # restarts owed once the endpoint answers again
         self.interrupted = False
         self.run_dir: Optional[Path] = None
+        self.run_dir_id: Optional[str] = None  # the run directory's identity as this host checked it (seen_run_dir)
         self.sealer = protocol.Sealer(token)   # for the job once its verdict names it
         self.beats = 0
 
@@ -108,7 +109,7 @@ class NodeAgent:
                                    exit_code=protocol.EXIT_REFUSED)
         self.sealer = protocol.Sealer(self.token, str(verdict["job"]))
         self.run_dir = Path(verdict["run_dir"])
-        check_shared(self.name, self.run_dir, Path(verdict["checkpoint_dir"]), verdict["probe"])
+        self.run_dir_id = seen_run_dir(self.name, self.run_dir, Path(verdict["checkpoint_dir"]), verdict["probe"])
 
     def _verdict(self, n: int, nonce: str, deadline: float) -> dict:
         """The agent's sealed answer to our request (it names our nonce). One that does not verify is a
@@ -139,6 +140,9 @@ class NodeAgent:
                protocol.ENV_NODE: self.name, protocol.ENV_BIND: self.bind, protocol.ENV_LOCAL_SLOT: str(slot),
                protocol.ENV_LOCAL_WORKERS: str(self.cfg.launcher.procs_per_node),
                protocol.ENV_SPAWNED_AT: str(time.time())}
+        if self.run_dir_id is not None:  # each worker reads config.yaml only from that directory (worker.py)
+            from ..._util.envnames import ENV_RUN_DIR_ID
+            env[ENV_RUN_DIR_ID] = self.run_dir_id
         self.workers[wid] = self.launch(env)
         self.slots[wid] = slot
 
@@ -294,6 +298,27 @@ class NodeAgent:
                                    f"see {self.run_dir}/logs/ and the endpoint host's output; rerun this command "
                                    "to rejoin a job that is still running", exit_code=1)
         return {"host": self.name, "workers": len(codes), "restarts": self.restarts}
+
+
+def seen_run_dir(name: str, run_dir: Path, checkpoint_dir: Path, probe: str) -> str:
+    """``check_shared``, and the identity (``paths.identity``, st_dev:st_ino as this host sees it) of the run
+    directory in which this host found the probe the agent's host had just written: the workers this node agent
+    starts, restarts included, read config.yaml from that directory only, not from one put in its place since
+    (worker._read_config, as the local launcher's workers do). Another host sees another st_dev: each node agent
+    takes its own."""
+    from ..._util.paths import identity
+
+    try:
+        before: Optional[str] = identity(run_dir)
+    except OSError:
+        before = None  # not visible here: check_shared says so in its own line
+    check_shared(name, run_dir, checkpoint_dir, probe)
+    now = identity(run_dir)
+    if now != before:
+        raise ElasticFlowError(f"host {name}: the run directory {run_dir} was renamed or replaced while this host "
+                               f"checked it (st_dev:st_ino {before}, then {now})",
+                               "start the job again in a directory whose parents only you may write")
+    return now
 
 
 def check_shared(name: str, run_dir: Path, checkpoint_dir: Path, probe: str) -> None:
