@@ -1,4 +1,4 @@
-"""`elasticflow train|scale|status|plot|inspect|export`: parse, hand over, nothing else."""
+"""`elasticflow train|scale|status|plot|sync|inspect|export`: parse, hand over, nothing else."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,9 @@ USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-
        elasticflow scale RUN_DIR --workers N
        elasticflow status RUN_DIR [--json]
        elasticflow plot RUN_DIR [-o FILE.png]
+       elasticflow sync RUN_DIR
        elasticflow inspect CHECKPOINT_DIR
+       elasticflow checkpoint commit RUN_DIR
        elasticflow export CHECKPOINT --to DIR [--best] [--model MODEL.py] [key=value ...]
        elasticflow --version
 
@@ -168,6 +170,17 @@ def inspect_checkpoint(args: List[str]) -> None:
     print(render(Path(args[0])))
 
 
+def checkpoint_command(args: List[str]) -> None:
+    """`checkpoint commit RUN_DIR`: commit the run's last save from its shard files (checkpoint/finish.py)."""
+    from .checkpoint.finish import commit_run
+
+    if len(args) != 2 or args[0] != "commit" or args[1].startswith("-"):
+        fail(f"checkpoint takes `commit RUN_DIR`, got {' '.join(args) or 'nothing'}",
+             "e.g. elasticflow checkpoint commit outputs/2026-11-22/10-00-00: commits the run's last save once "
+             "every worker's shard of it is on disk")
+    print(commit_run(Path(args[1])))
+
+
 def export_command(args: List[str]) -> None:
     import argparse
 
@@ -236,6 +249,16 @@ def plot_command(args: List[str]) -> None:
     print(f"wrote {plot(ns.run_dir, ns.output)}")
 
 
+def sync_command(args: List[str]) -> None:
+    """Hand the run's trackers (trainer.loggers) the records they missed when its end cut them off."""
+    from .observability.sidecar import sync
+
+    if len(args) != 1 or args[0].startswith("-"):
+        fail(f"sync takes one run directory, got {' '.join(args) or 'nothing'}",
+             "e.g. elasticflow sync outputs/2026-11-22/10-00-00 (the one its warning named)")
+    sync(Path(args[0]))
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -253,7 +276,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     command, rest = argv[0], argv[1:]
     commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest),
                 "scale": lambda: scale_command(rest), "status": lambda: status_command(rest),
-                "plot": lambda: plot_command(rest), "export": lambda: export_command(rest)}
+                "plot": lambda: plot_command(rest), "export": lambda: export_command(rest),
+                "checkpoint": lambda: checkpoint_command(rest),
+                "sync": lambda: sync_command(rest)}
     if command not in commands:
         fail(f"unknown command {command!r}", f"use one of: {', '.join(commands)} (elasticflow --help)")
     try:

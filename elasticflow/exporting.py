@@ -11,7 +11,8 @@ export follows its naming) and writes the model as its framework saves it:
                         buffers absent): ``net.load_state_dict(load_file(...), strict=True)``
     transformers model  save_pretrained(): config.json + model.safetensors (every state_dict key, as above):
                         ``TheClass.from_pretrained(DIR)`` and the strict load both work
-    keras model         model.weights.h5 (``save_weights``): ``net.load_weights(DIR / "model.weights.h5")``
+    keras model         model.weights.h5 (``save_weights``): ``net.load_weights(DIR / "model.weights.h5")``;
+                        one on KERAS_BACKEND=torch (trained by backend=torch: a torch module too) as well
     tf.Module           model.index + model.data-*: ``tf.train.Checkpoint(model=net).read(DIR / "model")``
     peft model          adapter_config.json + adapter_model.safetensors (``PeftModel.from_pretrained(base,
                         DIR)``), and merged/: the base model with the adapter merged in, in its own form
@@ -269,12 +270,14 @@ def _write(model: Any, arrays: Dict[str, Any], out: Path, meta: Dict[str, str]) 
     if pretrained is not None and isinstance(model, pretrained):
         _write_pretrained(model, out, meta)
         return f"transformers {type(model).__name__} (save_pretrained)"
+    if keras_layer is not None and isinstance(model, keras_layer):
+        # Before torch's: a keras model on KERAS_BACKEND=torch is a torch.nn.Module too, and its users load
+        # keras weights (load_weights), not a state_dict.
+        model.save_weights(str(out / KERAS_WEIGHTS))
+        return "keras weights (save_weights)"
     if module is not None and isinstance(model, module):
         _write_state_dict(model, out, meta)
         return "torch state_dict"
-    if keras_layer is not None and isinstance(model, keras_layer):
-        model.save_weights(str(out / KERAS_WEIGHTS))
-        return "keras weights (save_weights)"
     if tf_module is not None and isinstance(model, tf_module):
         import tensorflow as tf
 

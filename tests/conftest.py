@@ -84,10 +84,10 @@ LONG_FIRST = ["test_combinations.py", "test_exact.py", "test_shard_params.py", "
 # few minutes, for the edit-test loop. CI runs everything. A unit test file joins QUICK_FILES when its total
 # (the suite's per-file table) stays a few seconds.
 QUICK_FILES = {"test_accumulation.py", "test_affinity.py", "test_agent.py", "test_backends.py", "test_buffers.py",
-               "test_checkpoint_crafted.py", "test_comm.py", "test_config.py", "test_data.py", "test_fileio.py",
+               "test_checkpoint_crafted.py", "test_checkpoint_finish.py", "test_comm.py", "test_config.py", "test_data.py", "test_fileio.py",
                "test_grad_check.py", "test_imports.py", "test_links.py", "test_modelfile.py", "test_module_size.py",
                "test_ops.py", "test_randomness.py", "test_rendezvous.py", "test_reporting.py", "test_roster.py",
-               "test_rounds.py", "test_sealing.py", "test_signals.py", "test_smoke.py", "test_state.py",
+               "test_rounds.py", "test_sealing.py", "test_setup_script.py", "test_signals.py", "test_smoke.py", "test_state.py",
                "test_topology_schema.py", "test_trainer.py", "test_worker.py"}
 QUICK_TESTS = {"test_elastic.py::test_kill_one_of_three_by_pid_from_workers_json",
                "test_elastic.py::test_tensorflow_kill_matches_single_worker[one-reduction]"}

@@ -116,3 +116,105 @@ def test_each_workers_training_thread_has_its_own_cores_and_gloos_threads_have_a
 def test_pin_cores_false_leaves_every_thread_free(tmp_path):
     seen = _two_workers(tmp_path / "run", "backend.pin_cores=false")
     assert all(m == ALL for r in (0, 1) for masks in seen[r].values() for m in masks)
+
+
+# ---------------------------------------------------------------- the default number of intra-op threads
+from elasticflow._util import affinity  # noqa: E402
+from elasticflow._util.affinity import Cores, cgroup_cpu_limit, default_threads, others_running  # noqa: E402
+
+
+def _cgroup(tmp_path, own: str, files: dict) -> tuple:
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    (tmp_path / "own").write_text(own)
+    return str(tmp_path / "fs"), str(tmp_path / "own")
+
+
+def test_the_cgroup_quota_is_read_from_cpu_max_or_cfs_quota_the_smallest_on_the_path(tmp_path):
+    root, own = _cgroup(tmp_path / "v2", "0::/job/worker\n", {"job/cpu.max": "150000 100000\n",
+                                                              "job/worker/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_limit(root, own) == 1.5      # the parent's quota binds its child
+    root, own = _cgroup(tmp_path / "v2max", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert cgroup_cpu_limit(root, own) is None     # "max": no quota
+    root, own = _cgroup(tmp_path / "v1", "4:memory:/x\n3:cpu,cpuacct:/x\n0::/\n",
+                        {"cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/x/cpu.cfs_period_us": "100000\n",
+                         "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_cpu_limit(root, own) == 3.0
+    assert cgroup_cpu_limit(str(tmp_path / "none"), str(tmp_path / "no-such-file")) is None
+
+
+def test_other_processes_count_by_the_threads_they_keep_running(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3 4\nprocs_running 3\nprocs_blocked 0\n")
+    assert others_running(str(stat), samples=2, gap_s=0) == 2.0   # less the thread that looks
+    stat.write_text("procs_running 1\n")
+    assert others_running(str(stat), samples=1) == 0.0
+    assert others_running(str(tmp_path / "absent")) == 0.0
+
+
+def test_the_default_threads_are_the_share_of_the_usable_cores_no_other_process_holds():
+    assert default_threads(2, Cores(2)) == 2                           # an idle 2-core host, one worker
+    assert default_threads(2, Cores(2, busy=2.0)) == 1                 # two CPU hogs: one thread, not two fighting
+    assert default_threads(2, Cores(2, busy=1.0)) == 1
+    assert default_threads(4, Cores(8, busy=3.0)) == 4                 # 2 workers on 8 cores, 3 busy: still 4 each
+    assert Cores(16, limit=2.5).usable == 2 and Cores(2, limit=0.5).usable == 1   # a quota caps, rounding down
+    assert default_threads(2, Cores(64, limit=2.0, busy=40.0)) == 2    # a container's quota on a busy big host
+    assert "2 cores allowed, cgroup quota 1.5, 3 threads of other processes running" in Cores(2, 1.5, 3.0).describe()
+
+
+def test_a_placed_process_does_not_look_at_the_hosts_load(monkeypatch):
+    monkeypatch.setattr(affinity, "others_running", lambda: 9.0)
+    monkeypatch.setattr(affinity, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert affinity.cores() == Cores(2, None, 0.0)                  # taskset / --cpu-bind gave it these two
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert affinity.cores() == Cores(4, None, 9.0)
+    assert affinity.cores(look=False) == Cores(4, None, 0.0)
+
+
+THREADS_MODEL = """
+import numpy as np
+def model(cfg):
+    return {"w": np.zeros((4, 1), np.float32)}
+def forward(x, y, params):
+    from elasticflow import ops
+    return {"loss": ops.mean((x @ params["w"] - y) ** 2)}
+def data(cfg):
+    return np.ones((16, 4), np.float32), np.ones((16, 1), np.float32)
+"""
+
+
+def test_a_worker_takes_its_hosts_share_its_free_cores_or_backend_threads_and_the_banner_says_which(
+        tmp_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from elasticflow.config.schema import compose
+    from elasticflow.distributed import protocol
+    from elasticflow.trainer import ElasticTrainer
+
+    path = tmp_path / "m.py"
+    path.write_text(THREADS_MODEL)
+    monkeypatch.setattr(affinity, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    before = torch.get_num_threads()
+    try:
+        for k, (workers, busy, overrides, want, says) in enumerate((
+                ("1", 0.0, [], 8, "8 intra-op threads per worker (8 cores allowed; backend.threads overrides)"),
+                ("2", 0.0, [], 4, "4 intra-op threads per worker"),                 # 2 workers on this host
+                ("1", 6.0, [], 2, "2 intra-op threads per worker (8 cores allowed, 6 threads of other"),
+                ("2", 6.0, ["backend.threads=3"], 3, "3 intra-op threads per worker (backend.threads)"))):
+            monkeypatch.setattr(affinity, "others_running", lambda busy=busy: busy)
+            monkeypatch.setenv(protocol.ENV_LOCAL_WORKERS, workers)
+            cfg = compose(str(path), ["trainer.global_batch_size=4", "trainer.max_steps=1", *overrides])
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="elasticflow"):
+                ElasticTrainer(str(path), cfg, run_dir=str(tmp_path / f"run{k}")).prepare()
+            assert torch.get_num_threads() == want, (workers, busy, overrides)
+            assert says in caplog.text, caplog.text
+    finally:
+        torch.set_num_threads(before)

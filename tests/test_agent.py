@@ -1,6 +1,9 @@
 """The agent's bookkeeping, at unit level: a real Agent (its store, events, workers.json) whose launch
 callable records each worker's environment instead of starting a process."""
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -122,3 +125,41 @@ def test_every_worker_of_a_large_start_is_answered_though_all_ask_at_once(tmp_pa
         assert len(writes) == 1
     finally:
         agent._stop_serving()
+
+
+# The agent's side of a job: the CLI up to the spawn of its workers, the agent, node agents, `elasticflow status`.
+AGENT_SIDE = ["elasticflow.cli", "elasticflow.launchers.local", "elasticflow.launchers.nodes",
+              "elasticflow.launchers.failover", "elasticflow.launchers.slurm", "elasticflow.launchers.kubernetes",
+              "elasticflow.launchers.kubernetes_pod", "elasticflow.distributed.agent.node_agent",
+              "elasticflow.observability.status"]
+
+
+@pytest.mark.timeout(120)
+def test_the_agents_process_imports_no_torch(tmp_path):
+    """Torch is the workers' (gloo's rendezvous: store/dist_store.py); an agent that imported it spent most of its CPU
+    on it, on every job (docs/benchmarks.md). A fresh interpreter imports the agent's side and runs an agent
+    to its end (its store served, every worker dead before joining): torch is still not loaded."""
+    code = textwrap.dedent(f"""
+        import importlib, sys
+        for name in {AGENT_SIDE!r}:
+            importlib.import_module(name)
+        from elasticflow.config.schema import compose
+        from elasticflow.distributed.agent.agent import Agent
+        from elasticflow.errors import ElasticFlowError
+
+        class Dead:
+            pid, rc = 10_000, -9
+            def poll(self):
+                return self.rc
+
+        try:
+            Agent(compose("models/linear.py", ["launcher.workers=2", "launcher.restart_failed=false"]),
+                  sys.argv[1], launch=lambda env: Dead()).run()
+        except ElasticFlowError as exc:
+            print("agent ended:", str(exc)[:80])
+        print("torch loaded:", sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))[:5])
+        """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "agent ended: every worker died" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "torch loaded: []" in proc.stdout, proc.stdout

@@ -107,6 +107,16 @@ def test_tf_data_is_refused_with_what_to_return_instead():
     with pytest.raises(ElasticFlowError, match="tf.data.Dataset.*in order") as info:
         data.Dataset(tf.data.Dataset.from_tensor_slices(np.zeros(4)))
     assert "as_numpy_iterator" in info.value.hint
+    # The usual dataset of dicts, batched: the hint's code, run as written, gives the arrays by key.
+    x, y = np.arange(12, dtype=np.float32).reshape(6, 2), np.arange(6)
+    ds = tf.data.Dataset.from_tensor_slices({"image": x, "label": y}).batch(4).prefetch(1)
+    with pytest.raises(ElasticFlowError) as info:
+        data.Dataset(ds)
+    code = info.value.hint.split("return the arrays it reads: ")[1].split(" (order the keys")[0]
+    scope = {"np": np, "ds": ds}
+    exec("def data():\n    " + code.replace("; ", "\n    "), scope)
+    got = scope["data"]()
+    assert len(got) == 2 and np.array_equal(got[0], x) and np.array_equal(got[1], y)
 
 
 class Broken:

@@ -6,10 +6,12 @@ with the checkpoint's tensors (equal, or a numpy forward pass of them within flo
 and Keras exports run `elasticflow export` in this process (harness.cli), which imports their framework to load
 the result anyway; a subprocess would only import it again. The plain modules' exports run in a subprocess.
 """
+import json
 import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -306,6 +308,76 @@ def test_keras_export_loads_with_load_weights(tmp_path, restore_ops):
     h = (h - s["bn/moving_mean"]) / np.sqrt(s["bn/moving_variance"] + 1e-3) * s["bn/gamma"] + s["bn/beta"]
     expected = np.maximum(h, 0) @ s["out/kernel"] + s["out/bias"]
     np.testing.assert_allclose(net(x, training=False).numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+# A Keras 3 model on KERAS_BACKEND=torch (a torch.nn.Module too): trained by backend=torch, exported as keras
+# weights; backend=tensorflow refuses it in one line. Keras reads KERAS_BACKEND once per process: one process of
+# its own does all three (TensorFlow imported once, for the refusal).
+KERAS_ON_TORCH = """
+import json, sys
+import keras
+import numpy as np
+import elasticflow
+import elasticflow.checkpoint as ckpt
+from elasticflow.config.schema import compose
+from elasticflow.errors import ElasticFlowError
+from elasticflow.trainer import ElasticTrainer
+
+model, root = sys.argv[1], sys.argv[2]
+steps = ["trainer.max_steps=1", "trainer.global_batch_size=16", "trainer.progress=false", "backend.threads=1"]
+ElasticTrainer(model, compose(model, ["backend=torch", *steps]), run_dir=root + "/run").fit()
+done = elasticflow.export(root + "/run", root + "/out", model=model, overrides=["backend=torch"])
+sys.path.insert(0, root)
+import keras_torch
+net = keras_torch.model(None)
+net.load_weights(root + "/out/model.weights.h5")
+state = ckpt.load(ckpt.latest(root + "/run/checkpoints"))
+equal = {v.path: bool(np.array_equal(v.numpy(), next(a for k, a in state.items() if k.endswith(v.path))))
+         for v in net.weights}
+try:
+    ElasticTrainer(model, compose(model, ["backend=tensorflow", *steps]), run_dir=root + "/tf").fit()
+    refused = None
+except ElasticFlowError as exc:
+    refused = [exc.message, exc.hint]
+print(json.dumps({"form": done.form, "files": done.files, "equal": equal, "refused": refused}))
+"""
+
+KERAS_TORCH_MODEL = """
+import keras
+import numpy as np
+
+
+def model(cfg):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
+                             keras.layers.Dense(1, name="out")], name="net")
+
+
+def forward(x, y, net):
+    return keras.ops.mean(keras.ops.square(net(x)[:, 0] - y))
+
+
+def data(cfg):
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    return x, x.sum(1).astype(np.float32)
+"""
+
+
+def test_a_keras_model_on_torch_exports_keras_weights_and_tensorflow_refuses_it(tmp_path):
+    (tmp_path / "keras_torch.py").write_text(KERAS_TORCH_MODEL)
+    (tmp_path / "script.py").write_text(KERAS_ON_TORCH)
+    done = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path / "keras_torch.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KERAS_BACKEND": "torch"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["form"] == "keras weights (save_weights)" and got["files"] == ["model.weights.h5"]
+    assert got["equal"] == dict.fromkeys(["net/hidden/kernel", "net/hidden/bias", "net/out/kernel",
+                                          "net/out/bias"], True)
+    message, hint = got["refused"]
+    assert message.startswith("model() returned a Keras model built with KERAS_BACKEND=torch, which backend="
+                              "tensorflow cannot train") and "\n" not in message
+    assert "KERAS_BACKEND=tensorflow" in hint and "backend=torch" in hint
 
 
 # ---------------------------------------------------------------- one line and a hint for each mistake

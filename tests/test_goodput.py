@@ -38,9 +38,11 @@ KILLS = {"worker-1": "1:15:forward", "rank-0": "0:15:reduction"}
 
 @pytest.fixture(scope="module", params=list(KILLS))
 def killed(request, tmp_path_factory):
-    """3 workers, one SIGKILLed at step 15 (worker 1 in forward, or rank 0 in the allreduce)."""
+    """3 workers, one SIGKILLed at step 15 (worker 1 in forward, or rank 0 in the allreduce, that one with --debug)."""
     run = tmp_path_factory.mktemp("killed")
-    proc = launch(run, "launcher.workers=3", env={"EF_PROBE_KILL": KILLS[request.param], "EF_PROBE_SLEEP": "0.02"})
+    debug = ["--debug"] if request.param == "rank-0" else []
+    proc = launch(run, "launcher.workers=3", *debug,
+                  env={"EF_PROBE_KILL": KILLS[request.param], "EF_PROBE_SLEEP": "0.02"})
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     return run, out
@@ -71,6 +73,22 @@ def test_a_kill_is_charged_to_recovery_and_the_redone_step(killed):
     assert "1 recovery, 1 step redone" in out and "  redone " in out
 
 
+def test_the_console_says_who_died_at_which_step_in_plain_words(killed):
+    """One line from the new rank 0 with the pid, the step, the workers left and the step redone; gloo's text
+    ("Connection reset by peer (gloo pair.cc:537)") and the agent's own line only with --debug (issue 68)."""
+    run, out = killed
+    left = events(run, "left")[0]
+    debug = left["worker"] == 0  # the rank-0 kill ran with --debug
+    said = (f"worker {left['worker']} (pid {left['pid']}) died at step 15 (signal SIGKILL): continuing with 2 "
+            "workers, step 15 redone")
+    assert out.count(said) == 1, out[-3000:]
+    assert ("; rebuilding" in out) == debug and ("pair.cc" in out) == debug, out[-3000:]
+    assert (f"(pid {left['pid']}) died (signal SIGKILL)\n" in out) == debug, out[-3000:]
+    # Step lines with the total, samples/s and an ETA on a console that is no terminal.
+    last = next(line for line in out.splitlines() if line.startswith("step 40/40 "))
+    assert " samples/s ETA 0:00" in last, last
+
+
 def test_status_json_and_text_show_the_ledger(killed):
     run = killed[0]
     record = json.loads(run_cli(["status", run, "--json"], check=True).stdout)
@@ -83,6 +101,10 @@ def test_status_json_and_text_show_the_ledger(killed):
     assert "left" in recent
     text = run_cli(["status", run], check=True).stdout
     assert "goodput " in text and "1 recovery, 1 step redone" in text and "job_end" not in text
+    # The ledger as lines of their own, not one line with literal "\n"s; the step of the total (issue 68).
+    lines = text.splitlines()
+    assert "\\n" not in text and set(goodput.render(record["goodput"]).splitlines()) <= set(lines), text
+    assert any(line.startswith("step 40 of 40  ") for line in lines), text
     bad = cli(["status", run, "--jsn"])
     assert bad.returncode == 2 and "error: status takes one run directory" in bad.stderr and "hint:" in bad.stderr
 

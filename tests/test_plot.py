@@ -37,44 +37,84 @@ def killed_and_joined(tmp_path_factory):
     return run
 
 
+def _panels(fig) -> dict:
+    """The figure's axes by title (the monitored metric's title names the metric: "monitored" here)."""
+    titles = ["loss", "monitored", "learning rate", "throughput", "workers"]
+    assert len(fig.axes) == 5
+    return dict(zip(titles, fig.axes))
+
+
+def _marks(ax, prefix: str) -> dict:
+    """{gid: [x, ...]} of the marker lines of ``ax`` whose gid starts with ``prefix``."""
+    out = {}
+    for line in ax.get_lines():
+        if (line.get_gid() or "").startswith(prefix):
+            out.setdefault(line.get_gid(), []).append(line.get_xdata()[0])
+    return out
+
+
 def test_the_figure_has_loss_throughput_and_workers_with_the_kill_and_the_join(killed_and_joined):
-    fig = figure(killed_and_joined)
-    loss, speed, world = fig.axes[:3]
-    assert [ax.get_title() for ax in (loss, speed, world)] == ["loss", "throughput", "workers"]
+    """Issue 68 item 7: the kill and the join marked on the loss curve, throughput smoothed, and the workers line
+    stepping down at the `left` event itself, not when the survivors logged their first step of 2."""
+    p = _panels(figure(killed_and_joined))
+    loss, speed, world = p["loss"], p["throughput"], p["workers"]
+    assert [p[k].get_title() for k in ("loss", "learning rate", "throughput", "workers")] == \
+        ["loss", "learning rate", "throughput", "workers"]
     assert loss.get_xlabel() == "step" and speed.get_xlabel() == world.get_xlabel() == "time (s)"
-    assert [line.get_label() for line in loss.get_lines()] == ["train"]  # the probe has no eval_data
+    assert loss.get_lines()[0].get_label() == "train"  # the probe has no eval_data: no eval line
     assert list(loss.get_lines()[0].get_xdata()) == list(range(1, 301))
-    markers = [line.get_gid() for line in world.get_lines() if (line.get_gid() or "").startswith("event:")]
+    kills, joins = _marks(loss, "mark:").get("mark:left"), _marks(loss, "mark:").get("mark:joined")
+    assert kills and 10 <= kills[0] <= 15 and joins and kills[0] < joins[0] < 300  # by step: killed at 15
+    assert p["monitored"].texts and "no monitored metric" in p["monitored"].texts[0].get_text()
+    assert list(p["learning rate"].get_lines()[0].get_ydata()) == [0.1] * 300
+
+    dots, smoothed = speed.get_lines()[0], next(li for li in speed.get_lines() if li.get_gid() == "smoothed")
+    assert list(smoothed.get_xdata()) == list(dots.get_xdata()) and len(dots.get_xdata()) == 300
+    assert min(smoothed.get_ydata()) >= min(dots.get_ydata()) and max(smoothed.get_ydata()) <= max(dots.get_ydata())
+
+    markers = _marks(world, "event:")
     assert "event:left" in markers and "event:joined" in markers
-    workers = list(world.get_lines()[0].get_ydata())
+    line = next(li for li in world.get_lines() if li.get_gid() == "workers")
+    times, workers = list(line.get_xdata()), list(line.get_ydata())
     assert workers[0] == 3 and 2 in workers and workers[-1] == 3
-    left_at = next(line.get_xdata()[0] for line in world.get_lines() if line.get_gid() == "event:left")
-    assert 0 < left_at < max(world.get_lines()[0].get_xdata())
+    assert times[workers.index(2)] == markers["event:left"][0]  # the drop is at the event's time
+    assert 0 < markers["event:left"][0] < max(times)
 
 
 def test_a_requeued_run_is_one_plot_with_eval_and_the_preemption_marked(tmp_path):
-    """Two jobs of one run (a requeue: metrics.jsonl and events.jsonl appended by both), written by hand."""
+    """Two jobs of one run (a requeue: metrics.jsonl and events.jsonl appended by both), written by hand, with
+    checkpoint.monitor=eval_loss: its panel stars the best evaluation, which the loss panel marks with the early
+    stop."""
     import json
 
     t, lines = 1000.0, []
     for step in range(1, 21):  # job 1: steps 1-20; preempted; job 2 resumes at step 21 a minute later
         t += 0.1 if step != 21 else 60.0
         lines.append({"step": step, "loss": 1.0 / step, "time": t, "step_time_s": 0.1, "global_batch": 64,
-                      "world_size": 2, "samples_seen": 64 * step})
-        if step == 10:
-            lines.append({"step": 10, "epoch": 0, "eval_loss": 0.2, "eval_accuracy": 0.9})
+                      "world_size": 2, "samples_seen": 64 * step, "lr": 0.01 * step})
+        if step in (10, 20):
+            lines.append({"step": step, "epoch": 0, "eval_loss": 0.2 if step == 10 else 0.3, "eval_accuracy": 0.9})
     for step in range(21, 31):
         t += 60.0 if step == 21 else 0.1
         lines.append({"step": step, "loss": 1.0 / step, "time": t, "step_time_s": 0.1, "global_batch": 64,
-                      "world_size": 4, "samples_seen": 64 * step})
+                      "world_size": 4, "samples_seen": 64 * step, "lr": 0.2})
+    lines.append({"step": 30, "epoch": 1, "eval_loss": 0.2, "eval_accuracy": 0.9})  # as good, not better
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"torn')
-    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "preempt", "time": 1002.05}) + "\n")
-    fig = figure(tmp_path)
-    loss, speed, world = fig.axes[:3]
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "preempt", "time": 1002.05}) + "\n" + json.dumps(
+        {"event": "stopped_early", "time": t, "step": 30, "reason": "eval_loss did not improve"}) + "\n")
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("checkpoint:\n  monitor: eval_loss\n  mode: min\n")
+    p = _panels(figure(tmp_path))
+    loss, world = p["loss"], p["workers"]
     assert list(loss.get_lines()[0].get_xdata()) == list(range(1, 31))  # one line over both jobs
-    assert list(loss.get_lines()[1].get_xdata()) == [10] and loss.get_lines()[1].get_label() == "eval"
-    assert list(world.get_lines()[0].get_ydata()) == [2] * 20 + [4] * 10
-    assert [line.get_gid() for line in world.get_lines()][1:] == ["event:preempt"]
+    assert list(loss.get_lines()[1].get_xdata()) == [10, 20, 30] and loss.get_lines()[1].get_label() == "eval"
+    assert _marks(loss, "mark:") == {"mark:best": [10], "mark:stopped_early": [30]}
+    assert p["monitored"].get_title() == "eval_loss (checkpoint.monitor, min)"
+    star = next(li for li in p["monitored"].get_lines() if li.get_gid() == "mark:best")
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([10], [0.2])  # the first of equals, as ranked
+    assert list(p["learning rate"].get_lines()[0].get_ydata())[-1] == 0.2
+    assert list(next(li for li in world.get_lines() if li.get_gid() == "workers").get_ydata()) == [2] * 20 + [4] * 10
+    assert list(_marks(world, "event:")) == ["event:preempt"]
 
 
 def test_the_cli_writes_a_png(killed_and_joined, tmp_path):

@@ -7,6 +7,7 @@ hold use HOLD_TIMEOUT.
 """
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -64,6 +65,15 @@ def test_grow_kill_shrink_matches_single_worker_and_uses_every_sample_once(tmp_p
     assert kinds.count("joined") == 2 and kinds.count("retired") == 1 and kinds.count("left") == 1
     joined = [e for e in events(run) if e["event"] == "joined"]
     assert all(e["state_received"] for e in joined)  # joiners got the full state by broadcast
+    # The console says each change in plain words, once (issue 68): who, with its pid, at which step, how many now.
+    # the joiners enter one generation, or two in a row (the second admitted while the first's formed)
+    said = {rf"worker {e['worker']} \(pid \d+\)[^:;\n]* joined at step \d+: [34] workers" for e in joined}
+    said.add(rf"worker {victim['worker_id']} \(pid {victim['pid']}\) died at step \d+ \(signal SIGKILL\): "
+             r"(continuing with )?3 workers")
+    retired = next(e for e in events(run) if e["event"] == "retired")
+    said.add(rf"worker {retired['worker']} \(pid {retired['pid']}\) retired at step \d+: 2 workers")
+    lines = [line for line in out.splitlines() if line.startswith("worker ")]
+    assert [line for line in said if len(re.findall(line, out)) != 1] == [], lines
 
 
 def test_a_one_worker_run_started_growable_grows_to_three_and_ends_on_the_one_worker_model(tmp_path, reference):

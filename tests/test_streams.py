@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from harness import (Limit, assert_each_sample_once, assert_equivalent, finish, members, metrics, start, train,
-                     train_in_process, wait_for, world_sizes)
+                     train_in_process, wait_for, workers, world_sizes)
 from elasticflow.data import Shards
 from elasticflow.data.order import Dataset
 from elasticflow.errors import ElasticFlowError
@@ -410,15 +410,63 @@ def test_token_files_are_cut_into_windows_and_flat_ones_need_a_length(tmp_path):
         Shards(str(tmp_path / "*"))
 
 
-def test_a_hugging_face_stream_over_files_trains_and_one_with_transforms_is_refused(tmp_path, corpus):
+HF_SAMPLES = stream_probe.SIZES["a.jsonl"] + stream_probe.SIZES["e.jsonl"]  # stream_probe.hf_stream's
+
+
+def test_a_transformed_hugging_face_stream_is_each_sample_once_across_a_kill_and_a_join(tmp_path, corpus):
+    """stream_probe.hf_stream (map with_indices, rename_column, select_columns, cast_column) on 2 workers, one
+    SIGKILLed at step 2 and replaced: every position of the stream trains once per epoch."""
+    pytest.importorskip("datasets")
+    run, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    limit = Limit(tmp_path / "limit", step=3, last=16)
+    proc = start(run, "trainer.epochs=4", "launcher.workers=2", "launcher.restart_failed=true", model=MODEL,
+                 common=COMMON, env={"EF_STREAM_CORPUS": str(corpus), "EF_STREAM_RECORD": str(record),
+                                     "EF_STREAM_HF": "1", "EF_STREAM_KILL": "1:2", "EF_STREAM_LIMIT": str(limit.path)})
+    limit.advance_until(run, lambda: 1 in world_sizes(run), 120, "a step of the survivor alone")
+    wait_for(lambda: len(workers(run)) == 2, 120, "the replacement admitted")  # steps held: however slow its start
+    limit.advance_until(run, lambda: world_sizes(run)[-1] == 2, 120, "a step with the replacement")
+    limit.lift()
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    sizes = world_sizes(run)
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # the kill, then the replacement joined
+    assert_each_sample_once(run, record, samples=HF_SAMPLES)
+    assert metrics(run)[-1]["samples_seen"] == 4 * HF_SAMPLES
+
+
+def test_a_hugging_face_stream_is_read_at_any_position_as_datasets_streams_it(corpus):
+    """Per-example transforms are replayed on each sample at its position: read in any order, in any grouping
+    (the workers' shares of a batch) and again (a step redone), each sample is what datasets itself yields there."""
+    datasets = pytest.importorskip("datasets")
+    plain = datasets.load_dataset("json", data_files=str(corpus / "*.jsonl"), split="train", streaming=True)
+    assert type(Dataset(plain).reader) is Shards and len(Dataset(plain).reader) == HF_SAMPLES  # the files as they are
+    stream = stream_probe.hf_stream(str(corpus))
+    reader = Dataset(stream, "data()").reader
+    want = list(stream)
+    assert [s["sid"] for s in want] == list(range(HF_SAMPLES)) and list(want[0]) == ["sid", "x", "target"]
+    assert reader.samples(np.asarray([0]))[0]["sid"] == stream_probe.SIZES["e.jsonl"]  # a.jsonl: streamed second
+    order = np.random.default_rng(0).permutation(len(reader))
+    for parts in (1, 3, 7):
+        got = [s for part in np.array_split(order, parts) for s in reader.samples(part)]
+        assert sorted(got, key=lambda s: s["sid"]) == want
+    sid, x, target = reader.read(order[:4])  # stacked field by field, in the stream's column order
+    assert sid.tolist() == [s["sid"] for s in reader.samples(order[:4])] and x.shape == (4, stream_probe.FEATURES)
+
+
+def test_transforms_that_change_the_count_are_one_line_saying_what_to_do(corpus):
     datasets = pytest.importorskip("datasets")
     stream = datasets.load_dataset("json", data_files=str(corpus / "*.jsonl"), split="train", streaming=True)
-    reader = Dataset(stream).reader
-    assert isinstance(reader, Shards) and len(reader) == 37 + 45
-    with pytest.raises(ElasticFlowError) as info:
-        Dataset(stream.map(lambda r: r), "data()")
-    assert info.value.message.startswith("data() returned a Hugging Face IterableDataset with transforms applied")
-    assert "collate(samples)" in info.value.hint
+    pieces = stream.map(lambda b: {"piece": [p for x in b["x"] for p in x]}, batched=True,
+                        remove_columns=["id", "x", "y"])
+    for source, said, hint in [
+            (stream.filter(lambda s: s["y"] > 0), "with .filter(), which changes the number of samples", ".filter("),
+            (stream.shuffle(seed=0, buffer_size=10), "with .shuffle(buffer_size=...)", "data.shuffle"),
+            (stream.take(5), "with .take(n)", "trainer.max_steps"),
+            (pieces, "returned 4 rows for 1", "collate(samples)")]:
+        with pytest.raises(ElasticFlowError) as info:
+            Dataset(source, "data()")
+        assert said in info.value.message and "\n" not in info.value.message and hint in info.value.hint
 
 
 class Files:

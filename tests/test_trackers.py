@@ -1,11 +1,13 @@
 """trainer.loggers beyond TensorBoard: csv, mlflow and wandb (offline), from a real 3-worker run with a worker
-killed, each read back through its own library or format; a resumed run continues each tracker's run."""
+killed, each read back through its own library or format; a resumed run continues each tracker's run; a run
+whose end cuts the trackers off says so, and `elasticflow sync` (or the next start) catches them up."""
 import csv
 import glob
 import json
+import os
 import struct
 
-from harness import COMMON, finish, metrics, start
+from harness import COMMON, finish, metrics, run_cli, start
 
 LOGGERS = "trainer.loggers=[tensorboard,csv,mlflow,wandb]"
 
@@ -90,6 +92,30 @@ def test_csv_mlflow_and_wandb_get_every_step_the_world_size_and_the_events_and_a
     with open(run / "metrics.csv", newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]] == list(range(1, 81))
 
+    # Issue 68 item 9: a job whose end cuts the trackers off (a bound of 0 s: deterministic, as a loaded machine
+    # or a slow server is not) warns and lists what they lack; `elasticflow sync` hands them every step.
+    cut = start(run, "launcher.workers=1", "trainer.loggers=[csv,mlflow]", "trainer.loggers_wait_s=0",
+                common=[*COMMON, "trainer.max_steps=90"])
+    out = finish(cut)
+    assert cut.returncode == 0, out[-3000:]
+    assert "warning: the trackers are behind this run (cut off after trainer.loggers_wait_s=0 s)" in out, out[-3000:]
+    assert f"elasticflow sync {run}" in out
+    backlog = json.loads((run / "trackers-backlog.json").read_text())
+    assert set(backlog["trackers"]) == {"csv", "mlflow"} and backlog["trackers"]["mlflow"]["of"] > 90
+    synced = run_cli(["sync", run], timeout=120, check=True)
+    assert "synced: CSV has all" in synced.stdout and "MLflow has all" in synced.stdout, synced.stdout
+    assert not (run / "trackers-backlog.json").exists()
+    found = mlflow.search_runs(experiment_names=["elasticflow"], output_format="list")
+    assert [(r.info.run_id, r.info.status) for r in found] == [(run_id, "FINISHED")]
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+    assert losses == {r["step"]: float(r["loss"]) for r in metrics(run) if "loss" in r}
+    assert sorted(losses) == list(range(1, 91))
+    with open(run / "metrics.csv", newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]] == list(range(1, 91))
+    from elasticflow.observability.backlog import behind
+
+    assert behind(run, ["csv", "mlflow"]) == {}  # a second `sync` has nothing to do
+
 
 def test_the_trackers_params_name_the_optimizer_that_trains_not_the_configs_defaults():
     """model() gave AdamW 3e-3 with a cosine schedule: optimizer.* is that optimizer's (MLflow and W&B take
@@ -112,3 +138,91 @@ def test_the_trackers_params_name_the_optimizer_that_trains_not_the_configs_defa
         "optimizer.min_lr": 0.0, "optimizer.schedule_detail": "cosine(warmup_steps=20, decay_steps=all, min_lr=0)",
         "optimizer.groups": "[{'lr': 0.003, 'weight_decay': 0.01}]", "optimizer.source": "model file"}
     assert params["launcher.workers"] == 1  # the rest of the config as it was
+
+
+def _records(run, steps: int = 3) -> None:
+    """metrics.jsonl and events.jsonl of a short run, written by hand."""
+    run.mkdir(exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": 1.0 / s, "time": 1.8e9 + s, "step_time_s": 0.1, "global_batch": 64, "world_size": 1})
+        + "\n" for s in range(1, steps + 1)))
+    (run / "events.jsonl").write_text(json.dumps({"event": "ready", "time": 1.8e9, "step": 0}) + "\n")
+
+
+def test_the_end_waits_with_a_progress_line_then_lists_what_the_trackers_lack(tmp_path, monkeypatch, capsys):
+    """A sidecar that does not catch up (a stand-in that never exits) is waited for at most trainer.loggers_wait_s,
+    with a progress line; then cut off, and what MLflow lacks is written down with a warning that says how to
+    catch it up."""
+    import subprocess
+    import sys
+
+    from elasticflow.observability import sidecar
+
+    _records(tmp_path)
+    monkeypatch.setattr(sidecar, "SAY_AFTER_S", 0.0)
+    board = sidecar.Sidecar(tmp_path, ["mlflow"])
+    board.wait_s = 0.3
+    stuck = board.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                          stdin=subprocess.PIPE)
+    board.close()
+    assert stuck.returncode is not None and board.proc is None
+    err = capsys.readouterr().err
+    assert "waiting for MLflow to catch up: 0 of 4 records (at most 0 s more: trainer.loggers_wait_s)" in err, err
+    assert ("warning: the trackers are behind this run (cut off after trainer.loggers_wait_s=0.3 s): MLflow has 0 "
+            f"of 4 records. Nothing is lost") in err and f"elasticflow sync {tmp_path}" in err
+    listed = json.loads((tmp_path / "trackers-backlog.json").read_text())
+    assert listed["trackers"] == {"mlflow": {"records": 0, "of": 4, "closed": False}}
+
+
+def test_a_tracker_that_fails_keeps_its_place_and_the_next_start_catches_it_up(tmp_path, capsys):
+    """A tracker that fails is given nothing more, and its place stays where its last flush succeeded (the others
+    go on); the next start of the run warns, catches it up and removes the backlog."""
+    from elasticflow.observability import backlog
+    from elasticflow.observability.sidecar import Sidecar, _Follower
+    from elasticflow.observability.trackers import Tracker
+
+    class Failing(Tracker):
+        name = "csv"  # the CSV tracker, as a full disk would leave it
+
+        def scalars(self, step, values, wall):
+            pass
+
+        def flush(self):
+            raise OSError("No space left on device")
+
+    _records(tmp_path)
+    follower = _Follower(tmp_path, [Failing()])
+    follower.poll()
+    follower.close()
+    assert "warning: the csv logger failed (OSError: No space left on device)" in capsys.readouterr().err
+    assert backlog.read_offsets(tmp_path) == {"csv": {"metrics": 0, "events": 0, "closed": False}}
+    assert backlog.settle(tmp_path, ["csv"], "a tracker failed").startswith("warning: the trackers are behind")
+    assert backlog.pending(tmp_path) == ["csv"]
+
+    board = Sidecar(tmp_path, ["csv"])  # the next job's rank 0
+    board.start()
+    board.close()
+    err = capsys.readouterr().err
+    assert "warning: CSV did not have every record when this run last stopped" in err and "catching up now" in err
+    assert not (tmp_path / "trackers-backlog.json").exists() and "behind" not in err, err
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3]
+
+
+def test_sync_refuses_bad_input_and_a_live_run_in_one_line(tmp_path):
+    import pytest
+
+    from elasticflow.errors import ElasticFlowError
+    from elasticflow.observability import sidecar
+    from harness import cli
+
+    proc = cli(["sync", tmp_path / "nope"])
+    assert proc.returncode == 2 and "is not a run directory (no metrics.jsonl)" in proc.stderr
+    assert "hint: pass the run's hydra.run.dir" in proc.stderr and "Traceback" not in proc.stderr
+    _records(tmp_path)
+    held = sidecar._lock(tmp_path, wait=False)  # what the run's own sidecar holds while it writes
+    try:
+        with pytest.raises(ElasticFlowError, match="is writing its trackers now"):
+            sidecar.sync(tmp_path)
+    finally:
+        os.close(held)

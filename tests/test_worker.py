@@ -53,7 +53,7 @@ def test_a_data_function_that_logs_and_imports_datasets_trains_on_two_workers(wr
     # train.log holds what the console showed (it once held the agent's one line): rank 0's, once, and warnings
     shown = (run / "train.log").read_text()
     assert shown.count("mylib: loading data") == 1 and shown.count("mylib: a warning from data()") == 2, shown
-    assert shown.count("][INFO] step 3 epoch") == 1 and "elasticflow | backend torch" in shown, shown
+    assert shown.count("][INFO] step 3/3 epoch") == 1 and "elasticflow | backend torch" in shown, shown
 
     # `status` of the ended job: its members finished (it listed them as still training).
     lines = run_cli(["status", run], check=True).stdout.splitlines()

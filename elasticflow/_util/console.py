@@ -28,6 +28,10 @@ class _Enqueue(logging.handlers.QueueHandler):
         self.filters = list(console.filters)
         self.dropped = 0
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        """A record logged with ``extra={"console": False}`` is for the log files only (gloo's raw text, say)."""
+        return getattr(record, "console", True) is not False and super().filter(record)
+
     def enqueue(self, record: logging.LogRecord) -> None:
         try:
             if self.dropped:

@@ -25,8 +25,8 @@ from .topology import TopologyConfig, check_run, validate as validate_topology
 class BackendConfig:
     name: str = "torch"            # torch | tensorflow
     jit: bool = True               # tensorflow: compile the step with tf.function (false to debug eagerly)
-    # intra-op threads per worker; null = cores // local workers, less data.workers with
-    # data.worker_type=process (a loader decodes on a core of its own: devices.intra_op_threads)
+    # intra-op threads per worker; null = the cores it may use (CPU mask, cgroup quota) // local workers, less
+    # data.workers with data.worker_type=process, and no more than other processes leave free (_util/affinity.py)
     threads: Optional[int] = None
     # CPU workers: each training thread on its own share of the host's cores when 2+ workers share it
     # (gloo's threads stay free; elasticflow/_util/affinity.py). Off when a launcher already placed the worker.
@@ -146,6 +146,9 @@ class TrainerConfig:
     # Where metrics and membership events go besides metrics.jsonl/events.jsonl, written by a sidecar process
     # of rank 0's: tensorboard (RUN_DIR/tensorboard/), csv (RUN_DIR/metrics.csv), mlflow, wandb (docs/observability.md)
     loggers: List[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, mlflow, wandb
+    # seconds the run's end waits for the trackers to catch up; what is still behind then is caught up by the
+    # next start of the run or `elasticflow sync RUN_DIR` (RUN_DIR/trackers-backlog.json lists it)
+    loggers_wait_s: float = 60.0
     # none | optimizer (ZeRO stage 1: each worker keeps 1/W of the optimizer state) | gradients (stage 2:
     # the gradient is reduce-scattered too) | parameters (stage 3: and 1/W of the parameters, each submodule's
     # fetched for its forward and backward; torch, CPU). Elastic: see elastic.shard_replicas and docs/sharded-state.md.

@@ -203,6 +203,26 @@ _RANDOM_ACCESS = ("exactly-once training deals each global batch by sample index
                   "be readable at any index")
 
 
+def _tf_data_fix(ds: Any) -> str:
+    """The arrays a ``tf.data.Dataset`` reads, as code for its element structure: a dict's values by key (iterating
+    a dict gives its keys), a tuple's fields, or the one tensor; a batched one unbatched first."""
+    spec = getattr(ds, "element_spec", None)
+    batched, node = False, ds
+    while node is not None and not batched:  # ds.batch(n) somewhere in its pipeline (.prefetch() after it...)
+        batched = "Batch" in type(node).__name__
+        node = getattr(node, "_input_dataset", None)
+    rows = f"rows = list(ds{'.unbatch()' if batched else ''}.as_numpy_iterator()); "
+    if isinstance(spec, dict):
+        arrays = f"tuple(np.stack([r[k] for r in rows]) for k in {tuple(spec)!r})"
+        order = " (order the keys as forward()'s arguments)"
+    elif isinstance(spec, tuple):
+        arrays, order = "tuple(np.stack(field) for field in zip(*rows))", ""
+    else:
+        arrays, order = "(np.stack(rows),)", ""
+    return (f"return the arrays it reads: {rows}return {arrays}{order}; or, for data too large for memory, "
+            "files read by elasticflow.data.Shards/NpyShards")
+
+
 def refuse_iterable(raw: Any, what: str) -> None:
     """Iterable-only sources cannot be read at a given index: say why, and what to return instead."""
     kind = None
@@ -210,8 +230,7 @@ def refuse_iterable(raw: Any, what: str) -> None:
         kind, fix = "a torch IterableDataset", ("return its files as elasticflow.data.Shards(paths) (jsonl, parquet, "
                                                 ".npy, .bin, .tar), or a map-style torch Dataset")
     elif _is_instance(raw, "tensorflow", ("data.Dataset",)):
-        kind, fix = "a tf.data.Dataset", ("return the arrays it reads (e.g. tuple(np.stack(c) for c in zip(*ds."
-                                          "as_numpy_iterator()))) or a Columns/NpyShards source")
+        kind, fix = "a tf.data.Dataset", _tf_data_fix(raw)
     elif _is_instance(raw, "torch.utils.data", ("DataLoader",)):
         kind, fix = "a torch DataLoader", "return its dataset (loader.dataset): ElasticFlow batches and shuffles"
     elif hasattr(raw, "__next__") or (hasattr(raw, "__iter__") and not hasattr(raw, "__getitem__")):
@@ -227,7 +246,8 @@ def adapt(raw: Any, what: str, collate: Optional[Callable[[List[Any]], Any]] = N
 
     ``collate``: the model file's ``collate(samples)``, for a map-style source that has none of its own.
     """
-    from .shards import Shards, from_hugging_face
+    from .hf_streams import from_hugging_face
+    from .shards import Shards
 
     if _is_instance(raw, "datasets", ("IterableDataset",)):  # streaming=True over data files: their shards
         raw = from_hugging_face(raw, what)

@@ -162,24 +162,3 @@ class WindowOrder:
                 for old in [k for k in self._kept if k < w - 1 or k > w + 1]:  # keep this window's neighbours only
                     del self._kept[old]
             return ids
-
-
-# ---------------------------------------------------------------- streams given in other forms
-def from_hugging_face(stream: Any, what: str) -> Shards:
-    """A Hugging Face ``IterableDataset`` loaded from data files (``load_dataset("json", data_files=...,
-    streaming=True)``) as the ``Shards`` of those files. One with transforms applied (``.map``, ``.filter``,
-    ``.shuffle``) cannot be read at an index: refused, saying where the transform goes instead."""
-    source = getattr(stream, "_ex_iterable", None)
-    files = getattr(source, "kwargs", {}).get("original_files") if type(source).__name__ in (
-        "ArrowExamplesIterable", "ExamplesIterable") else None
-    if not files:
-        raise ElasticFlowError(f"{what} returned a Hugging Face IterableDataset with transforms applied "
-                               f"({type(source).__name__}), which can only be read in order",
-                               "return the IterableDataset straight from load_dataset(..., data_files=..., "
-                               "streaming=True) and do the .map() work in collate(samples), or return a "
-                               "datasets.Dataset (without streaming=True)")
-    try:
-        return Shards(list(files))
-    except ElasticFlowError as exc:
-        raise ElasticFlowError(f"{what} returned a Hugging Face IterableDataset over files ElasticFlow cannot "
-                               f"index: {exc.message}", exc.hint) from None

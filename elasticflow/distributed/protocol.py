@@ -91,11 +91,18 @@ def memory_key(worker_id: int) -> str:
     return f"worker/{worker_id}/memory"
 
 
-def encode(members, action: str = "train", reason: str = "", waiting=(), gone=()) -> str:
+def encode(members, action: str = "train", reason: str = "", waiting=(), gone=(), pids=None, causes=None) -> str:
     """A generation's record. ``gone``: members of the one before that the agent declared gone (dead, hung, or
-    their host silent), whose peers cut their links at once (membership); not those that retire."""
-    return json.dumps({"members": list(members), "action": action, "reason": reason, "waiting": list(waiting),
-                       "gone": list(gone)})
+    their host silent), whose peers cut their links at once (membership); not those that retire. ``pids`` (of
+    the workers who came or went) and ``causes`` (why each of ``gone`` went), by worker id: the new rank 0's
+    console line (observability.reporting.membership_line)."""
+    record = {"members": list(members), "action": action, "reason": reason, "waiting": list(waiting),
+              "gone": list(gone)}
+    if pids:
+        record["pids"] = {str(i): pid for i, pid in pids.items()}
+    if causes:
+        record["causes"] = {str(i): cause for i, cause in causes.items()}
+    return json.dumps(record)
 
 
 def sign(token: str, message: str) -> str:

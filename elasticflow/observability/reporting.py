@@ -9,7 +9,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..data.order import deal, split_evenly
 from .._util import untrusted
@@ -17,7 +17,9 @@ from .._util.fileio import append_event, open_append, write_atomic
 from .._util.memory import rss_mib  # also re-exported: the trainer reads it from here
 
 log = logging.getLogger("elasticflow")
+PACE_LINES = 5  # the step lines whose intervals the ETA averages (StepLog._pace)
 OPTIMIZER = "optimizer.json"  # RUN_DIR/.elasticflow/optimizer.json: the optimizer that trains (RunLog.trains_with)
+SCHEDULE = "schedule.json"  # RUN_DIR/.elasticflow/schedule.json: {"total_steps": N}, this job's last step (status)
 
 
 def _plain(value: Any) -> Any:
@@ -81,6 +83,7 @@ class RunLog:
         self._written = -1  # samples_seen of the newest record in metrics.jsonl
         self._board = None
         self.optimizer: Dict[str, Any] = {}  # optim.summary of the optimizer that trains (trains_with)
+        self.total_steps: Optional[int] = None  # the schedule's last step, left for `status` (SCHEDULE)
         self._said_optimizer = False
         if loggers:
             from .sidecar import Sidecar
@@ -115,10 +118,13 @@ class RunLog:
             return
         self._metrics().write(record)
         self._written = record["samples_seen"]
-        if self.optimizer and not self._said_optimizer:  # rank 0's first record: once a job
+        if not self._said_optimizer:  # rank 0's first record: once a job
             self._said_optimizer = True
             (self.run_dir / ".elasticflow").mkdir(parents=True, exist_ok=True)
-            write_atomic(self.run_dir / ".elasticflow" / OPTIMIZER, json.dumps(self.optimizer, default=str))
+            if self.optimizer:
+                write_atomic(self.run_dir / ".elasticflow" / OPTIMIZER, json.dumps(self.optimizer, default=str))
+            if self.total_steps:
+                write_atomic(self.run_dir / ".elasticflow" / SCHEDULE, json.dumps({"total_steps": self.total_steps}))
         if self._board is not None and self._board.proc is None:
             self._board.start()
 
@@ -147,6 +153,13 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+            # tqdm reads the size at every refresh and draws nothing on a terminal that reports 0x0 (a `docker
+            # exec -t` or CI pseudo-terminal with no size): the run went silent. Read it as 80x20.
+            size = getattr(self.bar, "dynamic_ncols", None)
+            if callable(size):
+                self.bar.dynamic_ncols = lambda fp: _some_width(size(fp))
+                self.bar.ncols, self.bar.nrows = _some_width((self.bar.ncols, self.bar.nrows))  # as read at start
+                self.bar.refresh()
 
     @property
     def active(self) -> bool:
@@ -186,12 +199,12 @@ class StepLog:
         self.progress: Optional[Progress] = None  # fit()'s bar; None in a custom loop
         self._deferred: Optional[Dict[str, Any]] = None
         self._recent: deque = deque(maxlen=2)
-        self._shown: Optional[tuple] = None  # (step, time) of the last step line: its interval's mean
+        self._shown: deque = deque(maxlen=PACE_LINES + 1)  # (step, time, samples_seen) of the last step lines
 
     def built(self, total_steps: Optional[int], optimizer: Dict[str, Any]) -> None:
         """What the logs learn once the run's parts are built: the schedule's last step, and the optimizer that
         trains (``optim.summary``: ``RunLog.trains_with``)."""
-        self.total_steps = total_steps
+        self.total_steps = self.run_log.total_steps = total_steps
         self.run_log.trains_with(optimizer)
 
     def due(self, record: Dict[str, Any]) -> bool:
@@ -233,19 +246,32 @@ class StepLog:
         if self.due(record):
             self.run_log.step({**record, "memory_mib": self.memory()})
             if bar is None or not bar.active:
-                log.info(step_line(record, self._interval_mean(record)))
+                log.info(step_line(record, *self._pace(record), total=self.total_steps))
         if bar is not None:
             bar.update(record["loss"], record["global_batch"] / max(record["step_time_s"], 1e-9),
                        record["world_size"], record["generation"])
 
 
-    def _interval_mean(self, record: Dict[str, Any]) -> Optional[float]:
-        """Seconds per step since the previous step line (None for the first): what the interval cost, stalls
-        included; one step's own time hid a 10-step interval of 1.6 s behind "3.6 ms"."""
-        last, self._shown = self._shown, (record["step"], record.get("time"))
-        if last is None or last[1] is None or record.get("time") is None or record["step"] <= last[0]:
-            return None
-        return (record["time"] - last[1]) / (record["step"] - last[0])
+    def _pace(self, record: Dict[str, Any]) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+        """(seconds per step since the previous step line, samples/s over that interval, seconds per step over
+        the last ``PACE_LINES`` lines: the ETA's), all None for this process's first line.
+
+        The interval's mean, not one step's own time: that hid a 10-step interval of 1.6 s behind "3.6 ms". The
+        ETA's window is longer, so that one slow interval (an evaluation, a checkpoint) does not swing it, and
+        short enough to follow a change of the number of workers."""
+        t = record.get("time")
+        if t is None:
+            return None, None, None
+        shown = self._shown
+        if shown and record["step"] <= shown[-1][0]:  # a step line again for a step already shown: start over
+            shown.clear()
+        shown.append((record["step"], t, record.get("samples_seen", 0)))
+        if len(shown) < 2:
+            return None, None, None
+        (step0, t0, _), (step1, t1, seen1), (_, t2, seen2) = shown[0], shown[-2], shown[-1]
+        interval = (t2 - t1) / (record["step"] - step1)
+        rate = (seen2 - seen1) / (t2 - t1) if t2 > t1 else None
+        return interval, rate, (t2 - t0) / (record["step"] - step0)
 
 
 def batch_layout(global_batch: int, world: int, micro: Optional[int]) -> str:
@@ -279,10 +305,12 @@ def _cut(global_batch: int, micro: int) -> str:
 
 
 def banner(*, backend: str, device: str, world: int, global_batch: int, micro: Optional[int], optimizer: str,
-           samples: int, steps_per_epoch: int, total_steps: Optional[int], run_dir: Path, resumed: Optional[str]) -> str:
+           samples: int, steps_per_epoch: int, total_steps: Optional[int], run_dir: Path, resumed: Optional[str],
+           threads: str = "") -> str:
     lines = [
         f"elasticflow | backend {backend} | {device} | workers {world} | "
         f"global batch {global_batch} = {batch_layout(global_batch, world, micro)}",
+        *([f"  {threads}"] if threads else []),
         f"  optimizer {optimizer} | {samples} samples, {steps_per_epoch} steps/epoch"
         + (f", {total_steps} steps in all" if total_steps else ""),
         f"  run dir {run_dir}" + (f" | resumed from {resumed}" if resumed else ""),
@@ -290,16 +318,113 @@ def banner(*, backend: str, device: str, world: int, global_batch: int, micro: O
     return "\n".join(lines)
 
 
-def step_line(record: Dict[str, Any], interval_s: Optional[float] = None) -> str:
-    """The console's line for a logged step; ``interval_s``: the mean seconds per step since the previous line
-    (shown instead of this step's own time, which says nothing of the steps between)."""
+def step_line(record: Dict[str, Any], interval_s: Optional[float] = None, samples_per_s: Optional[float] = None,
+              eta_step_s: Optional[float] = None, total: Optional[int] = None) -> str:
+    """The console's line for a logged step, the same on a terminal or not: the step of ``total``, the loss, the
+    time per step, samples/s and the ETA, then the model's own metrics.
+
+    ``interval_s``: the mean seconds per step since the previous line (shown instead of this step's own time,
+    which says nothing of the steps between) and ``samples_per_s`` over it; ``eta_step_s``: the seconds per
+    step the ETA assumes (``StepLog``: over the last few lines). Without them (a process's first line) its own
+    step's time stands for all three.
+
+    >>> step_line({"step": 10, "epoch": 0, "loss": 2.05, "lr": 0.1, "samples_seen": 640, "global_batch": 64,
+    ...            "step_time_s": 0.002, "accuracy": 0.41}, 0.004, 16000.0, 0.004, total=100)
+    'step 10/100 epoch 0 loss 2.05 lr 0.1 samples 640 4.0 ms/step 16,000 samples/s ETA 0:00 accuracy=0.41'
+    """
     extra = " ".join(f"{k}={v:.4g}" for k, v in record.items()
                      if k not in ("step", "epoch", "loss", "lr", "samples_seen", "world_size", "generation",
                                   "step_time_s", "train_s", "micro_step", "time", "global_batch")
                      and isinstance(v, float))
-    per_step = interval_s if interval_s is not None else record["step_time_s"]
-    return (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.5g} lr {record['lr']:.3g} "
-            f"samples {record['samples_seen']} {per_step * 1e3:.1f} ms/step {extra}").rstrip()
+    own = record["step_time_s"]
+    per_step = interval_s if interval_s is not None else own
+    if samples_per_s is None and record.get("global_batch") and own > 0:
+        samples_per_s = record["global_batch"] / own
+    speed = f" {samples_per_s:,.0f} samples/s" if samples_per_s is not None else ""
+    of = f"/{total}" if total else ""
+    eta = ""
+    if total and total >= record["step"]:
+        eta = f" ETA {clock((total - record['step']) * (eta_step_s if eta_step_s is not None else per_step))}"
+    return (f"step {record['step']}{of} epoch {record['epoch']} loss {record['loss']:.5g} lr {record['lr']:.3g} "
+            f"samples {record['samples_seen']} {per_step * 1e3:.1f} ms/step{speed}{eta} {extra}").rstrip()
+
+
+def clock(seconds: float) -> str:
+    """A duration as a clock: ``M:SS``, or ``H:MM:SS`` from an hour (``?`` when it is not a finite number).
+
+    >>> clock(75.4), clock(3725), clock(float("nan"))
+    ('1:15', '1:02:05', '?')
+    """
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+def _some_width(size: Tuple[Any, Any]) -> Tuple[int, int]:
+    """A terminal's (columns, rows) as tqdm reads them, 80x20 where it reports none: tqdm reads a 0x0 terminal as
+    -1x-1, and draws nothing on a screen of fewer rows than its bar's position."""
+    cols, rows = size
+    return (cols if cols and cols > 0 else 80, rows if rows and rows > 0 else 20)
+
+
+def membership_line(step: int, before: Sequence[int], after: Sequence[int], record: Mapping[str, Any], *,
+                    failed: bool, redone: bool, stopping: bool = False) -> Optional[str]:
+    """The console's line for a membership change, in plain words (the new rank 0 says it once it regrouped).
+
+    ``step``: the step the change met (after a failure, the step being attempted; at a step boundary, the
+    last committed one); ``before``/``after``: the worker ids of the generations either side; ``record``: the new
+    generation's record (protocol.encode: ``gone``, the ``pids`` of those who came or went, ``causes``; a
+    generation superseded in between is not read: who went there is named without pid or cause);
+    ``failed``: a collective failed (a member died or hung); ``redone``: the failed step is redone (False where a
+    member had committed it and the rest adopted its state); ``stopping``: the job stops below
+    launcher.min_workers. The raw reason (gloo's text) is the worker logs' (and the console's with --debug).
+
+    >>> membership_line(39, [0, 1, 2], [0, 2], {"gone": [1], "pids": {"1": 123}, "causes": {"1": "signal SIGKILL"}},
+    ...                 failed=True, redone=True)
+    'worker 1 (pid 123) died at step 39 (signal SIGKILL): continuing with 2 workers, step 39 redone'
+    >>> membership_line(120, [0, 1], [0, 1, 3], {"gone": []}, failed=False, redone=False)
+    'worker 3 joined at step 120: 3 workers'
+    """
+    def num(value: Any) -> Optional[int]:  # the record is the agent's (sealed), read as untrusted all the same
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    pids = record.get("pids") if isinstance(record.get("pids"), dict) else {}
+    causes = record.get("causes") if isinstance(record.get("causes"), dict) else {}
+    gone = {num(i) for i in record.get("gone", []) if num(i) is not None} if isinstance(record.get("gone"), list) \
+        else set()
+
+    def who(i: int) -> str:
+        pid = num(pids.get(str(i)))
+        return f"worker {i}" + (f" (pid {pid})" if pid is not None else "")
+
+    clauses: List[str] = []
+    retired = [i for i in before if i not in after and i not in gone and not failed]  # left at a step boundary
+    joined = [i for i in after if i not in before]
+    for i in (i for i in before if i not in after and i not in retired):
+        cause = causes.get(str(i))
+        cause = untrusted.printable(cause, 120) if isinstance(cause, str) and cause else ""
+        if cause.startswith("hung"):  # health.cut_out's "hung: <why>"
+            why = cause[len("hung"):].lstrip(": ")
+            clauses.append(f"{who(i)} hung at step {step}" + (f" ({why})" if why else "") + " and was stopped")
+        else:
+            clauses.append(f"{who(i)} died at step {step}" + (f" ({cause})" if cause else ""))
+    clauses += [f"{' and '.join(map(who, ids))} {verb} at step {step}" for ids, verb in ((retired, "retired"),
+                                                                                   (joined, "joined")) if ids]
+    if not clauses and not failed:
+        return None
+    if not clauses:  # every member is still here: a collective failed for another reason (a link, a timeout)
+        clauses.append(f"a collective of step {step} failed with every member still in the job")
+    n = len(after)
+    workers = f"{n} worker{'s' if n != 1 else ''}"
+    if stopping:
+        outcome = f"stopping with {workers}, fewer than launcher.min_workers (a checkpoint is written)"
+    elif failed:
+        outcome = f"continuing with {workers}, " + (f"step {step} redone" if redone else "nothing redone")
+    else:
+        outcome = workers
+    return "; ".join(clauses) + ": " + outcome
 
 
 class WorkerMemory:

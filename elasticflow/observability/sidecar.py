@@ -8,14 +8,20 @@ thread would take that from the step through the GIL. The training thread pays n
 metrics.jsonl line it writes anyway.
 
 Rank 0 starts the sidecar (``Sidecar.start``); it remembers how far each tracker read
-(RUN_DIR/.elasticflow/trackers.json), so a worker that becomes rank 0, or a resumed run, starts one that goes
-on from there, and it drains and exits when its stdin closes (``close``, or the trainer's death).
+(RUN_DIR/.elasticflow/trackers.json, observability/backlog.py), so a worker that becomes rank 0, or a resumed run,
+starts one that goes on from there, and it drains and exits when its stdin closes (``close``, or the trainer's
+death). ``close`` waits for it at most ``trainer.loggers_wait_s``, saying how far each tracker is after a few
+seconds; what a tracker still lacks then (a loaded machine, a slow server, a tracker that failed) is written
+down in RUN_DIR/trackers-backlog.json with a warning, and caught up by the next start of the run or by
+``elasticflow sync RUN_DIR`` (``sync``). One sidecar at a time writes a run's trackers (a lock): a new rank 0's
+waits for the one of a rank 0 that was killed to drain.
 
     python -m elasticflow.observability.sidecar RUN_DIR --parent PID --loggers tensorboard,mlflow
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import signal
@@ -26,14 +32,21 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..errors import ElasticFlowError
 from .._util import untrusted
 from .._util.fileio import write_atomic
+from . import backlog
+from .backlog import FILES, TITLES
 from .trackers import Tracker, open_trackers, params_of
 
 POLL_S = 0.5  # how often the sidecar looks for new lines
 NICE = 10     # the sidecar's scheduling priority, below the trainer's
-OFFSETS = "trackers.json"  # RUN_DIR/.elasticflow/trackers.json: bytes of each record file each tracker has had
 PARAMS = "params.json"  # RUN_DIR/.elasticflow/params.json: the config, flattened, for the trackers
+LOCK = "trackers.lock"  # RUN_DIR/.elasticflow/trackers.lock: held by the one process writing the trackers
+WAIT_S = 60.0  # trainer.loggers_wait_s where no config says it
+BATCH = 500  # lines of each file handed on at a time: offsets are saved after each batch (progress, and memory)
+MAX_CHUNK = 4 << 20  # bytes read at a time; a longer "line" is no record (untrusted.loads takes 1 MiB)
+SAY_AFTER_S, SAY_EVERY_S = 2.0, 10.0  # close(): the first progress line, and the next ones
 
 # The record keys of metrics.jsonl that are not scalars worth a chart (or are charted under another name).
 _NOT_CHARTED = {"step", "epoch", "samples_seen", "time", "micro_step", "global_batch", "step_time_s", "world_size",
@@ -63,55 +76,160 @@ class Sidecar:
     """The trainer's handle on the sidecar: ``start`` once (rank 0), ``close`` at the end.
 
     ``loggers``: the tracker names (trainer.loggers); ``config``: the run's, which trackers record as its
-    parameters, with ``optimizer`` (``optim.summary`` of the one that trains, once built) for its ``optimizer.*``."""
+    parameters, with ``optimizer`` (``optim.summary`` of the one that trains, once built) for its ``optimizer.*``,
+    and whose ``trainer.loggers_wait_s`` bounds ``close``."""
 
     def __init__(self, run_dir: Path, loggers: List[str], config: Any = None):
         self.run_dir, self.loggers, self.config = Path(run_dir), list(loggers), config
         self.optimizer: Dict[str, Any] = {}
         self.proc: Optional[subprocess.Popen] = None
+        try:
+            self.wait_s = max(0.0, float(config.trainer.loggers_wait_s))
+        except (AttributeError, TypeError, ValueError):
+            self.wait_s = WAIT_S
 
     def start(self) -> None:
         if self.proc is None:
             (self.run_dir / ".elasticflow").mkdir(parents=True, exist_ok=True)
             params = params_of(self.config, self.optimizer) if self.config is not None else {}
             write_atomic(self.run_dir / ".elasticflow" / PARAMS, json.dumps(params, default=str))
+            behind = [TITLES.get(n, n) for n in backlog.pending(self.run_dir)]
+            if behind:
+                print(f"warning: {' and '.join(behind)} did not have every record when this run last stopped "
+                      f"({self.run_dir / backlog.BACKLOG}): catching up now", file=sys.stderr, flush=True)
             # Its stdin is the stop request: closed by close(), or by the kernel when this process dies.
             # (Not a signal: one sent while the sidecar is still starting would kill it before it wrote.)
             self.proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.sidecar", str(self.run_dir),
                                           "--parent", str(os.getpid()), "--loggers", ",".join(self.loggers)],
                                          stdin=subprocess.PIPE)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Let the sidecar write what is left and exit (bounded: a stuck disk does not hold the exit)."""
+    def close(self) -> None:
+        """Let the sidecar write what is left and exit, waiting at most ``trainer.loggers_wait_s`` (a loaded
+        machine or a stuck server does not hold the run's exit) and saying how far each tracker is once the wait
+        is noticeable; what a tracker still lacks is written down (``backlog.settle``) with a warning."""
         if self.proc is None:
             return
+        # What the trackers owe is what the records held when the run stopped: an event the agent appends
+        # meanwhile (another worker's exit) is for the next start or `sync`, not a warning of this one's.
+        sizes = backlog.sizes(self.run_dir)
         self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        began = time.monotonic()
+        deadline, say_at = began + self.wait_s, began + SAY_AFTER_S
+        cut = False
+        while True:
+            now = time.monotonic()
+            try:
+                self.proc.wait(max(0.0, min(deadline, say_at) - now))
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if now >= deadline:
+                    self.proc.kill()
+                    self.proc.wait()
+                    cut = True
+                    break
+                if now >= say_at:
+                    print(backlog.progress_line(self.run_dir, self.loggers, deadline - now, sizes), file=sys.stderr,
+                          flush=True)
+                    say_at = now + SAY_EVERY_S
         self.proc = None
+        why = (f"cut off after trainer.loggers_wait_s={self.wait_s:g} s" if cut else
+               "a tracker failed or could not start: see its warning above")
+        warning = backlog.settle(self.run_dir, self.loggers, why, sizes)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+
+
+def sync(run_dir: Path, say=print) -> None:
+    """``elasticflow sync RUN_DIR``: hand each tracker of the run the records it lacks (after a run whose sidecar
+    was cut off or whose tracker failed), close its run, and remove RUN_DIR/trackers-backlog.json.
+
+    Note: refused while the run's own sidecar writes them (the run is live: it catches up by itself)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ElasticFlowError(f"'{run_dir}' is not a run directory (no metrics.jsonl)",
+                               "pass the run's hydra.run.dir, e.g. elasticflow sync outputs/2026-11-22/10-00-00")
+    lock = _lock(run_dir, wait=False)
+    if lock is None:
+        raise ElasticFlowError(f"the sidecar of {run_dir} is writing its trackers now (the run is live)",
+                               "let the run catch up by itself, or sync after it has ended")
+    try:
+        # What the backlog lists, else the trackers the run's newest job named (one left out of trainer.loggers
+        # on a resume was left out on purpose: it is not filled in).
+        names = backlog.pending(run_dir) or [n for n in TITLES if f"'{n}'" in str(_params(run_dir).get(
+            "trainer.loggers", ""))]
+        lagging = backlog.behind(run_dir, names)
+        if not lagging:
+            backlog.settle(run_dir, names, "")
+            say(f"nothing to sync: {', '.join(TITLES.get(n, n) for n in names)} "
+                f"{'has' if len(names) == 1 else 'have'} every record of {run_dir}" if names else
+                f"nothing to sync: the newest job of {run_dir} named no tracker (trainer.loggers)")
+            return
+        say(f"syncing {run_dir}: {backlog.describe(lagging)}")
+        follower = _Follower(run_dir, open_trackers(list(lagging), run_dir, _params(run_dir)))
+        said = time.monotonic()
+        while follower.poll():
+            if time.monotonic() - said > SAY_AFTER_S:
+                say("; ".join(f"{TITLES.get(n, n)}: {had} of {total} records" for n, (had, total, _) in
+                              backlog.behind(run_dir, list(lagging)).items()))
+                said = time.monotonic()
+        follower.close()
+        still = backlog.behind(run_dir, list(lagging))
+        backlog.settle(run_dir, names, "elasticflow sync could not finish")
+    finally:
+        if lock >= 0:
+            os.close(lock)
+    if still:
+        raise ElasticFlowError(f"{backlog.describe(still)} after the sync", "see the tracker's warning above; "
+                               f"the backlog stays listed in {run_dir / backlog.BACKLOG} for the next sync")
+    say("synced: " + ", ".join(f"{TITLES.get(n, n)} has all {total} records" for n, (_, total, _) in lagging.items()))
+
+
+def _lock(run_dir: Path, wait: bool) -> Optional[int]:
+    """The descriptor holding RUN_DIR/.elasticflow/trackers.lock (released when closed, or when the process dies);
+    None where another process holds it and ``wait`` is False; -1 where the file is not ours to open (a run
+    directory shared with another user): then no lock is taken, as before there was one."""
+    (run_dir / ".elasticflow").mkdir(exist_ok=True)  # not the run directory itself: one removed stays removed
+    try:
+        fd = os.open(run_dir / ".elasticflow" / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    except PermissionError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _params(run_dir: Path) -> Dict[str, Any]:
+    try:
+        found = untrusted.loads((run_dir / ".elasticflow" / PARAMS).read_text(), max_bytes=1 << 22)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 # ---------------------------------------------------------------------------------------------- sidecar
 class _Follower:
-    """Hands new complete lines of metrics.jsonl and events.jsonl to each tracker that has not had them."""
+    """Hands new complete lines of metrics.jsonl and events.jsonl to each tracker that has not had them, a batch at
+    a time, and after each batch saves how far each tracker is (``backlog.write_offsets``): the bytes it had, as
+    far as its last flush that succeeded (a tracker that failed keeps the offsets of its last good flush, for the
+    next start or ``sync``), and whether it was closed."""
 
     def __init__(self, run_dir: Path, trackers: List[Tracker]):
         self.run_dir, self.trackers = run_dir, trackers
-        (run_dir / ".elasticflow").mkdir(parents=True, exist_ok=True)
-        try:
-            kept = json.loads((run_dir / ".elasticflow" / OFFSETS).read_text())
-        except (OSError, ValueError):
-            kept = {}
-        # bytes of metrics.jsonl and events.jsonl each tracker has had (a tracker added on a resume starts at 0)
-        self.read = {t.name: {"metrics": 0, "events": 0, **kept.get(t.name, {})} for t in trackers}
+        self.kept = backlog.read_offsets(run_dir)  # trackers not open here keep their entries as they are
+        # bytes of metrics.jsonl and events.jsonl each tracker was handed (a tracker added on a resume starts at 0)
+        self.read = {t.name: {f: self.kept.get(t.name, {}).get(f, 0) for f in FILES} for t in trackers}
+        self.done = {name: dict(had) for name, had in self.read.items()}  # ... and flushed
+        self.closed: set = set()
         self.step = 0
         self.failed: Dict[str, str] = {}  # tracker -> its error, reported once; it is given nothing more
 
-    def poll(self) -> None:
-        had, lines = self._new_lines("metrics")
+    def poll(self) -> bool:
+        """Hand on the next batch of lines; whether more are waiting."""
+        had, lines, more = self._new_lines("metrics")
         for at, record in lines:
             try:  # a crafted line (text where a figure belongs) is skipped, never the end of the sidecar
                 step, wall, values = int(record.get("step", self.step)), _wall(record), scalars_of(record)
@@ -120,7 +238,7 @@ class _Follower:
             self.step = step
             if values:
                 self._each(lambda t: t.scalars(step, values, wall), at, had)
-        had, lines = self._new_lines("events")
+        had, lines, more_events = self._new_lines("events")
         for at, event in lines:
             kind = str(event.get("event", "event"))
             fields = {k: v for k, v in event.items() if k not in ("event", "time")}
@@ -130,7 +248,15 @@ class _Follower:
                 continue
             self._each(lambda t: t.event(self.step, kind, fields, wall), at, had)
         self._each(lambda t: t.flush())
-        write_atomic(self.run_dir / ".elasticflow" / OFFSETS, json.dumps(self.read))
+        for name in self.read:
+            if name not in self.failed:
+                self.done[name] = dict(self.read[name])
+        self._save()
+        return more or more_events
+
+    def _save(self) -> None:
+        backlog.write_offsets(self.run_dir, {**self.kept, **{name: {**had, "closed": name in self.closed}
+                                                             for name, had in self.done.items()}})
 
     def _each(self, call, at: int = 0, had: Optional[Dict[str, int]] = None) -> None:
         """``call(tracker)`` for each tracker that has not failed and, given ``had`` (the bytes of the file each
@@ -143,29 +269,36 @@ class _Follower:
             except Exception as exc:  # noqa: BLE001 - a tracker's failure (a full disk, a lost server) is its own
                 self.failed[t.name] = f"{type(exc).__name__}: {exc}"
                 print(f"warning: the {t.name} logger failed ({self.failed[t.name][:300]}); it gets nothing more "
-                      "in this job (the run's own metrics.jsonl and events.jsonl have everything)", file=sys.stderr)
+                      "in this job (the run's own metrics.jsonl and events.jsonl have everything, and "
+                      "`elasticflow sync RUN_DIR` hands them on later)", file=sys.stderr)
 
-    def _new_lines(self, name: str) -> Tuple[Dict[str, int], List[Tuple[int, Dict[str, Any]]]]:
-        """The bytes of ``name``.jsonl each tracker had before, and (start byte, record) of each complete line past
-        what the furthest-behind tracker had; each tracker's count moves to the end of those lines."""
+    def _new_lines(self, name: str) -> Tuple[Dict[str, int], List[Tuple[int, Dict[str, Any]]], bool]:
+        """The bytes of ``name``.jsonl each tracker had before; (start byte, record) of each complete line past
+        what the furthest-behind tracker (of those not failed) had, at most BATCH; and whether more lines wait.
+        Each tracker's count moves to the end of those lines."""
         had = {t: r[name] for t, r in self.read.items()}
+        live = [t for t in had if t not in self.failed]
         path = self.run_dir / f"{name}.jsonl"
-        start = min(had.values(), default=0)
+        start = min((had[t] for t in live), default=0)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            return had, []
-        if size <= start:
-            return had, []
+            return had, [], False
+        if not live or size <= start:
+            return had, [], False
         with open(path, "rb") as f:
             f.seek(start)
-            chunk = f.read(size - start)
-        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being appended waits for the next poll
-        end = start + len(complete)
-        for r in self.read.values():
-            r[name] = max(r[name], end)
+            chunk = f.read(min(size - start, MAX_CHUNK))
+        lines = chunk[:chunk.rfind(b"\n") + 1].split(b"\n")[:-1]  # a line still being appended waits
+        more = len(lines) > BATCH or (len(chunk) == MAX_CHUNK and start + len(chunk) < size)
+        lines = lines[:BATCH]
+        end = start + sum(len(line) + 1 for line in lines)
+        if not lines and len(chunk) == MAX_CHUNK:  # no line end in MAX_CHUNK bytes: no record; skipped
+            end, more = start + len(chunk), True
+        for t in live:
+            self.read[t][name] = max(self.read[t][name], end)
         records, at = [], start
-        for line in complete.split(b"\n")[:-1]:
+        for line in lines:
             try:  # bounded: a crafted line is no parser bomb
                 record = untrusted.loads(line.decode(errors="replace"), max_bytes=1 << 20)
             except ValueError:  # a torn line of a killed writer, or a crafted one
@@ -173,14 +306,22 @@ class _Follower:
             if isinstance(record, dict):
                 records.append((at, record))
             at += len(line) + 1
-        return had, records
+        return had, records, more
 
     def close(self) -> None:
         for t in self.trackers:
+            if t.name in self.failed:
+                continue
             try:
                 t.close()
-            except Exception:  # noqa: BLE001 - closing what already failed
-                pass
+                self.closed.add(t.name)
+            except Exception as exc:  # noqa: BLE001 - its run stays open; the backlog says so
+                print(f"warning: the {t.name} logger failed as it closed ({type(exc).__name__}: "
+                      f"{str(exc)[:300]})", file=sys.stderr)
+        try:
+            self._save()
+        except OSError:  # the run directory was removed under us (a temporary one)
+            pass
 
 
 def _wall(record: Dict[str, Any]) -> float:
@@ -212,17 +353,18 @@ def main(argv=None) -> None:
     stop = threading.Event()
     threading.Thread(target=_until_eof, args=(stop,), daemon=True).start()
     try:
-        params = json.loads((args.run_dir / ".elasticflow" / PARAMS).read_text())
-    except (OSError, ValueError):
-        params = {}
+        # Waits while another sidecar (of a rank 0 that was killed) drains: two would hand the same lines on twice.
+        _lock(args.run_dir, wait=True)
+    except FileNotFoundError:
+        return  # the run directory was removed under us (a temporary one): nothing to follow
     follower = _Follower(args.run_dir, open_trackers([n for n in args.loggers.split(",") if n], args.run_dir,
-                                                     params))
+                                                     _params(args.run_dir)))
     try:
-        while os.getppid() == args.parent:
-            follower.poll()
-            if stop.wait(POLL_S):
-                break
-        follower.poll()  # the last lines, written before the trainer asked us to stop
+        while os.getppid() == args.parent and not stop.is_set():
+            if not follower.poll():
+                stop.wait(POLL_S)
+        while follower.poll():  # the last lines, written before the trainer asked us to stop, a batch at a time
+            pass
     except FileNotFoundError:
         if args.run_dir.is_dir():
             raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ..distributed import protocol
 from ..distributed.agent import control
@@ -18,6 +18,8 @@ from ..errors import ElasticFlowError
 from .._util.fileio import read_jsonl
 from .._util import untrusted
 from .._util.untrusted import printable
+
+ETA_RECORDS = 50  # the newest step records whose pace the ETA assumes
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -42,6 +44,45 @@ def _last_step(run_dir: Path) -> dict:
             if isinstance(record, dict) and record.get("step") == step and untrusted.number(record.get("loss")):
                 last = record
     return last
+
+
+def _total_steps(run_dir: Path) -> Optional[int]:
+    """The last step of the newest job's schedule (``reporting.SCHEDULE``, rank 0's at its first step), else None."""
+    from .reporting import SCHEDULE
+
+    try:
+        found = untrusted.loads((run_dir / ".elasticflow" / SCHEDULE).read_text(), max_bytes=1 << 12)
+    except (OSError, ValueError):
+        return None
+    total = found.get("total_steps") if isinstance(found, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+
+
+def _eta(run_dir: Path, last: dict, total: Optional[int]) -> Optional[str]:
+    """The time left at the pace of the last logged steps (up to ``ETA_RECORDS`` of them), as ``M:SS``; None
+    without a total or a pace (one record, or times that do not move forward)."""
+    from .reporting import clock
+
+    if not total or last.get("step", total) >= total:
+        return None
+    steps = []
+    with open(run_dir / "metrics.jsonl", "rb") as f:  # its tail only: a long run's file is large
+        f.seek(0, 2)
+        cut = f.tell() > 1 << 18
+        f.seek(max(0, f.tell() - (1 << 18)))
+        tail = f.read().decode(errors="replace").splitlines()[int(cut):]  # a cut first line is not a record
+    for line in tail[-4 * ETA_RECORDS:]:
+        try:
+            r = untrusted.loads(line, max_bytes=1 << 20)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and "loss" in r and untrusted.number(r.get("time")) and isinstance(r.get("step"), int):
+            steps.append((r["step"], r["time"]))
+    steps = [p for p in steps if p[0] <= last["step"]][-ETA_RECORDS:]
+    if len(steps) < 2 or steps[-1][0] <= steps[0][0] or steps[-1][1] <= steps[0][1]:
+        return None
+    per_step = (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0])
+    return clock((total - last["step"]) * per_step)
 
 
 def _optimizer(run_dir: Path) -> dict:
@@ -73,7 +114,8 @@ def status_record(run_dir: Path, events: int = 8) -> dict:
     workers = run_dir / "workers.json"
     return {"run_dir": str(run_dir), "running": protocol.agent_file(run_dir).is_file(),
             "workers": json.loads(workers.read_text()) if workers.is_file() else None,
-            "last_step": _last_step(run_dir) or None, "optimizer": _optimizer(run_dir) or None,
+            "last_step": _last_step(run_dir) or None, "total_steps": _total_steps(run_dir),
+            "optimizer": _optimizer(run_dir) or None,
             "recent_events": _recent_events(run_dir, events)[0],
             "goodput": goodput.load(run_dir)}
 
@@ -106,8 +148,12 @@ def status(run_dir: Path, events: int = 8) -> str:
     last = _last_step(run_dir)
     if last:
         lr = f"  lr {last['lr']:.4g}" if untrusted.number(last.get("lr")) else ""
-        lines.append(f"step {last['step']}  epoch {last.get('epoch')}  samples consumed {last.get('samples_seen')}  "
-                     f"loss {last.get('loss', float('nan')):.5g}{lr}")
+        total = _total_steps(run_dir)
+        of = f" of {total}" if total else ""
+        eta = _eta(run_dir, last, total) if running else None
+        lines.append(f"step {last['step']}{of}  epoch {last.get('epoch')}  "
+                     f"samples consumed {last.get('samples_seen')}  "
+                     f"loss {last.get('loss', float('nan')):.5g}{lr}" + (f"  ETA {eta}" if eta else ""))
     o = _optimizer(run_dir)
     if o:
         schedule = o.get("schedule_detail", o.get("schedule"))

@@ -12,7 +12,7 @@ step's scalars by step (loss, lr, eval metrics, samples/s, world size, generatio
 events (a worker left or joined, a recovery and what it cost) as metrics under ``event/<kind>/<field>``.
 
 A resumed run, or a new rank 0 after a kill, continues the same tracker run: its id is kept in
-RUN_DIR/.elasticflow/ (``mlflow_run``, ``wandb_run``).
+RUN_DIR/.elasticflow/ (``mlflow_run``, ``wandb_run``; MLflow's store in ``mlflow_uri``).
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class Tracker:
 
 
 def open_trackers(names: List[str], run_dir: Path, params: Dict[str, Any]) -> List[Tracker]:
-    """The trackers of ``names`` for ``run_dir``; one whose library is missing is left out with a warning."""
+    """The trackers of ``names`` for ``run_dir``; one whose library is missing, or that cannot start (a server
+    that refuses), is left out with a warning (what it misses is listed in the run's backlog: backlog.py)."""
     out = []
     for name in names:
         try:
@@ -59,6 +60,10 @@ def open_trackers(names: List[str], run_dir: Path, params: Dict[str, Any]) -> Li
         except ImportError:
             print(f"warning: trainer.loggers names {name}, which is not installed: nothing is written to it "
                   f"(pip install {INSTALL[name]}, or leave {name} out of trainer.loggers)", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - one tracker that cannot start is not the others' end
+            print(f"warning: the {name} logger could not start ({type(exc).__name__}: {str(exc)[:300]}): nothing is "
+                  f"written to it in this job (`elasticflow sync RUN_DIR` hands it the run's records later)",
+                  file=sys.stderr)
     return out
 
 
@@ -84,6 +89,24 @@ def params_of(cfg: Any, optimizer: Optional[Dict[str, Any]] = None) -> Dict[str,
         for k, v in optimizer.items():
             out[f"optimizer.{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
     return out
+
+
+def _kept(run_dir: Path, name: str) -> Optional[str]:
+    try:
+        return (run_dir / ".elasticflow" / name).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _without_password(uri: str) -> str:
+    """``uri`` without the user and password of ``https://user:secret@host`` (MLflow takes those from
+    $MLFLOW_TRACKING_USERNAME and $MLFLOW_TRACKING_PASSWORD as well)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def _run_id(run_dir: Path, name: str, new) -> str:
@@ -151,7 +174,9 @@ def _text_event(step: int, tag: str, text: str, wall: float):
 class CsvTracker(Tracker):
     """RUN_DIR/metrics.csv: a ``step`` and ``time`` column, then one per metric, in the order first seen. A
     metric first seen later (the first evaluation's) rewrites the file with the wider header, as Lightning's
-    CSVLogger does; membership events are left to events.jsonl."""
+    CSVLogger does; membership events are left to events.jsonl. A row already in the file (same step, time and
+    metrics: records handed on again after a sidecar was cut off between its flush and saving how far it was)
+    is skipped."""
 
     name = "csv"
 
@@ -164,10 +189,15 @@ class CsvTracker(Tracker):
                 reader = csv.DictReader(f)
                 self.columns = list(reader.fieldnames or self.columns)
                 self.rows = list(reader)
+        self._have = {_row_key(row) for row in self.rows}
         self._pending: List[Dict[str, Any]] = []
         self._widened = False
 
     def scalars(self, step: int, values: Dict[str, float], wall: float) -> None:
+        key = _row_key({"step": step, "time": round(wall, 3), **values})
+        if key in self._have:
+            return
+        self._have.add(key)
         new = [k for k in values if k not in self.columns]
         if new:
             self.columns += new
@@ -191,6 +221,12 @@ class CsvTracker(Tracker):
         self._pending, self._widened = [], False
 
 
+def _row_key(row: Dict[str, Any]) -> tuple:
+    """A row by its step, time and the metrics it has (an evaluation may share a step's millisecond)."""
+    return (str(row.get("step")), str(row.get("time")),
+            frozenset(k for k, v in row.items() if k not in ("step", "time") and v not in ("", None)))
+
+
 # ---------------------------------------------------------------------------------------------- MLflow
 class MlflowTracker(Tracker):
     """An MLflow run in experiment ``elasticflow`` ($MLFLOW_EXPERIMENT_NAME), named after the run directory."""
@@ -201,7 +237,11 @@ class MlflowTracker(Tracker):
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        # The store this run's MLflow run is in, kept (without a password the URI may carry: a file in the run
+        # directory is no place for one): `elasticflow sync` from a shell without the variable finds it.
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or _kept(run_dir, "mlflow_uri") \
+            or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        _run_id(run_dir, "mlflow_uri", lambda: _without_password(uri))
         self.client = MlflowClient(tracking_uri=uri)
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "elasticflow")
         found = self.client.get_experiment_by_name(experiment)

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from .._util.envnames import ENV_DEBUG
 from .outcomes import Agreed, Joined, Recovery, Reduction, agreed
 from .exact_sum import ReproducibleSum
 from .shard_handover import hand_over, redistribute
@@ -345,7 +347,8 @@ class Replica:
                     transfer_s += time.time() - synced
                 break
             except protocol.CommError as exc:
-                log.warning("recovery in generation %d failed (%s); waiting for the next", self.generation, exc)
+                log.warning("recovery in generation %d failed (%s); waiting for the next", self.generation, exc,
+                            extra={"console": os.environ.get(ENV_DEBUG) == "1"})  # gloo's text: console with --debug
                 m.report_failure()
                 stop, stop_reason = None, ""
             except AgentLost as exc:

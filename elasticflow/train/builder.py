@@ -17,6 +17,7 @@ from ..data import order as data
 from ..config import devices, optim, reproducible, topology
 from . import model_file, ops, randomness, local_sgd
 from ..backends.buffers import Reconciler
+from .._util import affinity
 from .._util.context import _context
 from ..distributed import protocol
 from ..data.prefetch import Prefetcher
@@ -45,6 +46,7 @@ class Parts:
     prefetch: Prefetcher
     schedule: data.Schedule
     eval_dataset: Optional[data.Dataset]
+    threads: str = ""               # the banner's words for the intra-op threads and where their number came from
 
 
 def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
@@ -54,8 +56,12 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
     local_workers = int(os.environ.get(protocol.ENV_LOCAL_WORKERS, "1"))
     placement = devices.resolve(cfg, backend, local_workers)
     loaders = cfg.data.workers if cfg.data.worker_type == "process" else 0
-    threads = reproducible.threads(cfg) or cfg.backend.threads or devices.intra_op_threads(
-        os.cpu_count() or 1, local_workers, loaders)
+    set_to = reproducible.threads(cfg) or cfg.backend.threads
+    host = affinity.cores(look=False)
+    share = devices.intra_op_threads(host.usable, local_workers, loaders)
+    if not set_to and share > 1:  # ~12 ms: are other processes holding some of the share? (_util/affinity.py)
+        host = affinity.cores()
+    threads = set_to or affinity.default_threads(share, host)
     backend.setup(threads, cfg.seed, placement, deterministic=bool(t.reproducible))
     np.random.seed(cfg.seed)
     mf = loaded or model_file.load(cfg.model)
@@ -101,7 +107,10 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
                  prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type, d.shuffle),
                  schedule=data.Schedule(len(source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs),
                  eval_dataset=data.Dataset(mf.call("eval_data", cfg), "eval_data()", mf.collate, mf.field_names())
-                 if mf.eval_data else None)
+                 if mf.eval_data else None,
+                 threads=f"{threads} intra-op thread{'s' if threads != 1 else ''} per worker ("
+                 + (("trainer.reproducible" if t.reproducible else "backend.threads") if set_to
+                    else f"{host.describe()}; backend.threads overrides") + ")")
 
 
 def stepper(parts: Parts, *args: Any) -> Any:
@@ -121,7 +130,7 @@ def announce(parts: Parts, cfg: Any, t: Any, world: int, run_dir: Any, resumed: 
                     optimizer=optim.describe(parts.spec)
                     + (" (from the model file)" if parts.built.optimizer_from_model else ""),
                     samples=len(parts.source), steps_per_epoch=parts.schedule.steps_per_epoch,
-                    total_steps=parts.schedule.total_steps, run_dir=run_dir, resumed=resumed))
+                    total_steps=parts.schedule.total_steps, run_dir=run_dir, resumed=resumed, threads=parts.threads))
     if t.reproducible:
         log.info("  reproducible: exact sums, %d intra-op thread(s) per worker, deterministic kernels: the same bits "
                  "for any number of workers (docs/exactness.md)", reproducible.threads(cfg))

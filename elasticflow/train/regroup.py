@@ -16,6 +16,8 @@ from .._util.context import _context
 from ..distributed import protocol
 from ..distributed.protocol import CommError
 from ..errors import ElasticFlowError
+from ..observability.reporting import membership_line
+from .._util.envnames import ENV_DEBUG
 
 log = logging.getLogger("elasticflow")
 
@@ -105,9 +107,13 @@ class Regrouper:
         """
         s = self.state
         self.step_log.flush()  # while this worker is still the rank 0 that committed the step
-        if failure is not None:
-            log.warning("worker step %d: %s; rebuilding", s.step + 1, failure)
+        if failure is not None:  # gloo's text: the worker's log (tests/test_shard_kill.py reads it there); the
+            # console has the new rank 0's line instead (reporting.membership_line), and with --debug both
+            log.warning("worker step %d: %s; rebuilding", s.step + 1, failure,
+                        extra={"console": os.environ.get(ENV_DEBUG) == "1"})
         before, before_step = s.cursor.samples_seen, s.step
+        m = self.replica.membership
+        members_before = list(m.members) if m is not None else []
         r = self.replica.recover(failure, before)
         # Rolled forward: a member had committed the attempt's step, so its compute was kept, not redone; so
         # too where this member had (sharded state: it failed in the step's allgather, after the commit).
@@ -134,6 +140,10 @@ class Regrouper:
         self.entered_generation()
         if self.replica.rank == 0:
             self.step_log.rewrite(s.last_metrics)  # the records a rank 0 that left may not have written
+            said = m and membership_line(before_step + (failure is not None), members_before, m.members, m.record,
+                                         failed=failure is not None, redone=not kept, stopping=r.stop == "below_min")
+            if said:
+                log.info("%s", said)
             reason = failure or "membership change at a step boundary"
             self.run_log.event("regrouped" if failure is None else "recovered", generation=self.replica.generation,
                                previous_generation=r.previous_generation, world_size=self.replica.world,

@@ -9,6 +9,8 @@ Environment:
     EF_STREAM_KILL    "worker:step": that worker SIGKILLs itself inside forward() at that step (generation 0).
     EF_STREAM_LIMIT   a file holding a step number: forward() of a later step waits while the file says so
                       (harness.Limit: a test lets training go exactly as far as it needs).
+    EF_STREAM_HF      set: data() is a Hugging Face stream of the jsonl shards, as an HF user writes one, with
+                      per-example transforms (``hf_stream``); a sample's id is its position in that stream.
 """
 import io
 import json
@@ -71,7 +73,24 @@ def model(cfg):
     return torch.nn.Linear(FEATURES, 1)
 
 
+HF_FILES = ("e.jsonl", "a.jsonl")  # the stream's order; Shards sorts them (a, e): positions map back
+
+
+def hf_stream(folder):
+    """The jsonl shards as a ``datasets`` stream, cast, mapped, renamed and selected: its sample at position i
+    has ``sid`` i (``map(with_indices=True)``), the file sample's x and its ``y`` as float32 (renamed ``target``)."""
+    import datasets
+
+    stream = datasets.load_dataset("json", data_files=[os.path.join(folder, f) for f in HF_FILES], split="train",
+                                   streaming=True)
+    return (stream.cast_column("y", datasets.Value("float32"))
+            .map(lambda s, i: {"sid": i, "x": [v * 1.0 for v in s["x"]]}, with_indices=True)
+            .rename_column("y", "target").select_columns(["sid", "x", "target"]))
+
+
 def data(cfg):
+    if os.environ.get("EF_STREAM_HF"):
+        return hf_stream(os.environ["EF_STREAM_CORPUS"])
     return elasticflow.data.Shards(os.path.join(os.environ["EF_STREAM_CORPUS"], "*"), window=2, seq_len=TOKENS)
 
 
@@ -84,6 +103,9 @@ def collate(samples):
             continue
         if isinstance(s, np.ndarray):  # a .npy row: id, x..., y
             rows.append((int(s[0]), s[1:1 + FEATURES], float(s[-1])))
+            continue
+        if "sid" in s:  # a sample of hf_stream()
+            rows.append((s["sid"], s["x"], s["target"]))
             continue
         if "json" in s:  # a WebDataset sample: {"__key__", "json": bytes}
             s = json.loads(s["json"])

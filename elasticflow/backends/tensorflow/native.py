@@ -25,7 +25,23 @@ POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}  # keras's mixed po
 
 def _is_keras(obj: Any) -> bool:
     keras = sys.modules.get("keras")  # a keras model means keras is imported already
-    return keras is not None and isinstance(obj, keras.Layer)
+    return keras is not None and isinstance(obj, keras.Layer) and keras.backend.backend() == "tensorflow"
+
+
+def _refuse_keras_elsewhere(obj: Any) -> None:
+    """A keras model built on another backend (keras 3 reads KERAS_BACKEND once, as it is first imported): its
+    layers call that framework's ops, which fail deep inside a TF graph; refused in one line before training."""
+    keras = sys.modules.get("keras")
+    if keras is None:
+        return
+    on = keras.backend.backend()
+    values = obj.values() if isinstance(obj, dict) else (obj,)
+    if on != "tensorflow" and any(isinstance(v, keras.Layer) for v in values):
+        raise ElasticFlowError(f"model() returned a Keras model built with KERAS_BACKEND={on}, which backend="
+                               "tensorflow cannot train (keras runs one backend per process)",
+                               "unset KERAS_BACKEND or set KERAS_BACKEND=tensorflow where you run elasticflow"
+                               + (", or train it with backend=torch (a keras model on torch is a torch module)"
+                                  if on == "torch" else ""))
 
 
 def is_native(obj: Any) -> bool:
@@ -41,10 +57,12 @@ def unwrapped(model: Any) -> Any:
 def native_kind(obj: Any) -> Optional[str]:
     """A description of ``obj`` when it is a framework-native model this backend cannot train.
 
-    Checks class module names only: describing a torch model must not import torch.
+    Checks class module names only: describing a torch model must not import torch. A keras model on another
+    keras backend (``KERAS_BACKEND=torch``) is refused here, naming it.
     """
     if is_native(obj):
         return None
+    _refuse_keras_elsewhere(obj)
     for cls in type(obj).__mro__:
         if cls.__module__.split(".")[0] == "torch":
             return f"a PyTorch model (torch.nn.Module subclass {type(obj).__qualname__!r})"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .. import protocol
 from ..membership.rendezvous import Rendezvous
@@ -37,14 +37,21 @@ class Generations:
         if state.generation < 0:  # the first generation ranks workers by id, not by who was quicker
             state.admitted.sort(key=lambda w: w.id)
         state.roster.move_all(state.admitted, "members")
+        # The pids of those who came or went, for the new rank 0's console line (never every member's: the
+        # record is read by each of them, and a 1,000-worker job's would grow by ~20 kB a generation).
+        before, after = {w.id: w for w in state.published}, {w.id: w for w in state.members}
+        changed = {i: w.pid for i, w in {**before, **after}.items() if (i in before) != (i in after)}
+        pids = changed if state.generation >= 0 else {}
         state.published = list(state.members)
-        self.announce([w.id for w in state.members], [w.id for w in state.waiting], action, reason, state.gone)
-        state.gone = []
+        self.announce([w.id for w in state.members], [w.id for w in state.waiting], action, reason, state.gone,
+                      pids, {i: c for i, c in state.causes.items() if i in state.gone})
+        state.gone, state.causes = [], {}
         state.dirty = False
         state.supersede_at = None
         workers_json.write(state, action)
 
-    def announce(self, ids: List[int], waiting: List[int], action: str, reason: str, gone: List[int] = ()) -> None:
+    def announce(self, ids: List[int], waiting: List[int], action: str, reason: str, gone: List[int] = (),
+                 pids: Optional[Dict[int, int]] = None, causes: Optional[Dict[int, str]] = None) -> None:
         """Write the next generation's record and name it current; the one still forming is superseded."""
         state, rdv = self.state, self.rdv
         now = time.monotonic()
@@ -54,7 +61,7 @@ class Generations:
             state.event("superseded", generation=rdv.generation, cause=reason or "a member left while it formed",
                         after_s=round(now - rdv.published_at, 3), waiting=[], retry_in_s=0)
         # The generation's record goes in before gen/current names it: a worker reads them in that order.
-        state.put(protocol.generation_key(g), protocol.encode(ids, action, reason, waiting, gone))
+        state.put(protocol.generation_key(g), protocol.encode(ids, action, reason, waiting, gone, pids, causes))
         state.put("gen/current", str(g))
         rdv.opened(g, ids, now)
         state.event("generation", generation=g, members=ids, waiting=waiting, action=action, reason=reason)

@@ -117,6 +117,7 @@ class Health:
     def cut_out(self, w: Worker, why: str) -> None:
         state = self.state
         log.warning("worker %d (pid %d): %s; killing it", w.id, w.pid, why)
+        state.causes[w.id] = f"hung: {why}"  # the next generation's record says so (reporting.membership_line)
         state.event("hung", worker=w.id, pid=w.pid, reason=why, generation=state.generation)
         state.put(protocol.cut_key(w.id), why)  # a cut-off worker that outlives the kill reads why
         state.roster.cut(w)

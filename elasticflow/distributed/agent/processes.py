@@ -105,11 +105,16 @@ class Processes:
         """``w`` (out of the roster already) left without finishing: log it, mark the members changed when it was
         one (``dirty``), and restart it if the launcher says so."""
         state = self.state
-        log.warning("worker %d (pid %d) left (%s)", w.id, w.pid, cause)
+        # A member's loss is told by the new generation's rank 0, in one line with the step and what follows
+        # (reporting.membership_line, from the record's pids and causes): here only with --debug (and in train.log).
+        log.warning("worker %d (pid %d) died (%s)%s", w.id, w.pid, cause,
+                    "" if dirty else " while it waited for a generation",
+                    extra={"console": not dirty or os.environ.get(protocol.ENV_DEBUG) == "1"})
         state.event("left", worker=w.id, pid=w.pid, cause=cause, generation=state.generation)
         state.dirty = state.dirty or dirty
         if dirty:  # a member: its peers cut their links to it as the next generation is published
             state.gone.append(w.id)
+            state.causes.setdefault(w.id, cause)  # health's "hung: ..." stands over the SIGKILL that followed
         self._maybe_restart(w)
 
     def _maybe_restart(self, w: Worker) -> None:

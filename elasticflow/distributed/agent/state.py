@@ -41,6 +41,7 @@ class AgentState:
         self.restarts = 0
         self.dirty = False                    # members changed since the last publish
         self.gone: List[int] = []             # members declared gone since the last publish (its record's "gone")
+        self.causes: Dict[int, str] = {}      # why each of them went (its record's "causes": rank 0's console line)
         self.trained = False                  # a member finished training (exit 0): nothing more is published
         self.supersede_at: Optional[float] = None  # a failed generation's successor is due then (back-off)
         self.supersede_cause = ""

@@ -98,6 +98,7 @@ class Membership:
         self.generation = -1
         self.rank, self.world = 0, 1
         self.members: List[int] = []
+        self.record: dict = {}  # the generation's record as the agent published it (protocol.encode)
         self.group: Optional[Group] = None
         self.nccl_device = None  # this worker's GPU when comm.backend=nccl (set by the trainer before join)
         self.group_tag: Optional[str] = None  # topology=hierarchical: this worker's group (set before join)
@@ -321,12 +322,14 @@ class Membership:
                               self.group_tag, superseded=lambda: self._replaced(g))
                 group.members, group.links = members, links.opened_since(before, stores.port_of(self.address))
             except CommError as exc:
-                log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc)
+                log.warning("worker %d: %s; the agent publishes the next generation", self.worker_id, exc,
+                            extra={"console": os.environ.get(protocol.ENV_DEBUG) == "1"})  # gloo's text: --debug
                 if not self._replaced(g):  # the agent has moved on already: nothing to report
                     self.report_failure(g)
                 continue
             self._mark(g, "formed")
             self.group, self.generation, self.members, self.rank, self.world = group, g, members, rank, world
+            self.record = info
             if group.hierarchy is not None and rank == 0 and self.events is not None:
                 append_event(self.events, "groups", "worker", generation=g,
                              groups=[[members[r] for r in grp] for grp in group.hierarchy.groups])
