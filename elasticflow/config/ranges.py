@@ -144,6 +144,9 @@ RANGES: Dict[str, Span] = {
     "trainer.max_steps": _steps("trainer.max_steps", 1000, ", or null"),
     "trainer.epochs": _steps("trainer.epochs", 10, ", or null"),
     "trainer.log_every": _int(1, MAX_COUNT, "set trainer.log_every=1 to log every step"),
+    "trainer.loggers_wait_s": _real(0, "pass e.g. trainer.loggers_wait_s=60 (seconds the end of a run waits for its "
+                                       "trackers; 0 leaves what is behind to `elasticflow sync RUN`)",
+                                    high=MAX_SECONDS),
     "trainer.eval_every": _steps("trainer.eval_every", 500, ", or null to evaluate once at the end"),
     "trainer.grad_clip": _real(0, "set trainer.grad_clip=1.0, or null to disable clipping", open_low=True),
     "checkpoint.interval.steps": _steps("checkpoint.interval.steps", 100, ", or null not to save by steps"),
