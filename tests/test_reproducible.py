@@ -225,13 +225,18 @@ def test_the_compiled_deposit_gives_the_eager_bits(monkeypatch):
             compiled.add(t.float())
         assert torch.equal(compiled.bins, eager.bins) and torch.equal(compiled.window, eager.window)
         assert torch.equal(compiled.values().nan_to_num(7.0), want.nan_to_num(7.0))
+        grad = torch.empty(n)  # read into a float32 gradient in one compiled pass: the bits of copy_(values())
+        compiled.values_into(grad)
+        assert torch.equal(grad.nan_to_num(7.0), want.float().nan_to_num(7.0))
         for acc in (compiled, eager):  # the one-int64 wire's kernels: the bins moved to a window and combined
             monkeypatch.setattr(sum_kernels, "COMPILE_FROM", 1024 if acc is compiled else 1 << 40)
             acc.allreduce(_Alone())
         assert torch.equal(compiled._combined, eager._combined)
-        moved = eager.values()  # eager (COMPILE_FROM is out of reach)
+        moved = eager.values()
         monkeypatch.setattr(sum_kernels, "COMPILE_FROM", 1024)
         assert torch.equal(compiled.values().nan_to_num(7.0), moved.nan_to_num(7.0))
+        compiled.values_into(grad)
+        assert torch.equal(grad.nan_to_num(7.0), moved.float().nan_to_num(7.0))
         assert sum_kernels._kernels.loaded.keys() == set(sum_kernels._Kernels.names), "a compiled kernel did not run"
 
 

@@ -40,8 +40,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..errors import ElasticFlowError
-from .sum_kernels import (_MASK, MAX_WINDOW, MIN_WINDOW, NONFINITE, W, combined_at_, combined_float64,
-                          deposit_float32_, moved, run as _run, sums_float64)
+from .sum_kernels import (_MASK, MAX_WINDOW, MIN_WINDOW, NONFINITE, W, combined_at_, combined_float32_,
+                          combined_float64, deposit_float32_, moved, run as _run, sums_float32_, sums_float64)
 
 
 # Terms one element may sum, over every add and every member: each adds less than 2^W to a bin (in magnitude),
@@ -216,11 +216,23 @@ class ReproducibleSum:
             group.wait(work)
         return combined
 
-    def values(self) -> torch.Tensor:
-        """The sums, rounded to float64 (a float32 reader rounds again). NaN where a term was not finite."""
+    def values(self, at: int = 0) -> torch.Tensor:
+        """The sums of elements ``at ..``, rounded to float64 (a float32 reader rounds again). NaN where a term was
+        not finite. Eager: a large float32 reader (a gradient) takes ``values_into``."""
         if self._combined is not None:
-            return _run(combined_float64, (self.window, self._combined))
-        return _run(sums_float64, (self.window, self.bins[0], self.bins[1]))
+            return combined_float64(self.window[at:], self._combined[at:])
+        return sums_float64(self.window[at:], self.bins[0, at:], self.bins[1, at:])
+
+    def values_into(self, out: torch.Tensor, at: int = 0) -> None:
+        """Elements ``at .. at + len(out)`` rounded to float64 and then to ``out``'s float32 (the bits of
+        ``out.copy_(values())``), written in one pass: a compiled loop for a large one on a CPU."""
+        end = at + out.numel()
+        if out.dtype != torch.float32 or out.device != self.window.device or not out.is_contiguous():
+            out.copy_(self.values(at)[:out.numel()].reshape(out.shape))
+        elif self._combined is not None:
+            _run(combined_float32_, (self.window[at:end], self._combined[at:end], out.view(-1)))
+        else:
+            _run(sums_float32_, (self.window[at:end], self.bins[0, at:end], self.bins[1, at:end], out.view(-1)))
 
 
 SQUARES_BLOCK = 1 << 20  # elements whose squares go into the sum at a time (~7 int64 temporaries: ~56 MiB)

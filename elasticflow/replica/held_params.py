@@ -84,7 +84,7 @@ class HeldParameters:
 
     def settle_reproducible(self) -> torch.Tensor:
         """Stage 3 under ``trainer.reproducible``: ``acc`` from the exact sums, each rounded once to float32."""
-        self.acc.copy_(self.exact.values())
+        self.exact.values_into(self.acc)
         return self.acc
 
     def reduce_grad(self, spans: Sequence[Range]) -> None:

@@ -161,13 +161,12 @@ class StepReduction:
             sums.add(np.asarray(votes), at=head + scalars)
             if world > 1:
                 sums.allreduce(group)  # a CommError: recover() zeroes the gradient, the step is redone
-        values = sums.values()
         if head:
             self.engine.grad_in(0, head)  # stage 3 on one member (or two holding all): zero_grad gave it back
-            self.engine.grad_view().copy_(values[:head])  # rounded once, to float32
+            sums.values_into(self.engine.grad_view())  # rounded to float64, then float32
         else:  # stage 3: each owner's exact sums, rounded once, and the buddy's copy of them
             self.shards.finish_reduce_scatter(group, (self.shards.settle_reproducible(), False))
-        return values[head:].cpu()
+        return sums.values(head).cpu()
 
 
 def _start(r: Reduction, group: Any, tensor: Any) -> None:

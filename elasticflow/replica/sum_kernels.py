@@ -93,6 +93,16 @@ def combined_float64(window: torch.Tensor, combined: torch.Tensor) -> torch.Tens
     return torch.where(window >= NONFINITE, float("nan"), combined.to(torch.float64) * unit)
 
 
+def sums_float32_(window: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor) -> None:
+    """``sums_float64`` rounded again to float32, written to ``out`` (a gradient): one pass, no float64 vector."""
+    out.copy_(sums_float64(window, hi, lo))
+
+
+def combined_float32_(window: torch.Tensor, combined: torch.Tensor, out: torch.Tensor) -> None:
+    """``combined_float64`` rounded again to float32, written to ``out``."""
+    out.copy_(combined_float64(window, combined))
+
+
 def sums_float64(window: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The value of bins ``hi``, ``lo`` at ``window``: (hi 2^W + lo), rounded to float64, times the lo bin's
     unit 2^(W (window - 1)), made from its exponent bits (exact: a power of two). NaN where not finite."""
@@ -114,7 +124,7 @@ BUILD_STALE_S = 900  # a build lock older than this (or whose builder is gone), 
 class _Kernels:
     """The compiled kernels of this process: loaded once their package is on disk, None until then."""
 
-    names = ("deposit_float32_", "sums_float64", "combined_at_", "combined_float64")
+    names = ("deposit_float32_", "combined_at_", "sums_float32_", "combined_float32_")
 
     def __init__(self):
         self.loaded: Dict[str, Any] = {}
@@ -133,6 +143,7 @@ class _Kernels:
     def key() -> str:
         """Which build fits this process: torch's version, the machine, and the source of the compiled code."""
         source = "".join(inspect.getsource(f) for f in (moved, deposit_float32, deposit_float32_, sums_float64,
+                                                         sums_float32_, combined_float32_,
                                                          combined_at_, combined_float64))
         text = f"{torch.__version__} {platform.machine()} {sys.version_info[:2]} {W} {NONFINITE} {source}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -223,8 +234,8 @@ class _Deposit(torch.nn.Module):
 
 
 class _Sums(torch.nn.Module):
-    def forward(self, window, hi, lo):
-        return sums_float64(window, hi, lo)
+    def forward(self, window, hi, lo, out):
+        return sums_float32_(window, hi, lo, out)
 
 
 class _Combined(torch.nn.Module):
@@ -233,12 +244,12 @@ class _Combined(torch.nn.Module):
 
 
 class _CombinedSums(torch.nn.Module):
-    def forward(self, window, combined):
-        return combined_float64(window, combined)
+    def forward(self, window, combined, out):
+        return combined_float32_(window, combined, out)
 
 
-_MODULES = {"deposit_float32_": _Deposit, "sums_float64": _Sums, "combined_at_": _Combined,
-            "combined_float64": _CombinedSums}
+_MODULES = {"deposit_float32_": _Deposit, "sums_float32_": _Sums, "combined_at_": _Combined,
+            "combined_float32_": _CombinedSums}
 
 
 def build(folder: Path, key: str) -> None:
@@ -262,8 +273,10 @@ def _build(folder: Path, key: str) -> None:
     def ints() -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int64)
 
-    examples = {"deposit_float32_": (torch.randn(n), window(), ints(), ints()), "sums_float64": (window(), ints(), ints()),
-                "combined_at_": (window(), window(), ints(), ints(), ints()), "combined_float64": (window(), ints())}
+    examples = {"deposit_float32_": (torch.randn(n), window(), ints(), ints()),
+                "sums_float32_": (window(), ints(), ints(), torch.zeros(n)),
+                "combined_at_": (window(), window(), ints(), ints(), ints()),
+                "combined_float32_": (window(), ints(), torch.zeros(n))}
     length = torch.export.Dim("n", min=2)
     for name in _Kernels.names:
         final = folder / f"{name}-{key}.pt2"

@@ -100,7 +100,10 @@ def member(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             acc = sums[name]
             if group is not None:
                 acc.allreduce(group)
-            grad.copy_(acc.values())
+            if hasattr(acc, "values_into"):  # one pass into the float32 gradient, as a step reads it
+                acc.values_into(grad)
+            else:  # an older tree: its float64 values, then the copy its step made
+                grad.copy_(acc.values())
         return run
 
     for r in range(args.rounds + 1):  # round 0 warms up (kernels load, buffers allocate)
