@@ -35,13 +35,14 @@ eager (``sum_kernels.py``); ``scripts/bench/bench_exact.py``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..errors import ElasticFlowError
 from .sum_kernels import (_MASK, MAX_WINDOW, MIN_WINDOW, NONFINITE, W, combined_at_, combined_float32_,
-                          combined_float64, deposit_float32_, moved, run as _run, sums_float32_, sums_float64)
+                          combined_float64, deposit4_float32_, deposit_float32_, moved, run as _run, sums_float32_,
+                          sums_float64)
 
 
 # Terms one element may sum, over every add and every member: each adds less than 2^W to a bin (in magnitude),
@@ -50,6 +51,8 @@ MAX_TERMS = ((1 << 63) - 1) // _MASK
 # Terms whose bins, combined (hi 2^W + lo: each term less than 2^(2W) in magnitude), still fit one int64: up to
 # this many over every member, the sum travels as one int64 per element instead of two (``allreduce``).
 ONE_INT64_TERMS = ((1 << 63) - 1) // ((1 << (2 * W)) - 1)
+# Gradients ``add_later`` copies aside to deposit four at a time: at most this many bytes (three copies), else at once
+LATER_BYTES = 256 << 20
 PIECE = 1 << 19  # elements per SUM on the one-int64 wire (4 MiB): the next piece is combined while this one travels
 
 
@@ -91,6 +94,8 @@ class ReproducibleSum:
         # it; an add after that splits it back into the bins first)
         self._combined: Optional[torch.Tensor] = None
         self._wire: Dict[str, torch.Tensor] = {}  # allreduce's buffers, kept from step to step (no page faults)
+        self._later: List[torch.Tensor] = []  # add_later's copies, not yet added (at most three) ...
+        self._later_at = 0                    # ... and where they go
 
     @property
     def n(self) -> int:
@@ -101,6 +106,7 @@ class ReproducibleSum:
         self.window.fill_(MIN_WINDOW)
         self.terms = 0
         self._combined = None
+        self._later = []
 
     def _split(self) -> None:
         """The one-int64 sums back into the bins (an add after an allreduce: rare, eager): hi 2^W + lo, lo >= 0."""
@@ -114,9 +120,38 @@ class ReproducibleSum:
         check_terms(self.terms + terms)
         self.terms += terms
 
+    def add_later(self, terms: torch.Tensor, at: int = 0) -> None:
+        """``add`` float32 ``terms`` (a gradient about to be cleared), four at a time: three are copied aside and the
+        fourth deposits all four in one pass (``deposit4_float32_``, 2.5x four deposits; the same bits: the sum is
+        a function of the set of terms). ``flush`` adds what is left; every read and reduction flushes first.
+        Terms of another kind, or more than ``LATER_BYTES`` in three copies, are added at once."""
+        t = terms.detach().reshape(-1)
+        if t.dtype != torch.float32 or t.device != self.window.device or 3 * 4 * t.numel() > LATER_BYTES:
+            self.add(t, at)
+            return
+        if self._later and (at != self._later_at or t.numel() != self._later[0].numel()):
+            self.flush()
+        if len(self._later) < 3:
+            slot = self._buffer(f"later{len(self._later)}", t.numel(), torch.float32)
+            slot.copy_(t)
+            self._later.append(slot)
+            self._later_at = at
+            return
+        self._count(4)
+        end = at + t.numel()
+        _run(deposit4_float32_, (*self._later, t, self.window[at:end], self.bins[0, at:end], self.bins[1, at:end]))
+        self._later = []
+
+    def flush(self) -> None:
+        """Add the terms ``add_later`` holds back."""
+        later, self._later = self._later, []
+        for t in later:
+            self.add(t, self._later_at)
+
     def add(self, terms: Any, at: int = 0) -> None:
         """Add ``terms`` (a tensor or array of any float dtype, flattened) to elements ``at .. at + len``."""
         t = torch.as_tensor(terms).detach().reshape(-1)
+        self.flush()
         self._count(1)
         if t.dtype == torch.float32 and t.device == self.window.device:
             self._add_float32(t, at)
@@ -132,6 +167,7 @@ class ReproducibleSum:
         """Add each row of ``rows`` (an m x k array: m terms for each of elements ``at .. at + k``), as m calls of
         ``add`` would, in one: the same bins (each is the sum of its terms' bits in the final window)."""
         v = torch.as_tensor(rows).detach().to(self.window.device, torch.float64)
+        self.flush()
         if v.numel():
             v = v.reshape(v.shape[0], -1)
             self._count(v.shape[0])
@@ -175,6 +211,7 @@ class ReproducibleSum:
         Note: each member checks its own terms times the world size against ``MAX_TERMS``: enough for the bins
         not to wrap; a member that fails it raises before the MAX."""
         world = getattr(group, "world", 1)
+        self.flush()
         check_terms(self.terms, world)
         self._split()
         agreed = self._buffer("agreed", self.n + 1, torch.int8)
@@ -219,6 +256,7 @@ class ReproducibleSum:
     def values(self, at: int = 0) -> torch.Tensor:
         """The sums of elements ``at ..``, rounded to float64 (a float32 reader rounds again). NaN where a term was
         not finite. Eager: a large float32 reader (a gradient) takes ``values_into``."""
+        self.flush()
         if self._combined is not None:
             return combined_float64(self.window[at:], self._combined[at:])
         return sums_float64(self.window[at:], self.bins[0, at:], self.bins[1, at:])
@@ -226,6 +264,7 @@ class ReproducibleSum:
     def values_into(self, out: torch.Tensor, at: int = 0) -> None:
         """Elements ``at .. at + len(out)`` rounded to float64 and then to ``out``'s float32 (the bits of
         ``out.copy_(values())``), written in one pass: a compiled loop for a large one on a CPU."""
+        self.flush()
         end = at + out.numel()
         if out.dtype != torch.float32 or out.device != self.window.device or not out.is_contiguous():
             out.copy_(self.values(at)[:out.numel()].reshape(out.shape))

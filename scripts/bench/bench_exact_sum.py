@@ -48,7 +48,12 @@ def load_sums(tree: Path, name: str):
         from elasticflow.replica import sum_kernels as compiled
     kernels = compiled._Kernels
     kernels.folder().mkdir(parents=True, exist_ok=True)
-    compiled.build(kernels.folder(), kernels.key())  # built once per machine: the kernels a run would load
+    # Built once per machine, in a process of its own as a run's builder does (the kernels a run would load)
+    code = f"import sys; sys.path.insert(0, {str(tree)!r}); import importlib.util as u; " \
+           f"s = u.spec_from_file_location('elasticflow.replica.bench_build', {compiled.__file__!r}); " \
+           f"m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); " \
+           f"from pathlib import Path; m.build(Path({str(kernels.folder())!r}), {kernels.key()!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=1800, cwd=REPO)
     return module
 
 
@@ -91,8 +96,11 @@ def member(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         def run() -> None:
             acc = sums[name]
             acc.clear()
+            add = getattr(acc, "add_later", acc.add)  # as a step adds its micro-batches' gradients
             for t in grads:
-                acc.add(t)
+                add(t)
+            if hasattr(acc, "flush"):
+                acc.flush()
         return run
 
     def exact_reduce(name: str):
