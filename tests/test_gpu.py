@@ -8,6 +8,9 @@ state (``trainer.shard``, all three stages) with a kill. NCCL's recovery needs t
 import functools
 import os
 import signal
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import elasticflow.checkpoint as ckpt  # noqa: E402
-from harness import (MODELS, final_state, finish, logged_step, members, metrics, start_exact as start,  # noqa: E402
+from harness import (MODELS, REPO, final_state, finish, logged_step, members, metrics, start_exact as start,  # noqa: E402
                      train, train_exact as train_ok, train_ok as train_run, wait_for)
 
 final = functools.partial(final_state, rng=False)
@@ -104,6 +107,65 @@ def test_nccl_survives_a_dead_peer(tmp_path):
     assert records[-1]["world_size"] == workers - 1
 
 
+# An NCCL collective that cannot finish within its timeout (queued behind ~3 s of GPU work, with a 1 s timeout).
+# argv: "ours" (distributed/comm/nccl.py's environment) or "torch" (torch's default handling, 3, with its 60 s
+# wait for flight-recorder dumps turned off, so that the handling is the one difference).
+NCCL_TIMEOUT = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+from elasticflow.distributed.comm import nccl
+
+ours = sys.argv[1] == "ours"
+if ours:
+    nccl.environment()
+else:
+    os.environ.update(TORCH_NCCL_ASYNC_ERROR_HANDLING="3", TORCH_NCCL_DUMP_ON_TIMEOUT="0",
+                      TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC="0")
+torch.cuda.set_device(0)
+store = dist.HashStore()
+pg = dist.ProcessGroupNCCL(dist.PrefixStore("gen1/", store), 0, 1, nccl.options(1.0))
+pg.eager_connect_single_device(torch.device("cuda:0"))
+t = torch.ones(1 << 16, device="cuda")
+nccl.finish(pg.allreduce([t]), t.device, 30.0, lambda: False)
+torch.cuda._sleep(6_000_000_000)  # GPU cycles: ~3 s at 2 GHz; the NCCL stream waits for them
+work = pg.allreduce([t])
+try:
+    nccl.finish(work, t.device, 1.0, lambda: False)
+    print("completed", flush=True)
+except Exception as exc:
+    print("raised", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
+torch.cuda.synchronize()
+pg2 = dist.ProcessGroupNCCL(dist.PrefixStore("gen2/", store), 0, 1, nccl.options(30.0))  # the next generation
+t2 = torch.full((4,), 2.0, device="cuda")
+nccl.finish(pg2.allreduce([t2]), t2.device, 30.0, lambda: False)
+print("recovered", float(t2.sum()), flush=True)
+time.sleep(3)  # the watchdog saw the timeout as well: it must not end the process meanwhile
+print("alive", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_timed_out_nccl_collective_raises_and_the_process_goes_on():
+    """distributed/comm/nccl.py on a GPU: with the worker's NCCL environment a collective past its timeout raises
+    into the caller, the process builds the next generation's group and lives on; torch's default handling ends
+    the process instead (what recovery could not survive). One GPU: a world of one, the timeout forced by queuing
+    the collective behind a long kernel."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"):
+        env.pop(name, None)
+    ours = subprocess.run([sys.executable, "-c", NCCL_TIMEOUT, "ours"], env=env, capture_output=True, text=True,
+                          timeout=180)
+    lines = ours.stdout.splitlines()
+    assert ours.returncode == 0 and len(lines) == 3, ours.stdout + ours.stderr[-3000:]
+    # torch's text: the wait's own timeout, or the watchdog's abort where it got there first (both ~1 s)
+    assert lines[0].startswith("raised"), lines
+    assert lines[1:] == ["recovered 8.0", "alive"], lines
+    default = subprocess.run([sys.executable, "-c", NCCL_TIMEOUT, "torch"], env=env, capture_output=True, text=True,
+                             timeout=180)
+    print("torch's default handling:", default.returncode, default.stdout.splitlines())
+    assert default.returncode != 0 and "alive" not in default.stdout, default.stdout + default.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- sharded state on the GPU (issue #46)
 UNITS = MODELS.parent / "tests" / "models" / "units_probe.py"
 # 2048 wide: the block's weights span whole 2 MiB granules, which stage 3 unmaps and maps again
@@ -129,6 +191,50 @@ def test_a_gpu_vector_gives_granules_back_and_maps_them_again_as_zeros():
     version = v.tensor._version
     v.alias[5:9].fill_(3.0)
     assert v.tensor._version == version and float(v.tensor[5]) == 3.0
+
+
+def test_a_gpu_vector_built_on_a_fresh_thread_and_a_failed_map_keeps_no_memory(monkeypatch):
+    """device_pages.py's context and failure paths on the real driver: a vector built on a thread that never touched
+    the GPU (no current context there) works; one whose 50th granule fails to map gives every granule back at
+    once (the error's traceback still holds the vector's reservation), including the failed granule's memory."""
+    from elasticflow.backends.torch import device_pages
+    from elasticflow.errors import ElasticFlowError
+
+    built = {}
+
+    def build():
+        try:
+            built["vector"] = device_pages.DeviceVector(16 << 20 >> 2, torch.device("cuda", 0))
+            built["vector"].tensor.fill_(2.0)
+            built["sum"] = float(built["vector"].tensor.sum())
+        except Exception as exc:  # noqa: BLE001 - reported below
+            built["error"] = exc
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join(120)
+    assert "error" not in built and built["sum"] == 2.0 * (16 << 20 >> 2), built
+    del built["vector"]
+
+    real, calls = device_pages._cuda(), {"map": 0}
+
+    class FailingMap:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cuMemMap(self, *args):
+            calls["map"] += 1
+            return 2 if calls["map"] == 50 else real.cuMemMap(*args)  # CUDA_ERROR_OUT_OF_MEMORY
+
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    monkeypatch.setattr(device_pages, "_driver", FailingMap())
+    with pytest.raises(ElasticFlowError, match="cuMemMap failed") as err:
+        device_pages.DeviceVector(256 << 20 >> 2, torch.device("cuda", 0))
+    monkeypatch.setattr(device_pages, "_driver", real)
+    torch.cuda.synchronize()
+    kept = free - torch.cuda.mem_get_info()[0]
+    assert err.value is not None and kept <= 2 * (2 << 20), f"{kept} bytes kept after the failed build"
 
 
 @pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])

@@ -171,6 +171,7 @@ def main() -> None:
 
     from ..config.schema import Config
     from ..errors import ElasticFlowError, TrainingInterrupted
+    from ..distributed.comm import nccl
     from ..distributed.membership.membership import AgentLost, Membership, Refused, Removed
     from torch.distributed import DistNetworkError
 
@@ -182,6 +183,10 @@ def main() -> None:
     config = _read_config(run_dir, worker_id)  # first: nothing is written into a run directory put in its place
     holder = {"trainer": None}
     console = _setup_logging(run_dir, worker_id, lambda: holder["trainer"])
+    replaced = nccl.environment()  # before any NCCL group reads it: an NCCL error raises into the recovery
+    if replaced.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        logging.getLogger("elasticflow").info("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s replaced by 2 (see docs/gpus.md)",
+                                              replaced["TORCH_NCCL_ASYNC_ERROR_HANDLING"], extra={"console": False})
     _finish_save_on_sigterm(holder)
     code = protocol.EXIT_OK
     # Forged store records this worker refused: once per kind into events.jsonl (the intruder test reads them).

@@ -19,7 +19,7 @@ from torch.distributed import PrefixStore
 
 from ..._util import affinity, links
 from ..._util.fileio import aligned
-from . import hierarchy
+from . import hierarchy, nccl as nccl_errors
 from ..protocol import CommError
 
 BIG = 1 << 20  # bytes: a tensor this large travels as its own message in share_state, without a copy
@@ -47,7 +47,7 @@ class Group:
     def __init__(self, store, generation: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1",
                  nccl_device: Optional[str] = None, group_tag: Optional[str] = None,
                  superseded: Optional[Callable[[], bool]] = None):
-        self.generation, self.rank, self.world = generation, rank, world
+        self.generation, self.rank, self.world, self.timeout_s = generation, rank, world, timeout_s
         self._stage = None  # allreduce_'s pinned host buffer for GPU tensors
         self._sums = 0  # sums started by exchange: their tags
         self.nccl = None
@@ -73,9 +73,11 @@ class Group:
             except Exception as exc:  # a member died or never arrived while the group was forming
                 raise CommError(f"building the group of generation {generation} failed: {exc}") from exc
         if nccl_device is not None and world > 1:
-            nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = datetime.timedelta(seconds=timeout_s)
-            self.nccl = dist.ProcessGroupNCCL(PrefixStore(f"gen{generation}/nccl/", store), rank, world, nccl_opts)
+            # An NCCL error must raise here, not end the process: read by the constructor (nccl.py says why).
+            # The worker's main set it before any thread started; this is a no-op then, a net for other callers.
+            nccl_errors.environment()
+            self.nccl = dist.ProcessGroupNCCL(PrefixStore(f"gen{generation}/nccl/", store), rank, world,
+                                              nccl_errors.options(timeout_s))
             # The communicator made now (ncclCommInitRank, ~0.1-1 s), by every member: made lazily, at the first
             # NCCL call, it needs every member in that call, and sharded state's first call may be point to point
             # between some of them (a roll forward, a range's move) while the rest wait in a gloo collective.
@@ -269,15 +271,11 @@ class Group:
                 t.copy_(h)
 
     def _nccl_done(self, work: Any, device: torch.device) -> None:
-        """Wait for an NCCL operation, then for the device: a peer's death surfaces here (as the abort the
-        membership poller makes), not at some later sync point."""
-        work.wait()
-        torch.cuda.current_stream(device).synchronize()
-        if self.aborted:
-            raise RuntimeError("NCCL communicator aborted: a member of this generation left")
+        """Wait for an NCCL operation, at most the group's timeout, then for the device: a peer's death, a
+        timeout or the abort the membership poller makes raises here (nccl.finish), not at some later sync point."""
+        nccl_errors.finish(work, device, self.timeout_s, lambda: self.aborted)
 
     def _nccl_allreduce(self, tensor: torch.Tensor, opts) -> None:
-        # wait() only orders the GPU stream; _nccl_done finishes it here. A sync point, as float(loss) is anyway.
         self._nccl_done(self.nccl.allreduce([tensor], opts), tensor.device)
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
