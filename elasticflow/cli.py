@@ -1,4 +1,4 @@
-"""`elasticflow train|scale|status|plot|sync|inspect|export`: parse, hand over, nothing else."""
+"""`elasticflow train|scale|inject|status|plot|sync|inspect|export`: parse, hand over, nothing else."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ from .launchers.exits import debug_requested, fail, print_done, report
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
        elasticflow scale RUN_DIR --workers N
+       elasticflow inject RUN_DIR --kill R | --hang R | --slow R --factor F [--for S]
        elasticflow status RUN_DIR [--json]
        elasticflow plot RUN_DIR [-o FILE.png]
        elasticflow sync RUN_DIR
@@ -219,6 +220,39 @@ def scale_command(args: List[str]) -> None:
     print(scale(ns.run_dir, ns.workers, ns.wait))
 
 
+def inject_command(args: List[str]) -> None:
+    import argparse
+
+    from .distributed.agent.control import inject
+
+    if "--bitflip" in args:
+        fail("inject --bitflip is not built yet: replicas' fingerprints (the check that would catch the flip) come "
+             "first (issue 66)", "rehearse with --kill R, --hang R or --slow R --factor F")
+    parser = argparse.ArgumentParser(prog="elasticflow inject", description="cause a fault in a running job, to "
+                                     "rehearse its recovery (docs/elastic-training.md)")
+    parser.add_argument("run_dir", type=Path)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--kill", type=int, metavar="RANK", help="SIGKILL that rank's worker")
+    what.add_argument("--hang", type=int, metavar="RANK", help="SIGSTOP it: cut out as hung after the heartbeat "
+                      "timeout")
+    what.add_argument("--slow", type=int, metavar="RANK", help="make it F times slower (--factor; 1 ends it)")
+    parser.add_argument("--factor", type=float, help="with --slow: how many times slower (> 1; 1 ends a slowdown)")
+    parser.add_argument("--for", dest="for_s", type=float, default=0.0, help="with --slow: for S seconds (default: "
+                        "until the run ends)")
+    ns = parser.parse_args(args)
+    action = next(a for a in ("kill", "hang", "slow") if getattr(ns, a) is not None)
+    rank = getattr(ns, action)
+    if rank < 0:
+        fail(f"a rank is 0 or more, got {rank}", f"see the ranks in `elasticflow status {ns.run_dir}`")
+    if action == "slow" and (ns.factor is None or not ns.factor >= 1.0):
+        fail(f"--slow needs --factor F with F >= 1, got {ns.factor}", "e.g. elasticflow inject RUN --slow 1 --factor 3")
+    if action != "slow" and (ns.factor is not None or ns.for_s):
+        fail(f"--factor and --for go with --slow, not --{action}", f"e.g. elasticflow inject RUN --{action} {rank}")
+    if ns.for_s < 0:
+        fail(f"--for is seconds, 0 or more, got {ns.for_s:g}", "leave it out to slow the worker until the run ends")
+    print(inject(ns.run_dir, action, rank, ns.factor or 1.0, ns.for_s))
+
+
 def status_command(args: List[str]) -> None:
     import json
 
@@ -275,7 +309,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     commands = {"train": lambda: train(rest, debug), "inspect": lambda: inspect_checkpoint(rest),
-                "scale": lambda: scale_command(rest), "status": lambda: status_command(rest),
+                "scale": lambda: scale_command(rest), "inject": lambda: inject_command(rest),
+                "status": lambda: status_command(rest),
                 "plot": lambda: plot_command(rest), "export": lambda: export_command(rest),
                 "checkpoint": lambda: checkpoint_command(rest),
                 "sync": lambda: sync_command(rest)}

@@ -66,20 +66,25 @@ def test_a_kill_shows_as_a_membership_event_and_the_world_size_drops(tmp_path):
     assert max(e.step for e in memory[1]) < 16 and max(e.step for e in memory[0]) == max(e.step for e in memory[2]) == 40
 
 
-def test_the_sidecar_runs_below_the_trainers_priority(tmp_path):
-    # On a machine whose cores the workers fill, the follower must not take their time slices.
+def test_the_sidecar_follows_below_the_trainers_priority_and_ends_at_it(tmp_path):
+    # On a machine whose cores the workers fill, the follower thread must not take their time slices; the
+    # process (its opening and its last drain, issue 68) stays at the trainer's priority.
     import sys
     import time
+
+    def nice(stat: str) -> int:
+        with open(stat) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
 
     proc = subprocess.Popen([sys.executable, "-m", "elasticflow.observability.sidecar", str(tmp_path), "--parent",
                              str(os.getpid())], stdin=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "tensorboard").is_dir() and time.monotonic() < deadline:  # past os.nice
+        deadline, niced = time.monotonic() + 60, []
+        while not niced and time.monotonic() < deadline:  # the follower thread, once it has set its nice value
             time.sleep(0.05)
-        with open(f"/proc/{proc.pid}/stat") as f:
-            nice = int(f.read().rsplit(")", 1)[1].split()[16])
-        assert nice == os.nice(0) + 10
+            niced = [t for t in os.listdir(f"/proc/{proc.pid}/task")
+                     if nice(f"/proc/{proc.pid}/task/{t}/stat") == os.nice(0) + 10]
+        assert niced and nice(f"/proc/{proc.pid}/stat") == os.nice(0)
     finally:
         proc.stdin.close()
         proc.wait(30)

@@ -40,7 +40,7 @@ from .backlog import FILES, TITLES
 from .trackers import Tracker, open_trackers, params_of
 
 POLL_S = 0.5  # how often the sidecar looks for new lines
-NICE = 10     # the sidecar's scheduling priority, below the trainer's
+NICE = 10     # the follower thread's scheduling priority while the run trains, below the trainer's
 PARAMS = "params.json"  # RUN_DIR/.elasticflow/params.json: the config, flattened, for the trackers
 LOCK = "trackers.lock"  # RUN_DIR/.elasticflow/trackers.lock: held by the one process writing the trackers
 WAIT_S = 60.0  # trainer.loggers_wait_s where no config says it
@@ -215,7 +215,7 @@ class _Follower:
     """Hands new complete lines of metrics.jsonl and events.jsonl to each tracker that has not had them, a batch at
     a time, and after each batch saves how far each tracker is (``backlog.write_offsets``): the bytes it had, as
     far as its last flush that succeeded (a tracker that failed keeps the offsets of its last good flush, for the
-    next start or ``sync``), and whether it was closed."""
+    next start or ``sync``; one not ``durable``, W&B, those of its close), and whether it was closed."""
 
     def __init__(self, run_dir: Path, trackers: List[Tracker]):
         self.run_dir, self.trackers = run_dir, trackers
@@ -248,9 +248,9 @@ class _Follower:
                 continue
             self._each(lambda t: t.event(self.step, kind, fields, wall), at, had)
         self._each(lambda t: t.flush())
-        for name in self.read:
-            if name not in self.failed:
-                self.done[name] = dict(self.read[name])
+        for t in self.trackers:
+            if t.name not in self.failed and t.durable:
+                self.done[t.name] = dict(self.read[t.name])
         self._save()
         return more or more_events
 
@@ -315,6 +315,7 @@ class _Follower:
             try:
                 t.close()
                 self.closed.add(t.name)
+                self.done[t.name] = dict(self.read[t.name])  # a tracker not ``durable`` has them now
             except Exception as exc:  # noqa: BLE001 - its run stays open; the backlog says so
                 print(f"warning: the {t.name} logger failed as it closed ({type(exc).__name__}: "
                       f"{str(exc)[:300]})", file=sys.stderr)
@@ -340,6 +341,26 @@ def _until_eof(stop: threading.Event) -> None:
     stop.set()
 
 
+def _follow(follower: "_Follower", turn: threading.Lock, stop: threading.Event, errors: list) -> None:
+    """The follower thread: hands new lines on while the trainer runs, at nice NICE. On Linux a thread has its own
+    nice value (setpriority on its TID): it may lag, the workers may not. Where they use every core (2 workers on
+    2 cores), its checksums (pure Python, ~0.08 ms of CPU per logged step) took their time slices at normal
+    priority. The process itself stays at the trainer's priority for the end (``main``)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: it runs at the process's priority
+        pass
+    try:
+        while not stop.is_set():
+            with turn:  # one thread hands lines on at a time: main() takes over at the end
+                more = not stop.is_set() and follower.poll()
+            if not more:
+                stop.wait(POLL_S)
+    except BaseException as exc:  # noqa: BLE001 - main() re-raises it (or ends quietly: a removed run directory)
+        errors.append(exc)
+        stop.set()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Follow a run's metrics and events into its trackers.")
     p.add_argument("run_dir", type=Path)
@@ -347,9 +368,6 @@ def main(argv=None) -> None:
     p.add_argument("--loggers", default="tensorboard", help="the trackers, comma-separated (trainer.loggers)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes our stdin when done
-    # A follower: it may lag, the workers may not. Where they use every core (2 workers on 2 cores), its
-    # checksums (pure Python, ~0.08 ms of CPU per logged step) took their time slices at normal priority.
-    os.nice(NICE)
     stop = threading.Event()
     threading.Thread(target=_until_eof, args=(stop,), daemon=True).start()
     try:
@@ -357,14 +375,23 @@ def main(argv=None) -> None:
         _lock(args.run_dir, wait=True)
     except FileNotFoundError:
         return  # the run directory was removed under us (a temporary one): nothing to follow
+    # Opening (MLflow's import and store: ~2.5 s of CPU, W&B's ~0.5 s) and the last drain at the end run at the
+    # trainer's priority, only the following while it trains at nice NICE (_follow): a process at nice 10 on a
+    # loaded machine (4 busy processes on 2 cores) opened no tracker in 60 s, and the run's end cut it off with
+    # nothing written (issue 68). A nice value cannot be lowered again without privileges, hence the two threads.
     follower = _Follower(args.run_dir, open_trackers([n for n in args.loggers.split(",") if n], args.run_dir,
                                                      _params(args.run_dir)))
+    turn, errors = threading.Lock(), []
+    threading.Thread(target=_follow, args=(follower, turn, stop, errors), daemon=True).start()
     try:
-        while os.getppid() == args.parent and not stop.is_set():
-            if not follower.poll():
-                stop.wait(POLL_S)
-        while follower.poll():  # the last lines, written before the trainer asked us to stop, a batch at a time
+        while os.getppid() == args.parent and not stop.wait(POLL_S):
             pass
+        stop.set()
+        with turn:  # the follower's batch in hand ends (at nice NICE: at most BATCH lines), then none starts
+            if errors:
+                raise errors[0]
+            while follower.poll():  # the last lines, written before the trainer asked us to stop, a batch at a time
+                pass
     except FileNotFoundError:
         if args.run_dir.is_dir():
             raise

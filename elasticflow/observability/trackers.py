@@ -30,9 +30,13 @@ INSTALL = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
 
 class Tracker:
-    """One destination. ``scalars`` takes a step's numbers; ``event`` one membership event's fields."""
+    """One destination. ``scalars`` takes a step's numbers; ``event`` one membership event's fields.
+
+    ``durable``: what ``flush`` returned from is kept, even if the sidecar is killed next; where not, a record
+    counts as had only once ``close`` returned (the backlog's offsets: observability/backlog.py)."""
 
     name = ""
+    durable = True
 
     def scalars(self, step: int, values: Dict[str, float], wall: float) -> None:
         raise NotImplementedError
@@ -281,6 +285,10 @@ class WandbTracker(Tracker):
     and no API key is needed (`wandb sync RUN_DIR/wandb/offline-run-*` uploads it later)."""
 
     name = "wandb"
+    # W&B's own process writes its file after log() returns, and holds a step's row open until a later step:
+    # a sidecar killed at trainer.loggers_wait_s lost the last ~45 of 2,000 steps it had handed on (tried).
+    # finish() (close) writes everything: only then does W&B count as having the records.
+    durable = False
 
     def __init__(self, run_dir: Path, params: Dict[str, Any]):
         import wandb

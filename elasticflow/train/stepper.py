@@ -17,6 +17,7 @@ from ..backends.common import WEIGHT
 from ..data import order as data
 from . import grad_check, loss_scale
 from .exact_step import ExactStep
+from .slowdown import Slowdown
 from ..config import optim
 from .._util.context import _context
 from ..data.order import GlobalBatch
@@ -48,6 +49,7 @@ class Stepper:
         # float16: backward on the weighted loss times a power of two that brings it near a share's size
         self.weight_scale = loss_scale.weight_scale(weight_per_sample, t.global_batch_size) if (
             self.weighted and parts.placement.loss_scaling) else 1.0
+        self.slowdown = Slowdown(replica.membership)  # `elasticflow inject --slow`: sleeps after a step, if asked
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record.
@@ -59,6 +61,7 @@ class Stepper:
         scale; commit; all-gather the parameters (sharded state). A ``CommError`` leaves before the commit.
         """
         s, p, replica = self.state, self.p, self.replica
+        started = time.perf_counter()
         _context.step, _context.epoch = s.step + 1, batch.epoch
         share, rank, world = self._deal(batch)
         reconciler, exact = self._begin(share)
@@ -95,6 +98,7 @@ class Stepper:
             # After the commit: a member failing here leaves the step applied to every range held, and
             # the recovery rebuilds the parameters from them.
             replica.gather()
+        self.slowdown.after_step(time.perf_counter() - started, replica.rank)
         return record
 
     # ------------------------------------------------------------------ the phases of an attempt, in order

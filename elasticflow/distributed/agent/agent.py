@@ -2,9 +2,9 @@
 
 The agent is a loop over parts it owns, each handed the agent's state (state.py) and what else it needs, none
 calling back into the agent: admission (join requests), health (heartbeats, failure reports, the verdict on a
-forming generation), scaling (`elasticflow scale`), processes (starting, reaping and restarting workers),
-generations (publishing the next one), hosts (the node agents of other hosts), the workers file (workers.json)
-and, with launcher.store=etcd, leadership (the lease, and the state a standby goes on from).
+forming generation), scaling (`elasticflow scale`), injection (`elasticflow inject`), processes (starting, reaping
+and restarting workers), generations (publishing the next one), hosts (the node agents of other hosts), the workers
+file (workers.json) and, with launcher.store=etcd, leadership (the lease, and the state a standby goes on from).
 
 Membership is a generation number plus the member list in rank order. At every change the agent
 publishes the next generation in the store and rewrites RUN_DIR/workers.json (workers_json.py);
@@ -47,6 +47,7 @@ from .admission import Admission
 from .generations import Generations
 from .health import Health
 from .hosts import Hosts
+from .inject import Injection
 from .process import Worker
 from .processes import Processes
 from .scaling import Scaling
@@ -102,6 +103,7 @@ class Agent:
         self.admission = Admission(state, self.hosts)
         self.health = Health(state, self.rdv, self.hosts, self.processes.lost)
         self.scaling = Scaling(state, self.processes.spawn)
+        self.injection = Injection(state)     # `elasticflow inject`: faults caused on purpose (drills)
 
     def state_dict(self) -> Dict[str, Any]:
         """What a standby needs to go on where this agent is (leadership.py): JSON only."""
@@ -219,6 +221,7 @@ class Agent:
                 if self.capacity is not None:
                     self.capacity.serve(state)
                 self.scaling.serve(self.capacity)
+                self.injection.serve()
                 if self.leader is not None:  # renew the lease; the state a standby would go on from
                     self.leader.tick(state.store, self.state_dict)
                 next_requests = now + REQUESTS_S

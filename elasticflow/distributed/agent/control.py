@@ -1,4 +1,4 @@
-"""`elasticflow scale`, and the devices `elasticflow status` shows: talk to a running job through its run
+"""`elasticflow scale` and `inject`, and the devices `elasticflow status` shows: talk to a running job through its run
 directory and its agent's store. (The status page itself is rendered above, in ``elasticflow.observability.status``.)"""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Dict, Iterable
 from ...errors import ElasticFlowError
 from .. import protocol
 from ..store import stores
-from . import scaling
+from . import inject as injection, scaling
 
 ASK_AGAIN_S = 3.0  # a scale request unanswered this long is written again (the agent answers within ~50 ms)
 
@@ -23,7 +23,7 @@ def _running_agent(run_dir: Path) -> dict:
     if not path.is_file():
         raise ElasticFlowError(f"no running agent in '{run_dir}' (the job has ended, or it runs one worker "
                                "in-process)", "start multi-worker jobs with launcher.workers=N or "
-                               "launcher.max_workers=N to be able to scale them")
+                               "launcher.max_workers=N to reach them with scale or inject")
     return json.loads(path.read_text())
 
 
@@ -65,6 +65,50 @@ def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
         raise ElasticFlowError(f"the agent refused to scale to {workers}: {reply['reason']}",
                                "choose a number within launcher.min_workers..launcher.max_workers")
     return _await_target(run_dir, workers, wait_s)
+
+
+def inject(run_dir: Path, action: str, rank: int, factor: float = 1.0, for_s: float = 0.0) -> str:
+    """Ask the job's agent to cause ``action`` (kill, hang, slow) on the member at ``rank`` (agent/inject.py);
+    returns the line to print, naming the worker and its pid; raises when the agent refuses or does not answer."""
+    agent = _running_agent(run_dir)
+    try:
+        token = protocol.read_token(run_dir)
+        store = stores.client(agent["address"], 10.0, token)
+    except OSError as exc:
+        raise ElasticFlowError(f"cannot read the job token in {run_dir}/.elasticflow/token ({exc.strerror})",
+                               "run `elasticflow inject` as the user who started the job") from exc
+    except Exception as exc:
+        raise ElasticFlowError(f"the agent at {agent['address']} does not answer ({exc})",
+                               "the job may have just ended; see `elasticflow status RUN_DIR`") from exc
+    nonce, at = secrets.token_hex(8), time.time()
+    factor, for_s = float(factor), float(for_s)
+    request = json.dumps({"action": action, "rank": rank, "factor": factor, "for_s": for_s, "nonce": nonce,
+                          "time": at, "mac": protocol.sign(token, injection.message(
+                              str(agent.get("job", "")), action, rank, factor, for_s, nonce, at))})
+    verdicts, deadline, reply, asked = protocol.Sealer(token), time.monotonic() + 30, None, 0.0
+    while reply is None:  # as scale's: again under a new number while unanswered; the nonce acts once
+        if time.monotonic() > deadline or not protocol.agent_file(run_dir).is_file():
+            raise ElasticFlowError(f"the agent at {agent['address']} did not answer the inject request",
+                                   f"the job may have ended, or the token is not this run's; see `elasticflow "
+                                   f"status {run_dir}`")
+        if time.monotonic() - asked > ASK_AGAIN_S:
+            store.set(f"{injection.REQUEST_PREFIX}/{protocol.draw(store, injection.COUNT_KEY, injection.COUNT_KEY)}",
+                      request)
+            asked = time.monotonic()
+        reply = protocol.fetch_json(store, verdicts, injection.reply_key(nonce), "inject reply")
+        time.sleep(0.02)
+    if not reply["ok"]:
+        raise ElasticFlowError(f"the agent refused to inject {action} at rank {rank}: {reply['reason']}",
+                               f"see the ranks in `elasticflow status {run_dir}`")
+    who = f"rank {rank} (worker {reply['worker_id']}, pid {reply['pid']} on {reply['host']})"
+    if action == "kill":
+        return f"killed {who} with SIGKILL: the others regroup without it"
+    if action == "hang":
+        return (f"stopped {who} with SIGSTOP: the job cuts it out as hung after elastic.heartbeat_timeout_s")
+    if factor <= 1.0:
+        return f"ended the slowdown of {who} (from its next step boundary)"
+    return (f"slowed {who} {factor:g}x{f' for {for_s:g}s' if for_s > 0 else ' until the run ends'}, from its "
+            "next step boundary (within a second)")
 
 
 def _await_target(run_dir: Path, workers: int, wait_s: float) -> str:

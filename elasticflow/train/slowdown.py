@@ -1,0 +1,70 @@
+"""A worker slowed on purpose by `elasticflow inject RUN --slow R --factor F` (distributed/agent/inject.py).
+
+At each step boundary the worker reads its ``worker/<id>/slow`` record (sealed by the agent) at most once a
+second, and while one is in force sleeps (F - 1) x the step it just took, so that it runs F times slower. The
+sleep is after the step's commit: every collective of the step is done, the peers wait for it in the next one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Optional
+
+from .._util.fileio import append_event
+from ..distributed import protocol
+from ..distributed.agent.inject import slow_key
+
+log = logging.getLogger("elasticflow")
+READ_S = 1.0  # how often the record is read: one store round trip a second per worker, nothing in between
+
+
+class Slowdown:
+    """``after_step(seconds)`` sleeps as the agent's record says. ``membership``: the worker's (None: one
+    worker in-process, never slowed)."""
+
+    def __init__(self, membership: Any):
+        self.m = membership
+        self.factor, self.until, self.nonce = 1.0, None, None
+        self.next_read = 0.0
+        self.slept, self.steps = 0.0, 0
+
+    def after_step(self, seconds: float, rank: int) -> None:
+        m = self.m
+        if m is None or getattr(m, "worker_id", None) is None:
+            return
+        now = time.monotonic()
+        if now >= self.next_read:
+            self.next_read = now + READ_S
+            self._read(seconds, rank)
+        if self.factor > 1.0 and self.until is not None and time.time() > self.until:
+            self._set(1.0, None, rank, seconds)
+        if self.factor > 1.0:
+            pause = seconds * (self.factor - 1.0)
+            self.slept, self.steps = self.slept + pause, self.steps + 1
+            time.sleep(pause)
+
+    def _read(self, seconds: float, rank: int) -> None:
+        try:
+            payload = protocol.fetch(self.m.store, self.m.sealer, slow_key(self.m.worker_id), "slowdown")
+            record = json.loads(payload) if payload is not None else None
+        except Exception:  # noqa: BLE001 - the agent is gone: the membership's own calls say so
+            return
+        if isinstance(record, dict) and record.get("nonce") != self.nonce:
+            self.nonce = record.get("nonce")
+            self._set(float(record.get("factor", 1.0)), record.get("until"), rank, seconds)
+
+    def _set(self, factor: float, until: Optional[float], rank: int, seconds: float) -> None:
+        if self.factor > 1.0:  # the slowdown in force ends
+            self._event("slowed_end", rank, factor=self.factor, steps=self.steps, slept_s=round(self.slept, 4))
+        self.factor, self.until, self.slept, self.steps = factor, until, 0.0, 0
+        if factor > 1.0:
+            log.warning("inject: worker %s (rank %d) slowed %gx%s", self.m.worker_id, rank, factor,
+                        f" for {until - time.time():.0f}s" if until else "")
+            self._event("slowed", rank, factor=factor, step_s=round(seconds, 6),
+                        sleep_s=round(seconds * (factor - 1.0), 6))
+
+    def _event(self, kind: str, rank: int, **fields: Any) -> None:
+        events = getattr(self.m, "events", None)
+        if events is not None:
+            append_event(events, kind, "worker", worker=self.m.worker_id, rank=rank, **fields)
