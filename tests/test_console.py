@@ -118,7 +118,7 @@ def test_a_stopped_worker_is_cut_out_while_nobody_reads_the_jobs_output(tmp_path
     os.close(w)
     got, victim = bytearray(), None
     try:
-        wait_for(lambda: queued_bytes(r) >= 4096 - 100, 120, "the pipe to fill")
+        wait_for(lambda: queued_bytes(r) >= 4096 - 100, 120, "the pipe to fill", proc=proc)  # fails at once if it exits
         assert logged_step(run) < steps
         victim = members(run)[1]
         os.kill(victim["pid"], signal.SIGSTOP)
