@@ -11,6 +11,7 @@ import signal
 import struct
 import termios
 import threading
+import time
 from pathlib import Path
 
 from harness import events, logged_step, members, reap, start, wait_for
@@ -77,7 +78,17 @@ def test_logging_returns_while_the_console_is_not_read_and_nothing_is_lost_below
 def test_a_full_queue_drops_lines_and_says_how_many():
     pipe = UnreadConsole("test-console-drops")
     console = DetachedConsole(pipe.logger, records=20)
-    for i in range(2000):
+    # Lines until the console thread is blocked on the full one-page pipe and its queue is full (a pause after each
+    # lets the thread run: logged all at once, a thread first scheduled late drains the queue into the pipe's room
+    # and lets the last lines in); from then on every line is dropped
+    i = 0
+    while not (console.queue.full() and queued_bytes(pipe.r) >= 4096 - 100):
+        assert i < 500, "the console never blocked on a one-page pipe"
+        pipe.logger.info("line %d %s", i, "y" * 80)
+        i += 1
+        time.sleep(0.001)
+    first_dropped = i
+    for i in range(first_dropped, 2000):
         pipe.logger.info("line %d %s", i, "y" * 80)
     pipe.start_reading()
     wait_for(console.queue.empty, 30, "the console to move again: its queue empties", every=0.01)
