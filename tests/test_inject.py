@@ -10,8 +10,8 @@ from harness import (STEPS, Limit, assert_equivalent, events, finish, members, m
 
 
 def test_slow_then_kill_through_inject_ends_on_the_one_worker_model(tmp_path, reference):
-    """One 3-worker run: a rank that does not exist is refused; --slow makes rank 1 sleep twice its step time after
-    each step (its event says so); --kill 1 SIGKILLs it and the two survivors end on the 1-worker model."""
+    """One 3-worker run: a rank that does not exist is refused; --slow makes rank 1 sleep twice its compute time
+    in each step (its event says so); --kill 1 SIGKILLs it and the two survivors end on the 1-worker model."""
     run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
     proc = start(run, "launcher.workers=3", env={"EF_PROBE_LIMIT": str(limit.path)})
     try:
@@ -30,7 +30,7 @@ def test_slow_then_kill_through_inject_ends_on_the_one_worker_model(tmp_path, re
         limit.allow(20)
         slowed = wait_for(lambda: events(run, "slowed"), 60, "the slowed worker's event", proc=proc)[0]
         assert (slowed["worker"], slowed["rank"], slowed["factor"]) == (victim["worker_id"], 1, 3.0)
-        assert slowed["step_s"] > 0 and slowed["sleep_s"] == pytest.approx(2 * slowed["step_s"], rel=1e-3)
+        assert slowed["compute_s"] > 0 and slowed["sleep_s"] == pytest.approx(2 * slowed["compute_s"], rel=1e-3)
 
         wait_for(lambda: len(limit.held()) == 3, 120, "3 workers waiting at step 21", proc=proc)
         said = run_cli(["inject", run, "--kill", 1], check=True).stdout

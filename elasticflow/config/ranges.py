@@ -165,6 +165,9 @@ RANGES: Dict[str, Span] = {
     "elastic.wait_s": _real(0, "pass e.g. elastic.wait_s=60 (seconds), or 0 to stop at once", high=MAX_SECONDS),
     "elastic.shard_replicas": _int(0, 1, "pass elastic.shard_replicas=1 (a buddy copy of every slice) or 0 (none)",
                                    kind="0 or 1"),
+    "elastic.straggler_factor": _real(1, "pass e.g. elastic.straggler_factor=2 (times the median member's time)",
+                                      high=MAX_COUNT, open_low=True),
+    "elastic.straggler_patience": _int(1, MAX_COUNT, "pass e.g. elastic.straggler_patience=20 (steps in a row)"),
     "data.prefetch": _int(0, MAX_PREFETCH, "pass e.g. data.prefetch=2 (micro-batches read ahead), or 0 to read on "
                                            "demand"),
     "data.workers": _int(1, MAX_PER_HOST, "pass e.g. data.workers=2 (readers beyond the host's cores only "

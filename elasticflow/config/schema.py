@@ -190,6 +190,13 @@ class ElasticConfig:
     # trainer.shard: every slice of the optimizer state is also held by the next rank (1), so a dead
     # worker's slice is restored from memory; 0: no copy (a lost slice falls back to the checkpoint)
     shard_replicas: int = 1
+    # A worker slower than its peers (docs/elastic-training.md#stragglers): rebalance deals whole micro-batches
+    # (trainer.micro_batch_size) in proportion to each member's measured speed, the same model either way;
+    # evict also cuts out a worker straggler_factor x slower than the members' median for straggler_patience
+    # steps in a row (a replacement starts where launcher.restart_failed); off deals equal shares
+    straggler: str = "rebalance"   # rebalance | evict | off
+    straggler_factor: float = 2.0  # this many times the median member's time per micro-batch is a straggler
+    straggler_patience: int = 20   # steps in a row past the factor before the straggler event (and an eviction)
 
 
 @dataclass
@@ -258,6 +265,7 @@ BACKENDS = ("torch", "tensorflow")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "step")
 WORKER_TYPES = ("thread", "process")
+STRAGGLER_ACTIONS = ("rebalance", "evict", "off")
 SHARD_STAGES = ("none", "optimizer", "gradients", "parameters")
 LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # observability/trackers.py
 
@@ -368,6 +376,8 @@ def validate(cfg: Any) -> None:
             f"elastic.timeout_s={el.timeout_s:g}",
             "the agent must cut a hung worker out before its peers' collectives time out, e.g. "
             "elastic.heartbeat_timeout_s=10 elastic.timeout_s=30")
+    _choice(el.straggler, STRAGGLER_ACTIONS, "elastic.straggler",
+            "pass elastic.straggler=rebalance (shares by speed), evict (also cut a straggler out) or off")
     _choice(cfg.data.worker_type, WORKER_TYPES, "data.worker_type",
             "pass data.worker_type=process for CPU-heavy decoding in Python, else thread")
     iv = cfg.checkpoint.interval

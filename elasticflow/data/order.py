@@ -5,6 +5,7 @@ whatever the number of workers, so every sample of every epoch is used exactly o
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
@@ -227,6 +228,35 @@ def micro_batches(start: int, end: int, micro_batch_size: int | None) -> List[Tu
     return [(lo, min(lo + size, end)) for lo in range(start, end, size)]
 
 
+def split_by_cost(total: int, costs: Sequence[float]) -> List[int]:
+    """Counts of ``total`` units for members whose unit takes ``costs[i]`` seconds, so that the slowest member's
+    part (count x cost) is as short as it can be: each member one unit first (it keeps being measured), then
+    each next unit to the member that would finish it soonest, ties to the lower rank. Equal costs give
+    ``split_evenly``. A deterministic function of its arguments: every member computes the same counts.
+
+    >>> split_by_cost(8, [1.0, 1.0, 4.0])
+    [4, 3, 1]
+    """
+    return list(_split_by_cost(total, tuple(costs)))
+
+
+@functools.lru_cache(maxsize=64)  # the costs change only when the shares do: one computation per batch size
+def _split_by_cost(total: int, costs: Tuple[float, ...]) -> Tuple[int, ...]:
+    world = len(costs)
+    if total < world:
+        return tuple(1 if i < total else 0 for i in range(world))
+    # Most units in proportion to speed at once (each member's part no longer than the best finish), then the
+    # rest (fewer than the members) one at a time: the same counts as dealing every unit so, in O(world^2)
+    speed = [1.0 / max(c, 1e-12) for c in costs]
+    counts = [max(1, int((total - world) * v / sum(speed))) for v in speed]
+    if sum(counts) > total:
+        counts = [1] * world
+    for _ in range(total - sum(counts)):
+        i = min(range(world), key=lambda r: ((counts[r] + 1) * costs[r], r))
+        counts[i] += 1
+    return tuple(counts)
+
+
 @dataclass
 class Share:
     """This worker's part of a global batch: micro-batches ``micro`` (position ranges), which are
@@ -236,7 +266,8 @@ class Share:
     total: int
 
 
-def deal(batch_positions: Tuple[int, int], rank: int, world: int, micro_batch_size: Optional[int]) -> Share:
+def deal(batch_positions: Tuple[int, int], rank: int, world: int, micro_batch_size: Optional[int],
+         costs: Optional[Sequence[float]] = None) -> Share:
     """Cut a global batch into micro-batches and give this rank its contiguous run of them.
 
     With ``micro_batch_size`` the global batch is cut in global order into micro-batches of that size
@@ -245,14 +276,20 @@ def deal(batch_positions: Tuple[int, int], rank: int, world: int, micro_batch_si
     mask drawn for it), is the same for any number of workers. Without it each worker's share of the
     samples is one micro-batch, so such quantities depend on the number of workers.
 
+    ``costs`` (seconds per micro-batch of each rank, train/balance.py) deals the micro-batches by speed instead
+    (``split_by_cost``): the same micro-batches in the same order, only who computes which moves, so the step's
+    sum is the same. Only with ``micro_batch_size``: a share of samples would change what a micro-batch is.
+
     >>> deal((0, 64), rank=1, world=3, micro_batch_size=10)
     Share(micro=[(30, 40), (40, 50)], first=3, total=7)
+    >>> deal((0, 64), rank=0, world=3, micro_batch_size=10, costs=[1.0, 1.0, 4.0]).micro
+    [(0, 10), (10, 20), (20, 30)]
     """
     start, end = batch_positions
     if not micro_batch_size:
         return Share(micro_batches(*worker_share(batch_positions, rank, world), None), rank, min(world, end - start))
     cut = micro_batches(start, end, micro_batch_size)
-    counts = split_evenly(len(cut), world)
+    counts = split_evenly(len(cut), world) if costs is None else split_by_cost(len(cut), costs)
     first = sum(counts[:rank])
     return Share(cut[first:first + counts[rank]], first, len(cut))
 
@@ -356,10 +393,10 @@ class Schedule:
             yield GlobalBatch(epoch, start, min(start + self.global_batch, self.epoch_samples))
 
     def ahead(self, batch: GlobalBatch, share: Share, depth: int, step: int, rank: int, world: int,
-              micro_batch_size: Optional[int]) -> List[Tuple[int, int, int]]:
+              micro_batch_size: Optional[int], costs: Optional[Sequence[float]] = None) -> List[Tuple[int, int, int]]:
         """The prefetcher's keys (epoch, start, end): this worker's micro-batches of ``batch`` (``share``),
         then of the global batches after it until ``depth`` more are named; empty for ``depth`` 0 (arrays
-        held in memory). ``step``: the optimizer steps done before ``batch``.
+        held in memory). ``step``: the optimizer steps done before ``batch``; ``costs``: ``deal``'s, as they stand.
 
         Note: with one micro-batch per step, naming only the next global batch (as this once did) kept
         one batch read ahead whatever ``data.prefetch`` said, and with two loaders one idled while the
@@ -377,7 +414,7 @@ class Schedule:
             if start >= self.epoch_samples:  # the next global batch opens the next epoch
                 epoch, start = epoch + 1, 0
             stop = min(start + self.global_batch, self.epoch_samples)
-            keys += [(epoch, a, b) for a, b in deal((start, stop), rank, world, micro_batch_size).micro]
+            keys += [(epoch, a, b) for a, b in deal((start, stop), rank, world, micro_batch_size, costs).micro]
             start = stop
         return keys
 

@@ -57,6 +57,7 @@ EXIT_AGENT_LOST = 4     # the agent (job master) vanished: checkpoint written wh
 EXIT_REMOVED = 5        # the agent retired this worker (scale-down): a clean exit
 EXIT_REFUSED = 6        # the agent refused this worker's join (wrong or missing token)
 EXIT_CUT_OUT = 7        # the agent cut this worker out (silent: hung, or its host cut off); a fresh one may rejoin
+EXIT_STRAGGLER = 8      # the members evicted this worker as a straggler (elastic.straggler=evict); a fresh one may join
 
 
 class CommError(RuntimeError):

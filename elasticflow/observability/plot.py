@@ -26,11 +26,11 @@ from .._util.untrusted import number, unix_time
 # The events marked on the time panels, and their colours; others are not drawn.
 MARKED = {"left": "tab:red", "hung": "tab:purple", "joined": "tab:green", "recovered": "tab:orange",
           "regrouped": "tab:olive", "retired": "tab:brown", "restart": "tab:pink", "preempt": "tab:cyan",
-          "superseded": "tab:gray", "scale": "tab:blue"}
+          "superseded": "tab:gray", "scale": "tab:blue", "straggler": "gold"}
 # The moments marked on the loss panel (by step): what a reader of the loss curve asks "what happened here?" of.
 ON_LOSS = {"best": ("gold", "-.", "best checkpoint"), "stopped_early": ("black", "-", "early stop"),
            "left": ("tab:red", "--", "worker lost"), "hung": ("tab:purple", "--", "worker hung"),
-           "joined": ("tab:green", "--", "worker joined")}
+           "joined": ("tab:green", "--", "worker joined"), "straggler": ("goldenrod", ":", "straggler")}
 # Events that say the world size they leave behind.
 SIZED = ("ready", "joined", "recovered", "regrouped")
 SMOOTH = 9  # the smoothed throughput's narrowest window, in logged steps (a 25th of them where that is more)
@@ -108,6 +108,7 @@ def _loss(ax, steps: List[dict], records: List[dict], events: List[dict], best, 
         step = e["step"] if type(e.get("step")) is int else numbers[max(bisect.bisect_right(times, e["time"]) - 1, 0)]
         worker = f" {e['worker']}" if type(e.get("worker")) is int else ""
         text = {"left": f"worker{worker} lost", "hung": f"worker{worker} hung", "joined": f"worker{worker} joined",
+                "straggler": f"worker{worker} straggler",
                 "stopped_early": f"early stop: step {step}"}[kind]
         marks.append((kind, step, text))
     labelled = set()

@@ -106,6 +106,24 @@ def _recent_events(run_dir: Path, events: int) -> Tuple[List[dict], int]:
     return membership[-events:], records.skipped
 
 
+def _stragglers(run_dir: Path) -> List[str]:
+    """The shares by speed in force and the stragglers reported since the members last changed
+    (train/balance.py's ``rebalanced`` and ``straggler`` events)."""
+    found: List[str] = []
+    for e in read_jsonl(run_dir / "events.jsonl", timed=True):
+        kind = e.get("event")
+        if kind in ("ready", "recovered", "regrouped", "joined"):
+            found = []  # new members: equal shares again
+        elif kind == "rebalanced" and isinstance(e.get("shares"), list):
+            found = [x for x in found if not x.startswith("shares")]
+            found.append(f"shares by speed since step {e.get('step')}: "
+                         + "+".join(str(n) for n in e["shares"]) + " micro-batches by rank")
+        elif kind == "straggler":
+            found.append(f"straggler: worker {e.get('worker')} (rank {e.get('rank')}) {e.get('slowdown')}x the "
+                         f"others' time per micro-batch, from step {e.get('step')} ({e.get('action')})")
+    return found
+
+
 def status_record(run_dir: Path, events: int = 8) -> dict:
     """What `status --json` prints: running, workers.json, the newest step, recent events, the goodput ledger."""
     from . import goodput
@@ -116,7 +134,7 @@ def status_record(run_dir: Path, events: int = 8) -> dict:
             "workers": json.loads(workers.read_text()) if workers.is_file() else None,
             "last_step": _last_step(run_dir) or None, "total_steps": _total_steps(run_dir),
             "optimizer": _optimizer(run_dir) or None,
-            "recent_events": _recent_events(run_dir, events)[0],
+            "recent_events": _recent_events(run_dir, events)[0], "stragglers": _stragglers(run_dir),
             "goodput": goodput.load(run_dir)}
 
 
@@ -159,6 +177,7 @@ def status(run_dir: Path, events: int = 8) -> str:
         schedule = o.get("schedule_detail", o.get("schedule"))
         lines.append(f"optimizer {o.get('name')}  lr {o.get('lr')}  schedule {schedule}  (from the "
                      f"{o.get('source', 'config')})")
+    lines.extend(_stragglers(run_dir))
     recent, skipped = _recent_events(run_dir, events)
     if recent:
         lines.append("recent events:")

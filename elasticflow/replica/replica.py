@@ -105,6 +105,16 @@ class Replica:
         """How many members consume data (``data_rank``)."""
         return self.world if self.shards is None or not self.shards.serves() else len(self.shards.layout.trainers)
 
+    @property
+    def data_workers(self) -> List[Optional[int]]:
+        """The worker id of each ``data_rank`` (None: one worker in-process)."""
+        if self.membership is None:
+            return [None]
+        members = self.membership.members
+        if self.shards is None or not self.shards.serves():
+            return list(members)
+        return [members[r] for r in self.shards.layout.trainers]
+
     def sharding(self) -> Any:
         """How a checkpoint splits the sharded tensors (``checkpoint.format.Sharded``); None: replicated."""
         return None if self.shards is None else self.shards.sharding()

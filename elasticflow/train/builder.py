@@ -16,6 +16,7 @@ import numpy as np
 from ..data import order as data
 from ..config import devices, optim, reproducible, topology
 from . import model_file, ops, randomness, local_sgd
+from .balance import Balance
 from ..backends.buffers import Reconciler
 from .._util import affinity
 from .._util.context import _context
@@ -46,6 +47,7 @@ class Parts:
     prefetch: Prefetcher
     schedule: data.Schedule
     eval_dataset: Optional[data.Dataset]
+    balance: Any = None             # balance.Balance: the members' speeds and the shares dealt by them
     threads: str = ""               # the banner's words for the intra-op threads and where their number came from
 
 
@@ -106,6 +108,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
                  shards=shards, outer=outer, source=source,
                  prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type, d.shuffle),
                  schedule=data.Schedule(len(source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs),
+                 balance=Balance(cfg.elastic, t.micro_batch_size, t.global_batch_size, cfg.launcher.min_workers),
                  eval_dataset=data.Dataset(mf.call("eval_data", cfg), "eval_data()", mf.collate, mf.field_names())
                  if mf.eval_data else None,
                  threads=f"{threads} intra-op thread{'s' if threads != 1 else ''} per worker ("

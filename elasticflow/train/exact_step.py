@@ -20,14 +20,17 @@ class ExactStep:
         replica: the ``Replica`` (its ``exact_sum`` lays the sums out, its ``start_exact`` reduces them).
         engine: the backend Engine. metric_names: forward()'s metrics, in the order they are reduced.
         params: how many parameters (each sends a flag: whether a micro-batch's backward reached it).
-        reconciler: the buffers' ``Reconciler`` (begun for this step), or None.
+        reconciler: the buffers' ``Reconciler`` (begun for this step), or None. members: the members that
+        consume data (each sends its speed in its slot: train/balance.py).
     """
 
-    def __init__(self, replica: Any, engine: Any, metric_names: List[str], params: int, reconciler: Any):
+    def __init__(self, replica: Any, engine: Any, metric_names: List[str], params: int, reconciler: Any,
+                 members: int):
         self.replica, self.engine, self.metric_names, self.reconciler = replica, engine, metric_names, reconciler
         self.scalars = 1 + len(metric_names)  # the loss, then the metrics
         self.head = replica.exact_head()  # the gradient's sums (none with stage 3: its owners took them in backward)
-        self.sums = replica.exact_sum(self.scalars + params, reconciler.size if reconciler else 0)
+        self.members = members
+        self.sums = replica.exact_sum(self.scalars + params + members, reconciler.size if reconciler else 0)
         self.took = np.zeros(params, bool)  # a parameter some micro-batch's backward reached (zero_grad clears it)
         self.rows: List[List[float]] = []    # each micro-batch's loss and metrics ...
         self.parts: List[np.ndarray] = []    # ... and buffer contribution: added in one call each, at start()
@@ -45,14 +48,15 @@ class ExactStep:
             self.parts.append(rec.contribution(engine.buffer_arrays(), index, 1, total, index, total))
             engine.set_buffers(rec.start_values())
 
-    def start(self, interrupt: bool) -> Any:
-        """The step's reduction (``Replica.start_exact``): the scalars and the parameters' flags, as
-        ``Replica.start_reduce`` returns them."""
+    def start(self, interrupt: bool, speeds: np.ndarray) -> Any:
+        """The step's reduction (``Replica.start_exact``): the scalars, the parameters' flags and the members'
+        ``speeds``, as ``Replica.start_reduce`` returns them."""
         sums, head = self.sums, self.head
         sums.flush()
         sums.add_rows(np.asarray(self.rows, np.float64).reshape(-1, self.scalars), at=head)
         sums.add(self.took.astype(float), at=head + self.scalars)
+        sums.add(np.asarray(speeds, np.float64), at=head + self.scalars + len(self.took))
         if self.parts:
             sums.add_rows(np.stack(self.parts), at=sums.n - self.reconciler.size)
-        return self.replica.start_exact(self.sums, self.scalars + len(self.took), interrupt,
+        return self.replica.start_exact(self.sums, self.scalars + len(self.took) + self.members, interrupt,
                                         self.reconciler is not None)

@@ -1,8 +1,10 @@
 """A worker slowed on purpose by `elasticflow inject RUN --slow R --factor F` (distributed/agent/inject.py).
 
-At each step boundary the worker reads its ``worker/<id>/slow`` record (sealed by the agent) at most once a
-second, and while one is in force sleeps (F - 1) x the step it just took, so that it runs F times slower. The
-sleep is after the step's commit: every collective of the step is done, the peers wait for it in the next one.
+Each step the worker reads its ``worker/<id>/slow`` record (sealed by the agent) at most once a second, and while
+one is in force sleeps (F - 1) x the time its micro-batches just took, so that it computes F times slower, as a
+slow device would: the sleep is before the step's reduction, counted in the time per micro-batch the members
+measure (train/balance.py: a rebalance deals it fewer micro-batches, ``evict`` cuts it out), and its peers wait for
+it in the reduction.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ READ_S = 1.0  # how often the record is read: one store round trip a second per 
 
 
 class Slowdown:
-    """``after_step(seconds)`` sleeps as the agent's record says. ``membership``: the worker's (None: one
+    """``compute(seconds)`` sleeps as the agent's record says. ``membership``: the worker's (None: one
     worker in-process, never slowed)."""
 
     def __init__(self, membership: Any):
@@ -29,7 +31,8 @@ class Slowdown:
         self.next_read = 0.0
         self.slept, self.steps = 0.0, 0
 
-    def after_step(self, seconds: float, rank: int) -> None:
+    def compute(self, seconds: float, rank: int) -> None:
+        """The micro-batches of this step took ``seconds``: sleep to make them F times as long, if asked."""
         m = self.m
         if m is None or getattr(m, "worker_id", None) is None:
             return
@@ -61,7 +64,7 @@ class Slowdown:
         if factor > 1.0:
             log.warning("inject: worker %s (rank %d) slowed %gx%s", self.m.worker_id, rank, factor,
                         f" for {until - time.time():.0f}s" if until else "")
-            self._event("slowed", rank, factor=factor, step_s=round(seconds, 6),
+            self._event("slowed", rank, factor=factor, compute_s=round(seconds, 6),
                         sleep_s=round(seconds * (factor - 1.0), 6))
 
     def _event(self, kind: str, rank: int, **fields: Any) -> None:

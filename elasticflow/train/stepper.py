@@ -21,6 +21,7 @@ from .slowdown import Slowdown
 from ..config import optim
 from .._util.context import _context
 from ..data.order import GlobalBatch
+from ..distributed import protocol
 from ..errors import ElasticFlowError
 from ..replica.replica import Agreed
 
@@ -49,7 +50,9 @@ class Stepper:
         # float16: backward on the weighted loss times a power of two that brings it near a share's size
         self.weight_scale = loss_scale.weight_scale(weight_per_sample, t.global_batch_size) if (
             self.weighted and parts.placement.loss_scaling) else 1.0
-        self.slowdown = Slowdown(replica.membership)  # `elasticflow inject --slow`: sleeps after a step, if asked
+        self.slowdown = Slowdown(replica.membership)  # `elasticflow inject --slow`: sleeps in a step, if asked
+        self.balance = parts.balance  # the members' speeds, and the micro-batches dealt by them (balance.py)
+        self.balance.run_log = step_log.run_log
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record.
@@ -61,21 +64,26 @@ class Stepper:
         scale; commit; all-gather the parameters (sharded state). A ``CommError`` leaves before the commit.
         """
         s, p, replica = self.state, self.p, self.replica
-        started = time.perf_counter()
         _context.step, _context.epoch = s.step + 1, batch.epoch
-        share, rank, world = self._deal(batch)
+        share, rank, world, costs = self._deal(batch)
         reconciler, exact = self._begin(share)
-        loss_sum, metric_sums = self._accumulate(batch, share, rank, world, exact)
+        computed = time.perf_counter()
+        loss_sum, metric_sums = self._accumulate(batch, share, rank, world, exact, costs)
+        self.slowdown.compute(time.perf_counter() - computed, replica.rank)  # as a slow device would, if asked
+        # This member's seconds per micro-batch, in its slot of the step's sums: every member reads them all
+        speeds = np.zeros(world)
+        if share.micro and rank >= 0:
+            speeds[rank] = (time.perf_counter() - computed) / len(share.micro)
 
         self.reduce_started = time.perf_counter()
         if exact is not None:
-            reduction = exact.start(self.stop_requested())
+            reduction = exact.start(self.stop_requested(), speeds)
         else:
-            reduction = self._start_reduce(loss_sum, metric_sums, share, reconciler, rank, world)
+            reduction = self._start_reduce(loss_sum, metric_sums, share, reconciler, rank, world, speeds)
         self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
         scalars, agreed, buffers = replica.finish_reduce(reduction)
-        k = 1 + len(self.metric_names)
-        scalars, took_part = scalars[:k], np.asarray(scalars[k:]) > 0
+        k, n = 1 + len(self.metric_names), len(self.names)
+        scalars, took_part, speeds = scalars[:k], np.asarray(scalars[k:k + n]) > 0, scalars[k + n:]
         if buffers is not None:
             p.engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
@@ -98,18 +106,20 @@ class Stepper:
             # After the commit: a member failing here leaves the step applied to every range held, and
             # the recovery rebuilds the parameters from them.
             replica.gather()
-        self.slowdown.after_step(time.perf_counter() - started, replica.rank)
+        self._balance(speeds, rank)
         return record
 
     # ------------------------------------------------------------------ the phases of an attempt, in order
-    def _deal(self, batch: GlobalBatch) -> Tuple[data.Share, int, int]:
+    def _deal(self, batch: GlobalBatch) -> Tuple[data.Share, int, int, Optional[List[float]]]:
         """This member's share of ``batch``, its place among the members that consume data and how many do (parameter
-        servers: over the trainers alone; an aggregator, place -1, is dealt no micro-batch)."""
+        servers: over the trainers alone; an aggregator, place -1, is dealt no micro-batch), and the costs the
+        micro-batches are dealt by (balance.py; None: equal shares)."""
         rank, world = self.replica.data_rank, self.replica.data_world
-        share = data.deal((batch.start, batch.end), rank or 0, world, self.t.micro_batch_size)
+        costs = self.balance.costs_for(self.replica.generation, world)
+        share = data.deal((batch.start, batch.end), rank or 0, world, self.t.micro_batch_size, costs)
         if rank is None:  # an aggregator consumes no data: no micro-batch, and its buffers contribute nothing
             share, rank = data.Share([], share.total, share.total), -1
-        return share, rank, world
+        return share, rank, world, costs
 
     def _begin(self, share: data.Share) -> Tuple[Any, Optional[ExactStep]]:
         """Begin the step: the buffers' reconciler (None where not needed) and trainer.reproducible's exact sums
@@ -121,7 +131,8 @@ class Stepper:
             reconciler.begin(engine.buffer_arrays(), share.total)  # a worker without micro-batches finishes too
         exact = None
         if t.reproducible:  # the step's exact sums, added micro-batch by micro-batch (exact_step.py)
-            exact = ExactStep(self.replica, engine, self.metric_names, len(self.names), reconciler)
+            exact = ExactStep(self.replica, engine, self.metric_names, len(self.names), reconciler,
+                              self.replica.data_world)
         engine.train_mode(True)
         engine.zero_grad()
         if p.placement.loss_scaling:
@@ -130,8 +141,8 @@ class Stepper:
             p.shards.units.begin_step()
         return reconciler, exact
 
-    def _accumulate(self, batch: GlobalBatch, share: data.Share, rank: int, world: int,
-                    exact: Optional[ExactStep]) -> Tuple[Any, Dict[str, Any]]:
+    def _accumulate(self, batch: GlobalBatch, share: data.Share, rank: int, world: int, exact: Optional[ExactStep],
+                    costs: Optional[List[float]]) -> Tuple[Any, Dict[str, Any]]:
         """Forward and backward of this member's micro-batches, the gradient accumulated in the engine; returns the
         summed weighted loss and metrics (None, {}: no micro-batch, or trainer.reproducible's exact sums took them).
         ``micro_step`` counts each micro-batch."""
@@ -139,7 +150,7 @@ class Stepper:
         loss_sum, metric_sums = None, {}
         units = None if p.shards is None else p.shards.units
         keys = p.schedule.ahead(batch, share, p.prefetch.depth if rank >= 0 else 0, s.step, rank, world,
-                                t.micro_batch_size)
+                                t.micro_batch_size, costs)
         for i, (a, b) in enumerate(share.micro):
             # Dropout draws from a generator seeded by the micro-batch's place in the global order only.
             engine.seed(data.micro_seed(p.seed, batch.epoch, batch.start, share.first + i))
@@ -165,14 +176,14 @@ class Stepper:
                     metric_sums[k] = metric_sums.get(k, 0.0) + v
             s.micro_step += 1
         if units is not None:  # the fetches of the micro-batches a peer was dealt beyond this member's
-            units.replay(max(len(data.deal((batch.start, batch.end), r, world, t.micro_batch_size).micro)
+            units.replay(max(len(data.deal((batch.start, batch.end), r, world, t.micro_batch_size, costs).micro)
                              for r in range(world)) - len(share.micro))
         return loss_sum, metric_sums
 
     def _start_reduce(self, loss_sum: Any, metric_sums: Dict[str, Any], share: data.Share, reconciler: Any,
-                      rank: int, world: int) -> Any:
-        """Start the step's reduction (``Replica.start_reduce``): the loss, the metrics, the parameters' flags,
-        this member's vote to stop and its buffers' contribution, with the gradient."""
+                      rank: int, world: int, speeds: np.ndarray) -> Any:
+        """Start the step's reduction (``Replica.start_reduce``): the loss, the metrics, the parameters' flags, the
+        members' speeds, this member's vote to stop and its buffers' contribution, with the gradient."""
         engine = self.p.engine
         loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
         # float(): a sync point on accelerators; the non-finite check needs it anyway.
@@ -180,6 +191,7 @@ class Stepper:
         # Summed: > 0 where some member's backward reached the parameter (none from a member without
         # micro-batches).
         scalars += engine.took_part().astype(float).tolist() if share.micro else [0.0] * len(self.names)
+        scalars += speeds.tolist()
         contribution = None if reconciler is None else reconciler.contribution(
             engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
         return self.replica.start_reduce(scalars, self.stop_requested(), contribution)
@@ -226,6 +238,16 @@ class Stepper:
         if verdict.grad_norm is not None:
             record["grad_norm"] = verdict.grad_norm
         s.last_metrics = record
+
+    def _balance(self, speeds: List[float], rank: int) -> None:
+        """After the commit: the members' agreed speeds into the estimate (balance.py); the member the members
+        agreed to evict as a straggler leaves here (``elastic.straggler=evict``), its step committed and logged."""
+        evict = self.balance.observe(speeds, self.state.step, self.replica.rank, self.replica.data_workers)
+        if evict is not None and evict == rank:
+            self.step_log.flush()
+            raise ElasticFlowError(f"evicted as a straggler after step {self.state.step} (elastic.straggler=evict)",
+                                   "the others go on without it; launcher.restart_failed=true starts a replacement",
+                                   exit_code=protocol.EXIT_STRAGGLER)
 
     def _update(self, update: grad_check.Update, lr: float, batch: GlobalBatch, record: Dict[str, Any],
                 took_part: np.ndarray) -> None:

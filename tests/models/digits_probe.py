@@ -13,6 +13,8 @@ Environment (read by every worker):
     EF_PROBE_PAUSE   "step:seconds": every worker sleeps that long in forward at that step (generation 0),
                      a window for a test to kill a pid from workers.json.
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
+    EF_PROBE_SPIN    seconds of CPU time every micro-batch's forward burns (compute a SIGSTOPped worker does not
+                     make: a worker duty-cycled from outside is slower by as much, tests/test_straggler.py).
     EF_PROBE_PACE    a file path: with it set, EF_PROBE_SLEEP applies only while that file exists (a soak
                      paces the job while it injects faults, then lets it run to the end at full speed).
     EF_PROBE_HOLD    a file path: forward blocks while that file exists (a test holds training still
@@ -54,6 +56,7 @@ WORKER = int(os.environ.get(ENV_WORKER_ID, "0"))
 KILLS = [tuple(k.split(":")) for k in os.environ.get("EF_PROBE_KILL", "").split(",") if k]
 PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.environ.get("EF_PROBE_PAUSE") else None
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
+SPIN = float(os.environ.get("EF_PROBE_SPIN", "0"))
 PACE = os.environ.get("EF_PROBE_PACE")
 HOLD = os.environ.get("EF_PROBE_HOLD")
 LIMIT = os.environ.get("EF_PROBE_LIMIT")
@@ -198,6 +201,10 @@ def forward(x, y, params):
         _params_seen.add((ctx.step, ctx.generation))
         _record_params(ctx, params)
     _inject(ctx)
+    if SPIN:  # CPU time, not wall time: a stopped process makes none
+        until = time.thread_time() + SPIN
+        while time.thread_time() < until:
+            pass
     return digits_mlp.forward(x, y, params)
 
 

@@ -8,7 +8,8 @@ client side. The agent acts on the member at that rank in the published generati
 - ``hang``: SIGSTOP: the process stays, its heartbeat stops, and the health round cuts it out as a hung worker
   after ``elastic.heartbeat_timeout_s`` (health.py SIGKILLs it).
 - ``slow``: a sealed record ``worker/<id>/slow`` ({factor, until, nonce}) that the worker reads at its step
-  boundaries (train/slowdown.py) and sleeps (factor - 1) x its step time after each step. ``factor`` 1 ends it.
+  boundaries (train/slowdown.py) and sleeps (factor - 1) x its micro-batches' time in each step, as a slow
+  device would (train/balance.py measures it). ``factor`` 1 ends it.
 """
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ class Processes:
                 return w, rc
             else:
                 state.roster.drop(w)
-                self.lost(w, f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+                self.lost(w, f"signal {signal.Signals(-rc).name}" if rc < 0 else
+                          "evicted: a straggler" if rc == protocol.EXIT_STRAGGLER else f"exit code {rc}")
         for w in list(state.joining.values()) + list(state.admitted):
             rc = w.poll()
             if rc is None:
