@@ -12,7 +12,7 @@ from .launchers.exits import debug_requested, fail, print_done, report
 
 USAGE = """usage: elasticflow train MODEL.py [hydra overrides...] [--cfg job] [-m] [--debug]
        elasticflow scale RUN_DIR --workers N
-       elasticflow inject RUN_DIR --kill R | --hang R | --slow R --factor F [--for S]
+       elasticflow inject RUN_DIR --kill R | --hang R | --slow R --factor F [--for S] | --bitflip R [--bit B]
        elasticflow status RUN_DIR [--json]
        elasticflow plot RUN_DIR [-o FILE.png]
        elasticflow sync RUN_DIR
@@ -225,9 +225,6 @@ def inject_command(args: List[str]) -> None:
 
     from .distributed.agent.control import inject
 
-    if "--bitflip" in args:
-        fail("inject --bitflip is not built yet: replicas' fingerprints (the check that would catch the flip) come "
-             "first (issue 66)", "rehearse with --kill R, --hang R or --slow R --factor F")
     parser = argparse.ArgumentParser(prog="elasticflow inject", description="cause a fault in a running job, to "
                                      "rehearse its recovery (docs/elastic-training.md)")
     parser.add_argument("run_dir", type=Path)
@@ -236,11 +233,15 @@ def inject_command(args: List[str]) -> None:
     what.add_argument("--hang", type=int, metavar="RANK", help="SIGSTOP it: cut out as hung after the heartbeat "
                       "timeout")
     what.add_argument("--slow", type=int, metavar="RANK", help="make it F times slower (--factor; 1 ends it)")
+    what.add_argument("--bitflip", type=int, metavar="RANK", help="flip one bit of a parameter in that rank's "
+                      "replica (--bit, --tensor): the members' fingerprints catch it (elastic.fingerprint)")
+    parser.add_argument("--bit", type=int, help="with --bitflip: which bit of the float32, 0-31 (default 22)")
+    parser.add_argument("--tensor", default="", help="with --bitflip: the parameter's name (default: the first)")
     parser.add_argument("--factor", type=float, help="with --slow: how many times slower (> 1; 1 ends a slowdown)")
     parser.add_argument("--for", dest="for_s", type=float, default=0.0, help="with --slow: for S seconds (default: "
                         "until the run ends)")
     ns = parser.parse_args(args)
-    action = next(a for a in ("kill", "hang", "slow") if getattr(ns, a) is not None)
+    action = next(a for a in ("kill", "hang", "slow", "bitflip") if getattr(ns, a) is not None)
     rank = getattr(ns, action)
     if rank < 0:
         fail(f"a rank is 0 or more, got {rank}", f"see the ranks in `elasticflow status {ns.run_dir}`")
@@ -250,7 +251,13 @@ def inject_command(args: List[str]) -> None:
         fail(f"--factor and --for go with --slow, not --{action}", f"e.g. elasticflow inject RUN --{action} {rank}")
     if ns.for_s < 0:
         fail(f"--for is seconds, 0 or more, got {ns.for_s:g}", "leave it out to slow the worker until the run ends")
-    print(inject(ns.run_dir, action, rank, ns.factor or 1.0, ns.for_s))
+    if action != "bitflip" and (ns.bit is not None or ns.tensor):
+        fail(f"--bit and --tensor go with --bitflip, not --{action}", f"e.g. elasticflow inject RUN --{action} {rank}")
+    bit = 22 if ns.bit is None else ns.bit
+    if action == "bitflip" and not 0 <= bit <= 31:
+        fail(f"--bit must be 0..31 (a float32's bits), got {bit}", "e.g. --bit 22, the mantissa's highest")
+    print(inject(ns.run_dir, action, rank, float(bit) if action == "bitflip" else ns.factor or 1.0, ns.for_s,
+                 ns.tensor))
 
 
 def status_command(args: List[str]) -> None:

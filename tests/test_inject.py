@@ -48,7 +48,8 @@ def test_slow_then_kill_through_inject_ends_on_the_one_worker_model(tmp_path, re
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--bitflip", "--rank", "0"], "--bitflip is not built yet"),
+    (["--bitflip", "0", "--bit", "40"], "--bit must be 0..31"),
+    (["--kill", "0", "--tensor", "w1"], "--bit and --tensor go with --bitflip"),
     (["--kill", "0"], "no running agent"),
     (["--slow", "0"], "--slow needs --factor"),
     (["--kill", "0", "--factor", "2"], "--factor and --for go with --slow"),

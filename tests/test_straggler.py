@@ -66,6 +66,12 @@ def test_a_straggler_is_reported_once_and_evicted_only_above_min_workers():
     said = [f for kind, f in b.said if kind == "straggler"]
     assert len(said) == 1 and said[0]["worker"] == 12 and said[0]["action"] == "evict"
     assert said[0]["slowdown"] == pytest.approx(5.0)
+    # Reported once while the members stay: a step under the factor between two slow stretches starts no episode
+    b = _balance(patience=3)
+    _steps(b, [0.01, 0.01, 0.05], 8)
+    _steps(b, [0.01, 0.01, 0.01], 1)
+    _steps(b, [0.01, 0.01, 0.05], 8)
+    assert [f["rank"] for kind, f in b.said if kind == "straggler"] == [2]
     # Two members and launcher.min_workers=2: reported, never evicted below the minimum
     b = _balance(mode="evict", patience=2, min_workers=2)
     assert set(_steps(b, [0.01, 0.05], 10)) == {None}

@@ -197,6 +197,9 @@ class ElasticConfig:
     straggler: str = "rebalance"   # rebalance | evict | off
     straggler_factor: float = 2.0  # this many times the median member's time per micro-batch is a straggler
     straggler_patience: int = 20   # steps in a row past the factor before the straggler event (and an eviction)
+    # Compare the members' parameters every step (a checksum in the step's reduction): a member whose bits differ
+    # from the majority's is cut out and the step redone; with no majority, back to the last agreed checkpoint
+    fingerprint: bool = True
 
 
 @dataclass

@@ -58,6 +58,7 @@ EXIT_REMOVED = 5        # the agent retired this worker (scale-down): a clean ex
 EXIT_REFUSED = 6        # the agent refused this worker's join (wrong or missing token)
 EXIT_CUT_OUT = 7        # the agent cut this worker out (silent: hung, or its host cut off); a fresh one may rejoin
 EXIT_STRAGGLER = 8      # the members evicted this worker as a straggler (elastic.straggler=evict); a fresh one may join
+EXIT_CORRUPT = 9        # the members evicted this worker: its parameters differed from the majority's (fingerprint.py)
 
 
 class CommError(RuntimeError):

@@ -67,6 +67,8 @@ class Replica:
         self.membership, self.engine = membership, engine
         self.shards = shards                 # a shard.ShardedState with trainer.shard, else None
         self.lost: List[Tuple[int, int]] = []  # ranges the last redistribution found no holder for
+        # (what, newest step to trust) when the members' parameters differed with no majority (train/fingerprint.py)
+        self.diverged: Optional[Tuple[str, int]] = None
         self.shard_moved = 0                   # elements of sharded state the last redistribution sent
         self.finish_asked = False              # a rank-0 callback's stop, voted in the next step's reduction
         self.state_dict, self.load_state_dict = state_dict, load_state_dict

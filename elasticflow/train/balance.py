@@ -57,6 +57,7 @@ class Balance:
         self.measured = 0                   # steps measured since the members changed
         self.moved_at = 0                   # ``measured`` when the shares last moved
         self.slow_steps: List[int] = []     # steps in a row past the factor, by rank
+        self.reported: set = set()          # ranks reported as stragglers: once per member while the members stay
         self.hinted = False
 
     @property
@@ -69,7 +70,7 @@ class Balance:
         if (generation, world) != self.members:
             self.members, self.estimate, self.costs = (generation, world), [0.0] * world, None
             self.recent = [[] for _ in range(world)]
-            self.measured, self.moved_at, self.slow_steps = 0, 0, [0] * world
+            self.measured, self.moved_at, self.slow_steps, self.reported = 0, 0, [0] * world, set()
         return self.costs
 
     def observe(self, seconds: Sequence[float], step: int, rank: int, workers: Sequence[Any]) -> Optional[int]:
@@ -113,8 +114,9 @@ class Balance:
                 self.slow_steps[r] = 0
                 continue
             self.slow_steps[r] += 1
-            if self.slow_steps[r] != self.patience:
+            if self.slow_steps[r] < self.patience or r in self.reported:
                 continue
+            self.reported.add(r)
             can_evict = self.mode == "evict" and evict is None and len(est) - 1 >= max(1, self.min_workers)
             action = "evict" if can_evict else ("rebalance" if self.units >= 2 and self.mode != "off" else "report")
             if rank == 0:

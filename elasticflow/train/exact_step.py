@@ -21,7 +21,7 @@ class ExactStep:
         engine: the backend Engine. metric_names: forward()'s metrics, in the order they are reduced.
         params: how many parameters (each sends a flag: whether a micro-batch's backward reached it).
         reconciler: the buffers' ``Reconciler`` (begun for this step), or None. members: the members that
-        consume data (each sends its speed in its slot: train/balance.py).
+        consume data (each sends its speed and its parameters' fingerprint in its slots: balance.py, fingerprint.py).
     """
 
     def __init__(self, replica: Any, engine: Any, metric_names: List[str], params: int, reconciler: Any,
@@ -30,7 +30,7 @@ class ExactStep:
         self.scalars = 1 + len(metric_names)  # the loss, then the metrics
         self.head = replica.exact_head()  # the gradient's sums (none with stage 3: its owners took them in backward)
         self.members = members
-        self.sums = replica.exact_sum(self.scalars + params + members, reconciler.size if reconciler else 0)
+        self.sums = replica.exact_sum(self.scalars + params + 2 * members, reconciler.size if reconciler else 0)
         self.took = np.zeros(params, bool)  # a parameter some micro-batch's backward reached (zero_grad clears it)
         self.rows: List[List[float]] = []    # each micro-batch's loss and metrics ...
         self.parts: List[np.ndarray] = []    # ... and buffer contribution: added in one call each, at start()
@@ -48,15 +48,15 @@ class ExactStep:
             self.parts.append(rec.contribution(engine.buffer_arrays(), index, 1, total, index, total))
             engine.set_buffers(rec.start_values())
 
-    def start(self, interrupt: bool, speeds: np.ndarray) -> Any:
+    def start(self, interrupt: bool, slots: np.ndarray) -> Any:
         """The step's reduction (``Replica.start_exact``): the scalars, the parameters' flags and the members'
-        ``speeds``, as ``Replica.start_reduce`` returns them."""
+        ``slots``, as ``Replica.start_reduce`` returns them."""
         sums, head = self.sums, self.head
         sums.flush()
         sums.add_rows(np.asarray(self.rows, np.float64).reshape(-1, self.scalars), at=head)
         sums.add(self.took.astype(float), at=head + self.scalars)
-        sums.add(np.asarray(speeds, np.float64), at=head + self.scalars + len(self.took))
+        sums.add(np.asarray(slots, np.float64), at=head + self.scalars + len(self.took))
         if self.parts:
             sums.add_rows(np.stack(self.parts), at=sums.n - self.reconciler.size)
-        return self.replica.start_exact(self.sums, self.scalars + len(self.took) + self.members, interrupt,
+        return self.replica.start_exact(self.sums, self.scalars + len(self.took) + 2 * self.members, interrupt,
                                         self.reconciler is not None)

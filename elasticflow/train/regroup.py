@@ -157,7 +157,7 @@ class Regrouper:
                                # or this one had (kept).
                                steps_redone=0 if failure is None or kept else 1,
                                samples_adopted=s.cursor.samples_seen - before, step=s.step)
-        if self.replica.lost:
+        if self.replica.lost or self.replica.diverged:
             self.fall_back(before_step)
         if r.stop == "below_min":
             self.checkpoint_and_raise(ElasticFlowError(
@@ -167,27 +167,35 @@ class Regrouper:
         return r.recovery_s
 
     def fall_back(self, step_before: int) -> None:
-        """Sharded state with a range nobody holds (its owner and its buddy both gone): every member loads
-        the newest checkpoint they all see and takes its own ranges from it; the steps since are redone."""
+        """Sharded state with a range nobody holds (its owner and its buddy both gone), or replicas that differ
+        with no majority (train/fingerprint.py): every member loads the newest checkpoint they all see (for
+        diverged replicas, the newest saved before the last step they agreed on) and takes its own ranges from
+        it; the steps since are redone."""
         lost = ", ".join(f"[{a}, {b})" for a, b in self.replica.lost)
-        self.replica.lost = []
+        diverged, self.replica.lost, self.replica.diverged = self.replica.diverged, [], None
         found = self.checkpoints.by_step()
+        if diverged is not None:
+            found = {k: v for k, v in found.items() if k <= diverged[1]}
         step, failure = collective(lambda: self.replica.agree_min(max(found, default=-1)))
         if failure is not None:
             self.regroup(failure)
             return
         if step < 0 or step not in found:
-            raise ElasticFlowError(f"the sharded optimizer state of range(s) {lost} was lost with its owner and "
-                                   "its buddy, and there is no checkpoint to fall back to",
-                                   "set checkpoint.interval.steps so a lost slice costs only the steps since")
+            what = diverged[0] if diverged else (f"the sharded optimizer state of range(s) {lost} was lost with its "
+                                                 "owner and its buddy")
+            raise ElasticFlowError(f"{what}, and there is no checkpoint to fall back to",
+                                   "set checkpoint.interval.steps so a lost slice or a corrupted replica costs only "
+                                   "the steps since")
         self.checkpoints.load(found[step])
-        self.shards.keep_local(self.replica.rank, self.replica.world)
+        if self.shards is not None:
+            self.shards.keep_local(self.replica.rank, self.replica.world)
         redone = step_before - self.state.step
-        log.warning("sharded state of range(s) %s lost with its owner and buddy: fell back to checkpoint %s "
-                    "(step %d), redoing %d step(s)", lost, found[step], step, redone)
+        why = "replicas that differed" if diverged else f"sharded state of range(s) {lost} lost with its owner and buddy"
+        log.warning("%s: fell back to checkpoint %s (step %d), redoing %d step(s)", why, found[step], step, redone)
         if self.replica.rank == 0:
             self.run_log.event("fell_back", checkpoint=str(found[step]), step=step, steps_redone=redone,
-                               lost=lost, generation=self.replica.generation, world_size=self.replica.world)
+                               lost=lost or "diverged", generation=self.replica.generation,
+                               world_size=self.replica.world)
 
 
 def collective(call: Callable[[], Any]) -> Tuple[Any, Optional[str]]:

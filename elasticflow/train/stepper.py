@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backends.common import WEIGHT
 from ..data import order as data
-from . import grad_check, loss_scale
+from . import fingerprint, grad_check, loss_scale
 from .exact_step import ExactStep
 from .slowdown import Slowdown
 from ..config import optim
@@ -53,6 +53,9 @@ class Stepper:
         self.slowdown = Slowdown(replica.membership)  # `elasticflow inject --slow`: sleeps in a step, if asked
         self.balance = parts.balance  # the members' speeds, and the micro-batches dealt by them (balance.py)
         self.balance.run_log = step_log.run_log
+        self.flips = fingerprint.Flips(replica.membership)  # `elasticflow inject --bitflip`, if asked
+        # The members' parameters compared every step (fingerprint.py): where each holds the whole vector
+        self.fingerprints = parts.fingerprint and t.shard != "parameters" and replica.membership is not None
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record.
@@ -70,20 +73,21 @@ class Stepper:
         computed = time.perf_counter()
         loss_sum, metric_sums = self._accumulate(batch, share, rank, world, exact, costs)
         self.slowdown.compute(time.perf_counter() - computed, replica.rank)  # as a slow device would, if asked
-        # This member's seconds per micro-batch, in its slot of the step's sums: every member reads them all
-        speeds = np.zeros(world)
-        if share.micro and rank >= 0:
-            speeds[rank] = (time.perf_counter() - computed) / len(share.micro)
+        slots = self._slots(share, rank, world, computed)
 
         self.reduce_started = time.perf_counter()
         if exact is not None:
-            reduction = exact.start(self.stop_requested(), speeds)
+            reduction = exact.start(self.stop_requested(), slots)
         else:
-            reduction = self._start_reduce(loss_sum, metric_sums, share, reconciler, rank, world, speeds)
+            reduction = self._start_reduce(loss_sum, metric_sums, share, reconciler, rank, world, slots)
         self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
         scalars, agreed, buffers = replica.finish_reduce(reduction)
         k, n = 1 + len(self.metric_names), len(self.names)
-        scalars, took_part, speeds = scalars[:k], np.asarray(scalars[k:k + n]) > 0, scalars[k + n:]
+        prints = scalars[k + n + world:]
+        scalars, took_part, speeds = scalars[:k], np.asarray(scalars[k:k + n]) > 0, scalars[k + n:k + n + world]
+        diverged = fingerprint.compare(prints) if self.fingerprints else None
+        if diverged is not None:  # before anything of the step is applied: it is redone without the odd member
+            self._diverged(diverged, rank, world)
         if buffers is not None:
             p.engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
@@ -120,6 +124,56 @@ class Stepper:
         if rank is None:  # an aggregator consumes no data: no micro-batch, and its buffers contribute nothing
             share, rank = data.Share([], share.total, share.total), -1
         return share, rank, world, costs
+
+    def _slots(self, share: data.Share, rank: int, world: int, computed: float) -> np.ndarray:
+        """This member's slots of the step's sums, every member's read by all: its seconds per micro-batch since
+        ``computed`` (balance.py), then its parameters' fingerprint (fingerprint.py). An `inject --bitflip` asked
+        for is made first, so that this step's fingerprint holds it."""
+        slots = np.zeros(2 * world)
+        if rank < 0:  # an aggregator: no micro-batch, and parameters it does not train
+            return slots
+        if share.micro:
+            slots[rank] = (time.perf_counter() - computed) / len(share.micro)
+        flip = self.flips.due()
+        if flip is not None and self.fingerprints:
+            self.flips.flip(self.p.engine, flip, self.replica.rank, self.state.step)
+        elif flip is not None:
+            log.warning("inject --bitflip: not made (elastic.fingerprint=false, trainer.shard=parameters or a "
+                        "single worker: nothing would compare the replicas)")
+        if self.fingerprints:
+            slots[world + rank] = fingerprint.checksum(self.p.engine.flat_params())
+        return slots
+
+    def _diverged(self, verdict: fingerprint.Verdict, rank: int, world: int) -> None:
+        """The members' parameters differ: which tensor (every member's per-tensor checksums, a second sum), an
+        event by the first member that agrees with the majority, then the odd members leave and the others redo the
+        step without them (a failed step's path), or with no majority all fall back to a checkpoint."""
+        engine, replica, s = self.p.engine, self.replica, self.state
+        layout = engine.flat_layout()
+        rows = np.zeros(world * len(layout))
+        rows[rank * len(layout):(rank + 1) * len(layout)] = fingerprint.tensors_of(engine.flat_params(), layout)
+        table = np.asarray(replica.reduce_sum(rows.tolist())).reshape(world, len(layout))
+        sane = [r for r in range(world) if r not in verdict.odd]
+        names = sorted({layout[t][0] for r in verdict.odd for t in range(len(layout))
+                        if sane and table[r, t] != table[sane[0], t]}) if sane else []
+        workers = replica.data_workers
+        odd = ", ".join(f"{r} (worker {workers[r]})" for r in verdict.odd)
+        what = (f"the parameters of rank(s) {odd} differ from the majority's at step {s.step + 1}"
+                + (f" (tensor {', '.join(names)})" if names else "") if verdict.majority else
+                f"the members' parameters differ at step {s.step + 1} with no majority (ranks {odd})")
+        if rank == (sane[0] if sane else 0):
+            log.warning("silent corruption: %s: %s", what, "the odd member(s) leave and the step is redone"
+                        if verdict.majority else "every member falls back to the last checkpoint they agreed on")
+            self.p.balance.run_log.event("corruption", step=s.step + 1, ranks=verdict.odd,
+                                         workers=[workers[r] for r in verdict.odd], tensors=names,
+                                         action="evict" if verdict.majority else "fall_back")
+        if rank in verdict.odd and verdict.majority:
+            self.step_log.flush()
+            raise ElasticFlowError(f"evicted: {what}", "a replacement joins with the majority's state where "
+                                   "launcher.restart_failed=true", exit_code=protocol.EXIT_CORRUPT)
+        if not verdict.majority:  # the newest checkpoint before the last step all agreed on (regroup.fall_back)
+            replica.diverged = (what, s.step - 1)
+        raise protocol.CommError(f"silent corruption: {what}")
 
     def _begin(self, share: data.Share) -> Tuple[Any, Optional[ExactStep]]:
         """Begin the step: the buffers' reconciler (None where not needed) and trainer.reproducible's exact sums
@@ -181,9 +235,9 @@ class Stepper:
         return loss_sum, metric_sums
 
     def _start_reduce(self, loss_sum: Any, metric_sums: Dict[str, Any], share: data.Share, reconciler: Any,
-                      rank: int, world: int, speeds: np.ndarray) -> Any:
+                      rank: int, world: int, slots: np.ndarray) -> Any:
         """Start the step's reduction (``Replica.start_reduce``): the loss, the metrics, the parameters' flags, the
-        members' speeds, this member's vote to stop and its buffers' contribution, with the gradient."""
+        members' slots (``_slots``), this member's vote to stop and its buffers' contribution, with the gradient."""
         engine = self.p.engine
         loss_sum = 0.0 if loss_sum is None else loss_sum  # an empty share (more workers than samples)
         # float(): a sync point on accelerators; the non-finite check needs it anyway.
@@ -191,7 +245,7 @@ class Stepper:
         # Summed: > 0 where some member's backward reached the parameter (none from a member without
         # micro-batches).
         scalars += engine.took_part().astype(float).tolist() if share.micro else [0.0] * len(self.names)
-        scalars += speeds.tolist()
+        scalars += slots.tolist()
         contribution = None if reconciler is None else reconciler.contribution(
             engine.buffer_arrays(), share.first, len(share.micro), share.total, rank, world)
         return self.replica.start_reduce(scalars, self.stop_requested(), contribution)

@@ -67,9 +67,10 @@ def scale(run_dir: Path, workers: int, wait_s: float = 120.0) -> str:
     return _await_target(run_dir, workers, wait_s)
 
 
-def inject(run_dir: Path, action: str, rank: int, factor: float = 1.0, for_s: float = 0.0) -> str:
-    """Ask the job's agent to cause ``action`` (kill, hang, slow) on the member at ``rank`` (agent/inject.py);
-    returns the line to print, naming the worker and its pid; raises when the agent refuses or does not answer."""
+def inject(run_dir: Path, action: str, rank: int, factor: float = 1.0, for_s: float = 0.0, tensor: str = "") -> str:
+    """Ask the job's agent to cause ``action`` (kill, hang, slow, bitflip: ``factor`` the bit, ``tensor`` the
+    parameter) on the member at ``rank`` (agent/inject.py); returns the line to print, naming the worker and its
+    pid; raises when the agent refuses or does not answer."""
     agent = _running_agent(run_dir)
     try:
         token = protocol.read_token(run_dir)
@@ -83,8 +84,8 @@ def inject(run_dir: Path, action: str, rank: int, factor: float = 1.0, for_s: fl
     nonce, at = secrets.token_hex(8), time.time()
     factor, for_s = float(factor), float(for_s)
     request = json.dumps({"action": action, "rank": rank, "factor": factor, "for_s": for_s, "nonce": nonce,
-                          "time": at, "mac": protocol.sign(token, injection.message(
-                              str(agent.get("job", "")), action, rank, factor, for_s, nonce, at))})
+                          "time": at, "tensor": tensor, "mac": protocol.sign(token, injection.message(
+                              str(agent.get("job", "")), action, rank, factor, for_s, nonce, at, tensor))})
     verdicts, deadline, reply, asked = protocol.Sealer(token), time.monotonic() + 30, None, 0.0
     while reply is None:  # as scale's: again under a new number while unanswered; the nonce acts once
         if time.monotonic() > deadline or not protocol.agent_file(run_dir).is_file():
@@ -105,6 +106,9 @@ def inject(run_dir: Path, action: str, rank: int, factor: float = 1.0, for_s: fl
         return f"killed {who} with SIGKILL: the others regroup without it"
     if action == "hang":
         return (f"stopped {who} with SIGSTOP: the job cuts it out as hung after elastic.heartbeat_timeout_s")
+    if action == "bitflip":
+        return (f"asked {who} to flip bit {int(factor)} of {tensor or 'its first parameter'}[0] at its next step "
+                "(within a second): its worker log says what it flipped, the members' fingerprints catch it")
     if factor <= 1.0:
         return f"ended the slowdown of {who} (from its next step boundary)"
     return (f"slowed {who} {factor:g}x{f' for {for_s:g}s' if for_s > 0 else ' until the run ends'}, from its "

@@ -10,6 +10,9 @@ client side. The agent acts on the member at that rank in the published generati
 - ``slow``: a sealed record ``worker/<id>/slow`` ({factor, until, nonce}) that the worker reads at its step
   boundaries (train/slowdown.py) and sleeps (factor - 1) x its micro-batches' time in each step, as a slow
   device would (train/balance.py measures it). ``factor`` 1 ends it.
+- ``bitflip``: a sealed record ``worker/<id>/flip`` ({bit, tensor, nonce}; the bit rides as ``factor``) that the
+  worker reads as it does the slow one, and flips that bit of element 0 of that parameter in its replica
+  (train/fingerprint.py), which the members' fingerprints then catch.
 """
 from __future__ import annotations
 
@@ -23,15 +26,17 @@ from .process import HOSTNAME, Worker
 from .scaling import FRESH_S, NONCES_KEPT
 from .state import AgentState
 
-ACTIONS = ("kill", "hang", "slow")
+ACTIONS = ("kill", "hang", "slow", "bitflip")
+MAX_TENSOR_NAME = 200
 COUNT_KEY, REQUEST_PREFIX = "inject/count", "inject/request"
 READ_S = 0.25  # how often the inbox is read (a drill waits <= 250 ms): a store round trip each, which every request
                # round (agent.REQUESTS_S) would add to the agent's CPU while training
 MAX_FACTOR = 100.0  # a worker 100x slower is as good as hung: --hang says so more plainly
 
 
-def message(job: str, action: str, rank: int, factor: float, for_s: float, nonce: str, at: float) -> str:
-    return f"inject:{job}:{action}:{rank}:{factor!r}:{for_s!r}:{nonce}:{at!r}"
+def message(job: str, action: str, rank: int, factor: float, for_s: float, nonce: str, at: float,
+            tensor: str = "") -> str:
+    return f"inject:{job}:{action}:{rank}:{factor!r}:{for_s!r}:{nonce}:{at!r}" + (f":{tensor}" if tensor else "")
 
 
 def reply_key(nonce: str) -> str:
@@ -40,6 +45,10 @@ def reply_key(nonce: str) -> str:
 
 def slow_key(worker_id: int) -> str:
     return f"worker/{worker_id}/slow"
+
+
+def flip_key(worker_id: int) -> str:
+    return f"worker/{worker_id}/flip"
 
 
 class Injection:
@@ -75,10 +84,11 @@ class Injection:
         or was taken before)."""
         state = self.state
         action, rank, factor, for_s = req.get("action"), req.get("rank"), req.get("factor"), req.get("for_s")
-        nonce, at = req["nonce"], req.get("time")
+        nonce, at, tensor = req["nonce"], req.get("time"), req.get("tensor", "")
         if not (action in ACTIONS and type(rank) is int and isinstance(factor, float) and isinstance(for_s, float)
-                and isinstance(at, float) and protocol.verify(
-                    state.token, message(state.job, action, rank, factor, for_s, nonce, at), req.get("mac"))):
+                and isinstance(at, float) and isinstance(tensor, str) and len(tensor) <= MAX_TENSOR_NAME
+                and protocol.verify(state.token, message(state.job, action, rank, factor, for_s, nonce, at, tensor),
+                                    req.get("mac"))):
             protocol.REFUSED("inject request", "wrong or missing job token")
             return None
         if nonce in self.nonces or abs(time.time() - at) > FRESH_S:
@@ -101,9 +111,14 @@ class Injection:
                 return {"ok": False, "reason": f"--factor must be within 1..{MAX_FACTOR:g}, got {factor:g}"}
             until = time.time() + for_s if for_s > 0 else None
             state.put(slow_key(w.id), json.dumps({"factor": factor, "until": until, "nonce": nonce}))
+        elif action == "bitflip":
+            if not (factor.is_integer() and 0 <= factor <= 31):
+                return {"ok": False, "reason": f"--bit must be 0..31 (a float32's bits), got {factor:g}"}
+            state.put(flip_key(w.id), json.dumps({"bit": int(factor), "tensor": tensor, "nonce": nonce}))
         else:
             w.signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
-        extra = {"factor": factor, "for_s": for_s or None} if action == "slow" else {}
+        extra = {"factor": factor, "for_s": for_s or None} if action == "slow" else \
+            {"bit": int(factor), "tensor": tensor or None} if action == "bitflip" else {}
         state.event("inject", action=action, rank=rank, worker=w.id, pid=w.pid, host=w.host,
                     generation=state.generation, **extra)
         return {"ok": True, "action": action, **w.describe(rank), **extra}
@@ -112,7 +127,7 @@ class Injection:
 def _unreachable(w: Worker, action: str) -> str:
     """Why the agent cannot cause ``action`` on ``w`` ('' when it can): a worker started by hand on another host
     has no pid here, and srun forwards SIGUSR1 and TERM only (process.Worker.signal)."""
-    if action == "slow" or w.node is not None or w.host == HOSTNAME:
+    if action in ("slow", "bitflip") or w.node is not None or w.host == HOSTNAME:
         return ""
     if w.proc is None:
         return f"worker {w.id} runs on {w.host}, started there by hand: the agent cannot signal it"

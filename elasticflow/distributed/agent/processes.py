@@ -21,6 +21,9 @@ from .state import AgentState
 log = logging.getLogger("elasticflow")
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
+# Exit codes of a worker its peers cut out (train/balance.py, train/fingerprint.py): the cause its `left` event says
+EVICTED = {protocol.EXIT_STRAGGLER: "evicted: a straggler", protocol.EXIT_CORRUPT: "evicted: its parameters differed"}
+
 
 class Processes:
     """The workers of the job in ``state`` as processes: ``launch(env)`` starts one (the launcher's), with
@@ -67,7 +70,7 @@ class Processes:
             else:
                 state.roster.drop(w)
                 self.lost(w, f"signal {signal.Signals(-rc).name}" if rc < 0 else
-                          "evicted: a straggler" if rc == protocol.EXIT_STRAGGLER else f"exit code {rc}")
+                          EVICTED.get(rc, f"exit code {rc}"))
         for w in list(state.joining.values()) + list(state.admitted):
             rc = w.poll()
             if rc is None:

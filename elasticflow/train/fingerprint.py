@@ -1,0 +1,124 @@
+"""Silent corruption (``elastic.fingerprint``; docs/elastic-training.md#silent-corruption): replicas that should
+hold the same bits, compared every step.
+
+Data-parallel members apply the same summed gradient to the same parameters, so their parameters are the same
+bits after every step (topology=local_sgd|diloco aside: their replicas differ between rounds by design). A bit
+flipped in one member's memory would go unseen: the job trains on diverged replicas, and its checkpoints hold
+whichever rank wrote each shard. So every step each member adds a checksum of its whole flat parameter vector
+(the 32-bit words summed modulo the prime 2^31 - 1: any one flipped bit changes it) to its slot of the step's
+reduction, before the update, and every member reads all of them:
+
+- all equal: nothing happens (the cost: one integer sum over the parameters, ~1 ms per 2M on a CPU core);
+- a strict majority agrees: each odd member leaves (exit code ``protocol.EXIT_CORRUPT``), the others regroup
+  without it and redo the step (its gradient was computed from corrupted parameters), and a replacement joins
+  with the majority's state where ``launcher.restart_failed`` is set (the join path). A ``corruption`` event
+  names the rank, the worker, the tensor (a second, per-tensor comparison) and the step;
+- no majority (two members, or a tie): nobody can tell which is right, so every member falls back to the newest
+  checkpoint saved before the last step on which all agreed, and the steps since are redone.
+
+Not covered: trainer.shard=parameters (stage 3: no member holds the whole vector), the optimizer state and the
+buffers (only parameters are compared).
+
+`elasticflow inject RUN --bitflip R [--bit B] [--tensor NAME]` flips one bit of one parameter in that rank's
+replica (``Flips``, read at a step like ``--slow``), to rehearse this.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._util.fileio import append_event
+from ..distributed import protocol
+from ..distributed.agent.inject import flip_key
+
+log = logging.getLogger("elasticflow")
+PRIME = (1 << 31) - 1  # 2^b mod PRIME is never 0: a flip of any bit of a 32-bit word moves the sum
+READ_S = 1.0           # how often a worker reads its bitflip record (as slowdown.READ_S)
+
+
+def checksum(flat: Any) -> int:
+    """The 32-bit words of ``flat`` (a float32 torch tensor) summed, modulo PRIME, plus 1 (0 is "no report")."""
+    import torch
+
+    return int(flat.view(torch.int32).sum(dtype=torch.int64)) % PRIME + 1
+
+
+class Verdict:
+    """A step's fingerprints disagree. ``odd``: the ranks off the majority's value; ``majority``: whether a strict
+    majority agrees (else nobody can tell which is right)."""
+
+    def __init__(self, odd: List[int], majority: bool):
+        self.odd, self.majority = odd, majority
+
+
+def compare(prints: Sequence[float]) -> Optional[Verdict]:
+    """The members' fingerprints (0: a member that reports none) compared: None when all reported agree."""
+    got = {r: int(v) for r, v in enumerate(prints) if v}
+    values = sorted(set(got.values()))
+    if len(values) <= 1:
+        return None
+    counts = {v: sum(1 for x in got.values() if x == v) for v in values}
+    best = max(values, key=lambda v: counts[v])
+    majority = counts[best] * 2 > len(got)
+    return Verdict([r for r, v in got.items() if v != best] if majority else sorted(got), majority)
+
+
+def tensors_of(flat: Any, layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> List[int]:
+    """A checksum per tensor of ``layout`` (the flat order): which tensor differs, once the whole vector did."""
+    out, at = [], 0
+    for _, shape in layout:
+        n = int(np.prod(shape)) if shape else 1
+        out.append(checksum(flat[at:at + n]))
+        at += n
+    return out
+
+
+class Flips:
+    """`elasticflow inject --bitflip`: at a step, flip the bit the agent's sealed record ``worker/<id>/flip`` names.
+    ``membership``: the worker's (None: one worker in-process, never flipped)."""
+
+    def __init__(self, membership: Any):
+        self.m, self.nonce, self.next_read = membership, None, 0.0
+
+    def due(self) -> Optional[dict]:
+        """The flip asked for since the last one, if any (read at most once every READ_S)."""
+        m, now = self.m, time.monotonic()
+        if m is None or getattr(m, "worker_id", None) is None or now < self.next_read:
+            return None
+        self.next_read = now + READ_S
+        try:
+            payload = protocol.fetch(m.store, m.sealer, flip_key(m.worker_id), "bitflip")
+            record = json.loads(payload) if payload is not None else None
+        except Exception:  # noqa: BLE001 - the agent is gone: the membership's own calls say so
+            return None
+        if not isinstance(record, dict) or record.get("nonce") == self.nonce:
+            return None
+        self.nonce = record.get("nonce")
+        return record
+
+    def flip(self, engine: Any, record: dict, rank: int, step: int) -> None:
+        """Flip bit ``record['bit']`` of element 0 of parameter ``record['tensor']`` ('' : the first) in place."""
+        layout = engine.flat_layout()
+        names = [n for n, _ in layout]
+        name = record.get("tensor") or names[0]
+        if name not in names:
+            log.warning("inject: no parameter %r to flip a bit of (the parameters: %s)", name, ", ".join(names[:8]))
+            return
+        import torch
+
+        at = sum(int(np.prod(s)) if s else 1 for _, s in layout[:names.index(name)])
+        flat, bit = engine.flat_params(), int(record.get("bit", 22))
+        words = flat.view(torch.int32)
+        before = float(flat[at])
+        words[at] ^= torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
+        engine.params_written()
+        log.warning("inject: flipped bit %d of %s[0] on worker %s (rank %d): %r -> %r", bit, name, self.m.worker_id,
+                    rank, before, float(flat[at]))
+        events = getattr(self.m, "events", None)
+        if events is not None:
+            append_event(events, "bitflip", "worker", worker=self.m.worker_id, rank=rank, step=step + 1, tensor=name,
+                         bit=bit, before=before, after=float(flat[at]))
