@@ -125,8 +125,9 @@ def test_a_duty_cycled_worker_gets_fewer_micro_batches_and_the_bits_stay_the_one
     # Some shares dealt the victim fewer micro-batches than either other member (it starts at 8 = 3+3+2)
     moved = [e["shares"] for e in events(run, "rebalanced")]
     assert any(s[2] < min(s[0], s[1]) for s in moved), moved
-    said = events(run, "straggler")
-    assert [(e["worker"], e["rank"], e["action"]) for e in said] == [(victim["worker_id"], 2, "rebalance")], said
+    # The victim reported, once (a loaded machine may slow another member past the factor too: reported as well)
+    said = [e for e in events(run, "straggler") if e["worker"] == victim["worker_id"]]
+    assert [(e["rank"], e["action"]) for e in said] == [(2, "rebalance")], events(run, "straggler")
     assert "straggler: worker" in out and "shares by speed" in out
     assert_bitwise(run, reference)
     # status says who straggles and the shares in force; plot marks it on the loss curve at its step
@@ -134,7 +135,7 @@ def test_a_duty_cycled_worker_gets_fewer_micro_batches_and_the_bits_stay_the_one
     assert f"straggler: worker {victim['worker_id']} (rank 2)" in shown and "shares by speed since step" in shown
     loss = next(ax for ax in figure(run).axes if ax.get_title() == "loss")
     marks = [li.get_xdata()[0] for li in loss.get_lines() if li.get_gid() == "mark:straggler"]
-    assert marks == [said[0]["step"]], marks
+    assert said[0]["step"] in marks, marks
 
 
 def test_a_worker_slowed_by_inject_is_evicted_and_replaced(tmp_path, one_worker):

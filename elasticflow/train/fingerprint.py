@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,7 +36,6 @@ from ..distributed.agent.inject import flip_key
 
 log = logging.getLogger("elasticflow")
 PRIME = (1 << 31) - 1  # 2^b mod PRIME is never 0: a flip of any bit of a 32-bit word moves the sum
-READ_S = 1.0           # how often a worker reads its bitflip record (as slowdown.READ_S)
 
 
 def checksum(flat: Any) -> int:
@@ -79,17 +77,17 @@ def tensors_of(flat: Any, layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> List
 
 class Flips:
     """`elasticflow inject --bitflip`: at a step, flip the bit the agent's sealed record ``worker/<id>/flip`` names.
-    ``membership``: the worker's (None: one worker in-process, never flipped)."""
+    ``drills``: the worker's ``slowdown.Drills`` (read when it says a drill was asked)."""
 
-    def __init__(self, membership: Any):
-        self.m, self.nonce, self.next_read = membership, None, 0.0
+    def __init__(self, membership: Any, drills: Any):
+        self.m, self.drills, self.version, self.nonce = membership, drills, 0, None
 
     def due(self) -> Optional[dict]:
-        """The flip asked for since the last one, if any (read at most once every READ_S)."""
-        m, now = self.m, time.monotonic()
-        if m is None or getattr(m, "worker_id", None) is None or now < self.next_read:
+        """The flip asked for since the last one, if any."""
+        version = self.drills.version()
+        if version == self.version:
             return None
-        self.next_read = now + READ_S
+        self.version, m = version, self.m
         try:
             payload = protocol.fetch(m.store, m.sealer, flip_key(m.worker_id), "bitflip")
             record = json.loads(payload) if payload is not None else None

@@ -1,8 +1,8 @@
 """A worker slowed on purpose by `elasticflow inject RUN --slow R --factor F` (distributed/agent/inject.py).
 
-Each step the worker reads its ``worker/<id>/slow`` record (sealed by the agent) at most once a second, and while
-one is in force sleeps (F - 1) x the time its micro-batches just took, so that it computes F times slower, as a
-slow device would: the sleep is before the step's reduction, counted in the time per micro-batch the members
+Each step the worker polls one record, ``worker/<id>/drill`` (``Drills``: at most once a second), and when a drill
+was asked reads its ``worker/<id>/slow`` record (sealed by the agent); while one is in force it sleeps (F - 1) x
+the time its micro-batches just took, so that it computes F times slower, as a slow device would: the sleep is before the step's reduction, counted in the time per micro-batch the members
 measure (train/balance.py: a rebalance deals it fewer micro-batches, ``evict`` cuts it out), and its peers wait for
 it in the reduction.
 """
@@ -15,30 +15,48 @@ from typing import Any, Optional
 
 from .._util.fileio import append_event
 from ..distributed import protocol
-from ..distributed.agent.inject import slow_key
+from ..distributed.agent.inject import drill_key, slow_key
 
 log = logging.getLogger("elasticflow")
-READ_S = 1.0  # how often the record is read: one store round trip a second per worker, nothing in between
+READ_S = 1.0  # how often the drills' record is read: one store round trip a second per worker, nothing in between
+
+
+class Drills:
+    """The one record a worker polls for `elasticflow inject`'s drills (``worker/<id>/drill``: the nonce of the
+    newest, sealed by the agent), at most once every READ_S: ``version()`` counts its changes, and each drill
+    (``Slowdown``, ``fingerprint.Flips``) reads its own record only when the count moved past the one it saw.
+    ``membership``: the worker's (None: one worker in-process, asked nothing)."""
+
+    def __init__(self, membership: Any):
+        self.m, self.seen, self.changes, self.next_read = membership, None, 0, 0.0
+
+    def version(self) -> int:
+        m, now = self.m, time.monotonic()
+        if m is None or getattr(m, "worker_id", None) is None or now < self.next_read:
+            return self.changes
+        self.next_read = now + READ_S
+        try:
+            nonce = protocol.fetch(m.store, m.sealer, drill_key(m.worker_id), "drill")
+        except Exception:  # noqa: BLE001 - the agent is gone: the membership's own calls say so
+            return self.changes
+        if nonce is not None and nonce != self.seen:
+            self.seen, self.changes = nonce, self.changes + 1
+        return self.changes
 
 
 class Slowdown:
-    """``compute(seconds)`` sleeps as the agent's record says. ``membership``: the worker's (None: one
-    worker in-process, never slowed)."""
+    """``compute(seconds)`` sleeps as the agent's record says. ``drills``: the worker's ``Drills``."""
 
-    def __init__(self, membership: Any):
-        self.m = membership
+    def __init__(self, membership: Any, drills: Drills):
+        self.m, self.drills, self.version = membership, drills, 0
         self.factor, self.until, self.nonce = 1.0, None, None
-        self.next_read = 0.0
         self.slept, self.steps = 0.0, 0
 
     def compute(self, seconds: float, rank: int) -> None:
         """The micro-batches of this step took ``seconds``: sleep to make them F times as long, if asked."""
-        m = self.m
-        if m is None or getattr(m, "worker_id", None) is None:
-            return
-        now = time.monotonic()
-        if now >= self.next_read:
-            self.next_read = now + READ_S
+        version = self.drills.version()
+        if version != self.version:
+            self.version = version
             self._read(seconds, rank)
         if self.factor > 1.0 and self.until is not None and time.time() > self.until:
             self._set(1.0, None, rank, seconds)

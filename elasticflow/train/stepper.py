@@ -17,7 +17,7 @@ from ..backends.common import WEIGHT
 from ..data import order as data
 from . import fingerprint, grad_check, loss_scale
 from .exact_step import ExactStep
-from .slowdown import Slowdown
+from .slowdown import Drills, Slowdown
 from ..config import optim
 from .._util.context import _context
 from ..data.order import GlobalBatch
@@ -50,10 +50,11 @@ class Stepper:
         # float16: backward on the weighted loss times a power of two that brings it near a share's size
         self.weight_scale = loss_scale.weight_scale(weight_per_sample, t.global_batch_size) if (
             self.weighted and parts.placement.loss_scaling) else 1.0
-        self.slowdown = Slowdown(replica.membership)  # `elasticflow inject --slow`: sleeps in a step, if asked
+        drills = Drills(replica.membership)  # what `elasticflow inject` asked of this worker: one poll a second
+        self.slowdown = Slowdown(replica.membership, drills)  # `inject --slow`: sleeps in a step, if asked
         self.balance = parts.balance  # the members' speeds, and the micro-batches dealt by them (balance.py)
         self.balance.run_log = step_log.run_log
-        self.flips = fingerprint.Flips(replica.membership)  # `elasticflow inject --bitflip`, if asked
+        self.flips = fingerprint.Flips(replica.membership, drills)  # `inject --bitflip`, if asked
         # The members' parameters compared every step (fingerprint.py): where each holds the whole vector
         self.fingerprints = parts.fingerprint and t.shard != "parameters" and replica.membership is not None
 

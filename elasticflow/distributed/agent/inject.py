@@ -51,6 +51,12 @@ def flip_key(worker_id: int) -> str:
     return f"worker/{worker_id}/flip"
 
 
+def drill_key(worker_id: int) -> str:
+    """The nonce of the newest drill asked of the worker: the one record it polls (train/slowdown.py ``Drills``),
+    reading the drills' own records only when it changed."""
+    return f"worker/{worker_id}/drill"
+
+
 class Injection:
     """The inject requests of the job in ``state``. Owns its inbox and the nonces taken."""
 
@@ -115,6 +121,8 @@ class Injection:
             if not (factor.is_integer() and 0 <= factor <= 31):
                 return {"ok": False, "reason": f"--bit must be 0..31 (a float32's bits), got {factor:g}"}
             state.put(flip_key(w.id), json.dumps({"bit": int(factor), "tensor": tensor, "nonce": nonce}))
+        if action in ("slow", "bitflip"):
+            state.put(drill_key(w.id), nonce)
         else:
             w.signal(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
         extra = {"factor": factor, "for_s": for_s or None} if action == "slow" else \
