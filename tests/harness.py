@@ -140,7 +140,8 @@ def train_in_process(model: Run, run_dir: Path, *overrides: str, env: Optional[d
 def fit_here(model: Run, run_dir: Path, *overrides: str) -> None:
     """One worker's training in this process: ``ElasticTrainer.fit``, the trainer a CLI job's worker runs, with
     conf/'s defaults and OVERRIDES. For a test that imports the model's framework anyway (transformers, Keras):
-    a CLI job would import it again. Torch's thread count and the backend active before are put back after."""
+    a CLI job would import it again. Torch's thread count, its deterministic kernels (trainer.reproducible turns
+    them on) and the backend active before are put back after."""
     import torch
 
     from elasticflow import ops
@@ -150,12 +151,13 @@ def fit_here(model: Run, run_dir: Path, *overrides: str) -> None:
     model = Path(model)
     if not model.is_absolute() and not model.exists():
         model = MODELS / model
-    threads = torch.get_num_threads()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         with ops.using():
             ElasticTrainer(str(model), compose(str(model), list(overrides)), run_dir=str(run_dir)).fit()
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def start(run_dir: Path, *overrides: str, env: Optional[dict] = None, model: Run = PROBE,
@@ -546,15 +548,19 @@ def _differs(name: str, got, want, rtol: float, floor: float) -> str:
 
 # ---------------------------------------------------------------- the 1-worker reference, trained once
 def one_worker_run(root: Path, *overrides: str, model: Run = PROBE, common: List[str] = COMMON,
-                   record: bool = False) -> Path:
+                   record: bool = False, here: bool = False) -> Path:
     """The 1-worker run of MODEL with COMMON + OVERRIDES, trained once per test session and cached under
     ROOT (conftest's ``one_worker`` fixture passes the session's folder): its run directory.
 
     Keyed by what it is trained with. Safe with pytest-xdist: the first process to lock the key trains it
     while the others wait on the lock; a run that failed or was cut short leaves no DONE mark and is
     trained again. ``record``: with EF_PROBE_RECORD (under TensorFlow the probes inject at the data fetch,
-    which records)."""
-    key = json.dumps({"model": str(model), "args": [*common, *overrides], "record": record})
+    which records). ``here``: trained in this process (fit_here), not by the CLI in a new one: a torch job
+    saves the ~3 s of an interpreter that imports torch, Hydra and the trainer again, and those of the model
+    file's own imports (peft, dynamo) after the first; the same trainer, so the same run (not with record)."""
+    assert not (here and record), "record= sets the probe's environment for a CLI job"
+    key = json.dumps({"model": str(model), "args": [*common, *overrides], "record": record,
+                      **({"here": True} if here else {})})
     folder = Path(root) / hashlib.sha1(key.encode()).hexdigest()[:16]
     run = folder / "run"
     Path(root).mkdir(parents=True, exist_ok=True)
@@ -567,7 +573,10 @@ def one_worker_run(root: Path, *overrides: str, model: Run = PROBE, common: List
             if record:
                 (folder / "record").mkdir()
                 env["EF_PROBE_RECORD"] = str(folder / "record")
-            train_ok(run, *overrides, env=env, model=model, common=common, timeout=600)
+            if here:
+                fit_here(model, run, "trainer.progress=false", *common, *overrides)
+            else:
+                train_ok(run, *overrides, env=env, model=model, common=common, timeout=600)
             (folder / "DONE").write_text(key)
     return run
 

@@ -11,7 +11,7 @@ import torch
 from harness import (Limit, assert_bitwise, assert_equivalent, events, finish, members, metrics, reap, run_cli,
                      start, wait_for)
 
-from elasticflow.train.fingerprint import PRIME, checksum, compare, tensors_of
+from elasticflow.train.fingerprint import PRIME, checksum, compare, halves, joined, tensors_of
 
 SAVE = ["checkpoint.interval.steps=5"]
 
@@ -26,6 +26,11 @@ def test_any_one_flipped_bit_moves_the_checksum_and_the_majority_names_the_odd_m
         assert checksum(flat) != base, bit
         words[417] ^= torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
     assert checksum(flat) == base
+    # In two halves float32 holds exactly, and back
+    for value in (1, 2, 65535, 65536, 65537, PRIME, PRIME - 1):
+        hi, lo = halves(value)
+        assert float(torch.tensor([hi, lo], dtype=torch.float32)[0]) == hi and hi >= 1
+        assert joined([hi, lo, 0, 0]) == [value, 0]
     assert compare([5, 5, 5]) is None and compare([5, 0, 5]) is None  # 0: a member that reports none
     v = compare([5, 7, 5])
     assert v.majority and v.odd == [1]
@@ -52,16 +57,17 @@ def _flip_at(run, proc, limit, workers, rank, *args):
     return victim
 
 
-@pytest.mark.parametrize("shard,extra", [("none", ["trainer.reproducible=true", "trainer.micro_batch_size=16"]), ("optimizer", [])],
-                         ids=["replicated-reproducible", "optimizer-sharded"])
-def test_a_flipped_bit_is_caught_the_member_replaced_and_the_model_is_the_one_workers(tmp_path, one_worker, shard,
+@pytest.mark.parametrize("bit,extra", [(20, ["trainer.reproducible=true", "trainer.micro_batch_size=16"]), (0, [])],
+                         ids=["reproducible", "default-lowest-bit"])
+def test_a_flipped_bit_is_caught_the_member_replaced_and_the_model_is_the_one_workers(tmp_path, one_worker, bit,
                                                                                       extra):
+    """The default mode's step scalars travel in float32: the flip of the mantissa's lowest bit is caught too."""
     reference = one_worker(*extra, *SAVE)
     run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
-    proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", f"trainer.shard={shard}", *extra, *SAVE,
+    proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", *extra, *SAVE,
                  env={"EF_PROBE_LIMIT": str(limit.path)})
     try:
-        victim = _flip_at(run, proc, limit, 3, 1, "--tensor", "out/W", "--bit", "20")
+        victim = _flip_at(run, proc, limit, 3, 1, "--tensor", "out/W", "--bit", str(bit))
         limit.advance_until(run, lambda: events(run, "joined"), 120, "the replacement's join")
         limit.lift()
         out = finish(proc)
@@ -70,7 +76,7 @@ def test_a_flipped_bit_is_caught_the_member_replaced_and_the_model_is_the_one_wo
             reap(proc)
     assert proc.returncode == 0, out[-4000:]
     flipped = events(run, "bitflip")
-    assert [(e["worker"], e["tensor"], e["bit"]) for e in flipped] == [(victim["worker_id"], "out/W", 20)], flipped
+    assert [(e["worker"], e["tensor"], e["bit"]) for e in flipped] == [(victim["worker_id"], "out/W", bit)], flipped
     caught = events(run, "corruption")
     assert len(caught) == 1 and caught[0]["ranks"] == [1] and caught[0]["workers"] == [victim["worker_id"]]
     assert caught[0]["tensors"] == ["out/W"] and caught[0]["step"] == flipped[0]["step"] and caught[0]["action"] == "evict"

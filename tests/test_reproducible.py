@@ -28,7 +28,7 @@ MODE = ["trainer.reproducible=true", "optimizer=adamw", "optimizer.lr=0.01", "tr
 
 @pytest.fixture(scope="module")
 def torch_reference(one_worker):
-    return one_worker(*exact_overrides("torch_bn"), *MODE, model=EXACT, common=EXACT_COMMON)
+    return one_worker(*exact_overrides("torch_bn"), *MODE, model=EXACT, common=EXACT_COMMON, here=True)
 
 
 # ---------------------------------------------------------------- the sums
@@ -367,7 +367,8 @@ def test_float16_loss_scaling_clipping_groups_and_frozen_weights_with_a_kill_end
     group with its own learning rate, a frozen convolution; 3 workers, one SIGKILLed at step 12."""
     extra = ["trainer.precision=16", "trainer.grad_clip=0.5", "optimizer.groups=[{params:[10],lr:0.003}]",
              "+model_args.freeze=1"]
-    reference = one_worker(*exact_overrides("torch_bn"), *MODE, *extra, model=EXACT, common=EXACT_COMMON)
+    reference = one_worker(*exact_overrides("torch_bn"), *MODE, *extra, model=EXACT, common=EXACT_COMMON,
+                           here=True)
     run = tmp_path / "run"
     train_exact(run, "torch_bn", *MODE, *extra, "launcher.workers=3", env={"EF_PROBE_KILL": "2:12:reduction"})
     assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
@@ -397,7 +398,7 @@ def test_a_transformers_gpt2_with_dropout_and_token_weights_ends_on_the_one_work
     common = ["trainer.global_batch_size=24", "trainer.micro_batch_size=4", "trainer.max_steps=16",
               "trainer.log_every=1", "elastic.timeout_s=10", "elastic.heartbeat_timeout_s=5",
               "trainer.reproducible=true", "+model_args.dropout=0.1", "+model_args.optimizer=adamw"]
-    reference = one_worker(model=gpt2, common=common)
+    reference = one_worker(model=gpt2, common=common, here=True)
     run = tmp_path / "run"
     proc = start(run, "launcher.workers=3", env={"EF_LM_KILL": "1:6"}, model=gpt2, common=common)
     out = finish(proc)
@@ -413,7 +414,7 @@ def test_a_transformers_resnet_with_batchnorm_ends_on_the_one_workers_bits(tmp_p
     resnet = Path(__file__).parent / "models" / "hf_resnet.py"
     common = ["trainer.global_batch_size=32", "trainer.micro_batch_size=8", "trainer.max_steps=12",
               "trainer.log_every=1", "trainer.reproducible=true", "optimizer=adamw", "optimizer.lr=0.01"]
-    reference = one_worker(model=resnet, common=common)
+    reference = one_worker(model=resnet, common=common, here=True)
     run = tmp_path / "run"
     proc = start(run, "launcher.workers=3", model=resnet, common=common)
     out = finish(proc)

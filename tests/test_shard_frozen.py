@@ -23,7 +23,7 @@ COMMON = ["trainer.global_batch_size=32", "trainer.max_steps=30", "trainer.log_e
 
 @pytest.fixture(scope="module")
 def reference(one_worker):
-    return one_worker(*ARGS, model=LORA, common=COMMON)
+    return one_worker(*ARGS, model=LORA, common=COMMON, here=True)  # here: peft is imported once, not again
 
 
 def _resident(folder):

@@ -89,9 +89,11 @@ def test_settings_stage_3_cannot_run_are_one_error_each():
 
 
 # ---------------------------------------------------------------- real processes
+# Each 1-worker oracle trains in this process (one_worker's here): this file imports torch anyway, and a CLI
+# job for each of its twelve would import torch, Hydra and the trainer (transformers for GPT-2) again.
 @pytest.fixture(scope="module")
 def reference(one_worker):
-    return one_worker(*ARGS, model=UNITS)
+    return one_worker(*ARGS, model=UNITS, here=True)
 
 
 def _resident(folder):
@@ -151,7 +153,7 @@ def test_a_kill_in_each_other_phase_of_a_step_ends_on_the_one_worker_model(tmp_p
     1-worker model (1e-5), with no checkpoint read. 8 micro-batches over 5 and 3 members: some are dealt fewer,
     and replay their peers' fetches. With strict pages (a worker touching memory given back dies)."""
     steps = ["trainer.max_steps=20"]
-    want = one_worker(*ARGS, *steps, model=UNITS)
+    want = one_worker(*ARGS, *steps, model=UNITS, here=True)
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=5", "trainer.shard=parameters", *ARGS, *steps, model=UNITS,
              env={"EF_UNITS_KILL": "4:4:forward_fetch:2,1:9:reduce:3,2:14:update:2", STRICT: "1"})
@@ -168,7 +170,7 @@ def test_bf16_and_activation_checkpointing_end_on_the_one_worker_model(tmp_path,
     both at once (1e-5). One thread a worker, on 1 worker too: under bf16, 1 worker with 2 threads ends 3e-2 from
     1 worker with 1 (rounding alone)."""
     extra = ["trainer.precision=bf16", "+model_args.checkpointing=1", "trainer.max_steps=30", "backend.threads=1"]
-    want = one_worker(*ARGS, *extra, model=UNITS)
+    want = one_worker(*ARGS, *extra, model=UNITS, here=True)
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *ARGS, *extra, model=UNITS)
     assert_equivalent(run, want, records=False)
@@ -186,7 +188,7 @@ def test_clipping_takes_the_norm_over_the_owners_sums(tmp_path, one_worker, stag
     this model is chaotic, and 1 worker with 2 threads ends 1.3e-2 from 1 worker with 1 (rounding alone)."""
     clip = ["trainer.grad_clip=0.5", f"trainer.precision={precision}"] + \
         (["backend.threads=1"] if precision == "16" else [])
-    want = one_worker(*ARGS, *clip, model=UNITS)
+    want = one_worker(*ARGS, *clip, model=UNITS, here=True)
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=3", f"trainer.shard={stage}", *ARGS, *clip, model=UNITS)
     norms = [r["grad_norm"] for r in metrics(run) if "loss" in r]
@@ -202,11 +204,11 @@ def test_parameter_groups_keep_their_lr_and_decay_over_the_units_slices(tmp_path
     steps = ["trainer.max_steps=30"]
     groups = ["optimizer.weight_decay=0.01",
               "optimizer.groups=[{params:[head],lr:0.002},{params:[norm],weight_decay:0.0}]"]
-    want = one_worker(*ARGS, *steps, *groups, model=UNITS)
+    want = one_worker(*ARGS, *steps, *groups, model=UNITS, here=True)
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *ARGS, *steps, *groups, model=UNITS)
     assert_equivalent(run, want, records=False)
-    baseline = one_worker(*ARGS, *steps, "optimizer.weight_decay=0.01", model=UNITS)  # the groups changed it
+    baseline = one_worker(*ARGS, *steps, "optimizer.weight_decay=0.01", model=UNITS, here=True)  # the groups changed it
     with pytest.raises(AssertionError):
         assert_equivalent(run, baseline, records=False)
 
@@ -221,7 +223,7 @@ def test_reproducible_mode_with_clipping_and_a_kill_in_the_gradients_way_to_its_
     mode = ["trainer.reproducible=true", "trainer.shard=parameters", "trainer.micro_batch_size=8",
             "+model_args.hidden=128", "optimizer=adamw", "optimizer.lr=0.003", "trainer.grad_clip=0.5",
             "trainer.max_steps=24"]
-    want = one_worker(*mode, model=UNITS)
+    want = one_worker(*mode, model=UNITS, here=True)
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=3", *mode, model=UNITS, env={"EF_UNITS_KILL": "1:9:reduce:3", STRICT: "1"})
     assert world_sizes(run)[0] == 3 and world_sizes(run)[-1] == 2
@@ -239,7 +241,7 @@ SHORT = ["trainer.max_steps=8"]
 @pytest.fixture(scope="module")
 def short_reference(one_worker):
     """1 worker without checkpointing: a recompute computes the same values, so every style must end here."""
-    return one_worker(*ARGS, *SHORT, model=UNITS)
+    return one_worker(*ARGS, *SHORT, model=UNITS, here=True)
 
 
 @pytest.mark.parametrize("extra", [
@@ -294,7 +296,7 @@ def test_a_checkpointed_unit_with_frozen_weights_goes_once_its_inputs_gradients_
     worker holds its two thirds of the trainable parameters (all of them if the block stayed), and 3 workers end on
     the 1-worker model."""
     frozen = [*SHORT, "+model_args.checkpointing=layer", "+model_args.frozen=1"]
-    want = one_worker(*ARGS, *frozen, model=UNITS)
+    want = one_worker(*ARGS, *frozen, model=UNITS, here=True)
     run, seen = tmp_path / "run", tmp_path / "resident"
     seen.mkdir()
     train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *ARGS, *frozen, model=UNITS,
@@ -336,7 +338,7 @@ def test_hugging_face_gradient_checkpointing_ends_on_the_one_worker_model(tmp_pa
     1 with 1, 1.4e-8; 3 replicated workers with the same kill (shard=none), 3.4e-8; before units were fetched for
     their recompute, 1.6e-2 (a bias 0.47 away), and a SIGSEGV with strict pages. assert_equivalent's 1e-5 a
     tensor (measured 5e-7 here, 3e-7 from the threads alone) tells those apart."""
-    want = one_worker(*LM, model=GPT2)
+    want = one_worker(*LM, model=GPT2, here=True)
     run = tmp_path / "run"
     train_ok(run, "launcher.workers=3", "trainer.shard=parameters", *extra, *LM, model=GPT2, env={**env, STRICT: "1"})
     assert world_sizes(run) == worlds, world_sizes(run)

@@ -30,7 +30,7 @@ class ExactStep:
         self.scalars = 1 + len(metric_names)  # the loss, then the metrics
         self.head = replica.exact_head()  # the gradient's sums (none with stage 3: its owners took them in backward)
         self.members = members
-        self.sums = replica.exact_sum(self.scalars + params + 2 * members, reconciler.size if reconciler else 0)
+        self.sums = replica.exact_sum(self.scalars + params + 3 * members, reconciler.size if reconciler else 0)
         self.took = np.zeros(params, bool)  # a parameter some micro-batch's backward reached (zero_grad clears it)
         self.rows: List[List[float]] = []    # each micro-batch's loss and metrics ...
         self.parts: List[np.ndarray] = []    # ... and buffer contribution: added in one call each, at start()
@@ -58,5 +58,5 @@ class ExactStep:
         sums.add(np.asarray(slots, np.float64), at=head + self.scalars + len(self.took))
         if self.parts:
             sums.add_rows(np.stack(self.parts), at=sums.n - self.reconciler.size)
-        return self.replica.start_exact(self.sums, self.scalars + len(self.took) + 2 * self.members, interrupt,
+        return self.replica.start_exact(self.sums, self.scalars + len(self.took) + 3 * self.members, interrupt,
                                         self.reconciler is not None)

@@ -23,14 +23,18 @@ READ_S = 1.0  # how often the drills' record is read: one store round trip a sec
 
 class Drills:
     """The one record a worker polls for `elasticflow inject`'s drills (``worker/<id>/drill``: the nonce of the
-    newest, sealed by the agent), at most once every READ_S: ``version()`` counts its changes, and each drill
+    newest, sealed by the agent), at most once every READ_S: ``changes`` counts its changes, and each drill
     (``Slowdown``, ``fingerprint.Flips``) reads its own record only when the count moved past the one it saw.
-    ``membership``: the worker's (None: one worker in-process, asked nothing)."""
+    ``membership``: the worker's (None: one worker in-process, asked nothing).
+
+    ``poll()`` runs after a step's commit only, never before its reduction: with the agent cut off (a partition) a
+    store read waits out its timeout, and before the reduction it kept the worker from the collective whose
+    failure the recovery starts from (tests/test_hosts.py's partition)."""
 
     def __init__(self, membership: Any):
         self.m, self.seen, self.changes, self.next_read = membership, None, 0, 0.0
 
-    def version(self) -> int:
+    def poll(self) -> int:
         m, now = self.m, time.monotonic()
         if m is None or getattr(m, "worker_id", None) is None or now < self.next_read:
             return self.changes
@@ -54,9 +58,8 @@ class Slowdown:
 
     def compute(self, seconds: float, rank: int) -> None:
         """The micro-batches of this step took ``seconds``: sleep to make them F times as long, if asked."""
-        version = self.drills.version()
-        if version != self.version:
-            self.version = version
+        if self.drills.changes != self.version:
+            self.version = self.drills.changes
             self._read(seconds, rank)
         if self.factor > 1.0 and self.until is not None and time.time() > self.until:
             self._set(1.0, None, rank, seconds)

@@ -50,13 +50,14 @@ class Stepper:
         # float16: backward on the weighted loss times a power of two that brings it near a share's size
         self.weight_scale = loss_scale.weight_scale(weight_per_sample, t.global_batch_size) if (
             self.weighted and parts.placement.loss_scaling) else 1.0
-        drills = Drills(replica.membership)  # what `elasticflow inject` asked of this worker: one poll a second
-        self.slowdown = Slowdown(replica.membership, drills)  # `inject --slow`: sleeps in a step, if asked
+        self.drills = Drills(replica.membership)  # what `elasticflow inject` asked: one poll a second, after commits
+        self.slowdown = Slowdown(replica.membership, self.drills)  # `inject --slow`: sleeps in a step, if asked
         self.balance = parts.balance  # the members' speeds, and the micro-batches dealt by them (balance.py)
         self.balance.run_log = step_log.run_log
-        self.flips = fingerprint.Flips(replica.membership, drills)  # `inject --bitflip`, if asked
-        # The members' parameters compared every step (fingerprint.py): where each holds the whole vector
-        self.fingerprints = parts.fingerprint and t.shard != "parameters" and replica.membership is not None
+        self.flips = fingerprint.Flips(replica.membership, self.drills)  # `inject --bitflip`, if asked
+        # The members' parameters compared every step (fingerprint.py): with replicated state only (sharded state
+        # at 2 members computes a buddy's range from its own sums, which round differently: fingerprint.py)
+        self.fingerprints = parts.fingerprint and t.shard == "none" and replica.membership is not None
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record.
@@ -86,7 +87,7 @@ class Stepper:
         k, n = 1 + len(self.metric_names), len(self.names)
         prints = scalars[k + n + world:]
         scalars, took_part, speeds = scalars[:k], np.asarray(scalars[k:k + n]) > 0, scalars[k + n:k + n + world]
-        diverged = fingerprint.compare(prints) if self.fingerprints else None
+        diverged = fingerprint.compare(fingerprint.joined(prints)) if self.fingerprints else None
         if diverged is not None:  # before anything of the step is applied: it is redone without the odd member
             self._diverged(diverged, rank, world)
         if buffers is not None:
@@ -112,6 +113,7 @@ class Stepper:
             # the recovery rebuilds the parameters from them.
             replica.gather()
         self._balance(speeds, rank)
+        self.drills.poll()  # after the commit: never between a worker and its step's collective (slowdown.Drills)
         return record
 
     # ------------------------------------------------------------------ the phases of an attempt, in order
@@ -130,7 +132,7 @@ class Stepper:
         """This member's slots of the step's sums, every member's read by all: its seconds per micro-batch since
         ``computed`` (balance.py), then its parameters' fingerprint (fingerprint.py). An `inject --bitflip` asked
         for is made first, so that this step's fingerprint holds it."""
-        slots = np.zeros(2 * world)
+        slots = np.zeros(3 * world)
         if rank < 0:  # an aggregator: no micro-batch, and parameters it does not train
             return slots
         if share.micro:
@@ -139,10 +141,11 @@ class Stepper:
         if flip is not None and self.fingerprints:
             self.flips.flip(self.p.engine, flip, self.replica.rank, self.state.step)
         elif flip is not None:
-            log.warning("inject --bitflip: not made (elastic.fingerprint=false, trainer.shard=parameters or a "
-                        "single worker: nothing would compare the replicas)")
-        if self.fingerprints:
-            slots[world + rank] = fingerprint.checksum(self.p.engine.flat_params())
+            log.warning("inject --bitflip: not made (elastic.fingerprint=false, sharded state or a single worker: "
+                        "nothing would compare the replicas)")
+        if self.fingerprints:  # in two halves: the step's scalars may travel in float32 (exact below 2^24)
+            slots[world + 2 * rank:world + 2 * rank + 2] = fingerprint.halves(
+                fingerprint.checksum(self.p.engine.flat_params()))
         return slots
 
     def _diverged(self, verdict: fingerprint.Verdict, rank: int, world: int) -> None:
