@@ -17,7 +17,6 @@ the straggler costs with equal shares.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from runfiles import jsonl  # noqa: E402 - a leaf beside this script (skips a line torn by a SIGKILL)
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "tests" / "models" / "digits_probe.py"
@@ -61,13 +62,7 @@ def run_once(root: Path, name: str, steps: int, slow: bool, straggler: str) -> f
 
 def _records(run: Path) -> list:
     path = run / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    return list(jsonl(path)) if path.is_file() else []
 
 
 def _logged(run: Path) -> int:
