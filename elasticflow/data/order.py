@@ -246,7 +246,8 @@ def _split_by_cost(total: int, costs: Tuple[float, ...]) -> Tuple[int, ...]:
     if total < world:
         return tuple(1 if i < total else 0 for i in range(world))
     # Most units in proportion to speed at once (each member's part no longer than the best finish), then the
-    # rest (fewer than the members) one at a time: the same counts as dealing every unit so, in O(world^2)
+    # rest (fewer than the members) one at a time, in O(world^2): a slowest part as short as dealing every unit
+    # one at a time gives (checked against that on random costs)
     speed = [1.0 / max(c, 1e-12) for c in costs]
     counts = [max(1, int((total - world) * v / sum(speed))) for v in speed]
     if sum(counts) > total:

@@ -3,8 +3,8 @@
 Every step each member measures its seconds per micro-batch (forward and backward of its share, with the wait for
 its data) and the step's reduction sums the members' measurements into one vector that every member then holds
 (a slot each, the others' zeros: the sum is the value, bit for bit). From those identical inputs every member
-computes the same estimate (a median of the last few, so noise does not move shares every step) and so the same decision, with no
-message of its own:
+computes the same estimate (a median of the last few, so noise does not move shares every step) and so the same
+decision, with no message of its own:
 
 - ``rebalance`` (the default): the next steps deal the global batch's micro-batches by the estimate
   (``data.order.split_by_cost``): the same micro-batches in the same order, only who computes which changes, so
@@ -118,15 +118,15 @@ class Balance:
                 continue
             self.reported.add(r)
             can_evict = self.mode == "evict" and evict is None and len(est) - 1 >= max(1, self.min_workers)
-            action = "evict" if can_evict else ("rebalance" if self.units >= 2 and self.mode != "off" else "report")
+            action = "evict" if can_evict else ("rebalance" if self.units >= 2 else "report")  # observe: mode not off
             if rank == 0:
                 worker = workers[r] if r < len(workers) else None
+                hint = "" if self.hinted else \
+                    " (set trainer.micro_batch_size so its share can shrink, or elastic.straggler=evict)"
                 log.warning("straggler: worker %s (rank %d) took %.1fx the others' median time per micro-batch for "
                             "%d steps%s", worker, r, e / median, self.patience,
                             {"evict": ": evicted, the others go on without it",
-                             "rebalance": ": it is dealt fewer micro-batches",
-                             "report": "" if self.hinted else
-                             " (set trainer.micro_batch_size so its share can shrink, or elastic.straggler=evict)"}[action])
+                             "rebalance": ": it is dealt fewer micro-batches", "report": hint}[action])
                 self.run_log.event("straggler", step=step, rank=r, worker=worker, slowdown=round(e / median, 2),
                                    ms_per_micro_batch=round(e * 1e3, 2), action=action)
                 self.hinted = self.hinted or action == "report"

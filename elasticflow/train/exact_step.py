@@ -20,17 +20,17 @@ class ExactStep:
         replica: the ``Replica`` (its ``exact_sum`` lays the sums out, its ``start_exact`` reduces them).
         engine: the backend Engine. metric_names: forward()'s metrics, in the order they are reduced.
         params: how many parameters (each sends a flag: whether a micro-batch's backward reached it).
-        reconciler: the buffers' ``Reconciler`` (begun for this step), or None. members: the members that
-        consume data (each sends its speed and its parameters' fingerprint in its slots: balance.py, fingerprint.py).
+        reconciler: the buffers' ``Reconciler`` (begun for this step), or None. slots: how many values the members'
+        slots hold (``Stepper._slots``: each member's speed and its parameters' fingerprint).
     """
 
     def __init__(self, replica: Any, engine: Any, metric_names: List[str], params: int, reconciler: Any,
-                 members: int):
+                 slots: int):
         self.replica, self.engine, self.metric_names, self.reconciler = replica, engine, metric_names, reconciler
         self.scalars = 1 + len(metric_names)  # the loss, then the metrics
         self.head = replica.exact_head()  # the gradient's sums (none with stage 3: its owners took them in backward)
-        self.members = members
-        self.sums = replica.exact_sum(self.scalars + params + 3 * members, reconciler.size if reconciler else 0)
+        self.slots = slots
+        self.sums = replica.exact_sum(self.scalars + params + slots, reconciler.size if reconciler else 0)
         self.took = np.zeros(params, bool)  # a parameter some micro-batch's backward reached (zero_grad clears it)
         self.rows: List[List[float]] = []    # each micro-batch's loss and metrics ...
         self.parts: List[np.ndarray] = []    # ... and buffer contribution: added in one call each, at start()
@@ -58,5 +58,5 @@ class ExactStep:
         sums.add(np.asarray(slots, np.float64), at=head + self.scalars + len(self.took))
         if self.parts:
             sums.add_rows(np.stack(self.parts), at=sums.n - self.reconciler.size)
-        return self.replica.start_exact(self.sums, self.scalars + len(self.took) + 3 * self.members, interrupt,
+        return self.replica.start_exact(self.sums, self.scalars + len(self.took) + self.slots, interrupt,
                                         self.reconciler is not None)

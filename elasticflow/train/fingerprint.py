@@ -29,9 +29,8 @@ replica (``Flips``, read at a step like ``--slow``), to rehearse this.
 """
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -81,14 +80,18 @@ def compare(prints: Sequence[float]) -> Optional[Verdict]:
     return Verdict([r for r, v in got.items() if v != best] if majority else sorted(got), majority)
 
 
+def spans(layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> Dict[str, Tuple[int, int]]:
+    """Each tensor's [start, end) in the flat vector ``layout`` (the engine's ``flat_layout``) describes."""
+    out, at = {}, 0
+    for name, shape in layout:
+        n = int(np.prod(shape, dtype=np.int64))  # a scalar's () is 1
+        out[name], at = (at, at + n), at + n
+    return out
+
+
 def tensors_of(flat: Any, layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> List[int]:
     """A checksum per tensor of ``layout`` (the flat order): which tensor differs, once the whole vector did."""
-    out, at = [], 0
-    for _, shape in layout:
-        n = int(np.prod(shape)) if shape else 1
-        out.append(checksum(flat[at:at + n]))
-        at += n
-    return out
+    return [checksum(flat[lo:hi]) for lo, hi in spans(layout).values()]
 
 
 class Flips:
@@ -104,26 +107,25 @@ class Flips:
             return None
         self.version, m = self.drills.changes, self.m
         try:
-            payload = protocol.fetch(m.store, m.sealer, flip_key(m.worker_id), "bitflip")
-            record = json.loads(payload) if payload is not None else None
+            record = protocol.fetch_json(m.store, m.sealer, flip_key(m.worker_id), "bitflip")
         except Exception:  # noqa: BLE001 - the agent is gone: the membership's own calls say so
             return None
-        if not isinstance(record, dict) or record.get("nonce") == self.nonce:
+        if record is None or record.get("nonce") == self.nonce:
             return None
         self.nonce = record.get("nonce")
         return record
 
     def flip(self, engine: Any, record: dict, rank: int, step: int) -> None:
         """Flip bit ``record['bit']`` of element 0 of parameter ``record['tensor']`` ('' : the first) in place."""
-        layout = engine.flat_layout()
-        names = [n for n, _ in layout]
-        name = record.get("tensor") or names[0]
-        if name not in names:
-            log.warning("inject: no parameter %r to flip a bit of (the parameters: %s)", name, ", ".join(names[:8]))
+        where = spans(engine.flat_layout())
+        name = record.get("tensor") or next(iter(where))
+        if name not in where:
+            log.warning("inject: no parameter %r to flip a bit of (the parameters: %s)", name,
+                        ", ".join(list(where)[:8]))
             return
         import torch
 
-        at = sum(int(np.prod(s)) if s else 1 for _, s in layout[:names.index(name)])
+        at = where[name][0]
         flat, bit = engine.flat_params(), int(record.get("bit", 22))
         words = flat.view(torch.int32)
         before = float(flat[at])

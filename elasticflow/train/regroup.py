@@ -190,7 +190,8 @@ class Regrouper:
         if self.shards is not None:
             self.shards.keep_local(self.replica.rank, self.replica.world)
         redone = step_before - self.state.step
-        why = "replicas that differed" if diverged else f"sharded state of range(s) {lost} lost with its owner and buddy"
+        why = ("replicas that differed" if diverged else
+               f"sharded state of range(s) {lost} lost with its owner and buddy")
         log.warning("%s: fell back to checkpoint %s (step %d), redoing %d step(s)", why, found[step], step, redone)
         if self.replica.rank == 0:
             self.run_log.event("fell_back", checkpoint=str(found[step]), step=step, steps_redone=redone,

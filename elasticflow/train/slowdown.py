@@ -2,13 +2,12 @@
 
 Each step the worker polls one record, ``worker/<id>/drill`` (``Drills``: at most once a second), and when a drill
 was asked reads its ``worker/<id>/slow`` record (sealed by the agent); while one is in force it sleeps (F - 1) x
-the time its micro-batches just took, so that it computes F times slower, as a slow device would: the sleep is before the step's reduction, counted in the time per micro-batch the members
-measure (train/balance.py: a rebalance deals it fewer micro-batches, ``evict`` cuts it out), and its peers wait for
-it in the reduction.
+the time its micro-batches just took, so that it computes F times slower, as a slow device would: the sleep is
+before the step's reduction, counted in the time per micro-batch the members measure (train/balance.py: a
+rebalance deals it fewer micro-batches, ``evict`` cuts it out), and its peers wait for it in the reduction.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, Optional
@@ -70,11 +69,10 @@ class Slowdown:
 
     def _read(self, seconds: float, rank: int) -> None:
         try:
-            payload = protocol.fetch(self.m.store, self.m.sealer, slow_key(self.m.worker_id), "slowdown")
-            record = json.loads(payload) if payload is not None else None
+            record = protocol.fetch_json(self.m.store, self.m.sealer, slow_key(self.m.worker_id), "slowdown")
         except Exception:  # noqa: BLE001 - the agent is gone: the membership's own calls say so
             return
-        if isinstance(record, dict) and record.get("nonce") != self.nonce:
+        if record is not None and record.get("nonce") != self.nonce:
             self.nonce = record.get("nonce")
             self._set(float(record.get("factor", 1.0)), record.get("until"), rank, seconds)
 

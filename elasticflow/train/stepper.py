@@ -26,6 +26,7 @@ from ..errors import ElasticFlowError
 from ..replica.replica import Agreed
 
 log = logging.getLogger("elasticflow")
+SLOTS = 3  # each member's slots of the step's sums (Stepper._slots): seconds per micro-batch, 2 fingerprint halves
 
 
 class Stepper:
@@ -132,7 +133,7 @@ class Stepper:
         """This member's slots of the step's sums, every member's read by all: its seconds per micro-batch since
         ``computed`` (balance.py), then its parameters' fingerprint (fingerprint.py). An `inject --bitflip` asked
         for is made first, so that this step's fingerprint holds it."""
-        slots = np.zeros(3 * world)
+        slots = np.zeros(SLOTS * world)
         if rank < 0:  # an aggregator: no micro-batch, and parameters it does not train
             return slots
         if share.micro:
@@ -159,7 +160,7 @@ class Stepper:
         table = np.asarray(replica.reduce_sum(rows.tolist())).reshape(world, len(layout))
         sane = [r for r in range(world) if r not in verdict.odd]
         names = sorted({layout[t][0] for r in verdict.odd for t in range(len(layout))
-                        if sane and table[r, t] != table[sane[0], t]}) if sane else []
+                        if table[r, t] != table[sane[0], t]}) if sane else []
         workers = replica.data_workers
         odd = ", ".join(f"{r} (worker {workers[r]})" for r in verdict.odd)
         what = (f"the parameters of rank(s) {odd} differ from the majority's at step {s.step + 1}"
@@ -168,9 +169,9 @@ class Stepper:
         if rank == (sane[0] if sane else 0):
             log.warning("silent corruption: %s: %s", what, "the odd member(s) leave and the step is redone"
                         if verdict.majority else "every member falls back to the last checkpoint they agreed on")
-            self.p.balance.run_log.event("corruption", step=s.step + 1, ranks=verdict.odd,
-                                         workers=[workers[r] for r in verdict.odd], tensors=names,
-                                         action="evict" if verdict.majority else "fall_back")
+            self.step_log.run_log.event("corruption", step=s.step + 1, ranks=verdict.odd,
+                                        workers=[workers[r] for r in verdict.odd], tensors=names,
+                                        action="evict" if verdict.majority else "fall_back")
         if rank in verdict.odd and verdict.majority:
             self.step_log.flush()
             raise ElasticFlowError(f"evicted: {what}", "a replacement joins with the majority's state where "
@@ -190,7 +191,7 @@ class Stepper:
         exact = None
         if t.reproducible:  # the step's exact sums, added micro-batch by micro-batch (exact_step.py)
             exact = ExactStep(self.replica, engine, self.metric_names, len(self.names), reconciler,
-                              self.replica.data_world)
+                              SLOTS * self.replica.data_world)
         engine.train_mode(True)
         engine.zero_grad()
         if p.placement.loss_scaling:
