@@ -236,7 +236,8 @@ def inject_command(args: List[str]) -> None:
     what.add_argument("--bitflip", type=int, metavar="RANK", help="flip one bit of a parameter in that rank's "
                       "replica (--bit, --tensor): the members' fingerprints catch it (elastic.fingerprint)")
     parser.add_argument("--bit", type=int, help="with --bitflip: which bit of the float32, 0-31 (default 22)")
-    parser.add_argument("--tensor", default="", help="with --bitflip: the parameter's name (default: the first)")
+    parser.add_argument("--tensor", default="", help="with --bitflip: a parameter's name (default: the first), or "
+                        "an optimizer slot as optimizer/<parameter>/<slot>")
     parser.add_argument("--factor", type=float, help="with --slow: how many times slower (> 1; 1 ends a slowdown)")
     parser.add_argument("--for", dest="for_s", type=float, default=0.0, help="with --slow: for S seconds (default: "
                         "until the run ends)")

@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
-from harness import (Limit, assert_bitwise, assert_equivalent, events, finish, members, metrics, reap, run_cli,
-                     start, wait_for)
+from harness import (MODELS, PROBE, Limit, assert_bitwise, assert_equivalent, events, finish, members, metrics, reap,
+                     run_cli, start, wait_for)
 
-from elasticflow.train.fingerprint import PRIME, checksum, compare, halves, joined, tensors_of
+from elasticflow.train.fingerprint import (PRIME, Fingerprints, Flips, checksum, compare, compare_copies, halves, joined,
+                                          tensors_of)
 
 SAVE = ["checkpoint.interval.steps=5"]
 
@@ -42,6 +43,60 @@ def test_any_one_flipped_bit_moves_the_checksum_and_the_majority_names_the_odd_m
     words[105] ^= 1  # in b1
     after = tensors_of(flat, layout)
     assert [a != b for a, b in zip(before, after)] == [False, True, False]
+    # Sharded state: owner r's range against its copy on rank r + 1 (the last rank's copy is on rank 0)
+    assert compare_copies([3, 4, 5], [5, 3, 4]) is None
+    v = compare_copies([3, 4, 5], [5, 3, 9])
+    assert not v.majority and v.copies == [1] and v.odd == [1, 2]
+    assert compare_copies([3, 4, 5], [6, 3, 4]).copies == [2]
+    assert compare_copies([3, 4], [4, 3]) is None and compare_copies([3, 0], [9, 3]) is None  # 0: none reported
+
+
+class _Engine:
+    """What Fingerprints and Flips read of an engine: flat parameters (a 4x5 and a 10), Adam's flat slots."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.p = torch.randn(30, generator=gen)
+        self.s = {"exp_avg": torch.randn(30, generator=gen), "exp_avg_sq": torch.rand(30, generator=gen)}
+
+    def flat_params(self):
+        return self.p
+
+    def flat_layout(self):
+        return [("w", (4, 5)), ("b", (10,))]
+
+    def flat_slots(self):
+        return self.s
+
+    def params_written(self):
+        pass
+
+
+class _Member:
+    worker_id, events = 7, None
+
+
+def test_replicated_optimizer_slots_are_compared_a_quarter_a_step_and_named_when_they_differ():
+    engine = _Engine()
+    fp, flips = Fingerprints(engine, None), Flips(_Member(), None)
+    before = [fp.slots(step) for step in range(8)]
+    names, sums = fp.tensor_sums(3)
+    assert names == ["w", "b", "optimizer/b/exp_avg", "optimizer/b/exp_avg_sq"]  # quarter 3: [24, 30), in b
+    flips.flip(engine, None, {"tensor": "optimizer/b/exp_avg", "bit": 3}, 0, 0)  # b's element 0: flat index 20
+    after = [fp.slots(step) for step in range(8)]
+    # Index 20 is in quarter 2 ([16, 24)): steps 2 and 6 see it, every byte is seen every 4 steps
+    assert [a != b for a, b in zip(before, after)] == [False, False, True, False] * 2
+    flips.flip(engine, None, {"tensor": "b", "bit": 0}, 0, 0)
+    assert all(a != b for a, b in zip(before, [fp.slots(step) for step in range(8)]))
+    old = _Engine()
+    got = [n for n, x, y in zip(fp.tensor_sums(2)[0], fp.tensor_sums(2)[1], Fingerprints(old, None).tensor_sums(2)[1])
+           if x != y]
+    assert got == ["b", "optimizer/b/exp_avg"]
+    # A name that holds nothing: a warning, nothing flipped
+    kept = [fp.slots(step) for step in range(4)]
+    for name in ("optimizer/b/momentum_buffer", "optimizer/c/exp_avg", "c"):
+        flips.flip(engine, None, {"tensor": name, "bit": 3}, 0, 0)
+    assert [fp.slots(step) for step in range(4)] == kept
 
 
 def _flip_at(run, proc, limit, workers, rank, *args):
@@ -110,3 +165,58 @@ def test_two_members_cannot_tell_who_is_right_and_fall_back_to_the_checkpoint_be
     assert "replicas that differed: fell back to checkpoint" in out
     assert not events(run, "left")
     assert_equivalent(run, reference, redone=True)
+
+
+UNITS = MODELS.parent / "tests" / "models" / "units_probe.py"
+ADAM = ["optimizer=adam", "optimizer.lr=0.003"]
+SLOT = "optimizer/out/W/exp_avg"
+# (overrides, model, what to flip ('': the first parameter the rank holds), the action): stage 2 has no
+# reproducible mode. Replicated state and stages 1-2 compare whole parameters (a majority); the sharded slots and
+# stage 3's parameters are compared as each range's two copies (none: no majority)
+FLIPS = {
+    "replicated-slot": (["trainer.shard=none"], PROBE, SLOT, "evict"),
+    "optimizer": (["trainer.shard=optimizer", "trainer.reproducible=true", "trainer.micro_batch_size=16"], PROBE, "",
+                  "evict"),
+    # the probe's out/W lies in rank 2's range: rank 1 holds its own range of hidden/W and rank 0's copy
+    "gradients-slot": (["trainer.shard=gradients"], PROBE, "optimizer/hidden/W/exp_avg", "fall_back"),
+    "parameters": (["trainer.shard=parameters", "trainer.reproducible=true", "trainer.global_batch_size=32",
+                    "trainer.micro_batch_size=8", "+model_args.hidden=128"], UNITS, "", "fall_back"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLIPS))
+def test_a_flipped_bit_in_optimizer_state_or_sharded_state_is_caught_and_repaired(tmp_path, one_worker, case):
+    """A bit of the optimizer state (replicated: a quarter of it is compared a step, so within 4 steps) or of sharded
+    state is caught, the member cut out (a majority) or every member falls back to the checkpoint before it (two
+    copies of a range), and the job ends on the 1-worker model: its bits where the mode is reproducible."""
+    extra, model, tensor, action = FLIPS[case]
+    exact = "trainer.reproducible=true" in extra
+    reference = one_worker(*[x for x in extra if not x.startswith("trainer.shard")], *ADAM, *SAVE, model=model,
+                           here=True)
+    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
+    proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", "checkpoint.async_save=false", *extra,
+                 *ADAM, *SAVE, model=model, env={"EF_PROBE_LIMIT": str(limit.path)})
+    try:
+        victim = _flip_at(run, proc, limit, 3, 1, "--bit", "20", *(["--tensor", tensor] if tensor else []))
+        if action == "evict":
+            limit.advance_until(run, lambda: events(run, "joined"), 120, "the replacement's join")
+        limit.lift()
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            reap(proc)
+    assert proc.returncode == 0, out[-4000:]
+    flipped = events(run, "bitflip")
+    assert [(e["worker"], e["bit"]) for e in flipped] == [(victim["worker_id"], 20)], flipped
+    assert not tensor or flipped[0]["tensor"] == tensor
+    caught = events(run, "corruption")
+    assert len(caught) == 1 and caught[0]["action"] == action and 1 in caught[0]["ranks"], caught
+    assert flipped[0]["step"] <= caught[0]["step"] < flipped[0]["step"] + (4 if tensor else 1), (flipped, caught)
+    if action == "evict":
+        assert caught[0]["ranks"] == [1] and caught[0]["tensors"] == [flipped[0]["tensor"]], caught
+        assert [e["worker"] for e in events(run, "left")] == [victim["worker_id"]]
+        assert metrics(run)[-1]["world_size"] == 3
+    else:  # the flipped copy and its other copy: rank 1's own range and rank 2's, or rank 0's range and rank 1's
+        assert caught[0]["ranks"] in ([1, 2], [0, 1]) and len(caught[0]["copies"]) == 1, caught
+        assert "range of the" in out and len(events(run, "fell_back")) == 1 and not events(run, "left")
+    (assert_bitwise if exact else assert_equivalent)(run, reference)

@@ -129,6 +129,10 @@ class Engine(Protocol):
         with it. None when there is no such room (TensorFlow's, always): the caller copies instead."""
 
     # -- sharded optimizer state (``trainer.shard``, elasticflow/replica/shard.py)
+    def flat_slots(self) -> Dict[str, Any]:
+        """The optimizer's slots by name, each one flat float32 tensor in the flat order (live, not copies): what
+        ``elastic.fingerprint`` compares. {} where there are none, or where they are not flat (TensorFlow's)."""
+
     def flat_params(self) -> Any:
         """The trainable parameters as one flat float32 torch tensor, in the flat gradient's order. torch's
         IS the parameters; TensorFlow's is a copy, written back by ``params_written()``."""

@@ -1,5 +1,5 @@
 """Stage 2's step (``trainer.shard=gradients``): the gradient reduce-scattered, each member receiving the sums of
-its own chunk and its buddy's. A mixin of ``ShardedState``: it reads the state's ``n``, ``world``, ``rank``,
+its own chunk, and its buddy's from the buddy. A mixin of ``ShardedState``: it reads the state's ``n``, ``world``, ``rank``,
 ``replicas``, ``device`` and ``_buffers``, and writes ``reduced``.
 """
 from __future__ import annotations
@@ -22,11 +22,14 @@ class ScatteredGradient:
     def start_reduce_scatter(self, group: Any, grad: torch.Tensor, tail: Optional[torch.Tensor] = None) -> Any:
         """Stage 2: start the reduce-scatter of ``grad``; ``finish_reduce_scatter`` completes it.
 
-        ``tail`` (float32, small gradients): folded in, so one collective does it all: piece r is
-        [chunk r | chunk r - 1 | tail], and each member receives its own chunk, its buddy's and the
-        summed tail (the votes); this costs a copy of the gradient into the pieces, which a small model
-        pays gladly for the round trips it saves (each is a scheduling of every member). Without
-        ``tail`` the pieces are the gradient's own chunks (no copy) and the buddy's chunk travels after.
+        ``tail`` (float32, small gradients): folded in, so one collective carries the votes too: piece r is
+        [chunk r | tail], and each member receives its own chunk and the summed tail; this costs a copy of the
+        gradient into the pieces, which a small model pays gladly for the round trip it saves. Without ``tail``
+        the pieces are the gradient's own chunks (no copy). Either way the buddy's chunk travels after, from
+        its owner (``finish_reduce_scatter``): a buddy's copy must hold its owner's bits, and a reduce-scatter
+        sums each piece in an order of its own (a buddy's chunk folded in as a second piece differed from the
+        owner's sums in the last bits, so after a regroup to 2 members, each holding every range, the members'
+        Adam moments and then parameters differed: found by elastic.fingerprint).
         Returns (work, what ``finish_reduce_scatter`` takes).
         """
         c, w = chunk(self.n, self.world), self.world
@@ -38,34 +41,28 @@ class ScatteredGradient:
                 pieces[-1] = pad
             out = self._buffer("own", c)
         else:
-            width = c * (2 if self.replicas else 1) + tail.numel()
+            width = c + tail.numel()
             pieces = [self._buffer(f"piece{r}", width) for r in range(w)]
             for r, piece in enumerate(pieces):
                 self._chunk_into(piece[:c], grad, r)
-                if self.replicas:
-                    self._chunk_into(piece[c:2 * c], grad, (r - 1) % w)
-                piece[width - tail.numel():].copy_(tail)
+                piece[c:].copy_(tail)
             out = self._buffer("out", width)
         return group.reduce_scatter_start(pieces, out), (out, tail is not None)
 
     def finish_reduce_scatter(self, group: Any, started: Any) -> Optional[torch.Tensor]:
-        """Stage 2, once the reduce-scatter finished: this step's reduced ranges (own, buddy's). Unfolded,
-        the own chunk goes to the buddy and the previous rank's comes in; folded, returns the summed tail."""
+        """Stage 2, once the reduce-scatter finished: this step's reduced ranges (own, buddy's): the own chunk goes
+        to the buddy and the previous rank's comes in. Folded, returns the summed tail."""
         out, folded = started
         c = chunk(self.n, self.world)
         own = owned(self.n, self.world, self.rank)
         self.reduced = {own: out[:own[1] - own[0]]}
-        if not (self.replicas and self.world > 1):
-            return out[c:] if folded else None
-        prev = owned(self.n, self.world, (self.rank - 1) % self.world)
-        if folded:
-            self.reduced[prev] = out[c:c + prev[1] - prev[0]]
-            return out[2 * c:]
-        theirs = self._buffer("buddy", c)[:prev[1] - prev[0]]
-        group.exchange([(self.reduced[own], (self.rank + 1) % self.world, 0)],
-                       [(theirs, (self.rank - 1) % self.world, 0)])
-        self.reduced[prev] = theirs
-        return None
+        if self.replicas and self.world > 1:
+            prev = owned(self.n, self.world, (self.rank - 1) % self.world)
+            theirs = self._buffer("buddy", c)[:prev[1] - prev[0]]
+            group.exchange([(self.reduced[own], (self.rank + 1) % self.world, 0)],
+                           [(theirs, (self.rank - 1) % self.world, 0)])
+            self.reduced[prev] = theirs
+        return out[c:] if folded else None
 
     def _buffer(self, what: str, size: int) -> torch.Tensor:
         """A float32 scratch of ``size`` kept from step to step (a fresh one would fault its pages in)."""

@@ -5,7 +5,8 @@ Data-parallel members apply the same summed gradient to the same parameters, so 
 bits after every step (topology=local_sgd|diloco aside: their replicas differ between rounds by design). A bit
 flipped in one member's memory would go unseen: the job trains on diverged replicas, and its checkpoints hold
 whichever rank wrote each shard. So every step each member adds a checksum of its whole flat parameter vector
-(the 32-bit words summed modulo the prime 2^31 - 1: any one flipped bit changes it) to its slots of the step's
+and of a quarter of each optimizer slot (a different quarter each step: every byte every ``TURNS`` steps; the 32-bit
+words summed modulo the prime 2^31 - 1: any one flipped bit changes it) to its slots of the step's
 reduction, before the update, in two 16-bit halves (the step's scalars may travel in float32, exact only below
 2^24: a whole checksum there hid a flip of a low bit), and every member reads all of them:
 
@@ -17,15 +18,15 @@ reduction, before the update, in two 16-bit halves (the step's scalars may trave
 - no majority (two members, or a tie): nobody can tell which is right, so every member falls back to the newest
   checkpoint saved before the last step on which all agreed, and the steps since are redone.
 
-Only with replicated state (trainer.shard=none). Sharded state is not compared: stage 3 holds no whole vector,
-and under stages 1 and 2 with 2 members (each then holding every range, its own and its buddy's) a member
-computes its buddy's range from sums that round differently from the owner's, so the replicas differ in the
-last bits after such a regroup (measured: tests/test_shard.py's kill at step 23 of 3 workers, the two survivors'
-checksums differed from step 24 on; the model stays within float32 rounding of the 1-worker one). The optimizer
-state and the buffers are not compared either.
+Sharded state (``trainer.shard``; ``Fingerprints.held``): under stages 1 and 2 the parameters are whole on every
+member at a step's start, so they are compared as above; each range of the optimizer state (and under stage 3,
+of the parameters too) is held twice, by its owner and by the next rank (its buddy, ``elastic.shard_replicas=1``),
+and the two copies are compared. Two copies have no majority: a mismatch falls back to the checkpoint. This
+holds because a buddy's copy is computed from its owner's sums (shard_scatter.py). Not compared:
+topology=parameter_server's aggregators' shards, TensorFlow's optimizer slots (not flat) and the buffers.
 
-`elasticflow inject RUN --bitflip R [--bit B] [--tensor NAME]` flips one bit of one parameter in that rank's
-replica (``Flips``, read at a step like ``--slow``), to rehearse this.
+`elasticflow inject RUN --bitflip R [--bit B] [--tensor NAME]` flips one bit of a parameter or an optimizer slot
+in that rank's replica (``Flips``, read at a step like ``--slow``), to rehearse this.
 """
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ def checksum(flat: Any) -> int:
 
 class Verdict:
     """A step's fingerprints disagree. ``odd``: the ranks off the majority's value; ``majority``: whether a strict
-    majority agrees (else nobody can tell which is right)."""
+    majority agrees (else nobody can tell which is right); ``copies``: the owners whose range's two copies differ
+    (sharded state), empty where the parameters did."""
 
-    def __init__(self, odd: List[int], majority: bool):
-        self.odd, self.majority = odd, majority
+    def __init__(self, odd: List[int], majority: bool, copies: Sequence[int] = ()):
+        self.odd, self.majority, self.copies = odd, majority, list(copies)
 
 
 def compare(prints: Sequence[float]) -> Optional[Verdict]:
@@ -80,6 +82,17 @@ def compare(prints: Sequence[float]) -> Optional[Verdict]:
     return Verdict([r for r, v in got.items() if v != best] if majority else sorted(got), majority)
 
 
+def compare_copies(own: Sequence[int], buddy: Sequence[int]) -> Optional[Verdict]:
+    """Each owner's checksum of its range (``own``, by rank) against its buddy's copy (``buddy[r + 1]``: rank r + 1
+    holds rank r's range): None when every pair reported agrees. Two copies: no majority."""
+    world = len(own)
+    owners = [r for r in range(world) if world > 1 and own[r] and buddy[(r + 1) % world]
+              and own[r] != buddy[(r + 1) % world]]
+    if not owners:
+        return None
+    return Verdict(sorted({x for r in owners for x in (r, (r + 1) % world)}), False, owners)
+
+
 def spans(layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> Dict[str, Tuple[int, int]]:
     """Each tensor's [start, end) in the flat vector ``layout`` (the engine's ``flat_layout``) describes."""
     out, at = {}, 0
@@ -92,6 +105,82 @@ def spans(layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> Dict[str, Tuple[int,
 def tensors_of(flat: Any, layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> List[int]:
     """A checksum per tensor of ``layout`` (the flat order): which tensor differs, once the whole vector did."""
     return [checksum(flat[lo:hi]) for lo, hi in spans(layout).values()]
+
+
+class Fingerprints:
+    """This member's fingerprints for a step (``WIDTH`` checksums, sent as ``halves``) and the step's verdict.
+
+    Args:
+        engine: the backend engine (``flat_params``); shards: the ``ShardedState`` under trainer.shard, else None.
+    """
+
+    WIDTH = 3  # checksums per member: its parameters, its own range's copy, its copy of its buddy's range
+    TURNS = 4  # replicated optimizer slots: a quarter of each a step, every byte every 4 steps (a quarter's cost)
+
+    def __init__(self, engine: Any, shards: Any):
+        self.engine, self.shards = engine, shards
+        # Stage 3 holds no whole vector: only its ranges' copies are compared
+        self.whole = shards is None or shards.paged is None
+
+    def slots(self, step: int) -> List[float]:
+        """This member's ``2 * WIDTH`` numbers of the step's sums (``step``: the committed steps, which picks the
+        slots' quarter): each checksum's ``halves`` (0, 0: none)."""
+        sums = [self._whole(step) if self.whole else 0, *self.held()]
+        return [x for v in sums for x in (halves(v) if v else (0, 0))]
+
+    def _quarter(self, n: int, step: int) -> Tuple[int, int]:
+        part = -(-n // self.TURNS)
+        return step % self.TURNS * part, min(n, (step % self.TURNS + 1) * part)
+
+    def _whole(self, step: int) -> int:
+        """The parameters' checksum and this step's quarter of each replicated slot's (a sum per buffer: per
+        tensor would cost a call per tensor, ``tensor_sums`` does that only once they differed)."""
+        total = checksum(self.engine.flat_params())
+        for _, values in sorted(self.engine.flat_slots().items()):
+            lo, hi = self._quarter(int(values.numel()), step)
+            total += checksum(values[lo:hi])
+        return total % PRIME + 1
+
+    def tensor_sums(self, step: int) -> Tuple[List[str], List[int]]:
+        """The whole check's parts, tensor by tensor: each parameter's checksum, then (replicated state) each
+        slot's this step's quarter, cut by tensor (``optimizer/<tensor>/<slot>``)."""
+        flat, where = self.engine.flat_params(), spans(self.engine.flat_layout())
+        names, sums = list(where), [checksum(flat[lo:hi]) for lo, hi in where.values()]
+        for slot, values in sorted(self.engine.flat_slots().items()):
+            lo, hi = self._quarter(int(values.numel()), step)
+            for name, (a, b) in where.items():
+                if max(a, lo) < min(b, hi):
+                    names.append(f"optimizer/{name}/{slot}")
+                    sums.append(checksum(values[max(a, lo):min(b, hi)]))
+        return names, sums
+
+    def held(self) -> Tuple[int, int]:
+        """Checksums of this member's own range and of its copy of the previous rank's (its buddy's): the optimizer
+        slots, and under stage 3 the parameters of the range too. (0, 0) where no range is held twice."""
+        sh = self.shards
+        if sh is None or sh.serves() or not sh.replicas or sh.world < 2:
+            return 0, 0
+        from ..replica.shard_plan import owned
+
+        return tuple(self._range(*owned(sh.n, sh.world, r)) for r in (sh.rank, (sh.rank - 1) % sh.world))
+
+    def _range(self, lo: int, hi: int) -> int:
+        sh, total = self.shards, 0
+        for (a, b), slots in sh.held.items():
+            if a <= lo and hi <= b:
+                for name in sorted(slots):
+                    total += checksum(slots[name][lo - a:hi - a])
+                break
+        if sh.paged is not None:
+            total += checksum(sh.params[lo:hi])
+        return total % PRIME + 1
+
+    def compare(self, prints: Sequence[float], world: int) -> Optional[Verdict]:
+        """The step's verdict from every member's ``slots`` (``prints``, member by member): the parameters by
+        majority, then each range's two copies."""
+        rows = np.asarray(prints, dtype=np.float64).reshape(world, 2 * self.WIDTH)
+        sums = [joined(rows[:, 2 * i:2 * i + 2].reshape(-1)) for i in range(self.WIDTH)]
+        return compare(sums[0]) or compare_copies(sums[1], sums[2])
 
 
 class Flips:
@@ -115,25 +204,46 @@ class Flips:
         self.nonce = record.get("nonce")
         return record
 
-    def flip(self, engine: Any, record: dict, rank: int, step: int) -> None:
-        """Flip bit ``record['bit']`` of element 0 of parameter ``record['tensor']`` ('' : the first) in place."""
-        where = spans(engine.flat_layout())
-        name = record.get("tensor") or next(iter(where))
-        if name not in where:
-            log.warning("inject: no parameter %r to flip a bit of (the parameters: %s)", name,
-                        ", ".join(list(where)[:8]))
-            return
+    def flip(self, engine: Any, shards: Any, record: dict, rank: int, step: int) -> None:
+        """Flip bit ``record['bit']`` of the first element this member holds of ``record['tensor']``, in place: a
+        parameter ('' : the first held), or an optimizer slot as ``optimizer/<parameter>/<slot>`` (a sharded slot in
+        this member's own range first, then its buddy copy). ``shards``: the ``ShardedState``, else None."""
         import torch
 
-        at = where[name][0]
-        flat, bit = engine.flat_params(), int(record.get("bit", 22))
-        words = flat.view(torch.int32)
-        before = float(flat[at])
-        words[at] ^= torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
-        engine.params_written()
-        log.warning("inject: flipped bit %d of %s[0] on worker %s (rank %d): %r -> %r", bit, name, self.m.worker_id,
-                    rank, before, float(flat[at]))
+        where = spans(engine.flat_layout())
+        n = sum(b - a for a, b in where.values())
+        name = record.get("tensor") or ""
+        param, slot = (name[len("optimizer/"):].rsplit("/", 1) + [""])[:2] if name.startswith("optimizer/") else (
+            name, None)
+        # (lo, hi, the vector holding [lo, hi), the flat index of its element 0): own range first
+        order = [] if shards is None else sorted(shards.held, key=lambda r: r != shards.own_range())
+        if slot is None:
+            paged = shards is not None and shards.paged is not None
+            places = [(a, b, engine.flat_params(), 0) for a, b in (order if paged else [(0, n)])]
+        elif shards is None:
+            places = [(0, n, v, 0) for v in [engine.flat_slots().get(slot)] if v is not None]
+        else:
+            places = [(a, b, shards.held[(a, b)][slot], a) for a, b in order if slot in shards.held[(a, b)]]
+        param = param or next((t for t, (a, b) in where.items() for lo, hi, _, _ in places[:1]
+                               if max(a, lo) < min(b, hi)), "")
+        span = where.get(param)
+        hit = next(((max(span[0], lo), vec, base) for lo, hi, vec, base in places
+                    if span and max(span[0], lo) < min(span[1], hi)), None)
+        if hit is None:
+            log.warning("inject: nothing named %r to flip a bit of on rank %d (a parameter such as %s, or "
+                        "optimizer/<parameter>/<slot>; under trainer.shard a range this rank holds)", name, rank,
+                        ", ".join(list(where)[:4]))
+            return
+        at, vec, base = hit
+        bit, label = int(record.get("bit", 22)), param if slot is None else f"optimizer/{param}/{slot}"
+        before = float(vec[at - base])
+        vec.view(torch.int32)[at - base] ^= torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32)
+        after, element = float(vec[at - base]), at - span[0]
+        if slot is None:
+            engine.params_written()
+        log.warning("inject: flipped bit %d of %s[%d] on worker %s (rank %d): %r -> %r", bit, label, element,
+                    self.m.worker_id, rank, before, after)
         events = getattr(self.m, "events", None)
         if events is not None:
-            append_event(events, "bitflip", "worker", worker=self.m.worker_id, rank=rank, step=step + 1, tensor=name,
-                         bit=bit, before=before, after=float(flat[at]))
+            append_event(events, "bitflip", "worker", worker=self.m.worker_id, rank=rank, step=step + 1, tensor=label,
+                         element=element, bit=bit, before=before, after=after)

@@ -26,7 +26,8 @@ from ..errors import ElasticFlowError
 from ..replica.replica import Agreed
 
 log = logging.getLogger("elasticflow")
-SLOTS = 3  # each member's slots of the step's sums (Stepper._slots): seconds per micro-batch, 2 fingerprint halves
+# each member's slots of the step's sums (Stepper._slots): seconds per micro-batch, then its fingerprints' halves
+SLOTS = 1 + 2 * fingerprint.Fingerprints.WIDTH
 
 
 class Stepper:
@@ -56,9 +57,9 @@ class Stepper:
         self.balance = parts.balance  # the members' speeds, and the micro-batches dealt by them (balance.py)
         self.balance.run_log = step_log.run_log
         self.flips = fingerprint.Flips(replica.membership, self.drills)  # `inject --bitflip`, if asked
-        # The members' parameters compared every step (fingerprint.py): with replicated state only (sharded state
-        # at 2 members computes a buddy's range from its own sums, which round differently: fingerprint.py)
-        self.fingerprints = parts.fingerprint and t.shard == "none" and replica.membership is not None
+        # The members' parameters, and sharded state's two copies of each range, compared every step (fingerprint.py)
+        self.fingerprints = fingerprint.Fingerprints(parts.engine, parts.shards) if (
+            parts.fingerprint and replica.membership is not None) else None
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record.
@@ -88,7 +89,7 @@ class Stepper:
         k, n = 1 + len(self.metric_names), len(self.names)
         prints = scalars[k + n + world:]
         scalars, took_part, speeds = scalars[:k], np.asarray(scalars[k:k + n]) > 0, scalars[k + n:k + n + world]
-        diverged = fingerprint.compare(fingerprint.joined(prints)) if self.fingerprints else None
+        diverged = self.fingerprints.compare(prints, world) if self.fingerprints else None
         if diverged is not None:  # before anything of the step is applied: it is redone without the odd member
             self._diverged(diverged, rank, world)
         if buffers is not None:
@@ -138,15 +139,15 @@ class Stepper:
             return slots
         if share.micro:
             slots[rank] = (time.perf_counter() - computed) / len(share.micro)
-        flip = self.flips.due()
-        if flip is not None and self.fingerprints:
-            self.flips.flip(self.p.engine, flip, self.replica.rank, self.state.step)
+        flip, fp = self.flips.due(), self.fingerprints
+        if flip is not None and fp is not None:
+            self.flips.flip(self.p.engine, self.p.shards, flip, self.replica.rank, self.state.step)
         elif flip is not None:
-            log.warning("inject --bitflip: not made (elastic.fingerprint=false, sharded state or a single worker: "
-                        "nothing would compare the replicas)")
-        if self.fingerprints:  # in two halves: the step's scalars may travel in float32 (exact below 2^24)
-            slots[world + 2 * rank:world + 2 * rank + 2] = fingerprint.halves(
-                fingerprint.checksum(self.p.engine.flat_params()))
+            log.warning("inject --bitflip: not made (elastic.fingerprint=false or a single worker: nothing would "
+                        "compare the replicas)")
+        if fp is not None:  # in halves: the step's scalars may travel in float32 (exact below 2^24)
+            width = 2 * fp.WIDTH
+            slots[world + width * rank:world + width * (rank + 1)] = fp.slots(self.state.step)
         return slots
 
     def _diverged(self, verdict: fingerprint.Verdict, rank: int, world: int) -> None:
@@ -154,23 +155,27 @@ class Stepper:
         event by the first member that agrees with the majority, then the odd members leave and the others redo the
         step without them (a failed step's path), or with no majority all fall back to a checkpoint."""
         engine, replica, s = self.p.engine, self.replica, self.state
-        layout = engine.flat_layout()
-        rows = np.zeros(world * len(layout))
-        rows[rank * len(layout):(rank + 1) * len(layout)] = fingerprint.tensors_of(engine.flat_params(), layout)
-        table = np.asarray(replica.reduce_sum(rows.tolist())).reshape(world, len(layout))
-        sane = [r for r in range(world) if r not in verdict.odd]
-        names = sorted({layout[t][0] for r in verdict.odd for t in range(len(layout))
-                        if table[r, t] != table[sane[0], t]}) if sane else []
+        sane, names = [r for r in range(world) if r not in verdict.odd], []
+        if sane and not verdict.copies:  # the same on every member, as is the verdict: all enter this sum or none
+            tensors, sums = self.fingerprints.tensor_sums(s.step)
+            rows = np.zeros(world * len(tensors))
+            rows[rank * len(tensors):(rank + 1) * len(tensors)] = sums
+            table = np.asarray(replica.reduce_sum(rows.tolist())).reshape(world, len(tensors))
+            names = sorted({tensors[t] for r in verdict.odd for t in range(len(tensors))
+                            if table[r, t] != table[sane[0], t]})
         workers = replica.data_workers
         odd = ", ".join(f"{r} (worker {workers[r]})" for r in verdict.odd)
+        state = "optimizer state" if self.fingerprints.whole else "parameters and optimizer state"
         what = (f"the parameters of rank(s) {odd} differ from the majority's at step {s.step + 1}"
                 + (f" (tensor {', '.join(names)})" if names else "") if verdict.majority else
+                f"the two copies of rank(s) {verdict.copies}'s range of the {state} differ at step {s.step + 1} "
+                f"(held by ranks {odd}: no majority)" if verdict.copies else
                 f"the members' parameters differ at step {s.step + 1} with no majority (ranks {odd})")
         if rank == (sane[0] if sane else 0):
             log.warning("silent corruption: %s: %s", what, "the odd member(s) leave and the step is redone"
                         if verdict.majority else "every member falls back to the last checkpoint they agreed on")
             self.step_log.run_log.event("corruption", step=s.step + 1, ranks=verdict.odd,
-                                        workers=[workers[r] for r in verdict.odd], tensors=names,
+                                        workers=[workers[r] for r in verdict.odd], tensors=names, copies=verdict.copies,
                                         action="evict" if verdict.majority else "fall_back")
         if rank in verdict.odd and verdict.majority:
             self.step_log.flush()

@@ -343,6 +343,11 @@ class Engine(WholeParameters):
         return state_names(self.param_names, [*self.buffers, *self.frozen], self.spec.slots())
 
     # -- sharded optimizer state (elasticflow/replica/shard.py)
+    def flat_slots(self) -> Dict[str, Any]:
+        """None flat: the slots are a variable per parameter, and reading one copies it (elastic.fingerprint
+        compares the parameters only here)."""
+        return {}
+
     def flat_params(self):
         """The parameters as one flat float32 torch tensor, in the flat gradient's order, read from the
         variables now. A copy (a variable cannot be written through DLPack): whoever writes it calls

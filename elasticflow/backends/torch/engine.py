@@ -284,6 +284,10 @@ class Engine:
         the model."""
         return self.flat_param
 
+    def flat_slots(self) -> Dict[str, torch.Tensor]:
+        """The flat optimizer's slot buffers (the Engine contract)."""
+        return dict(self.optimizer.flat_slots)
+
     def flat_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """(name, shape) of each parameter, in the flat order."""
         return self.variables.layout()

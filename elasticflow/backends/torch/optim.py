@@ -54,6 +54,7 @@ class _Flat:
         self.flat_param, self.flat_grad = flat_param, flat_grad
         self.steps = 0
         self.state: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        self.flat_slots = dict(slots)  # each slot one flat buffer in the flat order (Engine.flat_slots)
         self._views: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
         offset = 0
         for p in params:
@@ -400,6 +401,7 @@ class Released:
     def __init__(self):
         self.state: Dict[Any, Any] = {}
         self.param_groups: List[Dict[str, Any]] = [{}]
+        self.flat_slots: Dict[str, Any] = {}
 
     def step(self, plan: Any = None) -> None:
         raise RuntimeError("this engine's optimizer was released for a sharded update (trainer.shard)")
