@@ -120,11 +120,13 @@ class EtcdCluster:
                 raise RuntimeError(f"etcd did not form a cluster in {timeout_s:g}s: {done.stdout[-500:]}"
                                    f"{done.stderr[-1500:]} {logs}")
 
-    def stranger(self, name: str = "other-job") -> Dict[str, str]:
-        """The TLS files of another client the cluster trusts (the same CA signed it): another job's, say."""
+    def stranger(self, name: str = "other-job", common_name: bool = True) -> Dict[str, str]:
+        """The TLS files of another client the cluster trusts (the same CA signed it): another job's, say.
+        ``common_name=False``: a certificate without a CommonName (/O=name), which etcd 3.4's JSON gateway takes
+        once authentication is on (a job that logs in with a password)."""
         folder = self.folder / "certs"
         for args in (["req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                      "-subj", f"/CN={name}"],
+                      "-subj", f"/CN={name}" if common_name else f"/O={name}"],
                      ["x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                       "-out", f"{name}.pem", "-days", "2", "-extfile", "san.cnf"]):
             subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)

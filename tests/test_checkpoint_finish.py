@@ -3,6 +3,7 @@ process: three writers of one save (replicated state), whose store fails after e
 job-level test, a 3-worker sharded job whose agent is killed before its last save, is
 tests/test_shard_checkpoint.py's test_a_save_the_store_could_not_commit_is_committed_from_its_files_and_resumed."""
 import logging
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -12,7 +13,7 @@ import elasticflow.checkpoint as ckpt
 from elasticflow.checkpoint import Checkpointer, Coordinator
 from elasticflow.checkpoint.finish import commit_run, finish_pending, survey
 from elasticflow.errors import ElasticFlowError
-from harness import cli
+from harness import cli, flip_a_byte
 
 STATE = {"hidden/W": np.arange(60, dtype=np.float32).reshape(6, 10), "out/b": np.ones(3, np.float32),
          "step_count": np.array([7], np.int64)}
@@ -32,12 +33,22 @@ class StoreGone(Coordinator):
         raise ConnectionError("Connection reset by peer")
 
 
-def save_without_store(job, step, token="0a1b2c3d"):
-    """Every rank of 3 writes its shard of ``step``; the store fails as each reports."""
-    writers = [Checkpointer(job, asynchronous=False, coordinator=StoreGone(), token=token) for _ in range(3)]
-    with ThreadPoolExecutor(3) as pool:
-        list(pool.map(lambda r: writers[r].save(f"step_{step}", STATE, info(step), rank=r, world=3, wait=True),
-                      range(3)))
+def save_without_store(job, step, token="0a1b2c3d", together=False):
+    """Every rank of 3 writes its shard of ``step``; the store fails as each reports. ``together``: at once, so rank 0
+    finds the others' files while it waits and commits the save itself; else rank 0 first, which gives up waiting
+    for them (0.2 s), then the others: a save left for the command or the next start."""
+    writers = [Checkpointer(job, asynchronous=False, coordinator=StoreGone(), token=token,
+                            timeout_s=30 if together else 0.2) for _ in range(3)]
+
+    def write(r):
+        return writers[r].save(f"step_{step}", STATE, info(step), rank=r, world=3, wait=True)
+
+    if together:
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(write, range(3)))
+    else:
+        for r in range(3):
+            write(r)
     for w in writers:
         w.close()
 
@@ -51,6 +62,19 @@ def job(tmp_path, caplog):
     assert "checkpoint step_9 not committed: rank 0 could not report its shard" in caplog.text
     assert f"`elasticflow checkpoint commit {job}` commits it from them" in caplog.text
     return job
+
+
+def test_rank_0_commits_a_save_whose_store_failed_from_its_files_once_all_are_there(tmp_path, caplog):
+    """The store lost at a save (the agent's host gone, its door held shut): every rank still writes its shard and
+    report, and rank 0 commits the save from them before it goes on (or exits), so no trained state is lost."""
+    job = tmp_path / "ckpts" / "probe_20261207-120000"
+    with caplog.at_level(logging.WARNING, "elasticflow"):
+        save_without_store(job, 9, together=True)
+    assert f"checkpoint {job / 'step_9'} committed from its 3 shard files: the agent's store could not be " \
+           "reached" in caplog.text
+    assert [p.name for p in ckpt.complete_checkpoints(job)] == ["step_9"] and not survey(job)
+    loaded = ckpt.load(job / "step_9")
+    assert all(np.array_equal(loaded[k], v) for k, v in STATE.items())
 
 
 def test_a_save_whose_store_failed_is_committed_from_its_files(job):
@@ -82,6 +106,25 @@ def test_a_running_runs_own_saves_are_never_taken(job):
     assert finish_pending(job, "0a1b2c3d", 5) is None
     assert [p.name for p in ckpt.complete_checkpoints(job)] == ["step_5"]
     assert finish_pending(job, "99", 5) == job / "step_9"
+
+
+def test_the_workers_of_a_start_finish_it_together_one_committing_and_a_changed_byte_is_refused(job, tmp_path):
+    """Every worker of a resume=auto start calls finish_pending at once: one commits, the others wait for it (and a
+    worker of a later start finds nothing left). A shard whose bytes are not those its writer hashed is refused in one
+    line, never committed."""
+    flipped = tmp_path / "flipped" / job.name
+    shutil.copytree(job, flipped)
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda _: finish_pending(job, "f00d", 10), range(3)))
+    assert sorted(map(str, got)) == [str(job / "step_9"), "None", "None"], got
+    assert finish_pending(job, "beef", 10) is None
+    flip_a_byte(next(flipped.glob(".step_9.tmp-*")) / ckpt.shard_name(2, 3))
+    refused = cli(["checkpoint", "commit", flipped])
+    assert refused.returncode != 0 and "is corrupt: its bytes do not hash to the checksums its writer reported" in \
+        refused.stderr, refused.stderr
+    assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == \
+        [refused.stderr.splitlines()[0]], refused.stderr
+    assert ckpt.latest(flipped).name == "step_5"
 
 
 @pytest.mark.parametrize("args", [["checkpoint"], ["checkpoint", "comit", "runs/a"], ["checkpoint", "commit"]])

@@ -4,6 +4,7 @@ key held by a lease, and a fenced client that can write nothing once its lease i
 from __future__ import annotations
 
 import datetime
+import secrets
 import subprocess
 
 import pytest
@@ -158,3 +159,96 @@ def test_a_leaders_own_record_copied_back_without_its_lease_is_no_leader(etcd):
     assert rival.holder() is None and rival.claim() and rival.forged and rival.holder() == rival.name
     with pytest.raises(Deposed):
         lead.fenced().set("gen/current", "1")
+
+
+# ---------------------------------------------------------------- a user and role per job (etcd's authentication)
+@pytest.fixture(scope="module")
+def etcd_auth(tmp_path_factory):
+    """A second one-member cluster (127.0.0.2), authentication on, set up as docs/multi-host.md says: a root user,
+    a role and a user per job limited to its prefix (job1/, job2/). Each job's certificate has no CommonName (etcd
+    3.4's JSON gateway refuses one once authentication is on). Yields (cluster, {user: (tls, password file)})."""
+    folder = tmp_path_factory.mktemp("etcd-auth")
+    cluster = EtcdCluster(folder, {"m1": "127.0.0.2"},
+                          start=lambda name, args: subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                                                    stderr=subprocess.DEVNULL))
+    cluster.start()
+    cluster.wait_ready(lambda args: subprocess.run(args, capture_output=True, text=True, timeout=90))
+    t = cluster.tls
+    ctl = ["etcdctl", f"--endpoints={cluster.endpoints[0]}", f"--cacert={t['ca']}", f"--cert={t['cert']}",
+           f"--key={t['key']}"]
+    users = {}
+    for job in ("job1", "job2"):
+        password = folder / f"{job}.password"
+        password.write_text(secrets.token_hex(16) + "\n")
+        password.chmod(0o600)
+        users[job] = (cluster.stranger(job, common_name=False), password)
+    root = secrets.token_hex(16)
+    steps = [["user", "add", "root", f"--new-user-password={root}"], ["user", "grant-role", "root", "root"]]
+    for job, (_, password) in users.items():
+        steps += [["role", "add", job], ["role", "grant-permission", job, "--prefix=true", "readwrite", f"{job}/"],
+                  ["user", "add", job, f"--new-user-password={password.read_text().strip()}"],
+                  ["user", "grant-role", job, job]]
+    for step in steps + [["auth", "enable"]]:
+        done = subprocess.run(ctl + step, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, (step, done.stderr)
+    yield cluster, users
+    cluster.stop()
+
+
+def login(cluster, users, job, prefix, user=None, timeout_s: float = 5) -> EtcdStore:
+    tls, password = users[job]
+    addr = address(cluster.endpoints, prefix, tls["ca"], tls["cert"], tls["key"], user=user or job,
+                   password_file=str(password))
+    return EtcdStore(addr, datetime.timedelta(seconds=timeout_s))
+
+
+def test_a_job_logs_in_as_its_user_and_another_jobs_user_cannot_reach_its_keys(etcd_auth):
+    """The job's user does all a job does under its prefix (records, counters, the leader's lease); another job's
+    user, and a client that does not log in, can neither list, read, write nor delete any of it. A token that
+    lapsed is replaced by logging in again; a wrong password is one line."""
+    cluster, users = etcd_auth
+    store = login(cluster, users, "job1", "job1/")
+    store.set("k", "v")
+    assert store.get("k") == b"v" and store.add("n", 2) == 2 and store.compare_set("c", "", "x") == b"x"
+    assert sorted(store.list_keys()) == ["c", "k", "n"]
+    lead = Leadership(login(cluster, users, "job1", "job1/"), TOKEN, 2.0)
+    assert lead.claim() and lead.holder() is not None
+    store._auth = "lapsed.12"  # as after --auth-token-ttl unused: etcd says the token is invalid
+    assert store.get("k") == b"v" and store._auth != "lapsed.12"
+
+    other = login(cluster, users, "job2", "job1/")  # another job's user, aimed at job1's prefix
+    for attempt in (lambda: other.check(["k"]), other.list_keys, lambda: other.set("agent/leader", "forged"),
+                    lambda: other.delete_key("k")):
+        with pytest.raises(Exception, match="permission denied"):
+            attempt()
+    with pytest.raises(Exception, match="permission denied"):  # every key of the cluster, as DEPOSE lists them
+        other.post("/v3/kv/range", {"key": "AA==", "range_end": "AA==", "keys_only": True})
+    tls = users["job2"][0]
+    anonymous = EtcdStore(address(cluster.endpoints, "job1/", tls["ca"], tls["cert"], tls["key"]),
+                          datetime.timedelta(seconds=5))
+    with pytest.raises(Exception, match="etcd refused"):
+        anonymous.check(["k"])
+    assert store.get("k") == b"v" and lead.holder() is not None  # job1's keys untouched
+    wrong = login(cluster, users, "job1", "job1/", user="job2")  # job2's name with job1's password
+    with pytest.raises(Exception, match="etcd refused the login of user 'job2'"):
+        wrong.check(["k"])
+
+
+def test_a_bad_etcd_login_setting_is_one_error_line_with_a_hint(tmp_path):
+    from elasticflow.launchers.failover import _login
+    from elasticflow.errors import ElasticFlowError
+    from types import SimpleNamespace as NS
+
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o640)
+    for e, match in ((NS(user="job1", password_file=None, prefix="job1/"), "launcher.etcd.password_file is not set"),
+                     (NS(user="job1", password_file=str(secret), prefix=None), "needs launcher.etcd.prefix"),
+                     (NS(user="job1", password_file=str(tmp_path / "no"), prefix="job1/"), "is not a file"),
+                     (NS(user="job1", password_file=str(secret), prefix="job1/"), "can be read by others")):
+        with pytest.raises(ElasticFlowError, match=match) as err:
+            _login(e)
+        assert err.value.hint
+    secret.chmod(0o600)
+    assert _login(NS(user="job1", password_file=str(secret), prefix="job1/")) == ("job1", str(secret))
+    assert _login(NS(user=None, password_file=None, prefix=None)) == ("", "")

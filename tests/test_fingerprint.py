@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from harness import (MODELS, PROBE, Limit, assert_bitwise, assert_equivalent, events, finish, members, metrics, reap,
-                     run_cli, start, wait_for)
+                     run_cli, start, train_ok, wait_for)
 
+from elasticflow.config.schema import compose
+from elasticflow.distributed.protocol import CommError
+from elasticflow.errors import ElasticFlowError
+from elasticflow.train.spot_check import Spot, SpotCheck
 from elasticflow.train.fingerprint import (PRIME, Fingerprints, Flips, checksum, compare, compare_copies, halves, joined,
                                           tensors_of)
 
@@ -220,3 +224,60 @@ def test_a_flipped_bit_in_optimizer_state_or_sharded_state_is_caught_and_repaire
         assert caught[0]["ranks"] in ([1, 2], [0, 1]) and len(caught[0]["copies"]) == 1, caught
         assert "range of the" in out and len(events(run, "fell_back")) == 1 and not events(run, "left")
     (assert_bitwise if exact else assert_equivalent)(run, reference)
+
+
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def event(self, kind, **fields):
+        self.events.append((kind, fields))
+
+
+def test_a_spot_checks_difference_calls_a_referee_then_the_majority_decides_and_two_cannot():
+    check, log = SpotCheck(5), _Log()
+    assert check.plan(3, (0, 64), 3, 16, None) is None  # step 4: not a multiple of 5
+    spot = check.plan(4, (0, 64), 3, 16, None)  # step 5: micro-batch 5 // 5 % 4 = 1, rank 0's second (2, 1, 1)
+    assert (spot.index, spot.owner, spot.ranks, spot.referee) == (1, 0, [0, 1], False)
+    agree = [*halves(9), *halves(9), 0, 0]
+    check.check(spot, agree, 0, 4, [0, 1, 2], log)  # the two agree: nothing
+    with pytest.raises(CommError, match="computed micro-batch 1 of step 5 differently"):
+        check.check(spot, [*halves(9), *halves(8), 0, 0], 0, 4, [0, 1, 2], log)
+    assert log.events[-1][1]["action"] == "referee"
+    spot = check.plan(4, (0, 64), 3, 16, None)  # the redo: every member computes it
+    assert spot.ranks == [0, 1, 2] and spot.referee
+    with pytest.raises(ElasticFlowError, match="evicted: its computation differed") as e:
+        check.check(spot, [*halves(9), *halves(8), *halves(9)], 1, 4, [0, 7, 2], log)
+    assert e.value.exit_code == 10
+    with pytest.raises(CommError):  # a majority member redoes the step without it
+        check.check(spot, [*halves(9), *halves(8), *halves(9)], 0, 4, [0, 7, 2], log)
+    assert log.events[-1][1]["action"] == "evict" and log.events[-1][1]["workers"] == [7]
+    two = Spot(1, 0, [0, 1], True)
+    with pytest.raises(ElasticFlowError, match="a device computes wrongly"):
+        check.check(two, [*halves(9), *halves(8)], 0, 4, [0, 1], log)
+    check.referee_step = 4
+    check.check(check.plan(4, (0, 64), 3, 16, None), [*halves(9)] * 3, 0, 4, [0, 1, 2], log)  # a transient fault
+    assert check.referee_step is None
+    for bad, match in ((["elastic.verify_every=5"], "only trainer.reproducible makes equal"),
+                       (["elastic.verify_every=5", "trainer.reproducible=true", "trainer.micro_batch_size=8",
+                         "trainer.shard=parameters"], "its gradient goes to its owners during backward"),
+                       (["elastic.verify_every=0"], "elastic.verify_every")):
+        with pytest.raises(ElasticFlowError, match=match):
+            compose("models/digits_mlp.py", bad)
+
+
+def test_a_device_that_computes_wrongly_is_caught_by_the_spot_check_and_cut_out(tmp_path, one_worker):
+    """elastic.verify_every=1: worker 1 computes step 12 wrongly (every attempt of it, a wrong gradient stored
+    correctly: no fingerprint differs). Step 12's spot is micro-batch 0 (12 % 4), rank 0's, computed again by rank 1:
+    they differ, the step is redone with every member computing it, the majority cuts worker 1 out, a replacement
+    joins, and the job ends on the 1-worker bits."""
+    mode = ["trainer.reproducible=true", "trainer.micro_batch_size=16"]
+    reference = one_worker(*mode, *SAVE)
+    run = tmp_path / "run"
+    out = train_ok(run, "launcher.workers=3", "launcher.restart_failed=true", "elastic.verify_every=1",
+                   "elastic.straggler=off", *mode, *SAVE, env={"EF_PROBE_MISCOMPUTE": "1:12"})
+    caught = [(e["step"], e["action"], e["ranks"], e["workers"], e["check"]) for e in events(run, "corruption")]
+    assert caught == [(12, "referee", [0, 1], [0, 1], "spot"), (12, "evict", [1], [1], "spot")], caught
+    assert [(e["worker"], e["cause"]) for e in events(run, "left")] == [(1, "evicted: its computation differed")]
+    assert "silent corruption (spot check): ranks 0 (worker 0), 1 (worker 1) computed micro-batch 0" in out
+    assert_bitwise(run, reference)

@@ -300,7 +300,34 @@ def _wait_gone(path: Path, deadline: float) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- at a start, and by command
+# ---------------------------------------------------------------- by the run itself, at a start, and by command
+def commit_own(tmp: Path, job_dir: Path, token: str, wait_s: float) -> Optional[Path]:
+    """Rank 0 of a run whose store failed during save ``tmp`` (incarnation ``token``): once every rank's report
+    and shard are beside it (waiting up to ``wait_s``: the others write theirs at the same time), commit it from
+    the files, as ``elasticflow checkpoint commit`` would. Returns its path; None where a rank's files do not come
+    (a rank died writing: the CLI or the next start finishes it once they are there) or the check refuses them."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            p = _look(Path(tmp), Path(tmp).name, None)
+        except FileNotFoundError:
+            return None
+        if p is not None and p.problem is None:
+            break
+        if p is None or time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    mine = _claim(p, job_dir, token)
+    if mine is None:
+        return None
+    try:
+        return commit(mine, job_dir)
+    except ElasticFlowError as exc:
+        _give_back(mine, job_dir, exc.message)
+        log.warning("%s", exc.message)
+        return None
+
+
 def finish_pending(job_dir: Path, token: str, wait_s: float) -> Optional[Path]:
     """At a start with ``resume=auto``, on every worker of the run (incarnation ``token``): commit the newest save
     of ``job_dir`` whose shards are all on disk but never committed. One worker does it; the others wait for it

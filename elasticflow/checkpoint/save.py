@@ -42,7 +42,7 @@ from .._util import affinity
 from . import jobdir
 from ..errors import ElasticFlowError
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, Offline, StoreCoordinator, agree, plain_name
-from .finish import basis, metadata, write_report
+from .finish import basis, commit_own, metadata, write_report
 from .format import (CHECKSUM, COMMIT, METADATA, Piece, Sharded, TensorSpec, _checkpoints_in, chunks, file_digest,
                      hashed, hasher, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
 from .snapshot import SnapshotBuffer, layout
@@ -290,9 +290,7 @@ class Checkpointer:
             raise ElasticFlowError(f"writing checkpoint {job.name} (rank {job.rank} of {job.world}) into "
                                    f"'{job.tmp}' failed: {exc}", HINT_DISK) from exc
         if not self._report(coordinator, job, report):
-            if job.rank == 0:
-                log.warning("checkpoint %s not committed: %s", job.name, self._from_files(job))
-            return None
+            return self._from_files(job, "") if job.rank == 0 else None
         if job.rank != 0:
             return None
         try:
@@ -358,9 +356,7 @@ class Checkpointer:
                         "the previous checkpoint stays the newest", job.name, exc)
             return None
         except Exception as exc:  # noqa: BLE001 - the store is gone
-            log.warning("checkpoint %s not committed: collecting the shard reports failed (%s); %s",
-                        job.name, str(exc).splitlines()[0][:200], self._from_files(job))
-            return None
+            return self._from_files(job, f"collecting the shard reports failed ({str(exc).splitlines()[0][:200]})")
         failed = [r for r in reports if not r.get("ok")]
         if failed:
             log.warning("checkpoint %s not committed: %s", job.name,
@@ -404,11 +400,22 @@ class Checkpointer:
                  "" if job.world == 1 else "s", size / 2**20, time.perf_counter() - job.started)
         return job.final
 
-    def _from_files(self, job: _Job) -> str:
-        """What a save whose commit needed the store becomes: its files, and the command that commits them."""
+    def _from_files(self, job: _Job, why: str) -> Optional[Path]:
+        """Rank 0, a save whose commit needed the store, which failed (``why``, '' where it was rank 0's own report):
+        committed from the files every rank leaves beside its shard once all are there (finish.commit_own, waiting
+        up to ``timeout_s`` for the others), so a store lost at the end loses no trained state; else the files are
+        left, with the command that commits them."""
+        final = commit_own(job.tmp, self.job_dir, self.token, self.timeout_s)
+        if final is not None:
+            log.warning("checkpoint %s committed from its %d shard files: the agent's store could not be reached%s",
+                        final, job.world, f" ({why})" if why else "")
+            self.last_path = final
+            return final
         where = self.lease.run_dir if self.lease is not None else str(self.job_dir)
-        return (f"every worker's shard and report are left in {job.tmp.name}: once all {job.world} are, `elasticflow "
-                f"checkpoint commit {where}` commits it from them, and so does the next start (resume=auto)")
+        log.warning("checkpoint %s not committed: %severy worker's shard and report are left in %s: once all %d are, "
+                    "`elasticflow checkpoint commit %s` commits it from them, and so does the next start "
+                    "(resume=auto)", job.name, f"{why}; " if why else "", job.tmp.name, job.world, where)
+        return None
 
     def _tidy(self, job: _Job) -> None:
         """After a commit: drop temporary directories no rank can still be writing, and old checkpoints.

@@ -168,6 +168,7 @@ RANGES: Dict[str, Span] = {
     "elastic.straggler_factor": _real(1, "pass e.g. elastic.straggler_factor=2 (times the median member's time)",
                                       high=MAX_COUNT, open_low=True),
     "elastic.straggler_patience": _int(1, MAX_COUNT, "pass e.g. elastic.straggler_patience=20 (steps in a row)"),
+    "elastic.verify_every": _steps("elastic.verify_every", 50, ", or null for no spot check"),
     "data.prefetch": _int(0, MAX_PREFETCH, "pass e.g. data.prefetch=2 (micro-batches read ahead), or 0 to read on "
                                            "demand"),
     "data.workers": _int(1, MAX_PER_HOST, "pass e.g. data.workers=2 (readers beyond the host's cores only "

@@ -23,6 +23,15 @@ def threads(cfg: Any) -> Optional[int]:
 def check(cfg: Any, kind: str) -> None:
     """Refuse, in one line with a hint, what ``trainer.reproducible`` cannot make bitwise (``kind``: the topology)."""
     t = cfg.trainer
+    every = cfg.elastic.verify_every
+    if every and not t.reproducible:
+        raise ElasticFlowError(f"elastic.verify_every={every} compares two workers' gradients of one micro-batch bit "
+                               "for bit, which only trainer.reproducible makes equal",
+                               "pass trainer.reproducible=true with it, or elastic.verify_every=null")
+    if every and t.shard == "parameters":
+        raise ElasticFlowError(f"elastic.verify_every={every} computes a micro-batch twice; under "
+                               "trainer.shard=parameters its gradient goes to its owners during backward, twice",
+                               "pass trainer.shard=optimizer or none with it, or elastic.verify_every=null")
     if not t.reproducible:
         return
     why = "trainer.reproducible sums every micro-batch's gradient exactly"

@@ -42,6 +42,9 @@ class EtcdConfig:
     key: Optional[str] = None      # ... and its key, readable by you only
     lease_s: float = 3.0           # the agent's leadership lease: a standby takes over this long after it stops
     prefix: Optional[str] = None   # the job's keys' prefix (null = one drawn from the token and the run directory)
+    # With etcd's authentication on (docs/multi-host.md#another-job-on-the-same-etcd):
+    user: Optional[str] = None     # the etcd user the job logs in as (its role reaches launcher.etcd.prefix only)
+    password_file: Optional[str] = None  # a file holding that user's password, readable by you only
 
 
 @dataclass
@@ -200,6 +203,9 @@ class ElasticConfig:
     # Compare the members' parameters every step (a checksum in the step's reduction): a member whose bits differ
     # from the majority's is cut out and the step redone; with no majority, back to the last agreed checkpoint
     fingerprint: bool = True
+    # trainer.reproducible: every N steps one micro-batch is computed by two workers and their gradients compared
+    # bit for bit (a device that computes wrongly, not only memory that flips: docs/elastic-training.md)
+    verify_every: Optional[int] = None
 
 
 @dataclass

@@ -59,6 +59,7 @@ EXIT_REFUSED = 6        # the agent refused this worker's join (wrong or missing
 EXIT_CUT_OUT = 7        # the agent cut this worker out (silent: hung, or its host cut off); a fresh one may rejoin
 EXIT_STRAGGLER = 8      # the members evicted this worker as a straggler (elastic.straggler=evict); a fresh one may join
 EXIT_CORRUPT = 9        # the members evicted this worker: its parameters differed from the majority's (fingerprint.py)
+EXIT_MISCOMPUTE = 10    # the members evicted this worker: it computed a micro-batch unlike the majority (spot_check.py)
 
 
 class CommError(RuntimeError):

@@ -18,10 +18,11 @@ import datetime
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ..distributed.agent.leadership import LEADER, Leadership
 from ..distributed.comm import netif
@@ -44,7 +45,35 @@ def store_address(cfg: Any, run_dir: Path, token: str) -> str:
                                    "every host needs the CA, the client certificate and its key at the paths given "
                                    "(docs/multi-host.md#no-single-point-of-failure)")
     files = [str(f) for f in files]
-    return etcd_store.address(list(e.endpoints), e.prefix or f"elasticflow/{digest}/", *files)
+    return etcd_store.address(list(e.endpoints), e.prefix or f"elasticflow/{digest}/", *files, *_login(e))
+
+
+def _login(e: Any) -> Tuple[str, str]:
+    """launcher.etcd.user and its password file (checked: a file only you can read), or ('', '')."""
+    if not e.user and not e.password_file:
+        return "", ""
+    hint = ("with etcd's authentication on, pass the job's etcd user and a file holding its password: "
+            "launcher.etcd.user=job1 launcher.etcd.password_file=$HOME/.etcd-job1 (chmod 600; "
+            "docs/multi-host.md#another-job-on-the-same-etcd)")
+    if not e.user or not e.password_file:
+        missing = "launcher.etcd.password_file" if e.user else "launcher.etcd.user"
+        raise ElasticFlowError(f"{missing} is not set: the etcd login needs both", hint)
+    if not e.prefix:
+        raise ElasticFlowError("launcher.etcd.user needs launcher.etcd.prefix: the job's etcd role reaches that "
+                               "prefix only, so the job's keys must live under it", hint)
+    path = Path(e.password_file).expanduser().absolute()
+    try:
+        mode = path.stat().st_mode
+        readable = os.access(path, os.R_OK) and path.is_file()
+    except OSError:
+        readable = False
+    if not readable:
+        raise ElasticFlowError(f"launcher.etcd.password_file={str(path)!r} is not a file this host can read", hint)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ElasticFlowError(f"launcher.etcd.password_file={str(path)!r} can be read by others (mode "
+                               f"{stat.S_IMODE(mode):o}): anyone who reads it reaches the job's keys",
+                               f"chmod 600 {path}")
+    return str(e.user), str(path)
 
 
 class Standby(threading.Thread):

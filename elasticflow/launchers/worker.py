@@ -230,7 +230,7 @@ def main() -> None:
             logging.getLogger("elasticflow").info("worker %s: %s", worker_id, exc.message)
         else:
             if code not in (protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST, protocol.EXIT_CUT_OUT,
-                            protocol.EXIT_STRAGGLER, protocol.EXIT_CORRUPT):
+                            protocol.EXIT_STRAGGLER, protocol.EXIT_CORRUPT, protocol.EXIT_MISCOMPUTE):
                 _write_error(run_dir, holder, worker_id, exc.message, exc.hint)
             logging.getLogger("elasticflow").warning("worker %s: %s", worker_id, exc.message)
     except BaseException as exc:  # noqa: BLE001 - report any failure to the agent as one line

@@ -49,6 +49,7 @@ class Parts:
     eval_dataset: Optional[data.Dataset]
     balance: Any = None             # balance.Balance: the members' speeds and the shares dealt by them
     fingerprint: bool = False       # elastic.fingerprint: the members' parameters compared every step
+    verify_every: Optional[int] = None  # elastic.verify_every: a micro-batch computed twice every N steps
     threads: str = ""               # the banner's words for the intra-op threads and where their number came from
 
 
@@ -110,7 +111,7 @@ def build(cfg: Any, t: Any, loaded: Optional[model_file.ModelFile]) -> Parts:
                  prefetch=Prefetcher(source, seed, d.prefetch, d.workers, d.worker_type, d.shuffle),
                  schedule=data.Schedule(len(source), t.global_batch_size, t.drop_last, t.max_steps, t.epochs),
                  balance=Balance(cfg.elastic, t.micro_batch_size, t.global_batch_size, cfg.launcher.min_workers),
-                 fingerprint=bool(cfg.elastic.fingerprint),
+                 fingerprint=bool(cfg.elastic.fingerprint), verify_every=cfg.elastic.verify_every,
                  eval_dataset=data.Dataset(mf.call("eval_data", cfg), "eval_data()", mf.collate, mf.field_names())
                  if mf.eval_data else None,
                  threads=f"{threads} intra-op thread{'s' if threads != 1 else ''} per worker ("

@@ -38,6 +38,7 @@ import numpy as np
 from .._util.fileio import append_event
 from ..distributed import protocol
 from ..distributed.agent.inject import flip_key
+from ..errors import ElasticFlowError
 
 log = logging.getLogger("elasticflow")
 PRIME = (1 << 31) - 1  # 2^b mod PRIME is never 0: a flip of any bit of a 32-bit word moves the sum
@@ -181,6 +182,43 @@ class Fingerprints:
         rows = np.asarray(prints, dtype=np.float64).reshape(world, 2 * self.WIDTH)
         sums = [joined(rows[:, 2 * i:2 * i + 2].reshape(-1)) for i in range(self.WIDTH)]
         return compare(sums[0]) or compare_copies(sums[1], sums[2])
+
+
+    def act(self, verdict: Verdict, rank: int, world: int, step: int, replica: Any, step_log: Any) -> None:
+        """The members' state differs (``verdict``, the same on every member) at optimizer step ``step + 1``: which
+        tensor (every member's ``tensor_sums``, a second sum), an event by the first member that agrees with the
+        majority, then the odd members leave and the others redo the step without them (a failed step's path), or
+        with no majority all fall back to a checkpoint (``replica.diverged``, read by regroup.fall_back)."""
+        sane, names = [r for r in range(world) if r not in verdict.odd], []
+        if sane and not verdict.copies:  # the same on every member, as is the verdict: all enter this sum or none
+            tensors, sums = self.tensor_sums(step)
+            rows = np.zeros(world * len(tensors))
+            rows[rank * len(tensors):(rank + 1) * len(tensors)] = sums
+            table = np.asarray(replica.reduce_sum(rows.tolist())).reshape(world, len(tensors))
+            names = sorted({tensors[t] for r in verdict.odd for t in range(len(tensors))
+                            if table[r, t] != table[sane[0], t]})
+        workers = replica.data_workers
+        odd = ", ".join(f"{r} (worker {workers[r]})" for r in verdict.odd)
+        held = "optimizer state" if self.whole else "parameters and optimizer state"
+        which = "optimizer state" if names and all(n.startswith("optimizer/") for n in names) else "parameters"
+        what = (f"the {which} of rank(s) {odd} differ from the majority's at step {step + 1}"
+                + (f" (tensor {', '.join(names)})" if names else "") if verdict.majority else
+                f"the two copies of rank(s) {verdict.copies}'s range of the {held} differ at step {step + 1} "
+                f"(held by ranks {odd}: no majority)" if verdict.copies else
+                f"the members' parameters differ at step {step + 1} with no majority (ranks {odd})")
+        if rank == (sane[0] if sane else 0):
+            log.warning("silent corruption: %s: %s", what, "the odd member(s) leave and the step is redone"
+                        if verdict.majority else "every member falls back to the last checkpoint they agreed on")
+            step_log.run_log.event("corruption", step=step + 1, ranks=verdict.odd,
+                                   workers=[workers[r] for r in verdict.odd], tensors=names, copies=verdict.copies,
+                                   action="evict" if verdict.majority else "fall_back")
+        if rank in verdict.odd and verdict.majority:
+            step_log.flush()
+            raise ElasticFlowError(f"evicted: {what}", "a replacement joins with the majority's state where "
+                                   "launcher.restart_failed=true", exit_code=protocol.EXIT_CORRUPT)
+        if not verdict.majority:  # the newest checkpoint before the last step all agreed on (regroup.fall_back)
+            replica.diverged = (what, step - 1)
+        raise protocol.CommError(f"silent corruption: {what}")
 
 
 class Flips:

@@ -18,6 +18,7 @@ from ..data import order as data
 from . import fingerprint, grad_check, loss_scale
 from .exact_step import ExactStep
 from .slowdown import Drills, Slowdown
+from .spot_check import SpotCheck
 from ..config import optim
 from .._util.context import _context
 from ..data.order import GlobalBatch
@@ -26,8 +27,10 @@ from ..errors import ElasticFlowError
 from ..replica.replica import Agreed
 
 log = logging.getLogger("elasticflow")
-# each member's slots of the step's sums (Stepper._slots): seconds per micro-batch, then its fingerprints' halves
-SLOTS = 1 + 2 * fingerprint.Fingerprints.WIDTH
+# each member's slots of the step's sums (Stepper._slots): seconds per micro-batch, its fingerprints' halves, then
+# its spot check's (spot_check.py)
+PRINTS = 2 * fingerprint.Fingerprints.WIDTH
+SLOTS = 1 + PRINTS + 2
 
 
 class Stepper:
@@ -60,6 +63,7 @@ class Stepper:
         # The members' parameters, and sharded state's two copies of each range, compared every step (fingerprint.py)
         self.fingerprints = fingerprint.Fingerprints(parts.engine, parts.shards) if (
             parts.fingerprint and replica.membership is not None) else None
+        self.spot = SpotCheck(parts.verify_every if t.reproducible else None)  # a micro-batch computed twice
 
     def attempt(self, batch: GlobalBatch) -> Dict[str, Any]:
         """Train on ``batch`` once; returns the committed step's record.
@@ -74,10 +78,14 @@ class Stepper:
         _context.step, _context.epoch = s.step + 1, batch.epoch
         share, rank, world, costs = self._deal(batch)
         reconciler, exact = self._begin(share)
+        spot = self.spot.plan(s.step, (batch.start, batch.end), world, self.t.micro_batch_size, costs) if (
+            exact is not None and rank >= 0) else None
         computed = time.perf_counter()
-        loss_sum, metric_sums = self._accumulate(batch, share, rank, world, exact, costs)
+        loss_sum, metric_sums = self._accumulate(batch, share, rank, world, exact, costs, spot)
         self.slowdown.compute(time.perf_counter() - computed, replica.rank)  # as a slow device would, if asked
         slots = self._slots(share, rank, world, computed)
+        if spot is not None:  # after the speed's measure: the spot's second computation is not this member's share
+            self._verify(batch, spot, rank, world, costs, exact, slots)
 
         self.reduce_started = time.perf_counter()
         if exact is not None:
@@ -87,11 +95,13 @@ class Stepper:
         self.step_log.flush()  # rank 0: the previous step's record, while the reduction is in flight
         scalars, agreed, buffers = replica.finish_reduce(reduction)
         k, n = 1 + len(self.metric_names), len(self.names)
-        prints = scalars[k + n + world:]
+        prints, spots = scalars[k + n + world:k + n + world + PRINTS * world], scalars[k + n + world + PRINTS * world:]
         scalars, took_part, speeds = scalars[:k], np.asarray(scalars[k:k + n]) > 0, scalars[k + n:k + n + world]
         diverged = self.fingerprints.compare(prints, world) if self.fingerprints else None
         if diverged is not None:  # before anything of the step is applied: it is redone without the odd member
-            self._diverged(diverged, rank, world)
+            self.fingerprints.act(diverged, rank, world, s.step, replica, self.step_log)
+        if spot is not None:  # likewise: redone with a referee, or without the odd member
+            self.spot.check(spot, spots, rank, s.step, replica.data_workers, self.step_log.run_log)
         if buffers is not None:
             p.engine.set_buffers(reconciler.finish(buffers))
         loss, metric_values = scalars[0], dict(zip(self.metric_names, scalars[1:]))
@@ -146,44 +156,21 @@ class Stepper:
             log.warning("inject --bitflip: not made (elastic.fingerprint=false or a single worker: nothing would "
                         "compare the replicas)")
         if fp is not None:  # in halves: the step's scalars may travel in float32 (exact below 2^24)
-            width = 2 * fp.WIDTH
-            slots[world + width * rank:world + width * (rank + 1)] = fp.slots(self.state.step)
+            slots[world + PRINTS * rank:world + PRINTS * (rank + 1)] = fp.slots(self.state.step)
         return slots
 
-    def _diverged(self, verdict: fingerprint.Verdict, rank: int, world: int) -> None:
-        """The members' parameters differ: which tensor (every member's per-tensor checksums, a second sum), an
-        event by the first member that agrees with the majority, then the odd members leave and the others redo the
-        step without them (a failed step's path), or with no majority all fall back to a checkpoint."""
-        engine, replica, s = self.p.engine, self.replica, self.state
-        sane, names = [r for r in range(world) if r not in verdict.odd], []
-        if sane and not verdict.copies:  # the same on every member, as is the verdict: all enter this sum or none
-            tensors, sums = self.fingerprints.tensor_sums(s.step)
-            rows = np.zeros(world * len(tensors))
-            rows[rank * len(tensors):(rank + 1) * len(tensors)] = sums
-            table = np.asarray(replica.reduce_sum(rows.tolist())).reshape(world, len(tensors))
-            names = sorted({tensors[t] for r in verdict.odd for t in range(len(tensors))
-                            if table[r, t] != table[sane[0], t]})
-        workers = replica.data_workers
-        odd = ", ".join(f"{r} (worker {workers[r]})" for r in verdict.odd)
-        state = "optimizer state" if self.fingerprints.whole else "parameters and optimizer state"
-        what = (f"the parameters of rank(s) {odd} differ from the majority's at step {s.step + 1}"
-                + (f" (tensor {', '.join(names)})" if names else "") if verdict.majority else
-                f"the two copies of rank(s) {verdict.copies}'s range of the {state} differ at step {s.step + 1} "
-                f"(held by ranks {odd}: no majority)" if verdict.copies else
-                f"the members' parameters differ at step {s.step + 1} with no majority (ranks {odd})")
-        if rank == (sane[0] if sane else 0):
-            log.warning("silent corruption: %s: %s", what, "the odd member(s) leave and the step is redone"
-                        if verdict.majority else "every member falls back to the last checkpoint they agreed on")
-            self.step_log.run_log.event("corruption", step=s.step + 1, ranks=verdict.odd,
-                                        workers=[workers[r] for r in verdict.odd], tensors=names, copies=verdict.copies,
-                                        action="evict" if verdict.majority else "fall_back")
-        if rank in verdict.odd and verdict.majority:
-            self.step_log.flush()
-            raise ElasticFlowError(f"evicted: {what}", "a replacement joins with the majority's state where "
-                                   "launcher.restart_failed=true", exit_code=protocol.EXIT_CORRUPT)
-        if not verdict.majority:  # the newest checkpoint before the last step all agreed on (regroup.fall_back)
-            replica.diverged = (what, s.step - 1)
-        raise protocol.CommError(f"silent corruption: {what}")
+    def _verify(self, batch: GlobalBatch, spot: Any, rank: int, world: int, costs: Any, exact: ExactStep,
+                slots: np.ndarray) -> None:
+        """The spot check's second computation where this member is one of its ``ranks`` and not the owner (whose
+        ``_accumulate`` observed it), and this member's checksum into its ``slots``."""
+        if rank in spot.ranks and rank != spot.owner:
+            p, span = self.p, (batch.start, batch.end)
+            owner = data.deal(span, spot.owner, world, self.t.micro_batch_size, costs)
+            a, b = owner.micro[spot.index - owner.first]
+            self.spot.recompute(p.engine, spot, p.source.rows(self.order[a:b]), (b - a) / batch.size,
+                                data.micro_seed(p.seed, batch.epoch, batch.start, spot.index), exact.reconciler)
+        at = world * (1 + PRINTS) + 2 * rank
+        slots[at:at + 2] = self.spot.slots()
 
     def _begin(self, share: data.Share) -> Tuple[Any, Optional[ExactStep]]:
         """Begin the step: the buffers' reconciler (None where not needed) and trainer.reproducible's exact sums
@@ -206,7 +193,7 @@ class Stepper:
         return reconciler, exact
 
     def _accumulate(self, batch: GlobalBatch, share: data.Share, rank: int, world: int, exact: Optional[ExactStep],
-                    costs: Optional[List[float]]) -> Tuple[Any, Dict[str, Any]]:
+                    costs: Optional[List[float]], spot: Any = None) -> Tuple[Any, Dict[str, Any]]:
         """Forward and backward of this member's micro-batches, the gradient accumulated in the engine; returns the
         summed weighted loss and metrics (None, {}: no micro-batch, or trainer.reproducible's exact sums took them).
         ``micro_step`` counts each micro-batch."""
@@ -231,6 +218,8 @@ class Stepper:
             if (WEIGHT in metrics_w) != self.weighted:
                 raise grad_check.weight_unlike_probe(self.weighted)
             if exact is not None:  # trainer.reproducible: into the step's exact sums, micro-batch by micro-batch
+                if spot is not None and share.first + i == spot.index:  # its gradient alone: checked (spot_check.py)
+                    self.spot.observe(engine.grad_view(), loss_w)
                 exact.add(loss_w, metrics_w, share.first + i, share.total)
             elif loss_sum is None:  # the first (often only) micro-batch: no tensor additions
                 loss_sum, metric_sums = loss_w, dict(metrics_w)

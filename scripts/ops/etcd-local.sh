@@ -3,9 +3,9 @@
 #   scripts/ops/etcd-local.sh install     install etcd-server, etcd-client and openssl if missing (root, apt-get)
 # The members are not started here: each test starts its own cluster on namespace hosts, with certificates made
 # for that run, and stops it after.
-# No etcd user or role is made either: a user per job, limited to its prefix, is what a shared cluster wants
-# (docs/multi-host.md#another-job-on-the-same-etcd), but etcd 3.4's JSON gateway, which ElasticFlow's client
-# speaks, does not take a certificate's CommonName as the user, and the client has no password login yet.
+# No etcd user or role is made either: a user per job, limited to its prefix, is what a shared cluster wants, and
+# docs/multi-host.md#another-job-on-the-same-etcd gives the etcdctl commands (the job logs in with
+# launcher.etcd.user and launcher.etcd.password_file; tests/test_etcd_store.py's etcd_auth fixture runs them).
 set -euo pipefail
 die() { echo "etcd-local: $*" >&2; exit 1; }
 [ "${1:-}" = install ] || die "usage: scripts/ops/etcd-local.sh install"

@@ -29,6 +29,9 @@ Environment (read by every worker):
                      connects (the others' rendezvous times out). The test may SIGSTOP it meanwhile.
     EF_PROBE_SLOW_START "first_id:seconds": workers with that id or higher (joiners) sleep that long when
                      the model file loads, before they ask to join.
+    EF_PROBE_MISCOMPUTE "worker:step": that worker's device computes wrongly at that step (every attempt of it):
+                     its forward scales the inputs by 1 + 2^-10, a wrong gradient stored correctly
+                     (tests/test_fingerprint.py's spot check).
     (Under backend=tensorflow set EF_PROBE_RECORD: the injections then happen at the data fetch.)
     EF_PROBE_RECORD  a directory: every fetch appends {pid, worker, generation, step, epoch, replica, ids} to
                      <dir>/<pid>.jsonl -- the sample ids this worker consumed for that step attempt; and
@@ -57,6 +60,8 @@ KILLS = [tuple(k.split(":")) for k in os.environ.get("EF_PROBE_KILL", "").split(
 PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.environ.get("EF_PROBE_PAUSE") else None
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
 SPIN = float(os.environ.get("EF_PROBE_SPIN", "0"))
+MISCOMPUTE = tuple(int(v) for v in os.environ["EF_PROBE_MISCOMPUTE"].split(":")) \
+    if os.environ.get("EF_PROBE_MISCOMPUTE") else None
 PACE = os.environ.get("EF_PROBE_PACE")
 HOLD = os.environ.get("EF_PROBE_HOLD")
 LIMIT = os.environ.get("EF_PROBE_LIMIT")
@@ -205,6 +210,8 @@ def forward(x, y, params):
         until = time.thread_time() + SPIN
         while time.thread_time() < until:
             pass
+    if MISCOMPUTE is not None and MISCOMPUTE == (WORKER, ctx.step):
+        x = x * (1 + 2 ** -10)
     return digits_mlp.forward(x, y, params)
 
 

@@ -22,7 +22,8 @@ log = logging.getLogger("elasticflow")
 CLEAN_EXITS = (protocol.EXIT_OK, protocol.EXIT_INTERRUPTED, protocol.EXIT_BELOW_MIN, protocol.EXIT_AGENT_LOST)
 
 # Exit codes of a worker its peers cut out (train/balance.py, train/fingerprint.py): the cause its `left` event says
-EVICTED = {protocol.EXIT_STRAGGLER: "evicted: a straggler", protocol.EXIT_CORRUPT: "evicted: its parameters differed"}
+EVICTED = {protocol.EXIT_STRAGGLER: "evicted: a straggler", protocol.EXIT_CORRUPT: "evicted: its parameters differed",
+           protocol.EXIT_MISCOMPUTE: "evicted: its computation differed"}
 
 
 class Processes:

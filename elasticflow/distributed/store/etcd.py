@@ -12,8 +12,17 @@ poll (a watch over the gateway would be a second connection per waiter).
 A client may be *fenced* (the agent's): its writes are transactions that also compare the leader key with its own
 name, so an agent whose lease expired (a long pause, a partition) can write nothing more: ``Deposed``.
 
-The address every process is handed (``ENV_STORE``) names it all:
-``etcd:endpoints=https%3A%2F%2F10.0.0.1%3A2379,...&prefix=...&ca=...&cert=...&key=...`` (``address``).
+With ``user`` (``launcher.etcd.user``) the client logs in as that etcd user (``/v3/auth/authenticate``, its password
+read from ``password_file``) and sends the token it gets with every request, logging in again when a member says
+the token is no longer valid (etcd's simple tokens lapse after ``--auth-token-ttl``, 300 s, unused). With etcd's
+authentication on, the job's user holds a role limited to the job's prefix, so another job's certificate (the same
+CA) can neither list, read, write nor delete the job's keys (docs/multi-host.md#another-job-on-the-same-etcd).
+etcd 3.4's JSON gateway refuses a client certificate with a CommonName once authentication is on: such a job's
+certificate has none.
+
+The address every process is handed (``ENV_STORE``) names it all, the password's file but never the password:
+``etcd:endpoints=https%3A%2F%2F10.0.0.1%3A2379,...&prefix=...&ca=...&cert=...&key=...[&user=...&password_file=...]``
+(``address``).
 """
 from __future__ import annotations
 
@@ -43,9 +52,13 @@ class EtcdError(RuntimeError):
     """No member of the cluster answered within the store's timeout (or one refused the request)."""
 
 
-def address(endpoints: List[str], prefix: str, ca: str, cert: str, key: str) -> str:
-    """The store's address, for ``connect``: the endpoints, the job's key prefix and the TLS files."""
-    return SCHEME + urlencode({"endpoints": ",".join(endpoints), "prefix": prefix, "ca": ca, "cert": cert, "key": key})
+def address(endpoints: List[str], prefix: str, ca: str, cert: str, key: str, user: str = "",
+            password_file: str = "") -> str:
+    """The store's address, for ``connect``: the endpoints, the job's key prefix, the TLS files, and the etcd user
+    to log in as with its password's file (none: no login)."""
+    login = {"user": user, "password_file": password_file} if user else {}
+    return SCHEME + urlencode({"endpoints": ",".join(endpoints), "prefix": prefix, "ca": ca, "cert": cert, "key": key,
+                               **login})
 
 
 def parse(addr: str) -> Dict[str, str]:
@@ -91,6 +104,8 @@ class EtcdStore(Store):
         self._context.load_cert_chain(fields["cert"], fields["key"])
         self._conn: Optional[http.client.HTTPSConnection] = None
         self._at = 0  # the endpoint in use: kept while it answers
+        self.user, self._password_file = fields.get("user") or None, fields.get("password_file", "")
+        self._auth: Optional[str] = None  # the login's token (``user``), sent with every request
         self._lock = threading.Lock()
         self.set_timeout(timeout)
 
@@ -115,12 +130,19 @@ class EtcdStore(Store):
                         url = self.endpoints[self._at]
                         self._conn = http.client.HTTPSConnection(url.hostname, url.port or 2379,
                                                                  context=self._context, timeout=OP_S)
-                    self._conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                    if self.user and self._auth is None:
+                        self._auth = self._login()
+                    headers = {"Content-Type": "application/json", **({"Authorization": self._auth} if self.user
+                                                                      else {})}
+                    self._conn.request("POST", path, json.dumps(body), headers)
                     reply = self._conn.getresponse()
                     data = reply.read()
                     if reply.status == 200:
                         return json.loads(data)
                     last = f"{reply.status} {data[:160]!r}"
+                    if self.user and reply.status == 401 and b"invalid auth token" in data:
+                        self._auth = None  # lapsed (unused for --auth-token-ttl): log in again, same member
+                        continue
                     if 400 <= reply.status < 500:  # our request is wrong: no other member would take it
                         raise EtcdError(f"etcd refused {path}: {last}")
                 except (OSError, http.client.HTTPException) as exc:  # down, cut off, or a connection we cut
@@ -130,6 +152,22 @@ class EtcdStore(Store):
             if time.monotonic() > deadline:
                 raise EtcdError(f"no etcd member answered {path} within {self.timeout_s:g}s ({last[:200]})")
             time.sleep(RETRY_S)
+
+    def _login(self) -> str:
+        """Log in as ``user`` on the connection in use: the token etcd gives (EtcdError: refused, one line)."""
+        try:
+            with open(self._password_file) as f:
+                password = f.read().strip()
+        except OSError as exc:
+            raise EtcdError(f"etcd user {self.user!r}: its password file {self._password_file!r} cannot be read "
+                            f"({exc.strerror})") from exc
+        self._conn.request("POST", "/v3/auth/authenticate", json.dumps({"name": self.user, "password": password}),
+                           {"Content-Type": "application/json"})
+        reply = self._conn.getresponse()
+        data = reply.read()
+        if reply.status != 200:
+            raise EtcdError(f"etcd refused the login of user {self.user!r}: {reply.status} {data[:160]!r}")
+        return json.loads(data)["token"]
 
     def close(self) -> None:
         if self._conn is not None:
