@@ -44,7 +44,7 @@ def _done(out: str) -> str:
 def test_early_stopping_and_best_k_end_a_killed_and_rejoined_run_as_one_worker(tmp_path, one_worker):
     """3 workers; worker 0 (rank 0) is killed at step 22 and replaced (a joiner that receives the state): the
     run stops at the 1-worker run's step, keeps its best-k checkpoints, and ends on its model."""
-    reference = one_worker(model=MODEL, common=STOPPING)
+    reference = one_worker(model=MODEL, common=STOPPING, here=True)
     log, run, limit = tmp_path / "hooks.jsonl", tmp_path / "run", Limit(tmp_path / "limit", 30, last=60)
     proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", f"+model_args.log={log}",
                  env={"EF_PROBE_KILL": "0:22:forward", "EF_PROBE_LIMIT": str(limit.path)}, model=MODEL,
@@ -244,7 +244,7 @@ def test_the_docs_print_best_announces_each_best_once_across_a_kill_of_rank_0(tm
                      f"import elasticflow  # noqa: E402\n\n\n{example}\n")
     common = [c for c in STOPPING if not c.startswith(("callbacks.", "checkpoint.", "trainer.max_steps"))] + [
         "trainer.max_steps=70"]
-    reference = one_worker(model=MODEL, common=common)
+    reference = one_worker(model=MODEL, common=common, here=True)
     run = tmp_path / "run"
     out = finish(start(run, "launcher.workers=3", env={"EF_PROBE_KILL": "0:57:forward"}, model=model,
                        common=common))

@@ -1,7 +1,10 @@
 """Silent corruption (elastic.fingerprint, train/fingerprint.py): a bit flipped in one replica's parameters by
 `elasticflow inject --bitflip` is caught in the step it is made. With a majority the odd member is cut out, a
 replacement joins with the majority's state and the job ends on the 1-worker model; with two members, nobody can
-tell which is right, and both fall back to the last checkpoint saved before it.
+tell which is right, and both fall back to the last checkpoint saved before it. The same for the optimizer state
+(replicated: within 4 steps) and under each trainer.shard mode (a sharded range's two copies: the fallback). And a
+device that computes wrongly (elastic.verify_every, train/spot_check.py): caught by the spot check, cut out by a
+referee's majority.
 """
 import time
 
@@ -15,8 +18,8 @@ from elasticflow.config.schema import compose
 from elasticflow.distributed.protocol import CommError
 from elasticflow.errors import ElasticFlowError
 from elasticflow.train.spot_check import Spot, SpotCheck
-from elasticflow.train.fingerprint import (PRIME, Fingerprints, Flips, checksum, compare, compare_copies, halves, joined,
-                                          tensors_of)
+from elasticflow.train.fingerprint import (PRIME, Fingerprints, Flips, checksum, compare, compare_copies, halves,
+                                          joined)
 
 SAVE = ["checkpoint.interval.steps=5"]
 
@@ -42,11 +45,6 @@ def test_any_one_flipped_bit_moves_the_checksum_and_the_majority_names_the_odd_m
     v = compare([5, 7])
     assert not v.majority and v.odd == [0, 1]
     assert not compare([5, 7, 5, 7]).majority
-    layout = [("w1", (10, 10)), ("b1", (10,)), ("w2", (10, 89))]
-    before = tensors_of(flat, layout)
-    words[105] ^= 1  # in b1
-    after = tensors_of(flat, layout)
-    assert [a != b for a, b in zip(before, after)] == [False, True, False]
     # Sharded state: owner r's range against its copy on rank r + 1 (the last rank's copy is on rank 0)
     assert compare_copies([3, 4, 5], [5, 3, 4]) is None
     v = compare_copies([3, 4, 5], [5, 3, 9])
@@ -121,7 +119,7 @@ def _flip_at(run, proc, limit, workers, rank, *args):
 def test_a_flipped_bit_is_caught_the_member_replaced_and_the_model_is_the_one_workers(tmp_path, one_worker, bit,
                                                                                       extra):
     """The default mode's step scalars travel in float32: the flip of the mantissa's lowest bit is caught too."""
-    reference = one_worker(*extra, *SAVE)
+    reference = one_worker(*extra, *SAVE, here=True)
     run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
     proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", *extra, *SAVE,
                  env={"EF_PROBE_LIMIT": str(limit.path)})
@@ -148,7 +146,7 @@ def test_a_flipped_bit_is_caught_the_member_replaced_and_the_model_is_the_one_wo
 
 
 def test_two_members_cannot_tell_who_is_right_and_fall_back_to_the_checkpoint_before_it(tmp_path, one_worker):
-    reference = one_worker(*SAVE)
+    reference = one_worker(*SAVE, here=True)
     run, limit = tmp_path / "run", Limit(tmp_path / "limit", 12)
     proc = start(run, "launcher.workers=2", "checkpoint.async_save=false", *SAVE,
                  env={"EF_PROBE_LIMIT": str(limit.path)})
@@ -272,7 +270,7 @@ def test_a_device_that_computes_wrongly_is_caught_by_the_spot_check_and_cut_out(
     they differ, the step is redone with every member computing it, the majority cuts worker 1 out, a replacement
     joins, and the job ends on the 1-worker bits."""
     mode = ["trainer.reproducible=true", "trainer.micro_batch_size=16"]
-    reference = one_worker(*mode, *SAVE)
+    reference = one_worker(*mode, *SAVE, here=True)
     run = tmp_path / "run"
     out = train_ok(run, "launcher.workers=3", "launcher.restart_failed=true", "elastic.verify_every=1",
                    "elastic.straggler=off", *mode, *SAVE, env={"EF_PROBE_MISCOMPUTE": "1:12"})

@@ -146,7 +146,7 @@ def test_three_workers_one_killed_end_on_the_one_worker_model(tmp_path, one_work
     trainer.shard=parameters the experts' ModuleList is one unit that nobody calls: the first expert called brings
     it in (param_units: a container's members carry its hooks), with strict pages (a read of a given-back page
     ends the run; before, the experts' weights were read while out)."""
-    reference = one_worker(model=MOE, common=MOE_COMMON)
+    reference = one_worker(model=MOE, common=MOE_COMMON, here=True)
     run = tmp_path / "run"
     proc = start(run, "launcher.workers=3", f"trainer.shard={shard}", model=MOE, common=MOE_COMMON,
                  env={"EF_PROBE_KILL": "1:20:forward", ENV_STRICT: "1"})

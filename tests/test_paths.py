@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elasticflow._util.envnames import ENV_RUN_DIR, ENV_RUN_DIR_ID, ENV_STORE, ENV_WORKER_ID
-from elasticflow._util.paths import read_beneath
+from elasticflow._util.paths import identity, read_beneath
 from elasticflow.errors import ElasticFlowError
 from elasticflow.launchers.worker import COMMAND
 
@@ -139,6 +139,16 @@ def test_a_run_directory_swapped_after_the_check_is_not_read(team, tmp_path, ref
     assert sorted(p.name for p in run.iterdir()) == [".elasticflow"]  # no log, no error record written there
     # In the run directory as it was, the same worker would read it: the refusal is the swap's, not the path's.
     assert read_beneath(shared / "away", (".elasticflow", "config.yaml"), f"{checked.st_dev}:{checked.st_ino}"
+                        ) == f"model: {PROBE}\n".encode()
+    # A worker srun started (another host: the inode alone, "*:st_ino", paths.identity(across_hosts=True)) refuses the
+    # swapped directory too, and reads the one it was handed
+    srun = subprocess.run(COMMAND, capture_output=True, text=True, timeout=120, env={
+        **os.environ, ENV_RUN_DIR: str(run), ENV_RUN_DIR_ID: f"*:{checked.st_ino}", ENV_WORKER_ID: "4",
+        ENV_STORE: "unix:/nonexistent"})
+    assert srun.returncode == 1 and "is not the one the job started in" in srun.stderr, srun.stderr
+    assert not mark.exists()
+    assert identity(shared / "away", across_hosts=True) == f"*:{checked.st_ino}"
+    assert read_beneath(shared / "away", (".elasticflow", "config.yaml"), identity(shared / "away", across_hosts=True)
                         ) == f"model: {PROBE}\n".encode()
 
 

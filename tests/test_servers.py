@@ -69,7 +69,7 @@ def test_what_parameter_servers_refuse(overrides, message):
 # ---------------------------------------------------------------------- runs against the 1-worker reference
 @pytest.fixture(scope="module")
 def reference(one_worker):
-    return one_worker("optimizer=adam", "optimizer.lr=0.01")
+    return one_worker("optimizer=adam", "optimizer.lr=0.01", here=True)
 
 
 def roles(run) -> list:

@@ -30,7 +30,8 @@ def references(one_worker):
     """The 1-worker runs with replicated state, SGD with momentum and Adam. checkpoint.keep=null (which checkpoints
     stay on disk, not what is trained) makes SGD's the very run tests/test_shard_checkpoint.py compares with: the
     suite trains it once (harness.one_worker_run's cache is keyed by the command line)."""
-    return {name: one_worker(*overrides, *SAVE, "checkpoint.keep=null") for name, overrides in OPTIMIZERS.items()}
+    return {name: one_worker(*overrides, *SAVE, "checkpoint.keep=null", here=True)
+            for name, overrides in OPTIMIZERS.items()}
 
 
 @pytest.fixture(scope="module")

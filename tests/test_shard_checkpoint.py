@@ -36,7 +36,7 @@ def assert_same_state(got_dir, want_dir, rtol=1e-5):
 
 @pytest.fixture(scope="module")
 def reference(one_worker):
-    return one_worker(*SGD)
+    return one_worker(*SGD, here=True)
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ def _duty_cycle(pid):
 def test_a_duty_cycled_worker_gets_fewer_micro_batches_and_the_bits_stay_the_one_workers(tmp_path, one_worker):
     """trainer.reproducible: the shares move (the straggler's to 1 of 8) and the model is the 1-worker run's bits."""
     settings = [*MICRO, "trainer.reproducible=true", "elastic.straggler_factor=1.5", "elastic.straggler_patience=8"]
-    reference = one_worker(*settings)
+    reference = one_worker(*settings, here=True)
     run = tmp_path / "run"
     proc = start(run, "launcher.workers=3", *settings, env=SPIN)
     cycler = None
@@ -141,7 +141,7 @@ def test_a_duty_cycled_worker_gets_fewer_micro_batches_and_the_bits_stay_the_one
 def test_a_worker_slowed_by_inject_is_evicted_and_replaced(tmp_path, one_worker):
     """elastic.straggler=evict: `inject --slow 1 --factor 5`; the members cut it out (its exit says why), the agent
     starts a replacement, and the job ends on the 1-worker model."""
-    reference = one_worker(*MICRO, "trainer.max_steps=100")
+    reference = one_worker(*MICRO, "trainer.max_steps=100", here=True)
     run = tmp_path / "run"
     proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", *MICRO, "elastic.straggler=evict",
                  "elastic.straggler_patience=5", "trainer.max_steps=100", env=SPIN)

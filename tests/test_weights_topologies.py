@@ -15,7 +15,7 @@ COMMON = ["trainer.global_batch_size=32", "trainer.max_steps=8", "trainer.log_ev
 
 @pytest.fixture(scope="module")
 def whole_batch(one_worker):
-    return one_worker(model=MODEL, common=COMMON)
+    return one_worker(model=MODEL, common=COMMON, here=True)
 
 
 # Micro-batches over workers on each backend: test_ragged_samples_padded_per_micro_batch_train_the_padded_model.

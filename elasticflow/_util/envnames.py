@@ -8,7 +8,7 @@ re-exports them with the rest of what the agent and the workers say to each othe
 ENV_STORE = "ELASTICFLOW_STORE"            # host:port of the agent's TCPStore
 ENV_WORKER_ID = "ELASTICFLOW_WORKER_ID"    # the id the agent assigned when it spawned this worker
 ENV_RUN_DIR = "ELASTICFLOW_RUN_DIR"
-ENV_RUN_DIR_ID = "ELASTICFLOW_RUN_DIR_ID"  # "st_dev:st_ino" of the run directory the agent checked (same host only)
+ENV_RUN_DIR_ID = "ELASTICFLOW_RUN_DIR_ID"  # "st_dev:st_ino" of the run directory the agent checked ("*:st_ino": srun's, any host)
 ENV_LOCAL_WORKERS = "ELASTICFLOW_LOCAL_WORKERS"
 ENV_TOKEN = "ELASTICFLOW_TOKEN"
 ENV_BIND = "ELASTICFLOW_BIND"              # the address gloo listens on ("auto": see launchers/worker.bind_address)

@@ -127,11 +127,13 @@ def refuse_code_folder(folder: Path, what: str) -> None:
     refuse_shared_parents(folder, what)
 
 
-def identity(path: Path) -> str:
+def identity(path: Path, across_hosts: bool = False) -> str:
     """``"st_dev:st_ino"`` of ``path``: the agent records its run directory's, and each worker checks that the
-    directory it opened is that one (``read_beneath``)."""
+    directory it opened is that one (``read_beneath``). ``across_hosts``: ``"*:st_ino"``, for workers on other
+    hosts (srun's): a shared filesystem's device number differs from host to host, its inode numbers do not, and a
+    directory renamed away and replaced has another inode."""
     st = os.stat(path)
-    return f"{st.st_dev}:{st.st_ino}"
+    return f"{'*' if across_hosts else st.st_dev}:{st.st_ino}"
 
 
 def read_beneath(directory: Path, names: Sequence[str], expect: Optional[str] = None, owned: bool = True) -> bytes:
@@ -147,7 +149,7 @@ def read_beneath(directory: Path, names: Sequence[str], expect: Optional[str] = 
     fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
     try:
         st = os.fstat(fd)
-        if expect is not None and f"{st.st_dev}:{st.st_ino}" != expect:
+        if expect is not None and f"{'*' if expect.startswith('*:') else st.st_dev}:{st.st_ino}" != expect:
             raise ElasticFlowError(f"the run directory {where} is not the one the job started in: it was renamed "
                                    "or replaced since (st_dev:st_ino now "
                                    f"{st.st_dev}:{st.st_ino}, at the start {expect}); nothing of it was read",

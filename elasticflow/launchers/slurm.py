@@ -78,11 +78,15 @@ def run_in_allocation(cfg: Any, run_dir: Path) -> Dict[str, Any]:
     from ..distributed.agent.agent import Agent
     from ..distributed.comm.netif import address_of
     from ..observability.goodput import job
+    from .._util.envnames import ENV_RUN_DIR_ID
+    from .._util.paths import identity
 
     lc = cfg.launcher
     lc.workers = total_workers(cfg)
+    # Each srun step reads config.yaml only from the run directory checked here (worker._read_config): by its
+    # inode, which a shared filesystem keeps from host to host
     agent = Agent(cfg, run_dir, host=address_of(lc.interface), launch=srun_launch(cfg),
-                  worker_env={protocol.ENV_BIND: "auto"})
+                  worker_env={protocol.ENV_BIND: "auto", ENV_RUN_DIR_ID: identity(run_dir, across_hosts=True)})
     previous = signal.getsignal(signal.SIGTERM)
     if lc.max_nodes and lc.max_nodes > lc.nodes:  # grow into nodes SLURM frees (slurm_grow.py)
         from .slurm_grow import WorkerJobs

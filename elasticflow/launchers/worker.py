@@ -154,7 +154,7 @@ def _read_config(run_dir: Path, worker_id: Optional[int]) -> str:
     checked = os.environ.get(ENV_RUN_DIR_ID)  # as the agent, or the node agent that started this worker, saw it
     # Not who owns the files where a node agent started it (another host, a pod): a Kubernetes volume's owner and
     # modes are its fsGroup's, an NFS export may map owners to others.
-    owned = checked is not None and ENV_NODE not in os.environ
+    owned = checked is not None and ENV_NODE not in os.environ and not checked.startswith("*:")  # "*:": srun's
     try:
         return read_beneath(run_dir, (".elasticflow", "config.yaml"), checked, owned=owned).decode()
     except ElasticFlowError as exc:

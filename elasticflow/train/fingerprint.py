@@ -103,11 +103,6 @@ def spans(layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> Dict[str, Tuple[int,
     return out
 
 
-def tensors_of(flat: Any, layout: Sequence[Tuple[str, Tuple[int, ...]]]) -> List[int]:
-    """A checksum per tensor of ``layout`` (the flat order): which tensor differs, once the whole vector did."""
-    return [checksum(flat[lo:hi]) for lo, hi in spans(layout).values()]
-
-
 class Fingerprints:
     """This member's fingerprints for a step (``WIDTH`` checksums, sent as ``halves``) and the step's verdict.
 

@@ -5,9 +5,10 @@ against the same run without failures.
     .venv/bin/python scripts/bench/bench_failure_rate.py                  # 3 runs of 10 minutes: ~32 min
     .venv/bin/python scripts/bench/bench_failure_rate.py --minutes 2      # a quick look
 
-Each run: 4 workers of tests/models/digits_probe.py, 64 samples a step in micro-batches of 4, every micro-batch
-burning 15 ms of CPU (EF_PROBE_SPIN: a step of about a quarter of a second here, so that a step's cost is not the
-control plane's), a checkpoint every 200 steps. The window starts at step 20 (the workers warm) and lasts
+Each run: 4 workers of tests/models/digits_probe.py, 64 samples a step in micro-batches of 4 (16 a step, 4 a
+worker), every micro-batch's forward sleeping 15 ms (EF_PROBE_DEVICE: a device's compute, which leaves the host's
+CPU free, so that 4 workers on 2 cores behave as 4 devices: a step of ~70 ms with 4, and a member lost makes the
+other 3 compute its micro-batches until its replacement joins), a checkpoint every 200 steps. The window starts at step 20 (the workers warm) and lasts
 ``--minutes``; the useful samples are the steps committed in it times the global batch, each sample once: a step
 redone after a kill counts once. Efficiency is the failure run's useful samples per second over the failure-free
 run's. A kill picks a random member from workers.json (never the same pid twice) and SIGKILLs it; the agent starts
@@ -18,12 +19,13 @@ step of the new generation, the step redone included), and a replacement's start
 the model) and admission (waiting for a step boundary, and the state's transfer), which is what a failure still
 costs here.
 
-On this 2-core machine 4 workers share 2 cores: a replacement's start (Python, torch, the model) takes CPU from the
-members for its first seconds, which a dedicated host per worker would not.
+On this 2-core machine the host's CPU is shared: a replacement's start (forked from the zygote, which has torch
+imported) takes CPU from the members for its first moments, which a dedicated host per worker would not.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -65,10 +67,11 @@ def run_once(root: Path, name: str, seconds: float, every: float, seed: int) -> 
     """One run: steps committed per second in its window, and what its failures cost."""
     run, rng = root / name, random.Random(seed)
     cmd = ELASTICFLOW + ["train", str(PROBE), f"hydra.run.dir={run}", "launcher.workers=4",
-                         "launcher.restart_failed=true", f"trainer.global_batch_size={BATCH}",
+                         "launcher.restart_failed=true", "launcher.max_restarts=10000",
+                         f"trainer.global_batch_size={BATCH}",
                          "trainer.micro_batch_size=4", "trainer.max_steps=1000000", "trainer.log_every=1",
                          "trainer.progress=false", "checkpoint.interval.steps=200", "backend.threads=1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_SPIN": "0.015"},
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "EF_PROBE_DEVICE": "0.015"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed, kills = set(), 0
     try:
@@ -102,7 +105,8 @@ def run_once(root: Path, name: str, seconds: float, every: float, seed: int) -> 
     recovered = [e for e in events if e["event"] == "recovered" and e.get("world_size", 0) < e.get(
         "previous_world_size", 0)]
     joins = [e for e in events if e["event"] == "joined"]
-    return {"steps": len({r["step"] for r in steps}), "seconds": t1 - t0, "kills": kills,
+    full = sum(1 for r in steps if r.get("world_size") == 4) / max(1, len(steps))
+    return {"steps": len({r["step"] for r in steps}), "seconds": t1 - t0, "kills": kills, "full": full,
             "redone": sum(e.get("steps_redone", 0) for e in recovered),
             "recovery_s": statistics.median([e.get("recovery_s", 0) + e.get("redone_s", 0) for e in recovered])
             if recovered else 0.0,
@@ -117,13 +121,16 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0, help="each run's window (default 10)")
     ap.add_argument("--every", default="60,15", help="seconds between kills, one run each (default 60,15)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep", metavar="DIR", help="run in DIR and keep the runs (default: a temporary folder)")
     args = ap.parse_args()
     seconds = args.minutes * 60
     try:
         periods = [float(x) for x in args.every.split(",") if x.strip()]
     except ValueError:
         raise SystemExit("error: --every takes seconds separated by commas, e.g. --every 60,15")
-    with tempfile.TemporaryDirectory(prefix="bench_failure_rate_") as tmp:
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="bench_failure_rate_")
+          ) as tmp:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         base = run_once(Path(tmp), "baseline", seconds, 0.0, args.seed)
         rate = base["steps"] * BATCH / base["seconds"]
         print(f"no failures: {rate:.1f} samples/s ({base['steps']} steps in {base['seconds']:.0f} s, load "
@@ -132,7 +139,8 @@ def main() -> None:
             got = run_once(Path(tmp), f"every{every:g}", seconds, every, args.seed)
             got_rate = got["steps"] * BATCH / got["seconds"]
             print(f"a kill every {every:g} s: {got_rate:.1f} samples/s, efficiency {got_rate / rate:.1%} "
-                  f"({got['kills']} kills, {got['joins']} joins, {got['redone']} steps redone, survivors' recovery "
+                  f"({got['kills']} kills, {got['joins']} joins, {got['full']:.1%} of the steps at 4 workers, "
+                  f"{got['redone']} steps redone, survivors' recovery "
                   f"{got['recovery_s']:.2f} s, a replacement's start {got['start_s']:.1f} s and admission with its "
                   f"state {got['admit_s']:.2f} s, medians; load "
                   f"{os.getloadavg()[0]:.2f})", flush=True)

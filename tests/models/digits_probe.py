@@ -15,6 +15,8 @@ Environment (read by every worker):
     EF_PROBE_SLEEP   seconds to sleep in every forward (spreads steps out for random kills).
     EF_PROBE_SPIN    seconds of CPU time every micro-batch's forward burns (compute a SIGSTOPped worker does not
                      make: a worker duty-cycled from outside is slower by as much, tests/test_straggler.py).
+    EF_PROBE_DEVICE  seconds every micro-batch's forward sleeps: a device's compute, which leaves the host's CPU free
+                     (scripts/bench/bench_failure_rate.py: 4 workers on 2 cores then behave as 4 devices).
     EF_PROBE_PACE    a file path: with it set, EF_PROBE_SLEEP applies only while that file exists (a soak
                      paces the job while it injects faults, then lets it run to the end at full speed).
     EF_PROBE_HOLD    a file path: forward blocks while that file exists (a test holds training still
@@ -60,6 +62,7 @@ KILLS = [tuple(k.split(":")) for k in os.environ.get("EF_PROBE_KILL", "").split(
 PAUSE = tuple(float(v) for v in os.environ["EF_PROBE_PAUSE"].split(":")) if os.environ.get("EF_PROBE_PAUSE") else None
 SLEEP = float(os.environ.get("EF_PROBE_SLEEP", "0"))
 SPIN = float(os.environ.get("EF_PROBE_SPIN", "0"))
+DEVICE = float(os.environ.get("EF_PROBE_DEVICE", "0"))
 MISCOMPUTE = tuple(int(v) for v in os.environ["EF_PROBE_MISCOMPUTE"].split(":")) \
     if os.environ.get("EF_PROBE_MISCOMPUTE") else None
 PACE = os.environ.get("EF_PROBE_PACE")
@@ -206,6 +209,8 @@ def forward(x, y, params):
         _params_seen.add((ctx.step, ctx.generation))
         _record_params(ctx, params)
     _inject(ctx)
+    if DEVICE:
+        time.sleep(DEVICE)
     if SPIN:  # CPU time, not wall time: a stopped process makes none
         until = time.thread_time() + SPIN
         while time.thread_time() < until:
