@@ -114,24 +114,34 @@ def _flip_at(run, proc, limit, workers, rank, *args):
     return victim
 
 
-@pytest.mark.parametrize("bit,extra", [(20, ["trainer.reproducible=true", "trainer.micro_batch_size=16"]), (0, [])],
-                         ids=["reproducible", "default-lowest-bit"])
-def test_a_flipped_bit_is_caught_the_member_replaced_and_the_model_is_the_one_workers(tmp_path, one_worker, bit,
-                                                                                      extra):
-    """The default mode's step scalars travel in float32: the flip of the mantissa's lowest bit is caught too."""
-    reference = one_worker(*extra, *SAVE, here=True)
-    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
-    proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", *extra, *SAVE,
+def _flipped_job(run, overrides, model, flip, join):
+    """A 3-worker job (launcher.restart_failed) whose rank 1 is asked at step 10 to flip the bit ``flip`` names; with
+    ``join``, held a step at a time until a replacement joined. Returns (the victim's member record, the output);
+    the job exited 0."""
+    limit = Limit(run.parent / "limit", 10)
+    proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", *overrides, model=model,
                  env={"EF_PROBE_LIMIT": str(limit.path)})
     try:
-        victim = _flip_at(run, proc, limit, 3, 1, "--tensor", "out/W", "--bit", str(bit))
-        limit.advance_until(run, lambda: events(run, "joined"), 120, "the replacement's join")
+        victim = _flip_at(run, proc, limit, 3, 1, *flip)
+        if join:
+            limit.advance_until(run, lambda: events(run, "joined"), 120, "the replacement's join")
         limit.lift()
         out = finish(proc)
     finally:
         if proc.poll() is None:
             reap(proc)
     assert proc.returncode == 0, out[-4000:]
+    return victim, out
+
+
+@pytest.mark.parametrize("bit,extra", [(20, ["trainer.reproducible=true", "trainer.micro_batch_size=16"]), (0, [])],
+                         ids=["reproducible", "default-lowest-bit"])
+def test_a_flipped_bit_is_caught_the_member_replaced_and_the_model_is_the_one_workers(tmp_path, one_worker, bit,
+                                                                                      extra):
+    """The default mode's step scalars travel in float32: the flip of the mantissa's lowest bit is caught too."""
+    reference = one_worker(*extra, *SAVE, here=True)
+    run = tmp_path / "run"
+    victim, out = _flipped_job(run, [*extra, *SAVE], PROBE, ["--tensor", "out/W", "--bit", str(bit)], join=True)
     flipped = events(run, "bitflip")
     assert [(e["worker"], e["tensor"], e["bit"]) for e in flipped] == [(victim["worker_id"], "out/W", bit)], flipped
     caught = events(run, "corruption")
@@ -195,19 +205,9 @@ def test_a_flipped_bit_in_optimizer_state_or_sharded_state_is_caught_and_repaire
     exact = "trainer.reproducible=true" in extra
     reference = one_worker(*[x for x in extra if not x.startswith("trainer.shard")], *ADAM, *SAVE, model=model,
                            here=True)
-    run, limit = tmp_path / "run", Limit(tmp_path / "limit", 10)
-    proc = start(run, "launcher.workers=3", "launcher.restart_failed=true", "checkpoint.async_save=false", *extra,
-                 *ADAM, *SAVE, model=model, env={"EF_PROBE_LIMIT": str(limit.path)})
-    try:
-        victim = _flip_at(run, proc, limit, 3, 1, "--bit", "20", *(["--tensor", tensor] if tensor else []))
-        if action == "evict":
-            limit.advance_until(run, lambda: events(run, "joined"), 120, "the replacement's join")
-        limit.lift()
-        out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            reap(proc)
-    assert proc.returncode == 0, out[-4000:]
+    run = tmp_path / "run"
+    victim, out = _flipped_job(run, ["checkpoint.async_save=false", *extra, *ADAM, *SAVE], model,
+                               ["--bit", "20", *(["--tensor", tensor] if tensor else [])], join=action == "evict")
     flipped = events(run, "bitflip")
     assert [(e["worker"], e["bit"]) for e in flipped] == [(victim["worker_id"], 20)], flipped
     assert not tensor or flipped[0]["tensor"] == tensor
