@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import secrets
 import subprocess
+import threading
 
 import pytest
 from etcd_cluster import EtcdCluster
@@ -112,6 +113,10 @@ def test_tls_files_a_host_cannot_read_and_a_cluster_that_does_not_answer_are_one
     assert_one_error(dead, "no etcd member of launcher.etcd.endpoints answers")
     assert "Traceback" not in missing.stderr + dead.stderr
     assert not (tmp_path / "b" / "checkpoints").exists()
+    # In a process that goes on (fit(), this one), the failed start's standby agent was told to stop: it used to
+    # campaign on, logging "could not reach etcd" into whatever ran next
+    standbys = [t for t in threading.enumerate() if t.name == "elasticflow-standby"]
+    assert all(t.stop.is_set() for t in standbys), standbys
 
 
 def test_a_leader_key_another_certificate_forged_is_no_leader_and_is_claimed_over(etcd, caplog):

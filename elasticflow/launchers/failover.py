@@ -95,7 +95,8 @@ class Standby(threading.Thread):
                 if self.lead.holder() is None and self.lead.claim():
                     self._lead()
             except Exception as exc:  # noqa: BLE001 - etcd without a quorum: a standby waits it out
-                log.warning("the standby agent could not reach etcd (%s); trying again", str(exc)[:160])
+                if not self.stop.is_set():  # told to stop while its request was in flight: nothing to try again
+                    log.warning("the standby agent could not reach etcd (%s); trying again", str(exc)[:160])
             self.stop.wait(self.lead.lease_s / 4)
 
     def _lead(self) -> None:
@@ -155,7 +156,11 @@ def run(cfg: Any, run_dir: Path, token: str) -> Dict[str, Any]:
     bind = netif.address_toward(stores.host_of(address), cfg.launcher.interface)
     standby = Standby(cfg, run_dir, token, address, bind)
     standby.start()
-    _wait_for_the_job(standby, cfg.elastic.wait_s)
+    try:
+        _wait_for_the_job(standby, cfg.elastic.wait_s)
+    except BaseException:
+        standby.stop.set()  # the standby goes too: in a process that goes on (fit(), a test), it would campaign on
+        raise
     launch = LocalLaunch(cfg.launcher.fork_workers)
     node = None
     try:
