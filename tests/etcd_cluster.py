@@ -17,11 +17,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Iterable, Tuple
 
 import pytest
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
+ETCD_LOCAL = Path(__file__).resolve().parents[1] / "scripts" / "ops" / "etcd-local.sh"
 READY = """
 import datetime, json, sys, time
 from elasticflow.distributed.store.etcd import EtcdStore, address
@@ -133,12 +134,38 @@ class EtcdCluster:
         (folder / f"{name}.key").chmod(0o600)
         return {"ca": self.tls["ca"], "cert": str(folder / f"{name}.pem"), "key": str(folder / f"{name}.key")}
 
-    def overrides(self, lease_s: float = 2) -> list:
-        """The `elasticflow train` overrides that put the job's store in this cluster."""
-        t = self.tls
+    def users(self, jobs: Iterable[str], run: Callable[[list], subprocess.CompletedProcess]
+              ) -> Dict[str, Tuple[Dict[str, str], Path]]:
+        """Authentication on, as docs/multi-host.md says: ``scripts/ops/etcd-local.sh auth-on`` (a root user),
+        then ``add-job`` as root for each job, a role and a user limited to the prefix ``<job>/``, its password in
+        a file the script makes. Each job's certificate has no CommonName (etcd 3.4's JSON gateway refuses one
+        once authentication is on). ``run(args)`` as in ``wait_ready``. Returns {job: (its TLS files, its
+        password file)}."""
+        t, root = self.tls, self.folder / "root.password"
+        ctl = ["env", f"ETCDCTL_ENDPOINTS={self.endpoints[0]}", f"ETCDCTL_CACERT={t['ca']}",
+               f"ETCDCTL_CERT={t['cert']}", f"ETCDCTL_KEY={t['key']}", "bash", str(ETCD_LOCAL)]
+        found, steps = {}, [["auth-on", root]]
+        for job in jobs:
+            found[job] = (self.stranger(job, common_name=False), self.folder / f"{job}.password")
+            steps.append(["add-job", job, f"{job}/", found[job][1], root])
+        for step in steps:
+            done = run(ctl + list(map(str, step)))
+            if done.returncode != 0:
+                raise RuntimeError(f"etcd-local.sh {step[0]} failed: {done.stdout}{done.stderr}")
+            if step[0] == "add-job":
+                assert done.stdout.split() == [f"launcher.etcd.prefix={step[2]}", f"launcher.etcd.user={step[1]}",
+                                               f"launcher.etcd.password_file={step[3]}"], done.stdout
+        return found
+
+    def overrides(self, lease_s: float = 2, user: Tuple[str, Dict[str, str], Path] = None) -> list:
+        """The `elasticflow train` overrides that put the job's store in this cluster; ``user``: (name, TLS files,
+        password file) of a job's user (``users``), which the job logs in as under its prefix ``<name>/``."""
+        t = user[1] if user else self.tls
+        login = [f"launcher.etcd.prefix={user[0]}/", f"launcher.etcd.user={user[0]}",
+                 f"launcher.etcd.password_file={user[2]}"] if user else []
         return ["launcher.store=etcd", f"launcher.etcd.endpoints=[{','.join(self.endpoints)}]",
                 f"launcher.etcd.ca={t['ca']}", f"launcher.etcd.cert={t['cert']}", f"launcher.etcd.key={t['key']}",
-                f"launcher.etcd.lease_s={lease_s:g}"]
+                f"launcher.etcd.lease_s={lease_s:g}", *login]
 
     def stop(self) -> None:
         for proc in self.procs.values():

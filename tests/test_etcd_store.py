@@ -4,12 +4,13 @@ key held by a lease, and a fenced client that can write nothing once its lease i
 from __future__ import annotations
 
 import datetime
-import secrets
+import os
+import re
 import subprocess
 import threading
 
 import pytest
-from etcd_cluster import EtcdCluster
+from etcd_cluster import ETCD_LOCAL, EtcdCluster
 
 from elasticflow.distributed.agent.leadership import Leadership
 from elasticflow.distributed.store import stores
@@ -169,33 +170,19 @@ def test_a_leaders_own_record_copied_back_without_its_lease_is_no_leader(etcd):
 # ---------------------------------------------------------------- a user and role per job (etcd's authentication)
 @pytest.fixture(scope="module")
 def etcd_auth(tmp_path_factory):
-    """A second one-member cluster (127.0.0.2), authentication on, set up as docs/multi-host.md says: a root user,
-    a role and a user per job limited to its prefix (job1/, job2/). Each job's certificate has no CommonName (etcd
-    3.4's JSON gateway refuses one once authentication is on). Yields (cluster, {user: (tls, password file)})."""
+    """A second one-member cluster (127.0.0.2), authentication on, set up as docs/multi-host.md says
+    (``EtcdCluster.users``: scripts/ops/etcd-local.sh): a role and a user per job limited to its prefix (job1/,
+    job2/). Yields (cluster, {user: (tls, password file)})."""
     folder = tmp_path_factory.mktemp("etcd-auth")
     cluster = EtcdCluster(folder, {"m1": "127.0.0.2"},
                           start=lambda name, args: subprocess.Popen(args, stdout=subprocess.DEVNULL,
                                                                     stderr=subprocess.DEVNULL))
     cluster.start()
     cluster.wait_ready(lambda args: subprocess.run(args, capture_output=True, text=True, timeout=90))
-    t = cluster.tls
-    ctl = ["etcdctl", f"--endpoints={cluster.endpoints[0]}", f"--cacert={t['ca']}", f"--cert={t['cert']}",
-           f"--key={t['key']}"]
-    users = {}
-    for job in ("job1", "job2"):
-        password = folder / f"{job}.password"
-        password.write_text(secrets.token_hex(16) + "\n")
-        password.chmod(0o600)
-        users[job] = (cluster.stranger(job, common_name=False), password)
-    root = secrets.token_hex(16)
-    steps = [["user", "add", "root", f"--new-user-password={root}"], ["user", "grant-role", "root", "root"]]
-    for job, (_, password) in users.items():
-        steps += [["role", "add", job], ["role", "grant-permission", job, "--prefix=true", "readwrite", f"{job}/"],
-                  ["user", "add", job, f"--new-user-password={password.read_text().strip()}"],
-                  ["user", "grant-role", job, job]]
-    for step in steps + [["auth", "enable"]]:
-        done = subprocess.run(ctl + step, capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, (step, done.stderr)
+    users = cluster.users(("job1", "job2"), lambda args: subprocess.run(args, capture_output=True, text=True,
+                                                                         timeout=60))
+    for _, password in users.values():  # made by the script: owner-only, a random password
+        assert password.stat().st_mode & 0o077 == 0 and len(password.read_text().strip()) == 32
     yield cluster, users
     cluster.stop()
 
@@ -254,6 +241,13 @@ def test_a_bad_etcd_login_setting_is_one_error_line_with_a_hint(tmp_path):
         with pytest.raises(ElasticFlowError, match=match) as err:
             _login(e)
         assert err.value.hint
+    # The script that makes a job's user refuses the same way, before it reaches any cluster.
+    for args, match in ((["add-job", "job1", "job1", secret], "PREFIX must end with /"),
+                        (["add-job", "job1", "job1/", secret], "can be read by others \\(mode 640\\): chmod 600"),
+                        (["auth-on"], "usage:")):
+        done = subprocess.run(["bash", str(ETCD_LOCAL), *map(str, args)], capture_output=True, text=True,
+                              env={**os.environ, "ETCDCTL_ENDPOINTS": "https://127.0.0.9:1"}, timeout=30)
+        assert done.returncode == 1 and re.fullmatch(f"etcd-local: .*{match}.*\n", done.stderr), done.stderr
     secret.chmod(0o600)
     assert _login(NS(user="job1", password_file=str(secret), prefix="job1/")) == ("job1", str(secret))
     assert _login(NS(user=None, password_file=None, prefix=None)) == ("", "")

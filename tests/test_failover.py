@@ -122,5 +122,64 @@ def test_a_leader_key_forged_by_another_jobs_certificate_is_taken_back_and_a_wor
     etcd.stop()
 
 
+# Another job's user on the same cluster (it logs in with its own password), aimed at job1's keys: each attempt
+# prints "refused WHAT" where etcd answers permission denied, else "served WHAT".
+ANOTHER_JOBS_USER = """
+import base64, datetime, json, sys
+from elasticflow.distributed.store.etcd import EtcdStore, address
+tls = json.loads(sys.argv[2])
+store = EtcdStore(address([sys.argv[1]], "job1/", tls["ca"], tls["cert"], tls["key"], user="job2",
+                          password_file=sys.argv[3]), datetime.timedelta(seconds=10))
+nul = base64.b64encode(b"\\0").decode()
+every_key = {"key": nul, "range_end": nul, "keys_only": True}
+attempts = {"list every key": lambda: store.post("/v3/kv/range", every_key),
+            "read the leader key": lambda: store.check(["agent/leader"]),
+            "forge the leader key": lambda: store.set("agent/leader", "job2:1:0000"),
+            "delete the generation": lambda: store.delete_key("gen/current")}
+for what, attempt in attempts.items():
+    try:
+        attempt()
+        print("served", what)
+    except Exception as exc:
+        print("refused" if "permission denied" in str(exc) else "failed", what, "|", exc)
+"""
+
+
+def test_a_job_logged_in_as_its_etcd_user_is_out_of_another_jobs_reach(hosts, tmp_path, reference):
+    """Issue #65 item 5 with the remedy docs/multi-host.md gives: etcd's authentication on and a user per job
+    limited to its prefix (scripts/ops/etcd-local.sh). A 2-host job logs in as job1; another job's user, on a
+    third host, is refused every list, read, write and delete of job1's keys (the forged leader key of the test
+    above included). A worker SIGKILLed after that is cut out as ever; no agent changes, and the job ends exit 0
+    with its final checkpoint and the 1-worker parameters."""
+    net = hosts(3)
+    etcd = cluster(net, tmp_path)
+    users = etcd.users(("job1", "job2"), lambda args: net.run("h3", args, timeout=90))
+    run, record, pace = tmp_path / "run", tmp_path / "record", tmp_path / "pace"
+    record.mkdir()
+    pace.touch()
+    procs = start_on_hosts(net, run, ["h1", "h2"], "launcher.nodes=2", "launcher.min_workers=1",
+                           "elastic.heartbeat_timeout_s=2", *etcd.overrides(lease_s=3, user=("job1", *users["job1"])),
+                           env={"EF_PROBE_SLEEP": "0.3", "EF_PROBE_PACE": str(pace)}, record=record)
+    wait_for(lambda: logged_step(run) >= 6, 180, "step 6")
+    tls, password = users["job2"]
+    tried = net.run("h3", [sys.executable, "-c", ANOTHER_JOBS_USER, etcd.endpoints[2], json.dumps(tls), password])
+    said = [line.split(" | ")[0] for line in tried.stdout.splitlines()]
+    assert said == ["refused list every key", "refused read the leader key", "refused forge the leader key",
+                    "refused delete the generation"], tried.stdout + tried.stderr
+    victim = next(w for w in workers(run) if w["worker_id"] == 3)  # its pid is one in its host's namespace
+    assert net.run(victim["host"], ["kill", "-9", str(victim["pid"])]).returncode == 0
+    wait_for(lambda: (world_sizes(run) or [0])[-1] == 3, 120, "the 3 survivors training after the SIGKILL")
+    pace.unlink()
+    out = {h: finish(p) for h, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), {h: o[-3000:] for h, o in out.items()}
+    assert_equivalent(run, reference)  # the final checkpoint holds the 1-worker run's parameters
+    assert_each_sample_once(run, record)
+    assert saved(run), "no checkpoint"
+    assert not events(run, "failover") and not events(run, "forged")
+    world = world_sizes(run)
+    assert world[0] == 4 and world[-1] == 3, world
+    etcd.stop()
+
+
 def _workers_of(run, host: str) -> set:
     return {m["worker_id"] for m in json.loads((run / "workers.json").read_text())["members"] if m["host"] == host}

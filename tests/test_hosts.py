@@ -4,12 +4,13 @@ agent's own host lost. Each run is checked against the 1-worker run and the exac
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections import Counter
 from pathlib import Path
 
-from harness import (ENDPOINT, PROBE, TOKEN, Limit, assert_each_sample_once, assert_equivalent, events, finish,
+from harness import (ENDPOINT, PROBE, STEPS, TOKEN, Limit, assert_each_sample_once, assert_equivalent, events, finish,
                      logged_step, metrics, nodes_args, cli, start_on_hosts, wait_for, workers, world_sizes)
 from hosts import Hosts, hosts  # noqa: F401 - fixture
 
@@ -347,3 +348,92 @@ def test_a_checkpoint_whose_shards_rank_0_cannot_see_fails_in_one_line(hosts, tm
                         r"checkpoint.dir is not on a filesystem every host shares", errors[0]), errors
     assert errors[1].startswith("hint: put checkpoint.dir (and hydra.run.dir) on a shared filesystem")
     assert ckpt.latest(run / "checkpoints") is None
+
+
+# A stranger on another host that reaches the workers' gloo ports (a port scan finds them): on each port it says
+# one of the first pair numbers (gloo's listener hands a connection to the pair whose number it reads first),
+# reads what comes and never answers. Writes argv[2] once connected, and argv[3] with the bytes it read when
+# every worker hung up on it (its next generation) or after 300 s.
+GLOO_STRANGER = r"""
+import select, socket, struct, sys, time
+host, connected, result = sys.argv[1], sys.argv[2], sys.argv[3]
+socks = []
+for port in map(int, sys.argv[4:]):
+    for seq in range(4):
+        s = socket.create_connection((host, port), timeout=5)
+        s.sendall(struct.pack("<Q", seq))
+        socks.append(s)
+open(connected, "w").write(str(len(socks)))
+read, deadline = 0, time.monotonic() + 300
+while socks and time.monotonic() < deadline:
+    for s in select.select(socks, [], [], 0.5)[0]:
+        try:
+            data = s.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            socks.remove(s)
+            s.close()
+        read += len(data)
+open(result, "w").write(str(read))
+"""
+
+
+def test_a_stranger_on_another_host_at_a_gloo_port_costs_one_regroup_not_the_job(hosts, tmp_path, reference):
+    """Issue #65 item 4 across a network: a 3-worker job on h1 whose worker 2 is slow to build its first gloo
+    group (EF_PROBE_STALL_BUILD), and a stranger on h2 that connects first to the ports workers 0 and 1 listen
+    on for it. It is handed a pair and reads the first state sync's bytes; the sync times out; the job regroups
+    once with all three workers and ends exit 0 with its final checkpoint and the 1-worker parameters."""
+    net = hosts(2)
+    run, stall, connected, result = (tmp_path / n for n in ("run", "stall.json", "connected", "read"))
+    proc = start_on_hosts(net, run, ["h1"], "launcher.nodes=1", "launcher.procs_per_node=3",
+                          env={"EF_PROBE_STALL_BUILD": f"2:120:{stall}"})["h1"]
+    wait_for(stall.is_file, 120, "worker 2 to reach its group build", proc=proc)
+    store_port = int(ENDPOINT.rsplit(":", 1)[1])
+
+    def gloo_ports():
+        ports = listening(proc.pid) - {store_port}
+        return len(ports) >= 2 and sorted(ports)
+    ports = wait_for(gloo_ports, 60, "workers 0 and 1 to listen on their gloo ports", proc=proc)
+    script = tmp_path / "gloo_stranger.py"
+    script.write_text(GLOO_STRANGER)
+    stranger = net.popen("h2", [sys.executable, str(script), net.addr("h1"), connected, result, *ports])
+    wait_for(connected.is_file, 60, "the stranger's connections", proc=stranger)
+    stall.unlink()  # worker 2 builds its group: its connection to the hijacked pair is parked unread
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    wait_for(result.is_file, 60, "the stranger to be hung up on", proc=stranger)
+    assert int(result.read_text()) >= 24, "the stranger was never handed a pair: the attack did not happen"
+    assert_equivalent(run, reference)  # the final checkpoint, on the 1-worker parameters
+    recovered = events(run, "recovered")
+    assert len(recovered) == 1 and recovered[0]["step"] == 0 and recovered[0]["world_size"] == 3, out[-4000:]
+    assert "generation 0" in recovered[0]["reason"]
+    assert not events(run, "left")  # every worker throughout
+    world = {r["step"]: r["world_size"] for r in metrics(run) if "loss" in r}
+    assert world[1] == 3 and world[STEPS] == 3
+
+
+def listening(root: int) -> set:
+    """The TCP ports that ROOT's descendants (the job on its host) listen on, from /proc: each process's socket
+    inodes, looked up in its own network namespace's table (/proc/PID/net/tcp)."""
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        children.setdefault(int(text.rsplit(")", 1)[1].split()[1]), []).append(int(text.split()[0]))
+    pids, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        pids.add(pid)
+        todo.extend(children.get(pid, []))
+    ports = set()
+    for pid in pids:
+        try:
+            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")}
+            table = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+        except OSError:  # it exited, or a descriptor closed meanwhile
+            continue
+        ports |= {int(f[1].split(":")[1], 16) for f in map(str.split, table) if f[3] == "0A" and f[9] in inodes}
+    return ports
