@@ -236,7 +236,8 @@ def test_a_bad_etcd_login_setting_is_one_error_line_with_a_hint(tmp_path):
     secret.chmod(0o640)
     for e, match in ((NS(user="job1", password_file=None, prefix="job1/"), "launcher.etcd.password_file is not set"),
                      (NS(user="job1", password_file=str(secret), prefix=None), "needs launcher.etcd.prefix"),
-                     (NS(user="job1", password_file=str(tmp_path / "no"), prefix="job1/"), "is not a file"),
+                     (NS(user="job1", password_file=str(tmp_path / "no"), prefix="job1/"),
+                      "cannot read launcher.etcd.password_file=.* \\(No such file or directory\\)"),
                      (NS(user="job1", password_file=str(secret), prefix="job1/"), "can be read by others")):
         with pytest.raises(ElasticFlowError, match=match) as err:
             _login(e)

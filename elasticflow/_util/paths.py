@@ -127,6 +127,26 @@ def refuse_code_folder(folder: Path, what: str) -> None:
     refuse_shared_parents(folder, what)
 
 
+def read_secret(path: Path, setting: str, reach: str, hint: str) -> str:
+    """The text of the file ``path`` (``~`` expanded, stripped) that holds a secret of the job (its token, its etcd
+    password), named in errors by ``setting`` (``launcher.token_file``). ElasticFlowError where this host cannot
+    read it (``hint``), or where its group or others may read it: ``reach`` says what whoever reads it could do
+    ("reaches the job's keys")."""
+    path = Path(path).expanduser()
+    try:
+        with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read() if stat.S_ISREG(mode) else None
+    except OSError as exc:
+        raise ElasticFlowError(f"cannot read {setting}={str(path)!r} ({exc.strerror})", hint) from None
+    if text is None:
+        raise ElasticFlowError(f"cannot read {setting}={str(path)!r} (not a regular file)", hint)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ElasticFlowError(f"{setting}={str(path)!r} can be read by others (mode {stat.S_IMODE(mode):o}): "
+                               f"anyone who reads it {reach}", f"chmod 600 {path}")
+    return text.strip()
+
+
 def identity(path: Path, across_hosts: bool = False) -> str:
     """``"st_dev:st_ino"`` of ``path``: the agent records its run directory's, and each worker checks that the
     directory it opened is that one (``read_beneath``). ``across_hosts``: ``"*:st_ino"``, for workers on other

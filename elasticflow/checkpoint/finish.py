@@ -306,7 +306,7 @@ def commit_own(tmp: Path, job_dir: Path, token: str, wait_s: float) -> Optional[
     and shard are beside it (waiting up to ``wait_s``: the others write theirs at the same time), commit it from
     the files, as ``elasticflow checkpoint commit`` would. Returns its path; None where a rank's files do not come
     (a rank died writing: the CLI or the next start finishes it once they are there) or the check refuses them."""
-    deadline = time.monotonic() + wait_s
+    deadline, pause = time.monotonic() + wait_s, 0.05
     while True:
         try:
             p = _look(Path(tmp), Path(tmp).name, None)
@@ -316,7 +316,9 @@ def commit_own(tmp: Path, job_dir: Path, token: str, wait_s: float) -> Optional[
             break
         if p is None or time.monotonic() > deadline:
             return None
-        time.sleep(0.1)
+        # Each look reads every rank's report: the pause grows (to 1 s) so that a long wait costs few reads
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, 1.0)
     mine = _claim(p, job_dir, token)
     if mine is None:
         return None

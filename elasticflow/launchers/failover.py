@@ -18,12 +18,12 @@ import datetime
 import hashlib
 import logging
 import os
-import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from .._util import paths
 from ..distributed.agent.leadership import LEADER, Leadership
 from ..distributed.comm import netif
 from ..distributed.store import etcd as etcd_store, stores
@@ -62,17 +62,7 @@ def _login(e: Any) -> Tuple[str, str]:
         raise ElasticFlowError("launcher.etcd.user needs launcher.etcd.prefix: the job's etcd role reaches that "
                                "prefix only, so the job's keys must live under it", hint)
     path = Path(e.password_file).expanduser().absolute()
-    try:
-        mode = path.stat().st_mode
-        readable = os.access(path, os.R_OK) and path.is_file()
-    except OSError:
-        readable = False
-    if not readable:
-        raise ElasticFlowError(f"launcher.etcd.password_file={str(path)!r} is not a file this host can read", hint)
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ElasticFlowError(f"launcher.etcd.password_file={str(path)!r} can be read by others (mode "
-                               f"{stat.S_IMODE(mode):o}): anyone who reads it reaches the job's keys",
-                               f"chmod 600 {path}")
+    paths.read_secret(path, "launcher.etcd.password_file", "reaches the job's keys", hint)  # read at each login
     return str(e.user), str(path)
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import math
 import socket
-import stat
 import string
 from pathlib import Path
 from typing import Any, Dict
 
+from .._util import paths
 from ..distributed import protocol
 from ..distributed.comm import netif
 from ..errors import ElasticFlowError
@@ -34,16 +34,7 @@ def job_token(cfg: Any) -> str:
     the agent and never crosses the network itself."""
     path = cfg.launcher.token_file
     if path:
-        path = Path(path).expanduser()
-        try:
-            token = path.read_text().strip()
-            mode = path.stat().st_mode
-        except OSError as exc:
-            raise ElasticFlowError(f"cannot read launcher.token_file={str(path)!r} ({exc.strerror})", TOKEN_HINT) from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ElasticFlowError(f"launcher.token_file={str(path)!r} can be read by others (mode "
-                                   f"{stat.S_IMODE(mode):o}): anyone who reads it can join or stop the job",
-                                   f"chmod 600 {path}")
+        token = paths.read_secret(path, "launcher.token_file", "can join or stop the job", TOKEN_HINT)
     else:
         token = os.environ.get(protocol.ENV_JOB_TOKEN, "").strip()
     if not token:
