@@ -26,5 +26,10 @@ class CheckpointMismatch(ElasticFlowError):
     so resume=auto must stop rather than fall back (or silently start fresh)."""
 
 
+class RunDirectoryMoved(ElasticFlowError):
+    """The run directory's path leads to another directory than the one the job started in (it, or a folder
+    above it, was renamed): the job stops, and writes nothing more by that path (``_util.paths.HeldDirectory``)."""
+
+
 class TrainingInterrupted(Exception):
     """Ctrl-C: the current step finished and a checkpoint was written; the CLI exits 130."""

@@ -23,7 +23,7 @@ from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config.schema import TrainerConfig, compose
 from .data.order import GlobalBatch
 from .distributed import protocol
-from .errors import ElasticFlowError, TrainingInterrupted
+from .errors import ElasticFlowError, RunDirectoryMoved, TrainingInterrupted
 from .observability.goodput import Meter
 from ._util.paths import checkpoint_dir
 from .train.regroup import Regrouper, collective
@@ -174,9 +174,10 @@ class ElasticTrainer:
                         self.act_on_agreement()  # stop, or regroup: what every member agreed in the step
                     self.end_epoch(epoch)
         except BaseException as exc:
-            self.step_log.flush()  # the last step's record before the loop's end (the ledger's "trained")
-            self._trained("interrupted" if isinstance(exc, TrainingInterrupted) else
-                          "stopped" if isinstance(exc, ElasticFlowError) else "failed")
+            if not isinstance(exc, RunDirectoryMoved):  # else nothing more is written at the run directory's path
+                self.step_log.flush()  # the last step's record before the loop's end (the ledger's "trained")
+                self._trained("interrupted" if isinstance(exc, TrainingInterrupted) else
+                              "stopped" if isinstance(exc, ElasticFlowError) else "failed")
             raise
         finally:
             self.step_log.flush()

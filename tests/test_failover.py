@@ -105,15 +105,7 @@ def test_a_leader_key_forged_by_another_jobs_certificate_is_taken_back_and_a_wor
     wait_for(lambda: events(run, "failover"), 60, "a standby taking the job back from the forged leader key")
     step = logged_step(run)
     wait_for(lambda: logged_step(run) >= step + 2, 60, "two steps under the agent that took the job back")
-    victim = next(w for w in workers(run) if w["worker_id"] == 3)  # its pid is one in its host's namespace
-    assert net.run(victim["host"], ["kill", "-9", str(victim["pid"])]).returncode == 0
-    wait_for(lambda: (world_sizes(run) or [0])[-1] == 3, 120, "the 3 survivors training after the SIGKILL")
-    pace.unlink()
-    out = {h: finish(p) for h, p in procs.items()}
-    assert all(p.returncode == 0 for p in procs.values()), {h: o[-3000:] for h, o in out.items()}
-    assert_equivalent(run, reference)  # the final checkpoint holds the 1-worker run's parameters
-    assert_each_sample_once(run, record)
-    assert saved(run), "no checkpoint"
+    out = _a_worker_killed_and_the_job_ends_on_the_reference(net, run, procs, pace, record, reference)
     refused = [line for o in out.values() for line in o.splitlines() if "refused a forged agent leader" in line]
     assert 1 <= len(refused) <= 2, refused  # once per standby that saw it, at most
     assert "takes over as the job's agent (the leader key was forged)" in "".join(out.values())
@@ -166,6 +158,16 @@ def test_a_job_logged_in_as_its_etcd_user_is_out_of_another_jobs_reach(hosts, tm
     said = [line.split(" | ")[0] for line in tried.stdout.splitlines()]
     assert said == ["refused list every key", "refused read the leader key", "refused forge the leader key",
                     "refused delete the generation"], tried.stdout + tried.stderr
+    _a_worker_killed_and_the_job_ends_on_the_reference(net, run, procs, pace, record, reference)
+    assert not events(run, "failover") and not events(run, "forged")
+    world = world_sizes(run)
+    assert world[0] == 4 and world[-1] == 3, world
+    etcd.stop()
+
+
+def _a_worker_killed_and_the_job_ends_on_the_reference(net, run, procs, pace, record, reference) -> dict:
+    """Worker 3 SIGKILLed, the 3 survivors training, then the job to its end: every host's exit 0, the final
+    checkpoint on the 1-worker parameters, each sample once. Each host's output."""
     victim = next(w for w in workers(run) if w["worker_id"] == 3)  # its pid is one in its host's namespace
     assert net.run(victim["host"], ["kill", "-9", str(victim["pid"])]).returncode == 0
     wait_for(lambda: (world_sizes(run) or [0])[-1] == 3, 120, "the 3 survivors training after the SIGKILL")
@@ -175,10 +177,7 @@ def test_a_job_logged_in_as_its_etcd_user_is_out_of_another_jobs_reach(hosts, tm
     assert_equivalent(run, reference)  # the final checkpoint holds the 1-worker run's parameters
     assert_each_sample_once(run, record)
     assert saved(run), "no checkpoint"
-    assert not events(run, "failover") and not events(run, "forged")
-    world = world_sizes(run)
-    assert world[0] == 4 and world[-1] == 3, world
-    etcd.stop()
+    return out
 
 
 def _workers_of(run, host: str) -> set:

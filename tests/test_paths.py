@@ -2,6 +2,7 @@
 every directory above it, and the workers read config.yaml through descriptors from the run directory the agent
 checked. Each attack is made for real by another local user (``nobody``) from a team folder it may write, so
 these tests need root (as CI has)."""
+import json
 import os
 import pwd
 import shutil
@@ -17,7 +18,7 @@ from elasticflow._util.paths import identity, read_beneath
 from elasticflow.errors import ElasticFlowError
 from elasticflow.launchers.worker import COMMAND
 
-from harness import MODELS, PROBE, assert_equivalent, cli, finish, start
+from harness import MODELS, PROBE, assert_equivalent, cli, finish, logged_step, start, train_ok, wait_for
 
 
 # The digits MLP, from a file that leaves a mark when it is imported: the proof that a refused job read no code.
@@ -150,6 +151,56 @@ def test_a_run_directory_swapped_after_the_check_is_not_read(team, tmp_path, ref
     assert identity(shared / "away", across_hosts=True) == f"*:{checked.st_ino}"
     assert read_beneath(shared / "away", (".elasticflow", "config.yaml"), identity(shared / "away", across_hosts=True)
                         ) == f"model: {PROBE}\n".encode()
+
+
+def _swapped_mid_run(team, workers: int):
+    """A job of ``workers`` under a folder ``nobody`` may write (started with launcher.trust_shared_dirs=true, so
+    that the swap can be made), steps of 0.1 s; at step 12 (its checkpoint of step 10 written) ``nobody`` renames
+    its run directory away and makes its own in its place. (run, where it went, the job's pids, its output),
+    once the job ended."""
+    shared = team / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    run, away, pace = shared / "run", shared / "away", team / "pace"
+    pace.touch()  # steps of 0.1 s while it exists: the swap comes mid-run
+    proc = start(run, f"launcher.workers={workers}", "launcher.trust_shared_dirs=true", "checkpoint.interval.steps=10",
+                 env={"EF_PROBE_SLEEP": "0.1", "EF_PROBE_PACE": str(pace)})
+    try:
+        wait_for(lambda: logged_step(run) >= 12, 120, "step 12", proc=proc)
+        pids = [m["pid"] for m in json.loads((run / "workers.json").read_text())["members"]] if workers > 1 else []
+        swapped = _as_nobody(f"set -e; mv {run} {away}; mkdir {run}; chmod 777 {run}")
+        assert swapped.returncode == 0, swapped.stderr
+        out = finish(proc, 60)
+    finally:
+        pace.unlink()
+    assert proc.returncode == 1, out[-4000:]
+    assert (f"error: the run directory {run} was renamed or replaced while the job ran (it is now {away}): the "
+            "job stopped, and wrote nothing more into the directory at that path") in out, out[-4000:]
+    assert "hint: the checkpoints are in the directory where it is now" in out
+    assert sorted(run.iterdir()) == [], f"the job wrote into the directory in its place: {sorted(run.rglob('*'))}"
+    return run, away, pids, out
+
+
+def test_a_run_directory_swapped_while_the_job_runs_stops_it_and_nothing_is_written_there(team, reference):
+    """The same swap while a 3-worker job trains: the agent holds the run directory open and sees within a round
+    of its loop that the path leads elsewhere; it SIGKILLs every worker and stops in one line that says where
+    the run directory is now, and nothing of the job is written into the directory put in its place. The run
+    goes on from where it is now, from its step-10 checkpoint, to the 1-worker parameters."""
+    run, away, pids, out = _swapped_mid_run(team, 3)
+    for pid in pids:  # every worker gone with the job: none is left to write there
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert logged_step(away) < 60 and (away / "checkpoints").is_dir()
+    # Where it is now, the run goes on (the shared folder still needs trust): the job equals the 1-worker one
+    rest = train_ok(away, "launcher.workers=3", "launcher.trust_shared_dirs=true", "checkpoint.interval.steps=10")
+    assert "resumed from" in rest, rest[-3000:]
+    assert_equivalent(away, reference, redone=True)
+
+
+def test_a_run_directory_swapped_under_a_job_that_trains_alone_stops_it_at_the_next_save(team):
+    """launcher.workers=1 trains in the CLI's process, with no agent to watch: its next checkpoint sees that the
+    run directory's path leads elsewhere and refuses to write, in the same line; nothing is written there."""
+    _, away, _, _ = _swapped_mid_run(team, 1)
+    assert 12 <= logged_step(away) <= 20
 
 
 READ_CONFIG = ("import os; from pathlib import Path; from elasticflow.launchers import worker; "

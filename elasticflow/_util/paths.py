@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from ..errors import ElasticFlowError
+from ..errors import ElasticFlowError, RunDirectoryMoved
 
 
 def conf_dir() -> Path:
@@ -152,8 +152,67 @@ def identity(path: Path, across_hosts: bool = False) -> str:
     directory it opened is that one (``read_beneath``). ``across_hosts``: ``"*:st_ino"``, for workers on other
     hosts (srun's): a shared filesystem's device number differs from host to host, its inode numbers do not, and a
     directory renamed away and replaced has another inode."""
-    st = os.stat(path)
+    return _identity(os.stat(path), across_hosts)
+
+
+def _identity(st: os.stat_result, across_hosts: bool) -> str:
     return f"{'*' if across_hosts else st.st_dev}:{st.st_ino}"
+
+
+def _not_the_one(where: Path, st: os.stat_result, expect: str) -> ElasticFlowError:
+    return ElasticFlowError(f"the run directory {where} is not the one the job started in: it was renamed or "
+                            f"replaced since (st_dev:st_ino now {st.st_dev}:{st.st_ino}, at the start {expect}); "
+                            "nothing of it was read", "start the job again in a directory whose parents only you "
+                            "may write")
+
+
+class HeldDirectory:
+    """The run directory as the job checked it at its start, held open while the job runs: ``check()`` raises
+    ``RunDirectoryMoved`` once its path leads to another directory. Whoever may rename it, or a folder above it
+    (one others may write, started under ``launcher.trust_shared_dirs=true``, or whose modes were loosened since),
+    can put a directory of their own at the path, and what the job writes by path (events, records, checkpoints,
+    error records) would go there: the agent checks every round of its loop and stops the job, a worker before
+    each checkpoint and before its error record. ``expect``: the ``identity`` the launcher checked (a directory
+    already replaced when this opens it is refused like ``read_beneath``'s).
+
+    Note: it narrows the window to the agent's round (10 ms) rather than closing it: a write the job makes by
+    path between the swap and the next check goes into the directory put in its place (never through a symlink
+    planted there: appends and records are opened with O_NOFOLLOW)."""
+
+    def __init__(self, path: Path, expect: Optional[str] = None):
+        self.path, self._fd = Path(path), -1
+        self._across = bool(expect and expect.startswith("*:"))
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(self._fd)
+        self.identity = _identity(st, self._across)
+        if expect is not None and self.identity != expect:
+            self.close()
+            raise _not_the_one(self.path, st, expect)
+
+    def check(self) -> None:
+        """RunDirectoryMoved, with where the directory is now, if its path leads elsewhere (a stat: ~2 us)."""
+        try:
+            if _identity(os.stat(self.path), self._across) == self.identity:
+                return
+        except OSError:  # nothing at the path now
+            pass
+        try:
+            now = os.readlink(f"/proc/self/fd/{self._fd}")  # where the directory held open is now
+        except OSError:
+            now = ""
+        where = "it was removed" if not now or now.endswith(" (deleted)") else f"it is now {now}"
+        raise RunDirectoryMoved(
+            f"the run directory {self.path} was renamed or replaced while the job ran ({where}): the job stopped, "
+            "and wrote nothing more into the directory at that path",
+            "the checkpoints are in the directory where it is now: make the folders above it writable only by you "
+            "(or move it back), then resume there with hydra.run.dir=THAT_DIRECTORY resume=auto", exit_code=1)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    __del__ = close  # a trainer dropped without its end (an error in a notebook) leaves no descriptor open
 
 
 def read_beneath(directory: Path, names: Sequence[str], expect: Optional[str] = None, owned: bool = True) -> bytes:
@@ -169,11 +228,8 @@ def read_beneath(directory: Path, names: Sequence[str], expect: Optional[str] = 
     fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
     try:
         st = os.fstat(fd)
-        if expect is not None and f"{'*' if expect.startswith('*:') else st.st_dev}:{st.st_ino}" != expect:
-            raise ElasticFlowError(f"the run directory {where} is not the one the job started in: it was renamed "
-                                   "or replaced since (st_dev:st_ino now "
-                                   f"{st.st_dev}:{st.st_ino}, at the start {expect}); nothing of it was read",
-                                   "start the job again in a directory whose parents only you may write")
+        if expect is not None and _identity(st, expect.startswith("*:")) != expect:
+            raise _not_the_one(where, st, expect)
         for i, name in enumerate(names):
             last = i == len(names) - 1
             where = where / name

@@ -39,6 +39,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._util import affinity
+from .._util.envnames import ENV_RUN_DIR_ID
+from .._util.paths import HeldDirectory
 from . import jobdir
 from ..errors import ElasticFlowError
 from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, Offline, StoreCoordinator, agree, plain_name
@@ -151,6 +153,7 @@ class Checkpointer:
         self._last_key: Optional[tuple] = None
         self._counts: Dict[tuple, int] = {}
         self.lease: Optional[jobdir.Lease] = None  # for_run's hold on job_dir; released by close()
+        self.run_dir: Optional[HeldDirectory] = None  # for_run's: a save checks it still is where the run writes
 
     # ------------------------------------------------------------------ for a trainer's run
     @classmethod
@@ -162,6 +165,10 @@ class Checkpointer:
         ``checkpoint_dir`` that no other live run writes; ``resume=none`` starts a new job directory.
         The run holds it (``jobdir.hold``) until ``close``: ElasticFlowError if another live run does.
         """
+        # The run directory as the launcher checked it ($ELASTICFLOW_RUN_DIR_ID, in a worker; as it is now, in a
+        # process that trains alone): before its records are written below, and at each save (``save``).
+        Path(run_dir).mkdir(parents=True, exist_ok=True)  # a trainer of your own loop makes it here
+        held = HeldDirectory(run_dir, expect=os.environ.get(ENV_RUN_DIR_ID))
         c = cfg.checkpoint
         job_name = c.get("job_name") or Path(str(cfg.model)).stem
         state_dir = Path(run_dir) / ".elasticflow"
@@ -182,7 +189,7 @@ class Checkpointer:
         coordinator = StoreCoordinator(membership.new_client, sealer) if membership is not None else None
         ck = cls(job_dir, keep=c.keep, asynchronous=bool(c.async_save), timeout_s=timeout,
                  coordinator=coordinator, token=token)
-        ck.lease = lease
+        ck.lease, ck.run_dir = lease, held
         weakref.finalize(ck, lease.release)  # a trainer dropped without close() (an error in a notebook)
         return ck
 
@@ -204,9 +211,12 @@ class Checkpointer:
             offline: the agent's store cannot be reached: every rank writes its shard and its report beside it,
                 and nothing commits here; ``elasticflow checkpoint commit`` or the next start does (finish.py).
         Returns (rank 0) the checkpoint's path -- committed if ``wait``, else where it will be; else None.
-        Note: waits for the previous save first, and raises its error if it failed.
+        Note: waits for the previous save first, and raises its error if it failed. RunDirectoryMoved where the
+        run directory's path leads elsewhere now (``paths.HeldDirectory``): nothing is written.
         """
         self.wait()
+        if self.run_dir is not None:
+            self.run_dir.check()
         step = int(info.get("step", 0))
         cursor = info.get("cursor") or {}
         key = (name, step, cursor.get("samples_seen"), generation)

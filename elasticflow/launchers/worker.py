@@ -170,7 +170,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from ..config.schema import Config
-    from ..errors import ElasticFlowError, TrainingInterrupted
+    from ..errors import ElasticFlowError, RunDirectoryMoved, TrainingInterrupted
     from ..distributed.comm import nccl
     from ..distributed.membership.membership import AgentLost, Membership, Refused, Removed
     from torch.distributed import DistNetworkError
@@ -224,6 +224,9 @@ def main() -> None:
             f"the agent at {os.environ[protocol.ENV_STORE]} is gone ({str(exc).splitlines()[0][:160]})"
         print(f"error: {what}\nhint: is the job still running? see RUN_DIR/workers.json", file=sys.stderr)
         code = protocol.EXIT_AGENT_LOST
+    except RunDirectoryMoved as exc:  # nothing is written into the directory now at its path, not even the record
+        print(f"error: worker {worker_id}: {exc.message}\nhint: {exc.hint}", file=sys.stderr, flush=True)
+        code = exc.exit_code
     except ElasticFlowError as exc:
         code = exc.exit_code
         if code == protocol.EXIT_REMOVED:

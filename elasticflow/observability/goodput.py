@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from ..errors import ElasticFlowError, TrainingInterrupted
+from ..errors import ElasticFlowError, RunDirectoryMoved, TrainingInterrupted
 from .._util import untrusted
 from .._util.fileio import append_event, read_jsonl, write_atomic
 
@@ -120,22 +120,26 @@ def job(run_dir: Path) -> Iterator[None]:
     started = process_started() if _first_job_in_process else time.time()
     _first_job_in_process = False
     append_event(events, "job_start", "launcher", started=started, pid=os.getpid())
-    outcome = "failed"
+    outcome: Optional[str] = "failed"
     try:
         yield
         outcome = "finished"
     except TrainingInterrupted:
         outcome = "interrupted"
         raise
+    except RunDirectoryMoved:  # the path leads to another directory now: nothing is written there
+        outcome = None
+        raise
     except ElasticFlowError:
         outcome = "stopped"
         raise
     finally:
-        append_event(events, "job_end", "launcher", outcome=outcome)
-        try:
-            write_atomic(run_dir / "goodput.json", json.dumps(ledger(run_dir), indent=1))
-        except Exception:  # noqa: BLE001 - a report: a run never fails for it (`status` recomputes it)
-            pass
+        if outcome is not None:
+            append_event(events, "job_end", "launcher", outcome=outcome)
+            try:
+                write_atomic(run_dir / "goodput.json", json.dumps(ledger(run_dir), indent=1))
+            except Exception:  # noqa: BLE001 - a report: a run never fails for it (`status` recomputes it)
+                pass
 
 
 # ---------------------------------------------------------------------- the reader's side

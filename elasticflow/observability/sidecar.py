@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import ElasticFlowError
+from ..errors import ElasticFlowError, RunDirectoryMoved
 from .._util import untrusted
+from .._util.envnames import ENV_RUN_DIR_ID
+from .._util.paths import HeldDirectory
 from .._util.fileio import write_atomic
 from . import backlog
 from .backlog import FILES, TITLES
@@ -219,6 +221,8 @@ class _Follower:
 
     def __init__(self, run_dir: Path, trackers: List[Tracker]):
         self.run_dir, self.trackers = run_dir, trackers
+        # As the worker that started it was handed it: once its path leads elsewhere, no offsets are written there
+        self.held = HeldDirectory(run_dir, expect=os.environ.get(ENV_RUN_DIR_ID))
         self.kept = backlog.read_offsets(run_dir)  # trackers not open here keep their entries as they are
         # bytes of metrics.jsonl and events.jsonl each tracker was handed (a tracker added on a resume starts at 0)
         self.read = {t.name: {f: self.kept.get(t.name, {}).get(f, 0) for f in FILES} for t in trackers}
@@ -255,6 +259,7 @@ class _Follower:
         return more or more_events
 
     def _save(self) -> None:
+        self.held.check()  # a run directory moved or removed ends the sidecar (main): nothing is written at its path
         backlog.write_offsets(self.run_dir, {**self.kept, **{name: {**had, "closed": name in self.closed}
                                                              for name, had in self.done.items()}})
 
@@ -321,7 +326,7 @@ class _Follower:
                       f"{str(exc)[:300]})", file=sys.stderr)
         try:
             self._save()
-        except OSError:  # the run directory was removed under us (a temporary one)
+        except (OSError, RunDirectoryMoved):  # the run directory was removed under us (a temporary one), or moved
             pass
 
 
@@ -392,6 +397,8 @@ def main(argv=None) -> None:
                 raise errors[0]
             while follower.poll():  # the last lines, written before the trainer asked us to stop, a batch at a time
                 pass
+    except RunDirectoryMoved:  # removed under us (a temporary one), or moved: nothing left to follow there
+        return
     except FileNotFoundError:
         if args.run_dir.is_dir():
             raise

@@ -36,8 +36,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from omegaconf import OmegaConf
 
 from ..._util.console import DetachedConsole
+from ..._util.envnames import ENV_RUN_DIR_ID
+from ..._util.paths import HeldDirectory
 from ...config.launchers import store_kind
-from ...errors import ElasticFlowError, TrainingInterrupted
+from ...errors import ElasticFlowError, RunDirectoryMoved, TrainingInterrupted
 from .. import protocol
 from ..membership.rendezvous import Rendezvous
 from ..store import stores
@@ -80,6 +82,9 @@ class Agent:
     def __init__(self, cfg: Any, run_dir: Path, host: str = "127.0.0.1", *,
                  launch: Callable[[Dict[str, str]], subprocess.Popen], worker_env=None, port: int = 0,
                  token: Optional[str] = None, served: Optional[tuple] = None, job: Optional[str] = None):
+        # The run directory the launcher checked, held open: once its path leads elsewhere the job stops (_watch)
+        self.held = HeldDirectory(run_dir, expect=(worker_env or {}).get(ENV_RUN_DIR_ID))
+        self.moved = False  # it did: nothing more is written by its path
         self.state = state = AgentState(cfg, run_dir, host, token, job)
         self.capacity = None
         protocol.REFUSED.on_first = lambda kind, detail: state.event("forged", record=kind, detail=detail)
@@ -145,6 +150,7 @@ class Agent:
                 signal.signal(sig, handler)
             if not handed_over:
                 self._end(crashed)
+            self.held.close()
             console.close(timeout_s=CONSOLE_DRAIN_S)
 
     def _start(self) -> None:
@@ -164,15 +170,28 @@ class Agent:
     def _end(self, crashed: bool) -> None:
         if crashed:
             self._close_store()
-        else:
+        elif not self.moved:
             self._log_notices()
         if self.capacity is not None:  # before the reaping: nothing of the job stays queued, however it ends
             self.capacity.close(self.state)
         self.processes.reap_all(CRASH_REAP_S if crashed else REAP_S)
-        workers_json.write_ended(self.state)
-        protocol.agent_file(self.state.run_dir).unlink(missing_ok=True)
+        if not self.moved:  # else these would go into the directory put in the run directory's place
+            workers_json.write_ended(self.state)
+            protocol.agent_file(self.state.run_dir).unlink(missing_ok=True)
         if not crashed:
             self._stop_serving()  # the private store's socket goes with the job
+
+    def _check_run_dir(self) -> None:
+        """RunDirectoryMoved where the run directory's path leads to another directory than the one the job
+        started in (paths.HeldDirectory: a stat, every round): every worker is SIGKILLed first, since what it
+        wrote next (a checkpoint, its records) would go into the directory put in its place."""
+        try:
+            self.held.check()
+        except RunDirectoryMoved:
+            self.moved = True
+            for w in self.state.live():
+                w.signal(signal.SIGKILL)
+            raise
 
     def _on_sigint(self, signum, frame) -> None:
         state = self.state
@@ -210,6 +229,7 @@ class Agent:
         state = self.state
         next_health = next_requests = 0.0
         while True:
+            self._check_run_dir()
             self._log_notices()
             error = self.processes.reap()  # waitpid: no store round trip
             if error is not None:
@@ -262,6 +282,7 @@ class Agent:
         return json.loads(summary_file.read_text()) if summary_file.is_file() else {}
 
     def _fail_with_worker_error(self, w: Worker, rc: int) -> Dict[str, Any]:
+        self._check_run_dir()  # a worker that stopped because it moved: not an error record read from elsewhere
         err_file = self.state.state_dir / f"error-{w.id}.json"
         err = json.loads(err_file.read_text()) if err_file.is_file() else {
             "message": f"worker {w.id} failed with exit code {rc}", "hint": "see RUN_DIR/logs/"}
