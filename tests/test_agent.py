@@ -135,6 +135,50 @@ AGENT_SIDE = ["elasticflow.cli", "elasticflow.launchers.local", "elasticflow.lau
 
 
 @pytest.mark.timeout(120)
+def test_a_standby_that_takes_the_job_over_does_not_act_again_on_an_inject_request_already_answered(tmp_path):
+    """launcher.store=etcd's failover: the agent's state handed to a standby (leadership.snapshot/restore) carries
+    the inject requests already acted on. Before, the new agent read the inject inbox from its start, and a
+    request younger than FRESH_S (300 s) was acted on a second time: a `--kill` killed another member."""
+    import secrets
+    import time
+
+    from elasticflow.distributed.agent import inject, leadership
+
+    cfg = compose("models/linear.py", ["launcher.workers=2"])
+    procs = []
+
+    def launch(env):
+        procs.append(FakeProc(10_000 + len(procs)))
+        return procs[-1]
+
+    first = Agent(cfg, tmp_path, launch=launch)
+    try:
+        state = first.state
+        for _ in range(2):
+            first.processes.spawn()
+        state.roster.move_all(list(state.joining.values()), "admitted")
+        first.generations.publish()
+        nonce, at = secrets.token_hex(8), time.time()
+        store = state.store
+        store.set(f"{inject.REQUEST_PREFIX}/{protocol.draw(store, inject.COUNT_KEY, inject.COUNT_KEY)}", json.dumps(
+            {"action": "slow", "rank": 1, "factor": 2.0, "for_s": 0.0, "nonce": nonce, "time": at, "tensor": "",
+             "mac": protocol.sign(state.token, inject.message(state.job, "slow", 1, 2.0, 0.0, nonce, at, ""))}))
+        first.injection.serve()
+        reply = inject.reply_key(nonce)
+        assert json.loads(protocol.Sealer(state.token).open(reply, store.get(reply)))["ok"]
+        store.delete_key(reply)  # so that a second answer would show
+
+        standby = Agent(cfg, tmp_path, launch=launch, served=(store, state.address, lambda: None),
+                        token=state.token, job=state.job)
+        leadership.restore(json.loads(json.dumps(first.state_dict())), standby.state, standby.rdv, standby.hosts,
+                           standby.admission, standby.scaling, standby.injection)
+        standby.injection.serve()
+        assert not store.check([reply]), "the standby acted on the request a second time"
+        assert [w.id for w in standby.state.members] == [0, 1]
+    finally:
+        first._stop_serving()
+
+
 def test_the_agents_process_imports_no_torch(tmp_path):
     """Torch is the workers' (gloo's rendezvous: store/dist_store.py); an agent that imported it spent most of its CPU
     on it, on every job (docs/benchmarks.md). A fresh interpreter imports the agent's side and runs an agent

@@ -112,7 +112,7 @@ class Agent:
 
     def state_dict(self) -> Dict[str, Any]:
         """What a standby needs to go on where this agent is (leadership.py): JSON only."""
-        return leadership.snapshot(self.state, self.rdv, self.hosts, self.admission, self.scaling)
+        return leadership.snapshot(self.state, self.rdv, self.hosts, self.admission, self.scaling, self.injection)
 
     # ------------------------------------------------------------------ main loop
     def run(self, resume: Optional[dict] = None) -> Dict[str, Any]:
@@ -125,7 +125,7 @@ class Agent:
         if resume is None:
             self._start()
         else:
-            leadership.restore(resume, state, self.rdv, self.hosts, self.admission, self.scaling)
+            leadership.restore(resume, state, self.rdv, self.hosts, self.admission, self.scaling, self.injection)
             state.event("failover", generation=state.generation, members=[w.id for w in state.members],
                         host=state.host)
         main = threading.current_thread() is threading.main_thread()  # a standby's agent runs on a thread

@@ -33,6 +33,7 @@ from ..membership.rendezvous import Rendezvous
 from ..store.etcd import Deposed, EtcdError, EtcdStore
 from .admission import Admission
 from .hosts import Hosts
+from .inject import Injection
 from .process import Worker
 from .scaling import Scaling
 from .state import AgentState
@@ -140,18 +141,19 @@ class Leadership:
             self._revoke()
 
 
-def snapshot(state: AgentState, rdv: Rendezvous, hosts: Hosts, admission: Admission, scaling: Scaling) -> dict:
+def snapshot(state: AgentState, rdv: Rendezvous, hosts: Hosts, admission: Admission, scaling: Scaling,
+             injection: Injection) -> dict:
     """What a standby needs to go on where the agent of these parts is: JSON only."""
     return {"job": state.job, "generation": state.generation, "trained": state.trained, "restarts": state.restarts,
             "formed": rdv.phase == "formed",
             "places": {p: [_worker(w) for w in getattr(state.roster, p)] for p in PLACES},
-            "nodes": hosts.nodes, "scale_nonces": list(scaling.nonces),
+            "nodes": hosts.nodes, "scale_nonces": list(scaling.nonces), "inject_nonces": list(injection.nonces),
             "inboxes": {name: [box.seen, sorted(box.unread)]
-                        for name, box in _inboxes(hosts, admission, scaling).items()}}
+                        for name, box in _inboxes(hosts, admission, scaling, injection).items()}}
 
 
 def restore(saved: dict, state: AgentState, rdv: Rendezvous, hosts: Hosts, admission: Admission,
-            scaling: Scaling) -> None:
+            scaling: Scaling, injection: Injection) -> None:
     """Put the parts of an agent (new, in a standby's process) where the ``saved`` state's agent was. Its members'
     heartbeats are timed from now: those that stopped with the lost host are cut out after
     ``elastic.heartbeat_timeout_s``."""
@@ -167,9 +169,13 @@ def restore(saved: dict, state: AgentState, rdv: Rendezvous, hosts: Hosts, admis
     hosts.nodes = dict(saved["nodes"])
     hosts.beats = {name: (-1, now) for name in hosts.nodes}
     scaling.nonces = dict.fromkeys(saved["scale_nonces"])
-    for name, box in _inboxes(hosts, admission, scaling).items():
-        box.seen, unread = saved["inboxes"][name]
-        box.unread = dict.fromkeys(unread, now)
+    # The inject requests already acted on stay so: a kill asked a minute before the handover, read again from
+    # the inbox's start, would have killed a second member (its nonce unknown here, still fresh).
+    injection.nonces = dict.fromkeys(saved.get("inject_nonces", []))
+    for name, box in _inboxes(hosts, admission, scaling, injection).items():
+        if name in saved["inboxes"]:  # (an agent of an older tree handed no inject inbox over)
+            box.seen, unread = saved["inboxes"][name]
+            box.unread = dict.fromkeys(unread, now)
     if state.generation >= 0:
         rdv.opened(state.generation, [w.id for w in state.members], now)
         if saved["formed"]:
@@ -185,5 +191,6 @@ def _worker(w: Worker) -> dict:
             "code": w.poll()}
 
 
-def _inboxes(hosts: Hosts, admission: Admission, scaling: Scaling) -> dict:
-    return {"join": admission.requests, "scale": scaling.requests, "nodes": hosts.requests, "exits": hosts.exits}
+def _inboxes(hosts: Hosts, admission: Admission, scaling: Scaling, injection: Injection) -> dict:
+    return {"join": admission.requests, "scale": scaling.requests, "nodes": hosts.requests, "exits": hosts.exits,
+            "inject": injection.requests}
