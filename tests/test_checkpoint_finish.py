@@ -29,7 +29,7 @@ class StoreGone(Coordinator):
     def report(self, key, rank, value):
         raise ConnectionError("Connection reset by peer")
 
-    def collect(self, key, world, timeout_s):
+    def collect(self, key, world, timeout_s, gone=None):
         raise ConnectionError("Connection reset by peer")
 
 

@@ -98,11 +98,10 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, refer
 @pytest.mark.parametrize("rank,phase", [(1, "mid_write"), (0, "before_commit")])
 def test_member_killed_during_a_save_training_goes_on(tmp_path, reference, rank, phase):
     run = tmp_path / "run"
-    # Rank 0 waits elastic.timeout_s for a dead member's report before it gives step_20 up: 4 s, not COMMON's 10.
-    out = train_ok(run, "launcher.workers=3", *SAVE_EVERY, "elastic.timeout_s=4", "elastic.heartbeat_timeout_s=2",
+    out = train_ok(run, "launcher.workers=3", *SAVE_EVERY, "elastic.heartbeat_timeout_s=2",
                    env={"ELASTICFLOW_TEST_CKPT_KILL": f"{phase}:20:{rank}"})
-    if rank != 0:  # rank 0 waited for the dead member's report in vain (a dead rank 0 cannot say so)
-        assert "step_20 not committed: rank(s) 1 did not report" in out
+    if rank != 0:  # rank 0 gave the save up once the agent declared the member gone, not elastic.timeout_s later
+        assert "step_20 not committed: rank(s) 1 left the job before reporting" in out, out[-3000:]
     # The first interval save after the recovery is committed: step_30, unless the async write of step_20
     # was still running when step 30's save began (a loaded machine), so that the kill at its commit took
     # step 30's save down with it.
@@ -119,10 +118,11 @@ def test_a_final_save_that_did_not_commit_fails_the_run_and_a_rerun_resumes(tmp_
     line naming the newest checkpoint (it used to end `done`, exit 0, with step_40, and steps 41-60 lost).
     The same command again resumes from step_40 and ends on the 1-worker model."""
     run = tmp_path / "run"
-    proc = start(run, "launcher.workers=2", "checkpoint.interval.steps=20", "elastic.timeout_s=4",
-                 "elastic.heartbeat_timeout_s=2", env={"ELASTICFLOW_TEST_CKPT_KILL": f"mid_write:{STEPS}:1"})
+    proc = start(run, "launcher.workers=2", "checkpoint.interval.steps=20", "elastic.heartbeat_timeout_s=2",
+                 env={"ELASTICFLOW_TEST_CKPT_KILL": f"mid_write:{STEPS}:1"})
     out = finish(proc)
     assert proc.returncode not in (0, -9), out[-3000:]
+    assert "rank(s) 1 left the job before reporting" in out, out[-3000:]  # not elastic.timeout_s later
     assert (f"error: the final checkpoint (step {STEPS}) did not commit, so the trained state is not on disk (the "
             "newest checkpoint is step_40") in out, out[-3000:]
     assert sorted(saved(run)) == ["step_20", "step_40"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional
 
 from ..errors import ElasticFlowError
 from .._util import untrusted
@@ -26,11 +26,19 @@ AGREE_TRIES = 12  # 0.2 s apart: the agent's health round (0.1 s) puts an agreed
 
 
 class CollectTimeout(Exception):
-    """Not every rank reported in time; ``missing`` lists the ranks that did not."""
+    """Not every rank reported in time; ``missing`` lists the ranks that did not. ``left``: each of them left the
+    job (the agent declared it gone), so its report would never have come."""
 
-    def __init__(self, missing: List[int], waited_s: float):
-        super().__init__(f"rank(s) {', '.join(map(str, missing))} did not report within {waited_s:g}s")
+    def __init__(self, missing: List[int], waited_s: float, left: bool = False):
+        ranks = ", ".join(map(str, missing))
+        super().__init__(f"rank(s) {ranks} left the job before reporting" if left else
+                         f"rank(s) {ranks} did not report within {waited_s:g}s")
         self.missing = missing
+
+
+def NOBODY_GONE() -> Collection[int]:
+    """``collect``'s default ``gone``: no rank of the save left."""
+    return ()
 
 
 class Coordinator:
@@ -39,7 +47,10 @@ class Coordinator:
     def report(self, key: str, rank: int, value: Dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def collect(self, key: str, world: int, timeout_s: float) -> List[Dict[str, Any]]:
+    def collect(self, key: str, world: int, timeout_s: float,
+                gone: Callable[[], Collection[int]] = NOBODY_GONE) -> List[Dict[str, Any]]:
+        """Every rank's report, in rank order; CollectTimeout once ``timeout_s`` passed, or once every rank still
+        missing is in ``gone()`` (ranks of the save that left the job: no report will come)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -54,7 +65,8 @@ class Offline(Coordinator):
     def report(self, key: str, rank: int, value: Dict[str, Any]) -> None:
         pass
 
-    def collect(self, key: str, world: int, timeout_s: float) -> List[Dict[str, Any]]:
+    def collect(self, key: str, world: int, timeout_s: float,
+                gone: Callable[[], Collection[int]] = NOBODY_GONE) -> List[Dict[str, Any]]:
         raise ConnectionError("the agent's store cannot be reached")
 
 
@@ -70,8 +82,9 @@ class LocalCoordinator(Coordinator):
             self._reports.setdefault(key, {})[rank] = value
             self._cond.notify_all()
 
-    def collect(self, key: str, world: int, timeout_s: float) -> List[Dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
+    def collect(self, key: str, world: int, timeout_s: float,
+                gone: Callable[[], Collection[int]] = NOBODY_GONE) -> List[Dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s  # (in one process nobody leaves: ``gone`` is not read)
         with self._cond:
             while len(self._reports.get(key, {})) < world:
                 left = deadline - time.monotonic()
@@ -116,14 +129,17 @@ class StoreCoordinator(Coordinator):
         k = f"{key}/rank{rank}"
         self._client().set(k, self.sealer.seal(k, json.dumps(value)))
 
-    def collect(self, key: str, world: int, timeout_s: float) -> List[Dict[str, Any]]:
+    def collect(self, key: str, world: int, timeout_s: float,
+                gone: Callable[[], Collection[int]] = NOBODY_GONE) -> List[Dict[str, Any]]:
         """Every rank's report; a forged one (a stranger's) is refused and waited past, never removed: the
-        rank's own report may land between our read and a delete, which would then lose it."""
+        rank's own report may land between our read and a delete, which would then lose it. Gives up as soon
+        as every rank still missing left the job (``gone``), not ``timeout_s`` later."""
         store = self._client()
         keys = [f"{key}/rank{r}" for r in range(world)]
         got: Dict[int, Dict[str, Any]] = {}
         forged: Dict[int, bytes] = {}  # the forgery last refused at each rank's key: counted once
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         while len(got) < world:
             for r, k in enumerate(keys):
                 raw = None if r in got else untrusted.read(store, k)  # never check-then-get: a delete between
@@ -139,8 +155,11 @@ class StoreCoordinator(Coordinator):
                 if isinstance(report, dict):
                     got[r] = report
             if len(got) < world:
+                missing = [r for r in range(world) if r not in got]
+                if set(missing) <= set(gone()):
+                    raise CollectTimeout(missing, time.monotonic() - started, left=True)
                 if time.monotonic() > deadline:
-                    raise CollectTimeout([r for r in range(world) if r not in got], timeout_s)
+                    raise CollectTimeout(missing, timeout_s)
                 time.sleep(self.POLL_S)
         for k in keys:  # keep the store small over a long run
             store.delete_key(k)

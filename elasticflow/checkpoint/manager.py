@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from ..errors import CheckpointMismatch, ElasticFlowError
 from .finish import finish_pending
@@ -44,6 +44,17 @@ class CheckpointInterval:
         if self.epochs and current_epoch and current_epoch % self.epochs == 0:
             return True
         return False
+
+
+def _gone(replica: Any) -> Callable[[], Set[int]]:
+    """The ranks of a save made now that have left the job since: the worker ids of the save's generation, in
+    rank order, against those the agent declared gone (``Membership.departed``, a set its poll thread fills)."""
+    membership = getattr(replica, "membership", None)
+    departed = getattr(membership, "departed", None)
+    if departed is None:  # one process: nobody leaves
+        return set
+    ids = list(membership.members)
+    return lambda: {r for r, w in enumerate(ids) if w in departed}
 
 
 def file_hash(path: Any) -> Optional[str]:
@@ -124,7 +135,8 @@ class CheckpointManager:
         info = {**progress, "epoch": progress["cursor"]["epoch"], "world_size": replica.world,
                 "generation": replica.generation, "saved_at": time.time(), **self.recorded}
         return self.checkpointer.save(name, arrays, info, rank=rank, world=world, generation=replica.generation,
-                                      wait=wait or offline, sharded=sharded, offline=offline)
+                                      wait=wait or offline, sharded=sharded, offline=offline,
+                                      gone=_gone(replica) if world == replica.world else set)
 
     def _claim(self, name: str, generation: int) -> bool:
         """True for the one process that creates ``.<name>.solo-g<generation>`` in the job directory (an

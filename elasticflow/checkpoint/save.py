@@ -34,7 +34,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -43,7 +43,8 @@ from .._util.envnames import ENV_RUN_DIR_ID
 from .._util.paths import HeldDirectory
 from . import jobdir
 from ..errors import ElasticFlowError
-from .coordinator import CollectTimeout, Coordinator, LocalCoordinator, Offline, StoreCoordinator, agree, plain_name
+from .coordinator import (NOBODY_GONE, CollectTimeout, Coordinator, LocalCoordinator, Offline, StoreCoordinator, agree,
+                          plain_name)
 from .finish import basis, commit_own, metadata, write_report
 from .format import (CHECKSUM, COMMIT, METADATA, Piece, Sharded, TensorSpec, _checkpoints_in, chunks, file_digest,
                      hashed, hasher, plan, plan_digest, shard_header, shard_name, specs_of, temp_dirs)
@@ -117,6 +118,7 @@ class _Job:
     started: float
     sharded: Optional[Sharded] = None
     offline: bool = False    # the agent's store cannot be reached: the reports are the files beside the shards
+    gone: Callable[[], Collection[int]] = NOBODY_GONE  # ranks of the save that left the job (rank 0 stops waiting)
 
 
 class Checkpointer:
@@ -196,7 +198,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ the training thread
     def save(self, name: str, state: Dict[str, np.ndarray], info: Dict[str, Any], rank: int = 0, world: int = 1,
              generation: int = 0, wait: bool = False, copy: bool = True,
-             sharded: Optional[Sharded] = None, offline: bool = False) -> Optional[Path]:
+             sharded: Optional[Sharded] = None, offline: bool = False,
+             gone: Callable[[], Collection[int]] = NOBODY_GONE) -> Optional[Path]:
         """Snapshot this rank's slice of ``state`` and write it (in the background unless ``wait``).
 
         Every rank of the save calls this at the same point with its replica of the state.
@@ -210,6 +213,8 @@ class Checkpointer:
                 ``trainer.shard``): each rank writes that slice, nothing is gathered.
             offline: the agent's store cannot be reached: every rank writes its shard and its report beside it,
                 and nothing commits here; ``elasticflow checkpoint commit`` or the next start does (finish.py).
+            gone: the ranks of this save that left the job since (the agent declared them gone): rank 0 gives
+                the save up once every rank still missing is one of them, not ``timeout_s`` later.
         Returns (rank 0) the checkpoint's path -- committed if ``wait``, else where it will be; else None.
         Note: waits for the previous save first, and raises its error if it failed. RunDirectoryMoved where the
         run directory's path leads elsewhere now (``paths.HeldDirectory``): nothing is written.
@@ -236,7 +241,8 @@ class Checkpointer:
         job = _Job(name=name, key=f"ckpt/{self.token}/{save_id}", step=step, rank=rank, world=world,
                    tmp=self.job_dir / f".{name}.tmp-s{step}-{self.token}-g{generation}.{count}",
                    final=self.job_dir / name, specs=specs, pieces=pieces, views=views, info=dict(info),
-                   digest=plan_digest(specs, world, sharded), started=started, sharded=sharded, offline=offline)
+                   digest=plan_digest(specs, world, sharded), started=started, sharded=sharded, offline=offline,
+                   gone=gone)
         self._last_key = key
         # Always on the writer thread, even when waiting: the store client is bound to one thread.
         self._pending = self._writer().submit(self._run, job)
@@ -360,7 +366,7 @@ class Checkpointer:
 
     def _commit(self, job: _Job, coordinator: Coordinator) -> Optional[Path]:
         try:
-            reports = coordinator.collect(job.key, job.world, self.timeout_s)
+            reports = coordinator.collect(job.key, job.world, self.timeout_s, gone=job.gone)
         except CollectTimeout as exc:
             log.warning("checkpoint %s not committed: %s (a member died or stalled); training goes on, "
                         "the previous checkpoint stays the newest", job.name, exc)

@@ -165,16 +165,28 @@ def _stall_first_build():
 
 
 def _kill_in_first_sync():
+    """The victim dies in its first state sync once every member of its generation is in that sync (files in
+    RUN_DIR/.probe, as _meet_the_other_victims): had it died while the others still built the group, the agent's
+    next generation would supersede that group before it formed, and no first sync would fail (a loaded machine
+    did this in CI)."""
     from elasticflow.replica import replica
 
     sync = replica.Replica.sync_state
+    victim = any(where == "sync" and int(worker) == WORKER for worker, _, where in KILLS)
 
-    def dying(self, samples_seen):
+    def meeting(self, samples_seen):
         if self.world > 1:
-            _kill_self()
+            folder = Path(os.environ[ENV_RUN_DIR]) / ".probe"
+            folder.mkdir(exist_ok=True)
+            (folder / f"sync-g{self.generation}-{WORKER}").touch()
+            if victim:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and len(list(folder.glob(f"sync-g{self.generation}-*"))) < self.world:
+                    time.sleep(0.01)
+                _kill_self()
         return sync(self, samples_seen)
 
-    replica.Replica.sync_state = dying
+    replica.Replica.sync_state = meeting
 
 
 def _kill_while_logging(steps):
@@ -193,7 +205,7 @@ def _kill_while_logging(steps):
 
 if any(where == "logging" and int(worker) == WORKER for worker, _, where in KILLS):
     _kill_while_logging({int(step) for worker, step, where in KILLS if where == "logging" and int(worker) == WORKER})
-if any(where == "sync" and int(worker) == WORKER for worker, _, where in KILLS):
+if any(where == "sync" for _, _, where in KILLS):  # every worker: the victim waits for all in the sync
     _kill_in_first_sync()
 if STALL and int(STALL[0]) == WORKER:
     _stall_first_build()

@@ -105,6 +105,9 @@ class Membership:
         self.events: Optional[Path] = None    # RUN_DIR/events.jsonl, where rank 0 records each generation's groups
         self.latest_generation = 0
         self._gone_read = -1  # the newest generation whose record the poller read for members gone
+        # Worker ids the agent declared gone (dead, hung, cut off: a generation record's "gone"). Such an id never
+        # comes back (a replacement has a new one): a save's rank 0 stops waiting for their reports (save.py).
+        self.departed: set = set()
         self.agent_lost = False
         self.device: Optional[str] = None   # what report_device was given
         self.memory: Dict[int, float] = {}  # rank 0: resident MiB by member id, refreshed every 2 s (_share_memory)
@@ -153,7 +156,8 @@ class Membership:
         return len(memory) == len(self.members)  # False: a member has not published yet; again at the next poll
 
     def _abort_if_a_member_left(self, store) -> None:
-        """Let this generation's collectives end now when the agent has published one without a member of it.
+        """Let this generation's collectives end now when the agent has published one without a member of it,
+        and note who left in ``departed``.
 
         gloo: a member the agent declared gone (dead, hung, or its host silent: a newer generation's ``gone``)
         leaves a collective waiting for its timeout if no FIN or RST comes (a host powered off or cut off), so
@@ -162,17 +166,17 @@ class Membership:
         on this group, after it handed its sharded state over on it (NCCL's as well: aborting for a member merely
         missing from the newest generation once failed every scale-down's hand-off)."""
         group = self.group
-        if group is None or group.cut:
+        if group is None:  # not a member yet: its first generation's record says who is gone (rebuild)
             return
-        members, newest = set(group.members), None
         for g in range(max(group.generation, self._gone_read) + 1, self.latest_generation + 1):
             newest = self._generation(store, g)
             if newest is None:
                 return  # not readable yet: at the next poll
             self._gone_read = g
-            if members & set(newest.get("gone", [])):
+            gone = set(newest.get("gone", []))
+            self.departed |= gone  # in place: a save's rank 0 reads this set from its writer thread
+            if not group.cut and set(group.members) & gone:
                 group.cut_links()
-                return
 
     def close(self) -> None:
         self._stop.set()
@@ -298,6 +302,7 @@ class Membership:
             self.group = None
         while True:
             g, info = self._next_generation(after)
+            self.departed |= set(info.get("gone", []))
             members = info["members"]
             after = g
             if self.worker_id not in members:
