@@ -23,8 +23,8 @@ from .checkpoint import Checkpointer, CheckpointInterval, CheckpointManager
 from .config.schema import TrainerConfig, compose
 from .data.order import GlobalBatch
 from .distributed import protocol
-from .errors import ElasticFlowError, RunDirectoryMoved, TrainingInterrupted
-from .observability.goodput import Meter
+from .errors import ElasticFlowError, TrainingInterrupted
+from .observability.goodput import Meter, outcome_of
 from ._util.paths import checkpoint_dir
 from .train.regroup import Regrouper, collective
 from .replica.replica import Agreed, Replica
@@ -174,10 +174,8 @@ class ElasticTrainer:
                         self.act_on_agreement()  # stop, or regroup: what every member agreed in the step
                     self.end_epoch(epoch)
         except BaseException as exc:
-            if not isinstance(exc, RunDirectoryMoved):  # else nothing more is written at the run directory's path
-                self.step_log.flush()  # the last step's record before the loop's end (the ledger's "trained")
-                self._trained("interrupted" if isinstance(exc, TrainingInterrupted) else
-                              "stopped" if isinstance(exc, ElasticFlowError) else "failed")
+            self.step_log.flush()  # the last step's record before the loop's end (the ledger's "trained")
+            self._trained(outcome_of(exc))
             raise
         finally:
             self.step_log.flush()
@@ -319,9 +317,10 @@ class ElasticTrainer:
         if self.rank == 0:
             self.run_log.event("checkpoint", name=name, step=self.state.step, stall_s=round(seconds, 4), wait=wait)
 
-    def _trained(self, outcome: str) -> None:
-        """The loop's end (the ledger's ``trained``): the productive seconds not yet on a logged step."""
-        if self.rank == 0 and self.meter.started:
+    def _trained(self, outcome: Optional[str]) -> None:
+        """The loop's end (the ledger's ``trained``): the productive seconds not yet on a logged step. None: the run
+        directory moved (goodput.outcome_of), and no event is written at its path."""
+        if outcome is not None and self.rank == 0 and self.meter.started:
             self.run_log.event("trained", step=self.state.step, train_s=round(self.meter.flush(), 4), outcome=outcome)
 
     def finish(self) -> Dict[str, Any]:

@@ -108,6 +108,15 @@ def process_started() -> float:
     return now - age if 0 <= age < 86400 else now
 
 
+def outcome_of(exc: BaseException) -> Optional[str]:
+    """How the run that ``exc`` ended ended, for the ledger (``job_end``, ``trained``): interrupted (Ctrl-C),
+    stopped (an ElasticFlowError), failed; None where the run directory moved, and nothing more is written there."""
+    if isinstance(exc, RunDirectoryMoved):
+        return None
+    return ("interrupted" if isinstance(exc, TrainingInterrupted) else
+            "stopped" if isinstance(exc, ElasticFlowError) else "failed")
+
+
 @contextmanager
 def job(run_dir: Path) -> Iterator[None]:
     """Around one job of a run (`elasticflow train`, or a SLURM allocation's agent): ``job_start`` and
@@ -124,14 +133,8 @@ def job(run_dir: Path) -> Iterator[None]:
     try:
         yield
         outcome = "finished"
-    except TrainingInterrupted:
-        outcome = "interrupted"
-        raise
-    except RunDirectoryMoved:  # the path leads to another directory now: nothing is written there
-        outcome = None
-        raise
-    except ElasticFlowError:
-        outcome = "stopped"
+    except BaseException as exc:
+        outcome = outcome_of(exc)
         raise
     finally:
         if outcome is not None:
